@@ -1,0 +1,33 @@
+# The two commands a newcomer types: `make run` and `make test`. Both build the virtual
+# environment they need first (Python 3.11, the CPU build of torch 2.13.0).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+
+.PHONY: run test install system-deps lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+system-deps:
+	bash scripts/system-deps.sh
+
+run: install
+	$(PY) bench/hotpath.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install system-deps lint
+	$(VENV)/bin/pytest -q
+
+bench: install
+	$(PY) bench/hotpath.py --peers
+
+clean:
+	rm -rf $(VENV) .kvtier .pytest_cache .hypothesis

@@ -1,0 +1,293 @@
+"""Hot-path benchmark: the scheduler API on a multi-turn chat workload, against peers.
+
+Workload (the same generator semantics, seed, order and capacity as the peer harness in
+`../shared/peers/workload.py`, so the figures compare like with like): 200 conversations x
+6 turns, one shared 1,024-token system prompt, each turn appends 256 user and 256 output
+tokens; token ids from random.Random(20240611) below 32,000; 64 conversations open at a time,
+the next turn taken from a random open one (seed + 1). Each request is handed over whole:
+match the cached prefix, allocate the rest, commit every full block, release. Capacity: 30% of
+the distinct blocks. Timing skips the first 10% of requests; 3 repetitions on fresh managers.
+
+kvtier runs with the device tier only and the in-process dispatcher, as the peers run
+without transfers. `--peers` also runs the peer harness (vLLM's KVCacheManager, SGLang's
+RadixCache) as subprocesses when its venv exists, interleaving repetitions with ours, and
+prints kvtier/peer ratios from that one run.
+
+    python bench/hotpath.py [--json] [--peers] [--reps N] [--block-sizes 16,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from manager.scheduler import KVCacheManager  # noqa: E402
+
+SEED = 20240611
+VOCAB = 32000
+N_CONV = 200
+N_TURNS = 6
+SYS_LEN = 1024
+USER_LEN = 256
+OUT_LEN = 256
+CONCURRENCY = 64
+CAP_FRACTION = 0.30
+WARMUP_FRAC = 0.1
+
+PEERS_DIR = Path(__file__).resolve().parents[2] / "shared" / "peers"
+
+
+def make_workload(seed: int = SEED) -> list[list[int]]:
+    """Token lists of every request, in issue order."""
+    rng = random.Random(seed)
+
+    def rnd(n: int) -> list[int]:
+        return [rng.randrange(VOCAB) for _ in range(n)]
+
+    system = rnd(SYS_LEN)
+    convs = [[(rnd(USER_LEN), rnd(OUT_LEN)) for _ in range(N_TURNS)] for _ in range(N_CONV)]
+    order = random.Random(seed + 1)
+    open_convs = list(range(min(CONCURRENCY, N_CONV)))
+    next_conv = len(open_convs)
+    next_turn = [0] * N_CONV
+    history = {c: list(system) for c in range(N_CONV)}
+    reqs: list[list[int]] = []
+    while open_convs:
+        k = order.randrange(len(open_convs))
+        c = open_convs[k]
+        t = next_turn[c]
+        user, out = convs[c][t]
+        h = history[c]
+        h.extend(user)
+        h.extend(out)
+        reqs.append(list(h))
+        next_turn[c] += 1
+        if next_turn[c] == N_TURNS:
+            del history[c]
+            if next_conv < N_CONV:
+                open_convs[k] = next_conv
+                next_conv += 1
+            else:
+                open_convs.pop(k)
+    return reqs
+
+
+def capacity_blocks(block_size: int) -> int:
+    distinct = SYS_LEN // block_size + N_CONV * N_TURNS * (USER_LEN + OUT_LEN) // block_size
+    return math.ceil(CAP_FRACTION * distinct)
+
+
+class Runner:
+    """One fresh manager driven one whole request at a time."""
+
+    def __init__(self, block_size: int, capacity: int) -> None:
+        self.bs = block_size
+        self.m = KVCacheManager(block_size=block_size, device_blocks=capacity, host_blocks=0,
+                                write_policy="write_through_selective")
+        self.n = 0
+
+    def step(self, toks: list[int]) -> tuple[int, int]:
+        m = self.m
+        rid = self.n
+        self.n += 1
+        r = m.match(rid, toks)  # type: ignore[arg-type]
+        hit = r.device_tokens
+        m.allocate(rid, len(toks) - hit, 0)  # type: ignore[arg-type]
+        m.commit(rid, toks, len(toks))  # type: ignore[arg-type]
+        m.release(rid)  # type: ignore[arg-type]
+        return hit // self.bs, len(toks) // self.bs
+
+    def cached_blocks(self) -> int:
+        return self.m.stats()["device"]["cached"]  # type: ignore[index]
+
+
+def run_ours(block_size: int, reqs: list[list[int]]) -> dict[str, float]:
+    cap = capacity_blocks(block_size)
+    n_warm = int(len(reqs) * WARMUP_FRAC)
+    runner = Runner(block_size, cap)
+    gc.collect()
+    gc.disable()
+    times: list[tuple[int, int]] = []
+    hits = blocks = 0
+    try:
+        for i, toks in enumerate(reqs):
+            t0 = time.perf_counter_ns()
+            h, b = runner.step(toks)
+            dt = time.perf_counter_ns() - t0
+            hits += h
+            blocks += b
+            if i >= n_warm:
+                times.append((dt, b))
+    finally:
+        gc.enable()
+    per_req = [dt / 1e3 for dt, _ in times]
+    tot_ns = sum(dt for dt, _ in times)
+    tot_blk = sum(b for _, b in times)
+    return {"median_us": statistics.median(per_req),
+            "p99_us": sorted(per_req)[int(0.99 * (len(per_req) - 1))],
+            "us_per_block": tot_ns / 1e3 / tot_blk, "hit_rate": hits / blocks}
+
+
+def memory_per_block(block_size: int, reqs: list[list[int]]) -> dict[str, float]:
+    """Python heap (tracemalloc) per cached block at ~95% fill: growth only, and everything
+    the manager holds (its preallocated free lists included)."""
+    cap = capacity_blocks(block_size)
+    gc.collect()
+    tracemalloc.start()
+    m0 = tracemalloc.get_traced_memory()[0]
+    runner = Runner(block_size, cap)
+    gc.collect()
+    m1 = tracemalloc.get_traced_memory()[0]
+    for toks in reqs:
+        runner.step(toks)
+        if runner.cached_blocks() >= 0.95 * cap:
+            break
+    gc.collect()
+    m2 = tracemalloc.get_traced_memory()[0]
+    nb = runner.cached_blocks()
+    tracemalloc.stop()
+    return {"growth_bytes_per_cached_block": (m2 - m1) / nb,
+            "total_bytes_per_cached_block": (m2 - m0) / nb}
+
+
+def peers_venv() -> Path | None:
+    env = os.environ.get("PEERS_VENV")
+    candidates = [Path(env)] if env else []
+    candidates += [PEERS_DIR / "venv",
+                   Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                   / "kvtier-peers-venv"]
+    for c in candidates:
+        if (c / "bin" / "python").exists():
+            return c
+    return None
+
+
+PEER_RUNS = [
+    ("vllm-sha256", ["bench_vllm.py"], {}),
+    ("vllm-xxhash", ["bench_vllm.py"], {"PB_VLLM_HASH": "xxhash"}),
+    ("sglang", ["bench_sglang.py"], {}),
+]
+
+
+def run_peer(venv: Path, name: str, script: list[str], env_extra: dict[str, str],
+             block_sizes: list[int]) -> dict[int, dict[str, float]]:
+    """One harness invocation (its own 3 repetitions) for all block sizes."""
+    with tempfile.NamedTemporaryFile("r", suffix=".jsonl", delete=False) as f:
+        out = f.name
+    try:
+        args = [str(b) for b in block_sizes]
+        if name == "sglang":  # page size 1 at 16-token accounting, page = block otherwise
+            args = [("1:16" if b == 16 else f"{b}:{b}") for b in block_sizes]
+        env = dict(os.environ, PB_OUT=out, **env_extra)
+        subprocess.run([str(venv / "bin" / "python"), *script, *args], cwd=PEERS_DIR, env=env,
+                       check=True, stdout=subprocess.DEVNULL, timeout=1800)
+        res: dict[int, dict[str, float]] = {}
+        for line in Path(out).read_text().splitlines():
+            d = json.loads(line)
+            res[int(d["block_size"])] = {
+                "us_per_block": d["us_per_block"], "median_us": d["median_us"],
+                "p99_us": d["p99_us"], "hit_rate": d["hit_rate_harness"],
+                "bytes_per_block": d.get("mem_growth_bytes_per_cached_block_tracemalloc", 0.0),
+            }
+        return res
+    finally:
+        os.unlink(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--peers", action="store_true", help="also run the peer harness")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--block-sizes", default="16,64")
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.block_sizes.split(",")]
+    reqs = make_workload()
+    venv = peers_venv() if args.peers else None
+    if args.peers and venv is None:
+        print("peer venv not found: run `bash ../shared/peers/setup.sh` first", file=sys.stderr)
+        return 2
+    ours: dict[int, list[dict[str, float]]] = {b: [] for b in sizes}
+    peers: dict[str, dict[int, list[dict[str, float]]]] = {}
+    for rep in range(args.reps):
+        for b in sizes:
+            ours[b].append(run_ours(b, reqs))
+        if venv is not None:
+            # One peer harness call per round (each makes its own 3 repetitions), so the
+            # peers and we alternate over the whole run.
+            name, script, env_extra = PEER_RUNS[rep % len(PEER_RUNS)]
+            for b, r in run_peer(venv, name, script, env_extra, sizes).items():
+                peers.setdefault(name, {}).setdefault(b, []).append(r)
+    if venv is not None:  # every peer at least once even with fewer reps than peers
+        for name, script, env_extra in PEER_RUNS[args.reps:]:
+            for b in sizes:
+                ours[b].append(run_ours(b, reqs))
+            for b, r in run_peer(venv, name, script, env_extra, sizes).items():
+                peers.setdefault(name, {}).setdefault(b, []).append(r)
+    mem = {b: memory_per_block(b, reqs) for b in sizes}
+    result: dict[str, dict[str, float]] = {k: {} for k in (
+        "us_per_block", "us_per_1k_tokens", "hit_rate", "bytes_per_block", "median_us",
+        "p99_us")}
+    for b in sizes:
+        rs = ours[b]
+        upb = statistics.median(r["us_per_block"] for r in rs)
+        result["us_per_block"][str(b)] = upb
+        result["us_per_1k_tokens"][str(b)] = upb * 1000 / b
+        result["hit_rate"][str(b)] = rs[0]["hit_rate"]
+        result["bytes_per_block"][str(b)] = mem[b]["total_bytes_per_cached_block"]
+        result["median_us"][str(b)] = statistics.median(r["median_us"] for r in rs)
+        result["p99_us"][str(b)] = statistics.median(r["p99_us"] for r in rs)
+    out: dict[str, object] = dict(result)
+    out["bytes_per_block_growth"] = {str(b): mem[b]["growth_bytes_per_cached_block"]
+                                     for b in sizes}
+    if peers:
+        peer_out: dict[str, dict[str, dict[str, float]]] = {}
+        for name, by_size in peers.items():
+            peer_out[name] = {}
+            for b, rs in by_size.items():
+                upb = statistics.median(r["us_per_block"] for r in rs)
+                peer_out[name][str(b)] = {
+                    "us_per_block": upb, "hit_rate": rs[0]["hit_rate"],
+                    "median_us": statistics.median(r["median_us"] for r in rs),
+                    "bytes_per_block": rs[0]["bytes_per_block"],
+                    "speedup_kvtier_vs_peer": upb / result["us_per_block"][str(b)],
+                }
+        out["peers"] = peer_out
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{'impl':<14}{'block':>6}{'us/block':>10}{'us/1k tok':>11}{'median us':>11}"
+          f"{'p99 us':>9}{'hit rate':>10}{'B/block':>9}{'speedup':>9}")
+    for b in sizes:
+        k = str(b)
+        print(f"{'kvtier':<14}{b:>6}{result['us_per_block'][k]:>10.3f}"
+              f"{result['us_per_1k_tokens'][k]:>11.1f}{result['median_us'][k]:>11.1f}"
+              f"{result['p99_us'][k]:>9.1f}{result['hit_rate'][k]:>10.4f}"
+              f"{result['bytes_per_block'][k]:>9.0f}{'':>9}")
+        for name, by in out.get("peers", {}).items():  # type: ignore[union-attr]
+            if k in by:
+                p = by[k]
+                print(f"{name:<14}{b:>6}{p['us_per_block']:>10.3f}"
+                      f"{p['us_per_block'] * 1000 / b:>11.1f}{p['median_us']:>11.1f}"
+                      f"{'':>9}{p['hit_rate']:>10.4f}{p['bytes_per_block']:>9.0f}"
+                      f"{p['speedup_kvtier_vs_peer']:>8.2f}x")
+    print("speedup = peer us/block / kvtier us/block, from this one run "
+          "(B/block: kvtier counts its whole heap incl. free lists; peers their growth)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,931 @@
+"""kvtier's configuration: one TOML file plus `KVTIER_<SECTION>__<KEY>` environment variables.
+
+Why it looks the way it does:
+
+* Every key is declared once, in the section models below, with its default, its bounds and a
+  description; `defaults_toml()` renders the documented reference from those declarations, so
+  the documentation cannot drift from the code.
+* Section models are strict (a TOML string is not an integer) and forbid unknown keys, because a
+  misspelt key silently falling back to its default is the worst kind of configuration bug.
+* Environment values are strings; `EnvironmentSource` converts each one to the declared type of
+  the key it names *before* validation, so file and environment go through the same strict
+  check and every error names the key, the value and (for the environment) the variable.
+* `load_config` is pure: it reads, merges, validates and returns a new object or raises
+  `ConfigError`; it creates no directory, segment or connection, so a bad configuration leaves
+  nothing behind. Checks that depend on the machine (memory, `/dev/shm`, CUDA) run inside it
+  too; whether the storage backend answers is `check_storage_reachable`, which the CLI calls.
+* `ConfigError`'s text is one line meant for the operator; the CLI prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import re
+import textwrap
+import threading
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "KVTIER_"
+ENV_NESTED_DELIMITER = "__"
+TOKEN_ENV_ALIAS = "KVTIER_ADMIN_TOKEN"
+"""Accepted besides `KVTIER_ADMIN__TOKEN` because it is the name operators expect for a secret."""
+
+DTYPE_BYTES: dict[str, int] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+}
+"""Bytes per element of every KV dtype kvtier accepts (kept here so sizing needs no torch)."""
+
+MAX_BLOCKS = 2**31 - 1
+"""Block ids must fit a signed 32-bit integer (compact id arrays in the manager and wire)."""
+
+DEPLOYMENT_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,31}")
+"""No `_` in the id: segment names are `/kvtier_<id>_<what>`, so the first `_` after the prefix
+ends the id and the stale-segment sweep of deployment `a` can never match deployment `a_b`."""
+
+SHM_DIR = Path("/dev/shm")
+MEMINFO = Path("/proc/meminfo")
+
+
+class ConfigError(Exception):
+    """A configuration problem, as one line naming the key and the offending value."""
+
+
+# --------------------------------------------------------------------------------------------
+# The schema
+# --------------------------------------------------------------------------------------------
+
+_SECTION = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ModelConfig(BaseModel):
+    """The KV shape of one tensor-parallel rank: it fixes the bytes of one cached block."""
+
+    model_config = _SECTION
+
+    num_layers: int = Field(8, ge=1, le=4096, description="transformer layers holding KV")
+    num_kv_heads: int = Field(4, ge=1, le=4096, description="KV heads on one rank")
+    head_dim: int = Field(64, ge=1, le=65536, description="elements per head")
+    dtype: Literal["float16", "bfloat16", "float32", "float8_e4m3fn"] = Field(
+        "float16", description="element type of K and V"
+    )
+
+
+class CacheConfig(BaseModel):
+    """Sizes of the device and host tiers and the policy that copies blocks down to host.
+
+    Invariant (checked on `KvtierConfig`): `decode_reserve_blocks < device_blocks`.
+    """
+
+    model_config = _SECTION
+
+    block_size: int = Field(
+        64,
+        ge=1,
+        le=1 << 20,
+        description="tokens per block; any positive integer (powers of two are typical; the "
+        "512-token blocks of a trace need not be a multiple of it)",
+    )
+    device_blocks: int = Field(2048, ge=1, le=MAX_BLOCKS, description="blocks in the device pool")
+    host_blocks: int = Field(
+        8192, ge=0, le=MAX_BLOCKS, description="blocks in the host pool (shared memory); 0: none"
+    )
+    write_policy: Literal["write_through", "write_through_selective", "write_back"] = Field(
+        "write_through_selective",
+        description="when a device block is copied to host: at commit (write_through), once "
+        "hit hit_threshold times (write_through_selective), or on eviction (write_back); "
+        "ignored when host_blocks = 0",
+    )
+    hit_threshold: int = Field(
+        2, ge=1, description="hits before write_through_selective backs a block up to host"
+    )
+    decode_reserve_blocks: int = Field(
+        1, ge=0, description="extra device blocks allocate() reserves per request for decoding"
+    )
+
+
+class StorageConfig(BaseModel):
+    """The storage tier (files or Redis) behind the host tier, and its prefetch policy.
+
+    `prefetch_host_blocks_limit` is None when not configured; `KvtierConfig` then reads it as a
+    quarter of `cache.host_blocks` (see `effective_prefetch_host_blocks_limit`).
+    """
+
+    model_config = _SECTION
+
+    backend: Literal["none", "file", "redis"] = Field(
+        "file", description="where the storage tier lives"
+    )
+    path: str = Field(".kvtier/storage", min_length=1, description="directory of the file backend")
+    url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL of the redis backend")
+    prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = Field(
+        "best_effort",
+        description="what match() waits for when prefetching from storage: nothing "
+        "(best_effort), the whole prefetch (wait_complete), or at most the timeout (timeout)",
+    )
+    prefetch_threshold: int = Field(
+        256, ge=0, description="tokens a storage hit must reach before it is prefetched"
+    )
+    capacity_bytes: int = Field(
+        8 * 1024**3,
+        ge=1,
+        description="size limit of the file backend in bytes (Redis has its own maxmemory)",
+    )
+    ttl_s: float = Field(
+        0.0, ge=0, allow_inf_nan=False, description="seconds a stored page lives; 0: forever"
+    )
+    timeout_base_s: float = Field(
+        0.01,
+        ge=0,
+        allow_inf_nan=False,
+        description="prefetch_policy = timeout: the fixed part of the longest wait",
+    )
+    timeout_per_1k_tokens_s: float = Field(
+        0.005,
+        ge=0,
+        allow_inf_nan=False,
+        description="prefetch_policy = timeout: the wait added per 1000 tokens prefetched",
+    )
+    prefetch_host_blocks_limit: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_BLOCKS,
+        description="host blocks that prefetches in flight may hold; default: a quarter of "
+        "cache.host_blocks",
+    )
+    backup_one_rank: bool = Field(
+        False,
+        description="only rank 0 writes to storage (the KV is identical on every rank, as with "
+        "MLA); otherwise every rank writes its own pages",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url_is_redis(cls, url: str) -> str:
+        """Parse the URL now so a typo is reported at start, not at the first backup."""
+        problem = redis_url_problem(url)
+        if problem:
+            raise ValueError(problem)
+        return url
+
+
+class WorkersConfig(BaseModel):
+    """The worker processes: one per tensor-parallel rank, and how long to wait for them."""
+
+    model_config = _SECTION
+
+    count: int = Field(1, ge=1, le=256, description="tensor-parallel ranks, one process each")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the device pool lives; auto: cuda when available, else cpu"
+    )
+    ready_timeout_s: float = Field(
+        60.0, gt=0, allow_inf_nan=False, description="seconds a starting worker has to get ready"
+    )
+    heartbeat_timeout_s: float = Field(
+        5.0, gt=0, allow_inf_nan=False, description="heartbeat age after which a worker is dead"
+    )
+
+
+class AdminConfig(BaseModel):
+    """The admin HTTP endpoint. The token is a SecretStr so it never shows up in a repr/log."""
+
+    model_config = _SECTION
+
+    host: str = Field("127.0.0.1", description="address the admin binds")
+    port: int = Field(8080, ge=0, le=65535, description="admin port; 0: any free port")
+    token: SecretStr = Field(
+        SecretStr(""),
+        description="bearer token every POST must carry; empty: none (prefer KVTIER_ADMIN_TOKEN)",
+    )
+
+    @field_validator("host")
+    @classmethod
+    def _host_is_one_word(cls, host: str) -> str:
+        if not host or any(ch.isspace() for ch in host) or "/" in host:
+            raise ValueError("expected an address or host name such as 127.0.0.1 or 0.0.0.0")
+        return host
+
+
+class KvtierConfig(BaseSettings):
+    """The whole configuration: a top-level `deployment_id` and one model per TOML section.
+
+    Invariants: every section is immutable after validation; `decode_reserve_blocks` is below
+    `device_blocks`; a prefetch limit never exceeds the host pool; a storage backend requires a
+    host tier (backups and prefetches go through host blocks). `KvtierConfig()` gives the
+    embedded defaults; it does not read the environment itself (`load_config` does, so that the
+    source of every value is known when reporting an error).
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=ENV_NESTED_DELIMITER,
+        extra="forbid",
+        strict=True,
+        frozen=True,
+    )
+
+    deployment_id: str = Field(
+        "default",
+        description="names every shared-memory segment and queue (/kvtier_<id>_...); two "
+        "deployments on one machine need different ids. 1-32 letters, digits or '-'",
+    )
+    model: ModelConfig = Field(
+        default_factory=ModelConfig, description="The KV shape of one tensor-parallel rank."
+    )
+    cache: CacheConfig = Field(
+        default_factory=CacheConfig,
+        description="The device and host tiers, and when blocks are copied from one to the other.",
+    )
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig,
+        description="The storage tier behind the host tier (local files or a shared Redis), and "
+        "when it is read back.",
+    )
+    workers: WorkersConfig = Field(
+        default_factory=WorkersConfig,
+        description="Worker processes: one per tensor-parallel rank, each owning the KV bytes of "
+        "its rank.",
+    )
+    admin: AdminConfig = Field(
+        default_factory=AdminConfig, description="The admin HTTP API (REST, /metrics)."
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Only explicit values: file and environment are merged by `load_config`."""
+        return (init_settings,)
+
+    @field_validator("deployment_id")
+    @classmethod
+    def _deployment_id_is_a_name(cls, value: str) -> str:
+        if not DEPLOYMENT_ID_PATTERN.fullmatch(value):
+            raise ValueError(
+                "expected 1-32 letters, digits or '-', starting with a letter or digit "
+                "(it names shared-memory segments /kvtier_<id>_...)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _sections_agree(self) -> KvtierConfig:
+        cache, storage = self.cache, self.storage
+        if cache.decode_reserve_blocks >= cache.device_blocks:
+            raise ValueError(
+                f"cache.decode_reserve_blocks = {cache.decode_reserve_blocks}: must be less "
+                f"than cache.device_blocks ({cache.device_blocks})"
+            )
+        limit = storage.prefetch_host_blocks_limit
+        if limit is not None and limit > cache.host_blocks:
+            raise ValueError(
+                f"storage.prefetch_host_blocks_limit = {limit}: must be at most "
+                f"cache.host_blocks ({cache.host_blocks})"
+            )
+        if storage.backend != "none" and cache.host_blocks == 0:
+            raise ValueError(
+                f"storage.backend = {storage.backend!r}: the storage tier moves pages through "
+                "host blocks, but cache.host_blocks = 0; set storage.backend = 'none' or give "
+                "the host tier blocks"
+            )
+        return self
+
+    def effective_prefetch_host_blocks_limit(self) -> int:
+        """The prefetch limit in host blocks: the configured one, else host_blocks // 4."""
+        limit = self.storage.prefetch_host_blocks_limit
+        return self.cache.host_blocks // 4 if limit is None else limit
+
+
+SECTIONS: dict[str, type[BaseModel]] = {
+    name: typing.cast(type[BaseModel], info.annotation)
+    for name, info in KvtierConfig.model_fields.items()
+    if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)
+}
+"""TOML section name -> its model, in declaration (and documentation) order."""
+
+
+def _field(path: tuple[str, ...]) -> FieldInfo | None:
+    """The declaration of `section.key` or of a top-level key, or None if there is none."""
+    if len(path) == 1:
+        info = KvtierConfig.model_fields.get(path[0])
+        return None if info is None or path[0] in SECTIONS else info
+    if len(path) == 2 and path[0] in SECTIONS:
+        return SECTIONS[path[0]].model_fields.get(path[1])
+    return None
+
+
+def _all_keys() -> list[str]:
+    keys = [name for name in KvtierConfig.model_fields if name not in SECTIONS]
+    for section, model in SECTIONS.items():
+        keys.extend(f"{section}.{name}" for name in model.model_fields)
+    return keys
+
+
+def _unknown_key(dotted: str, origin: str | None = None) -> str:
+    """`section.key: unknown key`, with where it came from and the closest real key."""
+    notes = [f"from {origin}"] if origin else []
+    if dotted in SECTIONS:
+        notes.append(f"[{dotted}] is a section; name one of its keys")
+    else:
+        close = difflib.get_close_matches(dotted, _all_keys(), n=1, cutoff=0.75)
+        notes += [f"did you mean {close[0]}?"] if close else []
+    return f"{dotted}: unknown key" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+# --------------------------------------------------------------------------------------------
+# Sources: the TOML file and the environment
+# --------------------------------------------------------------------------------------------
+
+
+def _scalar_type(annotation: Any) -> type:
+    """The Python type an environment string must become for a field of this annotation."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return type(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return _scalar_type(members[0])
+    if annotation is SecretStr:
+        return str
+    return typing.cast(type, annotation)
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _convert_env(raw: str, target: type) -> Any:
+    """Convert one environment string; raises ValueError with the 'expected ...' phrase."""
+    text = raw.strip()
+    if target is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ValueError("expected true or false")
+    if target is int:
+        if not re.fullmatch(r"[+-]?[0-9][0-9_]*", text):
+            raise ValueError("expected an integer")
+        return int(text)
+    if target is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError("expected a number") from None
+    return raw
+
+
+class TomlFileSource(PydanticBaseSettingsSource):
+    """The values of one TOML file, as read by tomllib; no file means no values."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: str | os.PathLike[str] | None):
+        super().__init__(settings_cls)
+        self.path = None if path is None else Path(path)
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self().get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        if self.path is None:
+            return {}
+        try:
+            with self.path.open("rb") as handle:
+                return tomllib.load(handle)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(self.path)!r}: not found") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {str(self.path)!r}: is a directory") from None
+        except PermissionError:
+            raise ConfigError(f"config file {str(self.path)!r}: permission denied") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(self.path)!r}: invalid TOML: {exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {str(self.path)!r}: not UTF-8 text") from None
+
+
+class EnvironmentSource(PydanticBaseSettingsSource):
+    """`KVTIER_<SECTION>__<KEY>` (and `KVTIER_DEPLOYMENT_ID`, `KVTIER_ADMIN_TOKEN`) from a mapping.
+
+    Data: `origins` maps each (section, key) path it produced to the variable that set it, for
+    error messages. Every variable with the prefix must name a key: a misspelt variable is an
+    error, never silently ignored. Values are converted to the key's declared type here, so the
+    model can validate file and environment values with the same strict rules.
+    """
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]):
+        super().__init__(settings_cls)
+        self.environ = environ
+        self.origins: dict[tuple[str, ...], str] = {}
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self().get(field_name), field_name, False
+
+    def _path_of(self, name: str) -> tuple[str, ...] | None:
+        if name.upper() == TOKEN_ENV_ALIAS:
+            return ("admin", "token")
+        rest = name[len(ENV_PREFIX) :].lower()
+        path = tuple(rest.split(ENV_NESTED_DELIMITER))
+        if any(not part for part in path) or len(path) > 2:
+            return None
+        return path
+
+    def __call__(self) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        errors: list[str] = []
+        self.origins = {}
+        for name in sorted(self.environ):
+            if not name.upper().startswith(ENV_PREFIX):
+                continue
+            raw = self.environ[name]
+            path = self._path_of(name)
+            if path is None:
+                errors.append(
+                    f"{name}: not a kvtier setting (expected {ENV_PREFIX}<SECTION>"
+                    f"{ENV_NESTED_DELIMITER}<KEY> or {ENV_PREFIX}DEPLOYMENT_ID)"
+                )
+                continue
+            info = _field(path)
+            if info is None:
+                errors.append(_unknown_key(".".join(path), name))
+                continue
+            if path in self.origins:
+                if self.environ[self.origins[path]] != raw:
+                    errors.append(
+                        f"{name} and {self.origins[path]} both set {'.'.join(path)} to "
+                        "different values; set only one"
+                    )
+                continue
+            try:
+                value = _convert_env(raw, _scalar_type(info.annotation))
+            except ValueError as exc:
+                errors.append(f"{'.'.join(path)} = {_shown(path, raw)}: {exc} (from {name})")
+                continue
+            self.origins[path] = name
+            target = values
+            for part in path[:-1]:
+                target = target.setdefault(part, {})
+            target[path[-1]] = value
+        if errors:
+            raise ConfigError("; ".join(errors))
+        return values
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`override` wins key by key; a section that is not a table in `base` stays as it is so
+    that validation reports it instead of the environment silently replacing it."""
+    merged = dict(base)
+    for key, value in override.items():
+        current = merged.get(key)
+        if isinstance(value, dict):
+            if key not in merged:
+                merged[key] = value
+            elif isinstance(current, dict):
+                merged[key] = _merge(current, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+# --------------------------------------------------------------------------------------------
+# Turning validation errors into one line each
+# --------------------------------------------------------------------------------------------
+
+_EXPECTED = {
+    "int_type": "expected an integer",
+    "int_parsing": "expected an integer",
+    "int_from_float": "expected an integer",
+    "float_type": "expected a number",
+    "float_parsing": "expected a number",
+    "finite_number": "expected a finite number",
+    "bool_type": "expected true or false",
+    "bool_parsing": "expected true or false",
+    "string_type": "expected a string",
+    "string_too_short": "must not be empty",
+}
+_BOUNDS = {
+    "greater_than_equal": (">=", "ge"),
+    "greater_than": (">", "gt"),
+    "less_than_equal": ("<=", "le"),
+    "less_than": ("<", "lt"),
+}
+
+
+def _shown(path: tuple[str, ...], value: Any) -> str:
+    """A value as an error message may show it: never the token, never a Redis password."""
+    if path == ("admin", "token"):
+        return "'***'"
+    if path == ("storage", "url") and isinstance(value, str):
+        return repr(redact_url(value))
+    return repr(value)
+
+
+def _describe(error: Mapping[str, Any], origins: Mapping[tuple[str, ...], str]) -> str:
+    path = tuple(str(part) for part in error["loc"])
+    kind = error["type"]
+    if not path:  # a cross-section rule: its message already names the keys
+        return str(error.get("ctx", {}).get("error", error["msg"]))
+    dotted = ".".join(path)
+    origin = origins.get(path)
+    suffix = f" (from {origin})" if origin else ""
+    if kind == "extra_forbidden":
+        return _unknown_key(dotted, origin)
+    if kind in ("model_type", "dict_type", "model_attributes_type"):
+        return f"{dotted} = {error['input']!r}: expected a table ([{dotted}])"
+    shown = _shown(path, error["input"])
+    if kind in _EXPECTED:
+        problem = _EXPECTED[kind]
+    elif kind in _BOUNDS:
+        symbol, name = _BOUNDS[kind]
+        problem = f"must be {symbol} {error['ctx'][name]}"
+    elif kind == "literal_error":
+        problem = f"expected one of {error['ctx']['expected']}"
+    elif kind == "value_error":
+        problem = str(error["ctx"]["error"])
+    else:
+        problem = str(error["msg"])
+    return f"{dotted} = {shown}: {problem}{suffix}"
+
+
+def _validate(data: Mapping[str, Any], origins: Mapping[tuple[str, ...], str]) -> KvtierConfig:
+    try:
+        return KvtierConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError("; ".join(_describe(err, origins) for err in exc.errors())) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes and machine checks
+# --------------------------------------------------------------------------------------------
+
+
+def page_bytes(cfg: KvtierConfig) -> int:
+    """Bytes of one block on one rank: K and V of every layer."""
+    m = cfg.model
+    return (
+        2 * m.num_layers * cfg.cache.block_size * m.num_kv_heads * m.head_dim * DTYPE_BYTES[m.dtype]
+    )
+
+
+def device_pool_bytes(cfg: KvtierConfig) -> int:
+    """Bytes of the device pools of all ranks together."""
+    return cfg.cache.device_blocks * page_bytes(cfg) * cfg.workers.count
+
+
+def host_pool_bytes(cfg: KvtierConfig) -> int:
+    """Bytes of the host pools (shared memory) of all ranks together."""
+    return cfg.cache.host_blocks * page_bytes(cfg) * cfg.workers.count
+
+
+def resolve_device(cfg: KvtierConfig) -> Literal["cpu", "cuda"]:
+    """Where the device pools live. torch is imported only when CUDA is a possibility."""
+    if cfg.workers.device == "cpu":
+        return "cpu"
+    import torch
+
+    available = torch.cuda.is_available()
+    if cfg.workers.device == "cuda" and not available:
+        raise ConfigError("workers.device = 'cuda': CUDA is not available on this machine")
+    return "cuda" if available else "cpu"
+
+
+def _human(n: int) -> str:
+    """Bytes in binary units, for a reader comparing sizes at a glance."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    units = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+    for unit in units:
+        value /= 1024
+        if value < 1024 or unit == units[-1]:
+            break
+    return f"{value:.1f} {unit}"
+
+
+def mem_available_bytes(meminfo: Path = MEMINFO) -> int | None:
+    """MemAvailable from /proc/meminfo, or None where there is no such file."""
+    try:
+        text = meminfo.read_text()
+    except OSError:
+        return None
+    found = re.search(r"^MemAvailable:\s+(\d+)\s*kB", text, re.MULTILINE)
+    return int(found.group(1)) * 1024 if found else None
+
+
+def shm_free_bytes(deployment_id: str, shm_dir: Path = SHM_DIR) -> int | None:
+    """Free bytes in /dev/shm, counting this deployment's stale segments as free (they are
+    removed at start), or None where there is no such directory."""
+    try:
+        stat = os.statvfs(shm_dir)
+    except OSError:
+        return None
+    free = stat.f_bavail * stat.f_frsize
+    prefix = f"kvtier_{deployment_id}_"
+    try:
+        with os.scandir(shm_dir) as entries:
+            for entry in entries:
+                if entry.name.startswith(prefix) and entry.is_file(follow_symlinks=False):
+                    free += entry.stat(follow_symlinks=False).st_blocks * 512
+    except OSError:
+        pass
+    return free
+
+
+def _too_big(key: str, value: int, what: str, need: int, where: str, have: int) -> ConfigError:
+    return ConfigError(
+        f"{key} = {value}: {what} needs {need} bytes ({_human(need)}) but only {have} bytes "
+        f"({_human(have)}) are available in {where}"
+    )
+
+
+def check_memory(
+    cfg: KvtierConfig,
+    *,
+    meminfo: Path = MEMINFO,
+    shm_dir: Path = SHM_DIR,
+) -> None:
+    """Refuse block counts whose pools cannot be allocated on this machine.
+
+    A pool that does not fit would otherwise fail deep inside a worker (SIGBUS on a shared-memory
+    page, or the OOM killer), long after start and far from the key that caused it.
+    """
+    page = page_bytes(cfg)
+    count = cfg.workers.count
+    mem = mem_available_bytes(meminfo)
+    device = device_pool_bytes(cfg)
+    host = host_pool_bytes(cfg)
+    per_ranks = f"x {page} bytes per block x {count} worker{'s' if count != 1 else ''}"
+    on_cpu = resolve_device(cfg) == "cpu"
+    if on_cpu and mem is not None and device > mem:
+        what = f"the device pool on cpu ({cfg.cache.device_blocks} blocks {per_ranks})"
+        raise _too_big(
+            "cache.device_blocks", cfg.cache.device_blocks, what, device, "MemAvailable", mem
+        )
+    if host:
+        shm = shm_free_bytes(cfg.deployment_id, shm_dir)
+        what = f"the host pool ({cfg.cache.host_blocks} blocks {per_ranks})"
+        if shm is not None and host > shm:
+            raise _too_big(
+                "cache.host_blocks", cfg.cache.host_blocks, what, host, str(shm_dir), shm
+            )
+        if mem is not None and host > mem:
+            raise _too_big(
+                "cache.host_blocks", cfg.cache.host_blocks, what, host, "MemAvailable", mem
+            )
+    if on_cpu and mem is not None and device + host > mem:
+        raise ConfigError(
+            f"cache.device_blocks = {cfg.cache.device_blocks}, cache.host_blocks = "
+            f"{cfg.cache.host_blocks}: device and host pools on cpu need {device + host} bytes "
+            f"({_human(device + host)}) together but MemAvailable is {mem} bytes ({_human(mem)})"
+        )
+    if not on_cpu:
+        _check_cuda_memory(cfg, device // count)
+
+
+def _check_cuda_memory(cfg: KvtierConfig, per_rank: int) -> None:
+    """Rank r uses cuda:r; each needs its device pool free on that GPU."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if cfg.workers.count > gpus:
+        raise ConfigError(
+            f"workers.count = {cfg.workers.count}: one GPU per rank is needed, {gpus} visible"
+        )
+    for rank in range(cfg.workers.count):
+        free, _total = torch.cuda.mem_get_info(rank)
+        if per_rank > free:
+            what = f"the device pool of rank {rank}"
+            raise _too_big(
+                "cache.device_blocks", cfg.cache.device_blocks, what, per_rank, f"cuda:{rank}", free
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Storage URL and reachability
+# --------------------------------------------------------------------------------------------
+
+
+def redis_url_problem(url: str) -> str | None:
+    """Why `url` is not a usable redis:// or rediss:// URL, or None if it is."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"not a valid URL ({exc})"
+    if parts.scheme not in ("redis", "rediss"):
+        return "expected a redis:// or rediss:// URL"
+    if not parts.hostname:
+        return "the URL names no host"
+    if port == 0:
+        return "port 0 is not a Redis port"
+    database = parts.path.lstrip("/")
+    if database and not database.isdigit():
+        return f"the database {database!r} is not a number"
+    return None
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for logs, errors and /status (even when malformed)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if "@" not in parts.netloc:
+        return url
+    user_info, host = parts.netloc.rsplit("@", 1)
+    if ":" not in user_info:
+        return url
+    user = user_info.split(":", 1)[0]
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+
+
+def _writable_directory_problem(path: Path) -> str | None:
+    """Why the file backend could not create or write `path`, without creating anything."""
+    probe = path.absolute()
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{str(probe)!r} exists and is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{str(probe)!r} is not writable"
+    return None
+
+
+def check_storage_reachable(cfg: KvtierConfig, timeout: float = 2.0) -> None:
+    """Fail early, in one line naming the key, when the storage tier cannot be used.
+
+    redis: connect and PING within `timeout` seconds overall (name resolution included, which
+    socket timeouts alone do not bound). file: the directory exists or can be created and is
+    writable. Nothing is created or left open.
+    """
+    backend = cfg.storage.backend
+    if backend == "none":
+        return
+    if backend == "file":
+        problem = _writable_directory_problem(Path(cfg.storage.path))
+        if problem:
+            raise ConfigError(f"storage.path = {cfg.storage.path!r}: {problem}")
+        return
+    shown = redact_url(cfg.storage.url)
+    outcome: list[BaseException | None] = []
+
+    def ping() -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        client = redis.Redis.from_url(
+            cfg.storage.url,
+            socket_connect_timeout=timeout,
+            socket_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+        )
+        try:
+            client.ping()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            client.close()
+
+    thread = threading.Thread(target=ping, name="kvtier-storage-check", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not outcome:
+        raise ConfigError(f"storage.url = {shown!r}: no answer from Redis within {timeout:g} s")
+    error = outcome[0]
+    if error is not None:
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise ConfigError(f"storage.url = {shown!r}: cannot reach Redis: {reason}")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def load_config(
+    path: str | os.PathLike[str] | None,
+    env: Mapping[str, str] | None = None,
+    *,
+    check_resources: bool = True,
+) -> KvtierConfig:
+    """Read the TOML file (if any), apply `KVTIER_*` variables from `env` (default: the process
+    environment) over it, validate everything and check the pools fit this machine.
+
+    `check_resources=False` skips the machine checks (memory, /dev/shm, CUDA): for validating a
+    file meant for another machine or container. Raises ConfigError: one line, every problem
+    found joined by '; '.
+    """
+    environ = os.environ if env is None else env
+    file_values = TomlFileSource(KvtierConfig, path)()
+    env_source = EnvironmentSource(KvtierConfig, environ)
+    env_values = env_source()
+    cfg = _validate(_merge(file_values, env_values), env_source.origins)
+    if check_resources:
+        check_memory(cfg)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Summary and TOML rendering
+# --------------------------------------------------------------------------------------------
+
+
+def summary(cfg: KvtierConfig) -> dict[str, Any]:
+    """What /status and the start log line show: every key (the token only as `token_set`,
+    the Redis password redacted), the effective prefetch limit, and the pool sizes."""
+    data = cfg.model_dump(mode="python")
+    admin = data["admin"]
+    admin["token_set"] = bool(cfg.admin.token.get_secret_value())
+    del admin["token"]
+    data["storage"]["url"] = redact_url(cfg.storage.url)
+    data["storage"]["prefetch_host_blocks_limit"] = cfg.effective_prefetch_host_blocks_limit()
+    data["sizes"] = {
+        "page_bytes": page_bytes(cfg),
+        "device_pool_bytes": device_pool_bytes(cfg),
+        "host_pool_bytes": host_pool_bytes(cfg),
+    }
+    return data
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"cannot write {value!r} to TOML")
+        return repr(value)
+    if isinstance(value, str):
+        # JSON string escapes are a subset of TOML basic-string escapes.
+        return json.dumps(value, ensure_ascii=False)
+    raise TypeError(f"no TOML form for {type(value).__name__}")
+
+
+def _comment(text: str | None, indent: str = "# ") -> list[str]:
+    """A description as TOML comment lines wrapped to the project's line length."""
+    return textwrap.wrap(text or "", width=99, initial_indent=indent, subsequent_indent=indent)
+
+
+def to_toml(cfg: KvtierConfig) -> str:
+    """`cfg` as a commented TOML file that `load_config` reads back to an equal configuration,
+    except the admin token, which is never written (set KVTIER_ADMIN_TOKEN instead)."""
+    lines = _comment(
+        "kvtier configuration. Every key can also be set with an environment variable "
+        f"{ENV_PREFIX}<SECTION>{ENV_NESTED_DELIMITER}<KEY> (for example "
+        f"{ENV_PREFIX}CACHE{ENV_NESTED_DELIMITER}DEVICE_BLOCKS=4096; top-level keys: "
+        f"{ENV_PREFIX}DEPLOYMENT_ID), which wins over this file."
+    )
+    for name, info in KvtierConfig.model_fields.items():
+        if name not in SECTIONS:
+            lines += ["", *_comment(info.description)]
+            lines.append(f"{name} = {_toml_value(getattr(cfg, name))}")
+    for section, model in SECTIONS.items():
+        values = getattr(cfg, section)
+        lines += ["", f"[{section}]", *_comment(KvtierConfig.model_fields[section].description)]
+        for key, info in model.model_fields.items():
+            value = getattr(values, key)
+            lines += _comment(info.description)
+            if isinstance(value, SecretStr):
+                lines.append(f'{key} = ""' + ("  # set, not written" if value else ""))
+            elif value is None and (section, key) == ("storage", "prefetch_host_blocks_limit"):
+                effective = cfg.effective_prefetch_host_blocks_limit()
+                lines.append(f"# {key} = {effective}  (unset: follows cache.host_blocks)")
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def defaults_toml() -> str:
+    """The embedded defaults as a documented TOML file (the configuration reference)."""
+    return to_toml(KvtierConfig())

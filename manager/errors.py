@@ -1,0 +1,42 @@
+"""Errors the scheduler API raises. Each message names the request, field or count at fault."""
+
+from __future__ import annotations
+
+
+class KvtierError(Exception):
+    """Base of every error kvtier raises on purpose."""
+
+
+class InvalidRequestError(KvtierError, ValueError):
+    """A scheduler call with arguments that cannot be right (negative counts, bad tokens)."""
+
+
+class UnknownRequestError(KvtierError, KeyError):
+    """A request id the manager does not know (never matched, or already released)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class OutOfBlocksError(KvtierError):
+    """Not enough free or evictable blocks; nothing was changed."""
+
+
+class BlockPoolError(KvtierError):
+    """A block id freed twice or not belonging to the pool: a bug in the caller."""
+
+
+class TransferFailedError(KvtierError):
+    """A load the caller waited on failed; `valid_tokens` of the match are still good."""
+
+    def __init__(self, message: str, valid_tokens: int) -> None:
+        super().__init__(message)
+        self.valid_tokens = valid_tokens
+
+
+class TransferTimeoutError(KvtierError, TimeoutError):
+    """A wait on a transfer ran out of time (a worker stopped answering)."""
+
+
+class ResetBusyError(KvtierError):
+    """A reset could not run because transfers did not finish in time; nothing was cleared."""

@@ -1,0 +1,191 @@
+"""Block keys: what names a cached block, stable across processes and machines.
+
+A block is `block_size` consecutive tokens. Its key chains three things: the parent block's
+key, the block's own token ids, and the content hashes of multimodal items that overlap the
+block. Equal keys therefore mean equal whole prefixes, which is what lets the prefix tree be a
+flat map from key to node.
+
+Two key families, because they serve different readers:
+
+* **Tree keys** (`chain_keys`): 128-bit integers from xxh3-128, used only inside one manager.
+  Speed matters (every prompt block of every request is hashed); 128 bits keep accidental
+  collisions out of reach at any realistic cache size. Chaining: the parent key's low 64 bits
+  seed the hash of the block's bytes and its high 64 bits are folded into the result, so two
+  different parents never give the same child even if their low halves agree.
+* **Storage keys** (`storage_keys`): SHA-256 digests, computed only where the storage tier is
+  involved. Pages in a shared store are read by other manager instances, so their names must
+  be collision-resistant against anyone who can choose prompts.
+
+Both encode tokens canonically as little-endian int32, never Python `hash()` or pickle, so any
+process on any machine computes the same keys. Token ids must fit in int32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+_MASK64 = (1 << 64) - 1
+_XXH128 = xxhash.xxh3_128_intdigest
+_PACKERS: dict[int, struct.Struct] = {}
+
+
+class TokenKeyError(ValueError):
+    """Token ids or multimodal items that cannot be turned into keys."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraKey:
+    """Content hash of a multimodal item occupying tokens [offset, offset + length).
+
+    The item belongs to every block it overlaps. An item that ends exactly where a block
+    starts does not overlap it.
+    """
+
+    offset: int
+    length: int
+    content_hash: bytes
+
+    @classmethod
+    def coerce(cls, item: object) -> ExtraKey:
+        """Accept an ExtraKey or an (offset, length, hash) tuple; hash as bytes, hex str or int."""
+        if isinstance(item, ExtraKey):
+            return item
+        try:
+            offset, length, digest = item  # type: ignore[misc]
+        except (TypeError, ValueError):
+            raise TokenKeyError(
+                f"extra_keys item {item!r}: expected (offset, length, content_hash)"
+            ) from None
+        if isinstance(digest, str):
+            digest = digest.encode()
+        elif isinstance(digest, int):
+            digest = digest.to_bytes((max(digest.bit_length(), 1) + 7) // 8, "little")
+        if not isinstance(digest, bytes | bytearray) or not digest:
+            raise TokenKeyError(f"extra_keys item {item!r}: content_hash must be non-empty")
+        if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length <= 0:
+            raise TokenKeyError(
+                f"extra_keys item {item!r}: offset must be >= 0 and length > 0 (token counts)"
+            )
+        return cls(offset, length, bytes(digest))
+
+
+def pack_tokens(token_ids: Sequence[int], count: int) -> bytes:
+    """The first `count` token ids as little-endian int32 bytes (one C call for the lot)."""
+    packer = _PACKERS.get(count)
+    if packer is None:
+        packer = _PACKERS[count] = struct.Struct(f"<{count}i")
+        if len(_PACKERS) > 4096:
+            _PACKERS.clear()
+            _PACKERS[count] = packer
+    try:
+        if isinstance(token_ids, list | tuple):
+            return packer.pack(*token_ids[:count])
+        return packer.pack(*(int(t) for t in token_ids[:count]))
+    except struct.error:
+        bad = next((t for t in token_ids[:count] if not -(2**31) <= int(t) < 2**31), None)
+        raise TokenKeyError(f"token id {bad!r} does not fit in int32") from None
+
+
+def _extra_bytes_per_block(
+    extra_keys: Sequence[object], block_size: int, first: int, last: int
+) -> dict[int, bytes]:
+    """Concatenated content hashes of the items overlapping each block index in [first, last)."""
+    out: dict[int, bytes] = {}
+    items = sorted(
+        (ExtraKey.coerce(e) for e in extra_keys), key=lambda e: (e.offset, e.content_hash)
+    )
+    for item in items:
+        end = item.offset + item.length
+        lo = max(first, item.offset // block_size)
+        hi = min(last, (end - 1) // block_size + 1)
+        for b in range(lo, hi):
+            out[b] = out.get(b, b"") + len(item.content_hash).to_bytes(2, "little") + (
+                item.content_hash
+            )
+    return out
+
+
+def chain_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    parent: int = 0,
+    start_block: int = 0,
+    num_blocks: int | None = None,
+    extra_keys: Sequence[object] | None = None,
+) -> list[int]:
+    """Tree keys of blocks `start_block ..` of `token_ids` (full blocks only).
+
+    `parent` is the key of block `start_block - 1` (0 for the first block), so a request's
+    keys can be extended as it grows without rehashing what it has.
+    """
+    full = len(token_ids) // block_size
+    end = full if num_blocks is None else min(full, start_block + num_blocks)
+    if end <= start_block:
+        return []
+    step = block_size * 4
+    buf = memoryview(pack_tokens(token_ids, end * block_size))
+    out: list[int] = []
+    append = out.append
+    p = parent
+    h = _XXH128
+    if extra_keys:
+        extra = _extra_bytes_per_block(extra_keys, block_size, start_block, end)
+        for b in range(start_block, end):
+            data = buf[b * step : (b + 1) * step]
+            if b in extra:
+                data = bytes(data) + b"\x00mm" + extra[b]
+            p = h(data, p & _MASK64) ^ (p >> 64)
+            append(p)
+        return out
+    for a in range(start_block * step, end * step, step):
+        p = h(buf[a : a + step], p & _MASK64) ^ (p >> 64)
+        append(p)
+    return out
+
+
+def storage_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    parent: bytes = b"",
+    start_block: int = 0,
+    num_blocks: int | None = None,
+    extra_keys: Sequence[object] | None = None,
+) -> list[bytes]:
+    """SHA-256 storage keys of blocks `start_block ..`, chained from `parent` (b"" at the root).
+
+    Canonical encoding of one block: parent digest (32 bytes, or empty at the root), the
+    block's tokens as little-endian int32, then for each overlapping multimodal item its hash
+    length (2 bytes LE) and hash. Any instance on any machine computes the same digest.
+    """
+    full = len(token_ids) // block_size
+    end = full if num_blocks is None else min(full, start_block + num_blocks)
+    if end <= start_block:
+        return []
+    step = block_size * 4
+    buf = memoryview(pack_tokens(token_ids, end * block_size))
+    extra = (
+        _extra_bytes_per_block(extra_keys, block_size, start_block, end) if extra_keys else {}
+    )
+    out: list[bytes] = []
+    p = parent
+    for b in range(start_block, end):
+        h = hashlib.sha256(p)
+        h.update(buf[b * step : (b + 1) * step])
+        if b in extra:
+            h.update(b"\x00mm")
+            h.update(extra[b])
+        p = h.digest()
+        out.append(p)
+    return out
+
+
+def key_bytes(key: int) -> bytes:
+    """A tree key as 16 bytes (for diagnostic fills that derive content from the key)."""
+    return key.to_bytes(16, "little")

@@ -1,0 +1,956 @@
+"""The scheduler API: match, allocate, commit, release (plus pin, reset, stats).
+
+`KVCacheManager` is the metadata half of kvtier. It decides which block id of which tier
+holds which prefix and emits transfer tasks; workers move the bytes. One scheduler thread
+calls the API; completion callbacks (dispatcher thread) and the admin (stats, reset, pin)
+may run concurrently: every state change happens under one lock, and `stats()` reads plain
+counters without it.
+
+Request life cycle::
+
+    match(rid, tokens)         longest cached prefix over device and host; device hits are
+                               referenced, host hits get device blocks and one H2D task
+      -> MatchResult           device block ids, tokens per tier, LoadHandle (per layer)
+    allocate(rid, n)           device blocks for n more tokens (+ reserve); evicts LRU
+                               leaves as needed; all or nothing
+    commit(rid, tokens, c)     full blocks among the first c tokens join the tree
+    release(rid)               references dropped tail first (leaves age first); blocks
+                               that never joined the tree go back to the free list
+
+Block ownership (the invariant the tests check after every operation): each block id of a
+tier is exactly one of free (in the pool), held by the tree (a node in the map has it), or
+owned by a request (allocated to it and not in the tree, or held by a detached node).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from manager.block_pool import BlockPool
+from manager.errors import (
+    InvalidRequestError,
+    OutOfBlocksError,
+    ResetBusyError,
+    UnknownRequestError,
+)
+from manager.keys import TokenKeyError, chain_keys, key_bytes
+from manager.policies import WritePolicy, make_write_policy
+from manager.transfers import Dispatcher, ImmediateDispatcher, LoadHandle
+from manager.tree import (
+    CANCEL_EVICT,
+    DEVICE_BUSY,
+    EVICTING,
+    HOST_BUSY,
+    LOADING,
+    PINNED,
+    PREFETCHING,
+    SAVING,
+    DeviceLRU,
+    HostLRU,
+    Node,
+)
+from worker.wire import Completion, Priority, Task, TaskKind
+
+_monotonic = time.monotonic
+
+TREE_NORMAL, TREE_CLEARING, TREE_CLEARED = 0, 1, 2
+
+
+@dataclass(slots=True)
+class MatchResult:
+    """What a request found cached. `block_ids` are device blocks for the first
+    `num_tokens` tokens; wait on `handle` before reading those that came from the host."""
+
+    block_ids: list[int]
+    device_tokens: int
+    host_tokens: int
+    storage_tokens: int
+    handle: LoadHandle
+
+    @property
+    def num_tokens(self) -> int:
+        return self.device_tokens + self.host_tokens + self.storage_tokens
+
+
+@dataclass(slots=True)
+class Counters:
+    """Monotonic counters read by metrics without the lock."""
+
+    requests: int = 0
+    lookup_tokens: int = 0
+    hit_device_tokens: int = 0
+    hit_host_tokens: int = 0
+    hit_storage_tokens: int = 0
+    evicted_device_drop: int = 0
+    evicted_device_demote: int = 0
+    evicted_host_drop: int = 0
+    d2h_blocks: int = 0
+    h2d_blocks: int = 0
+    failed_tasks: int = 0
+    resets: int = 0
+    lost_all: int = 0
+
+
+class _Request:
+    """Per-request state. `nodes[i]` is the node block i is held through, or None when the
+    block is the request's own (a duplicate of a cached block); `blocks[i]` is block i's
+    device id; blocks past `len(nodes)` are owned by the request."""
+
+    __slots__ = ("blocks", "extra_keys", "handle", "keys", "length", "nodes")
+
+    def __init__(self, keys: list[int], extra_keys: Sequence[object] | None) -> None:
+        self.keys = keys
+        self.extra_keys = extra_keys
+        self.nodes: list[Node | None] = []
+        self.blocks: list[int] = []
+        self.length = 0  # tokens the request has device slots for (counted from 0)
+        self.handle: LoadHandle | None = None
+
+
+@dataclass(slots=True)
+class _Inflight:
+    """A submitted task the manager still waits to hear about."""
+
+    task: Task
+    nodes: list[Node]
+    first_block: int = 0
+    handles: list[tuple[LoadHandle, int]] = field(default_factory=list)  # (waiter, block idx)
+    on_done: object = None  # callable(ok, completion) for diagnostic tasks
+
+
+class KVCacheManager:
+    """Prefix tree, free lists and policies of the device and host tiers of one deployment.
+
+    Data structures:
+      * `_map`: dict tree key (int) -> Node; the whole prefix tree (keys are chained).
+      * `_dev_pool` / `_host_pool`: BlockPool free lists of each tier.
+      * `_dev_lru` / `_host_lru`: intrusive LRU lists of evictable nodes (see manager.tree).
+      * `_requests`: request id -> _Request.
+      * `_inflight`: task seq -> _Inflight for every task not yet reported.
+      * `_pins`: node -> pin count (admin pins; a pinned node is never evicted).
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        device_blocks: int,
+        host_blocks: int = 0,
+        write_policy: str | WritePolicy = "write_through_selective",
+        hit_threshold: int = 2,
+        decode_reserve_blocks: int = 0,
+        dispatcher: Dispatcher | None = None,
+        page_bytes: int = 0,
+        num_layers: int = 1,
+        transfer_timeout_s: float = 30.0,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"cache.block_size must be > 0, got {block_size}")
+        if device_blocks <= 0:
+            raise ValueError(f"cache.device_blocks must be > 0, got {device_blocks}")
+        if host_blocks < 0:
+            raise ValueError(f"cache.host_blocks must be >= 0, got {host_blocks}")
+        if decode_reserve_blocks < 0:
+            raise ValueError(
+                f"cache.decode_reserve_blocks must be >= 0, got {decode_reserve_blocks}")
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self.page_bytes = page_bytes
+        self.decode_reserve_blocks = decode_reserve_blocks
+        self.transfer_timeout_s = transfer_timeout_s
+        self.policy = (write_policy if isinstance(write_policy, WritePolicy)
+                       else make_write_policy(write_policy, hit_threshold))
+        self._dev_pool = BlockPool("device", device_blocks)
+        self._host_pool = BlockPool("host", host_blocks)
+        self._dev_lru = DeviceLRU()
+        self._host_lru = HostLRU()
+        self._map: dict[int, Node] = {}
+        self._requests: dict[str, _Request] = {}
+        self._inflight: dict[int, _Inflight] = {}
+        self._pins: dict[Node, int] = {}
+        self._seq = 0
+        self._outbox: list[Task] = []
+        self._lock = threading.RLock()
+        self.dispatcher = dispatcher or ImmediateDispatcher()
+        self.dispatcher.bind(self._on_complete)
+        self.counters = Counters()
+        self.tree_status = TREE_NORMAL
+        self.paused = False
+        self._dev_in_tree = 0
+        self._host_in_tree = 0
+
+    # ------------------------------------------------------------------ scheduler API
+
+    def match(self, request_id: str, token_ids: Sequence[int],
+              extra_keys: Sequence[object] | None = None) -> MatchResult:
+        """Find the longest cached prefix of `token_ids` (at most len-1 tokens: the model
+        must compute at least one) and reserve it for `request_id`."""
+        with self._lock:
+            if request_id in self._requests:
+                raise InvalidRequestError(f"request {request_id!r} is already active")
+            bs = self.block_size
+            try:
+                keys = chain_keys(token_ids, bs, extra_keys=extra_keys)
+            except TokenKeyError as e:
+                raise InvalidRequestError(f"request {request_id!r}: {e}") from None
+            except TypeError:
+                raise InvalidRequestError(
+                    f"request {request_id!r}: token_ids must be a sequence of ints") from None
+            req = _Request(keys, extra_keys)
+            n_tokens = len(token_ids)
+            cap = (n_tokens - 1) // bs if n_tokens else 0
+            now = _monotonic()
+            get = self._map.get
+            nodes = req.nodes
+            dev_lru = self._dev_lru
+            host_hits: list[int] = []  # indexes into nodes
+            waits: list[tuple[int, int]] = []
+            backups: list[Node] = []
+            hit_threshold = self.policy.hit_threshold if self._host_pool.capacity else 0
+            for i in range(min(cap, len(keys))):
+                node = get(keys[i])
+                if node is None:
+                    break
+                if node.dev is None:
+                    if node.host is None or node.flags & PREFETCHING:
+                        break
+                    host_hits.append(i)
+                    node.flags |= LOADING
+                    if node.hprev is not None:
+                        self._host_lru.unlink(node)
+                else:
+                    fl = node.flags
+                    if fl:
+                        if fl & EVICTING:
+                            node.flags = fl | CANCEL_EVICT
+                        if fl & LOADING:
+                            seq = self._loading_seq(node)
+                            if seq is not None:
+                                waits.append((seq, i))
+                if node.dprev is not None:
+                    dev_lru.unlink(node)
+                node.ref += 1
+                node.hits += 1
+                node.last = now
+                if hit_threshold and node.host is None and node.hits >= hit_threshold:
+                    backups.append(node)
+                nodes.append(node)
+            if host_hits:
+                self._load_host_hits(req, host_hits, waits)
+            req.blocks = [n.dev for n in nodes]  # type: ignore[union-attr,misc]
+            n_hit = len(nodes)
+            req.length = n_hit * bs
+            self._requests[request_id] = req
+            n_host = len(host_hits)
+            c = self.counters
+            c.requests += 1
+            c.lookup_tokens += n_tokens
+            c.hit_device_tokens += (n_hit - n_host) * bs
+            c.hit_host_tokens += n_host * bs
+            if backups:
+                self._backup([n for n in backups if n.dev is not None and n.host is None
+                              and not n.flags & (SAVING | LOADING | EVICTING)])
+            handle = LoadHandle(self.dispatcher if waits else None, waits, n_hit * bs, bs,
+                                self.transfer_timeout_s)
+            req.handle = handle
+            for seq, idx in waits:
+                rec = self._inflight.get(seq)
+                if rec is not None:
+                    rec.handles.append((handle, idx))
+            self._flush()
+            return MatchResult(list(req.blocks), (n_hit - n_host) * bs, n_host * bs, 0,
+                               handle)
+
+    def allocate(self, request_id: str, num_tokens: int,
+                 reserve_blocks: int | None = None) -> list[int]:
+        """Device blocks so the request can hold `num_tokens` more tokens, keeping
+        `reserve_blocks` spare blocks (default `decode_reserve_blocks`) for decoding. Returns
+        the newly allocated ids (append them to the request's block table). All or nothing:
+        OutOfBlocksError changes nothing."""
+        with self._lock:
+            req = self._get(request_id)
+            if type(num_tokens) is not int or num_tokens < 0:
+                raise InvalidRequestError(
+                    f"request {request_id!r}: num_tokens must be an int >= 0, got "
+                    f"{num_tokens!r}")
+            reserve = self.decode_reserve_blocks if reserve_blocks is None else reserve_blocks
+            if type(reserve) is not int or reserve < 0:
+                raise InvalidRequestError(
+                    f"request {request_id!r}: reserve_blocks must be >= 0, got {reserve!r}")
+            bs = self.block_size
+            length = req.length + num_tokens
+            need = -(-length // bs) + reserve - len(req.blocks)
+            if need <= 0:
+                req.length = length
+                return []
+            self._make_room(need, request_id)
+            ids = self._dev_pool.allocate(need)
+            req.blocks.extend(ids)
+            req.length = length
+            return ids
+
+    def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+               extra_keys: Sequence[object] | None = None) -> int:
+        """The request's KV for its first `num_computed_tokens` tokens is written: their full
+        blocks join the tree (and may be backed up, per the write policy). Returns how many
+        blocks joined. `token_ids` must start with the tokens the request was matched with."""
+        with self._lock:
+            req = self._get(request_id)
+            bs = self.block_size
+            if type(num_computed_tokens) is not int or num_computed_tokens < 0:
+                raise InvalidRequestError(
+                    f"request {request_id!r}: num_computed_tokens must be an int >= 0, got "
+                    f"{num_computed_tokens!r}")
+            if num_computed_tokens > len(token_ids):
+                raise InvalidRequestError(
+                    f"request {request_id!r}: num_computed_tokens={num_computed_tokens} "
+                    f"exceeds the {len(token_ids)} token ids given")
+            n_full = num_computed_tokens // bs
+            if n_full > len(req.blocks):
+                raise InvalidRequestError(
+                    f"request {request_id!r}: {n_full} full blocks computed but only "
+                    f"{len(req.blocks)} device blocks allocated")
+            nodes = req.nodes
+            start = len(nodes)
+            if n_full <= start:
+                return 0
+            if extra_keys is not None:
+                req.extra_keys = extra_keys
+            keys = req.keys
+            if len(keys) < n_full:
+                try:
+                    keys.extend(chain_keys(
+                        token_ids, bs, parent=keys[-1] if keys else 0, start_block=len(keys),
+                        num_blocks=n_full - len(keys), extra_keys=req.extra_keys))
+                except TokenKeyError as e:
+                    raise InvalidRequestError(f"request {request_id!r}: {e}") from None
+            now = _monotonic()
+            m = self._map
+            blocks = req.blocks
+            new_nodes: list[Node] = []
+            exclusive = self.policy.exclusive
+            joined = 0
+            for i in range(start, n_full):
+                key = keys[i]
+                node = m.get(key)
+                if node is None:
+                    node = Node(key, blocks[i], None, now)
+                    node.ref = 1
+                    m[key] = node
+                    new_nodes.append(node)
+                    joined += 1
+                elif node.dev is None:
+                    # Cached on the host only: our freshly computed block becomes its
+                    # device copy.
+                    node.dev = blocks[i]
+                    node.ref += 1
+                    node.last = now
+                    self._dev_in_tree += 1
+                    if exclusive and node.host is not None and not node.flags & HOST_BUSY:
+                        self._drop_host_copy(node)
+                    joined += 1
+                else:
+                    node = None  # a duplicate: the request keeps its own block
+                nodes.append(node)
+            self._dev_in_tree += len(new_nodes)
+            if new_nodes and self.policy.backup_on_commit and self._host_pool.capacity:
+                self._backup(new_nodes)
+            self._flush()
+            return joined
+
+    def release(self, request_id: str) -> None:
+        """The request is done: its cached blocks become evictable (tail first, so leaves
+        age first) and the blocks it owned go back to the free list."""
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+            if req is None:
+                raise UnknownRequestError(
+                    f"request {request_id!r} is not active (never matched or already "
+                    f"released)")
+            blocks = req.blocks
+            nodes = req.nodes
+            pool = self._dev_pool
+            lru = self._dev_lru
+            now = _monotonic()
+            n = len(nodes)
+            if len(blocks) > n:
+                pool.free(blocks[n:])
+            for i in range(n - 1, -1, -1):
+                node = nodes[i]
+                if node is None:
+                    pool.free_one(blocks[i])
+                    continue
+                node.ref -= 1
+                if node.ref == 0:
+                    if node.key is None:  # detached: the block was the requests' own
+                        if node.dev is not None:
+                            pool.free_one(node.dev)
+                            node.dev = None
+                    elif not node.flags & DEVICE_BUSY:
+                        node.last = now
+                        lru.append(node)
+
+    # ------------------------------------------------------------------ admin API
+
+    def pin(self, token_ids: Sequence[int], extra_keys: Sequence[object] | None = None) -> int:
+        """Keep the cached full blocks of this prefix on the device until unpinned; host-only
+        blocks are loaded. Returns the number of blocks pinned (the prefix stops at the first
+        block that is not cached)."""
+        with self._lock:
+            keys = self._keys_or_error(token_ids, extra_keys)
+            pinned: list[Node] = []
+            for key in keys:
+                node = self._map.get(key)
+                if node is None:
+                    break
+                if node.dev is None:
+                    if node.host is None or node.flags & HOST_BUSY:
+                        break
+                    if not self._room_for(1):
+                        break
+                    node.flags |= LOADING  # keeps the host copy while room is made
+                    if node.hprev is not None:
+                        self._host_lru.unlink(node)
+                    self._make_room(1, "pin")
+                    node.dev = self._dev_pool.allocate_one()
+                    self._dev_in_tree += 1
+                    self._submit(TaskKind.H2D, [node.host], [node.dev], [node],  # type: ignore[list-item]
+                                 Priority.LOAD)
+                    self.counters.h2d_blocks += 1
+                node.flags |= PINNED
+                self._refresh(node)
+                self._pins[node] = self._pins.get(node, 0) + 1
+                pinned.append(node)
+            self._flush()
+            return len(pinned)
+
+    def unpin(self, token_ids: Sequence[int], extra_keys: Sequence[object] | None = None) -> int:
+        """Undo one `pin` of this prefix. Returns the number of blocks unpinned."""
+        with self._lock:
+            keys = self._keys_or_error(token_ids, extra_keys)
+            count = 0
+            for key in keys:
+                node = self._map.get(key)
+                if node is None or node not in self._pins:
+                    break
+                left = self._pins[node] - 1
+                if left:
+                    self._pins[node] = left
+                else:
+                    del self._pins[node]
+                    node.flags &= ~PINNED
+                    self._refresh(node)
+                count += 1
+            return count
+
+    def reset(self, timeout: float = 10.0) -> dict[str, int]:
+        """Empty the tree and both tiers' caches once in-flight transfers have finished.
+        Requests in flight keep their blocks (they become the requests' own). Raises
+        ResetBusyError, with nothing cleared, if transfers do not finish in `timeout`."""
+        self.tree_status = TREE_CLEARING
+        try:
+            deadline = _monotonic() + timeout
+            while True:
+                if not self.dispatcher.drain(max(0.0, deadline - _monotonic())):
+                    raise ResetBusyError(
+                        f"reset: {self.dispatcher.pending()} transfer task(s) still in "
+                        f"flight after {timeout:.3g} s; nothing was cleared")
+                with self._lock:
+                    if not self._inflight:
+                        cleared = self._clear_all()
+                        self.counters.resets += 1
+                        self.tree_status = TREE_CLEARED
+                        return cleared
+                    busy = len(self._inflight)
+                if _monotonic() >= deadline:
+                    raise ResetBusyError(
+                        f"reset: {busy} transfer task(s) still in flight after "
+                        f"{timeout:.3g} s; nothing was cleared")
+                time.sleep(0.001)
+        finally:
+            self.tree_status = TREE_NORMAL
+
+    def lose_all(self) -> dict[str, int]:
+        """Every cached byte is gone (a worker died with its pools): forget the tree now,
+        without waiting; in-flight tasks have been failed by the dispatcher."""
+        with self._lock:
+            for seq in list(self._inflight):
+                self._on_complete(Completion(seq, -1, False, error="worker lost"))
+            cleared = self._clear_all()
+            self.counters.lost_all += 1
+            return cleared
+
+    # ------------------------------------------------------------------ diagnostics
+
+    def submit_diagnostic(self, kind: TaskKind, dev_ids: list[int], keys: list[bytes],
+                          on_done: object = None) -> int:
+        """FILL or CHECK device blocks with content derived from `keys` (for --verify and
+        tests). `on_done(ok, completion)` runs when every rank has answered."""
+        if kind not in (TaskKind.FILL, TaskKind.CHECK):
+            raise ValueError(f"not a diagnostic task kind: {kind!r}")
+        with self._lock:
+            seq = self._next_seq()
+            if kind == TaskKind.FILL:
+                task = Task(seq, kind, [], list(dev_ids), list(keys), Priority.CONTROL)
+            else:
+                task = Task(seq, kind, list(dev_ids), [], list(keys), Priority.CONTROL)
+            self._inflight[seq] = _Inflight(task, [], on_done=on_done)
+            self._outbox.append(task)
+            self._flush()
+            return seq
+
+    def request_blocks(self, request_id: str) -> list[int]:
+        """The request's block table (device ids, in token order)."""
+        with self._lock:
+            return list(self._get(request_id).blocks)
+
+    def request_keys(self, request_id: str) -> list[int]:
+        with self._lock:
+            return list(self._get(request_id).keys)
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, object]:
+        """A lock-free snapshot of tier occupancy and counters (values may be a few
+        operations apart from each other, never torn)."""
+        dev_free = self._dev_pool.num_free
+        host_free = self._host_pool.num_free
+        dev_cap = self._dev_pool.capacity
+        host_cap = self._host_pool.capacity
+        dev_tree = self._dev_in_tree
+        host_tree = self._host_in_tree
+        dev_evictable = self._dev_lru.size
+        host_evictable = self._host_lru.size
+        c = self.counters
+        return {
+            "device": {
+                "capacity": dev_cap, "free": dev_free, "cached": dev_tree,
+                "evictable": dev_evictable,
+                "in_use": dev_cap - dev_free - dev_evictable,
+                "owned_by_requests": dev_cap - dev_free - dev_tree,
+            },
+            "host": {
+                "capacity": host_cap, "free": host_free, "cached": host_tree,
+                "evictable": host_evictable,
+                "in_use": host_cap - host_free - host_evictable,
+                "owned_by_requests": host_cap - host_free - host_tree,
+            },
+            "nodes": len(self._map),
+            "requests_active": len(self._requests),
+            "pinned_blocks": len(self._pins),
+            "tasks_inflight": len(self._inflight),
+            "tree_status": self.tree_status,
+            "paused": self.paused,
+            "counters": {k: getattr(c, k) for k in c.__slots__},  # type: ignore[attr-defined]
+        }
+
+    # ------------------------------------------------------------------ internals
+
+    def _get(self, request_id: str) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(
+                f"request {request_id!r} is not active (never matched or already released)")
+        return req
+
+    def _keys_or_error(self, token_ids: Sequence[int],
+                       extra_keys: Sequence[object] | None) -> list[int]:
+        try:
+            return chain_keys(token_ids, self.block_size, extra_keys=extra_keys)
+        except (TokenKeyError, TypeError) as e:
+            raise InvalidRequestError(f"token_ids: {e}") from None
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _submit(self, kind: TaskKind, src: list[int], dst: list[int], nodes: list[Node],
+                priority: int, first_block: int = 0) -> int:
+        seq = self._next_seq()
+        task = Task(seq, kind, src, dst, [], priority)
+        self._inflight[seq] = _Inflight(task, nodes, first_block)
+        self._outbox.append(task)
+        return seq
+
+    def _flush(self) -> None:
+        """Hand queued tasks to the dispatcher once the state they describe is complete (an
+        immediate dispatcher re-enters `_on_complete`)."""
+        while self._outbox:
+            tasks, self._outbox = self._outbox, []
+            for t in tasks:
+                self.dispatcher.submit(t)
+
+    def _loading_seq(self, node: Node) -> int | None:
+        for seq, rec in self._inflight.items():
+            if rec.task.kind == TaskKind.H2D and node in rec.nodes:
+                return seq
+        return None
+
+    def _room_for(self, n: int) -> bool:
+        return self._dev_pool.num_free + self._dev_lru.size >= n
+
+    def _load_host_hits(self, req: _Request, host_hits: list[int],
+                        waits: list[tuple[int, int]]) -> None:
+        """Give the host-only nodes of a match device blocks and one H2D task; truncate the
+        match where the device cannot hold more."""
+        nodes = req.nodes
+        room = self._dev_pool.num_free + self._dev_lru.size
+        if room < len(host_hits):
+            # Keep the prefix up to the first host hit that cannot get a device block.
+            cut = host_hits[room]
+            for node in nodes[cut:]:
+                self._unref_after_failed_match(node)  # type: ignore[arg-type]
+            del nodes[cut:]
+            host_hits = host_hits[:room]
+        if not host_hits:
+            return
+        self._make_room(len(host_hits), "match")
+        ids = self._dev_pool.allocate(len(host_hits))
+        src: list[int] = []
+        loaded: list[Node] = []
+        for i, dev in zip(host_hits, ids, strict=True):
+            node = nodes[i]
+            assert node is not None
+            node.dev = dev
+            src.append(node.host)  # type: ignore[arg-type]
+            loaded.append(node)
+        self._dev_in_tree += len(loaded)
+        seq = self._submit(TaskKind.H2D, src, ids, loaded, Priority.LOAD, host_hits[0])
+        self.counters.h2d_blocks += len(loaded)
+        waits.append((seq, host_hits[0]))
+
+    def _unref_after_failed_match(self, node: Node) -> None:
+        node.ref -= 1
+        node.hits -= 1
+        if node.dev is None:
+            node.flags &= ~LOADING
+        self._refresh(node)
+
+    def _make_room(self, n: int, who: str) -> None:
+        """Evict until `n` device blocks are free. Raises OutOfBlocksError (having evicted
+        nothing) if even evicting every evictable block would not be enough."""
+        pool = self._dev_pool
+        if pool.num_free >= n:
+            return
+        if pool.num_free + self._dev_lru.size < n:
+            raise OutOfBlocksError(
+                f"{who}: {n} device blocks needed, {pool.num_free} free and "
+                f"{self._dev_lru.size} evictable of {pool.capacity}")
+        while pool.num_free < n:
+            demoting = self._evict_device(n - pool.num_free)
+            if demoting:
+                self._flush()
+                self._wait_unlocked(demoting)
+
+    def _evict_device(self, n: int) -> list[int]:
+        """Evict up to `n` LRU device blocks; returns the seqs of demotions to wait for."""
+        lru = self._dev_lru
+        pool = self._dev_pool
+        policy = self.policy
+        host_tier = self._host_pool.capacity > 0
+        c = self.counters
+        demote_src: list[int] = []
+        demote_dst: list[int] = []
+        demote_nodes: list[Node] = []
+        for _ in range(n):
+            victim = lru.oldest()
+            if victim is None:
+                break
+            lru.unlink(victim)
+            if victim.host is not None:
+                c.evicted_device_demote += 1
+                pool.free_one(victim.dev)  # type: ignore[arg-type]
+                victim.dev = None
+                self._dev_in_tree -= 1
+                continue
+            if policy.demote_on_evict and host_tier:
+                hb = self._host_block()
+                if hb is not None:
+                    victim.host = hb
+                    self._host_in_tree += 1
+                    victim.flags |= EVICTING
+                    demote_src.append(victim.dev)  # type: ignore[arg-type]
+                    demote_dst.append(hb)
+                    demote_nodes.append(victim)
+                    continue
+            c.evicted_device_drop += 1
+            pool.free_one(victim.dev)  # type: ignore[arg-type]
+            victim.dev = None
+            self._dev_in_tree -= 1
+            self._forget(victim)
+        if not demote_nodes:
+            return []
+        c.evicted_device_demote += len(demote_nodes)
+        c.d2h_blocks += len(demote_nodes)
+        return [self._submit(TaskKind.D2H, demote_src, demote_dst, demote_nodes,
+                             Priority.EVICT)]
+
+    def _host_block(self) -> int | None:
+        """One free host block, evicting the LRU host copy if needed; None if impossible."""
+        pool = self._host_pool
+        if pool.num_free:
+            return pool.allocate_one()
+        victim = self._host_lru.oldest()
+        if victim is None:
+            return None
+        self._host_lru.unlink(victim)
+        hb = victim.host
+        victim.host = None
+        self._host_in_tree -= 1
+        self.counters.evicted_host_drop += 1
+        if victim.dev is None:
+            self._forget(victim)
+        return hb  # handed over without passing through the free list
+
+    def _forget(self, node: Node) -> None:
+        """Remove a node that holds no block any more from the tree."""
+        if node.key is not None and node.dev is None and node.host is None:
+            if self._map.get(node.key) is node:
+                del self._map[node.key]
+            self._pins.pop(node, None)
+            node.key = None
+
+    def _drop_host_copy(self, node: Node) -> None:
+        if node.hprev is not None:
+            self._host_lru.unlink(node)
+        self._host_pool.free_one(node.host)  # type: ignore[arg-type]
+        node.host = None
+        self._host_in_tree -= 1
+
+    def _backup(self, nodes: list[Node]) -> None:
+        """Copy device blocks to the host in one low-priority D2H task, as far as host
+        blocks can be had without evicting anything busy."""
+        src: list[int] = []
+        dst: list[int] = []
+        saving: list[Node] = []
+        for node in nodes:
+            if node.host is not None or node.dev is None:
+                continue
+            hb = self._host_block()
+            if hb is None:
+                break
+            node.host = hb
+            self._host_in_tree += 1
+            node.flags |= SAVING
+            if node.dprev is not None:
+                self._dev_lru.unlink(node)
+            src.append(node.dev)
+            dst.append(hb)
+            saving.append(node)
+        if saving:
+            self.counters.d2h_blocks += len(saving)
+            self._submit(TaskKind.D2H, src, dst, saving, Priority.BACKUP)
+
+    def _refresh(self, node: Node) -> None:
+        """Put `node` in exactly the LRU lists it belongs to (after any state change)."""
+        flags = node.flags
+        attached = node.key is not None
+        want_dev = (attached and node.dev is not None and node.ref == 0
+                    and not flags & DEVICE_BUSY)
+        if want_dev != (node.dprev is not None):
+            if want_dev:
+                self._dev_lru.append(node)
+            else:
+                self._dev_lru.unlink(node)
+        want_host = attached and node.host is not None and not flags & HOST_BUSY
+        if want_host != (node.hprev is not None):
+            if want_host:
+                self._host_lru.append(node)
+            else:
+                self._host_lru.unlink(node)
+
+    def _wait_unlocked(self, seqs: list[int]) -> None:
+        """Wait for tasks with the lock released, so the completion thread can apply them."""
+        depth = 0
+        while True:  # release however many times the calling thread holds the lock
+            try:
+                self._lock.release()
+            except RuntimeError:
+                break
+            depth += 1
+        try:
+            self.dispatcher.wait(seqs, self.transfer_timeout_s)
+        finally:
+            for _ in range(depth):
+                self._lock.acquire()
+
+    # ------------------------------------------------------------------ completions
+
+    def _on_complete(self, comp: Completion) -> None:
+        with self._lock:
+            rec = self._inflight.pop(comp.seq, None)
+            if rec is None:
+                return
+            ok = comp.ok
+            if not ok:
+                self.counters.failed_tasks += 1
+            kind = rec.task.kind
+            if kind == TaskKind.H2D:
+                self._finish_load(rec, ok)
+            elif kind == TaskKind.D2H:
+                self._finish_d2h(rec, ok)
+            if rec.on_done is not None:
+                rec.on_done(ok, comp)  # type: ignore[operator]
+            self._flush()
+
+    def _finish_load(self, rec: _Inflight, ok: bool) -> None:
+        exclusive = self.policy.exclusive
+        for node in rec.nodes:
+            node.flags &= ~LOADING
+            if ok:
+                if exclusive and node.host is not None and node.key is not None:
+                    self._host_pool.free_one(node.host)
+                    node.host = None
+                    self._host_in_tree -= 1
+                self._refresh(node)
+                continue
+            # The device copy is garbage. Requests holding the node keep the block (they
+            # recompute into it); the host copy stays cached under a fresh node.
+            dev = node.dev
+            node.dev = None
+            if node.key is not None:
+                self._dev_in_tree -= 1
+            if node.ref > 0:
+                if node.key is not None:
+                    fresh = Node(node.key, None, node.host, node.last)
+                    fresh.hits = node.hits
+                    self._map[node.key] = fresh
+                    if node in self._pins:
+                        self._pins[fresh] = self._pins.pop(node)
+                        fresh.flags |= PINNED
+                    node.host = None
+                    node.key = None
+                    self._refresh(fresh)
+                node.dev = dev  # detached: owned by its requests now
+                node.flags &= ~PINNED
+                self._refresh(node)
+            else:
+                self._dev_pool.free_one(dev)  # type: ignore[arg-type]
+                self._refresh(node)
+                self._forget(node)
+        if not ok:
+            for h, idx in rec.handles:
+                h.note_failure(idx)
+        rec.handles.clear()
+
+    def _finish_d2h(self, rec: _Inflight, ok: bool) -> None:
+        for node in rec.nodes:
+            flags = node.flags
+            evicting = flags & EVICTING
+            node.flags = flags & ~(SAVING | EVICTING | CANCEL_EVICT)
+            if not ok and node.host is not None:
+                self._host_pool.free_one(node.host)
+                node.host = None
+                self._host_in_tree -= 1
+            if evicting and not flags & CANCEL_EVICT and node.ref == 0 and node.dev is not None:
+                # The demotion landed (or failed: the block was being evicted anyway).
+                self._dev_pool.free_one(node.dev)
+                node.dev = None
+                self._dev_in_tree -= 1
+            self._refresh(node)
+            self._forget(node)
+
+    def _clear_all(self) -> dict[str, int]:
+        """Drop every node; nodes held by requests become detached (their device blocks the
+        requests' own). Caller holds the lock and has made sure nothing is in flight."""
+        dev_freed = host_freed = detached = 0
+        for node in list(self._map.values()):
+            if node.dprev is not None:
+                self._dev_lru.unlink(node)
+            if node.hprev is not None:
+                self._host_lru.unlink(node)
+            if node.host is not None:
+                self._host_pool.free_one(node.host)
+                node.host = None
+                host_freed += 1
+            if node.dev is not None:
+                if node.ref > 0:
+                    detached += 1
+                else:
+                    self._dev_pool.free_one(node.dev)
+                    node.dev = None
+                    dev_freed += 1
+            node.flags = 0
+            node.key = None
+        nodes = len(self._map)
+        pins = len(self._pins)
+        self._map.clear()
+        self._pins.clear()
+        self._dev_in_tree = 0
+        self._host_in_tree = 0
+        return {"nodes": nodes, "device_blocks": dev_freed, "host_blocks": host_freed,
+                "detached_in_use": detached, "pins": pins}
+
+    # ------------------------------------------------------------------ invariants
+
+    def check_invariants(self) -> None:
+        """Assert the brief's invariants with a full scan (tests call it after every step)."""
+        with self._lock:
+            for tier, pool, attr, lru in (("device", self._dev_pool, "dev", self._dev_lru),
+                                          ("host", self._host_pool, "host", self._host_lru)):
+                free = pool.free_ids()
+                assert len(free) == len(set(free)), f"{tier}: free list has duplicates"
+                tree_ids = [getattr(n, attr) for n in self._map.values()
+                            if getattr(n, attr) is not None]
+                assert len(tree_ids) == len(set(tree_ids)), f"{tier}: id held by two nodes"
+                owned: list[int] = []
+                if tier == "device":
+                    seen_detached: set[int] = set()
+                    for req in self._requests.values():
+                        for i, b in enumerate(req.blocks):
+                            node = req.nodes[i] if i < len(req.nodes) else None
+                            if i >= len(req.nodes) or node is None:
+                                owned.append(b)
+                            elif node.key is None and id(node) not in seen_detached:
+                                seen_detached.add(id(node))
+                                assert node.dev == b, f"device: detached node lost block {b}"
+                                owned.append(b)
+                            elif node.key is not None:
+                                assert node.dev == b, (
+                                    f"device: request block {b} differs from its node {node}")
+                    assert len(owned) == len(set(owned)), f"{tier}: id owned twice"
+                everything = free + tree_ids + owned
+                assert len(everything) == len(set(everything)), (
+                    f"{tier}: an id is in two of free/tree/requests")
+                assert len(everything) == pool.capacity, (
+                    f"{tier}: {len(free)} free + {len(tree_ids)} tree + {len(owned)} owned "
+                    f"!= capacity {pool.capacity}")
+                for i in free:
+                    assert pool.is_free(i)
+                in_lru = list(lru)
+                assert len(in_lru) == lru.size, f"{tier}: LRU size counter is off"
+                busy = DEVICE_BUSY if tier == "device" else HOST_BUSY
+                for n in in_lru:
+                    assert n.key is not None and self._map.get(n.key) is n, f"{tier}: stale LRU"
+                    assert getattr(n, attr) is not None
+                    assert not n.flags & busy, f"{tier}: busy node {n} is evictable"
+                    if tier == "device":
+                        assert n.ref == 0, f"device: referenced node {n} is evictable"
+                for n in self._map.values():
+                    want = getattr(n, attr) is not None and not n.flags & busy and (
+                        tier == "host" or n.ref == 0)
+                    linked = (n.dprev if tier == "device" else n.hprev) is not None
+                    assert want == linked, f"{tier}: node {n} LRU membership wrong"
+            assert self._dev_in_tree == sum(1 for n in self._map.values() if n.dev is not None)
+            assert self._host_in_tree == sum(1 for n in self._map.values()
+                                             if n.host is not None)
+            for node in self._pins:
+                assert node.flags & PINNED and node.key is not None
+            for key, node in self._map.items():
+                assert node.key == key
+                assert node.dev is not None or node.host is not None, f"empty node {node}"
+                assert node.ref >= 0
+                if node.flags & PINNED:
+                    assert node in self._pins
+            inflight_nodes = {id(n) for r in self._inflight.values() for n in r.nodes}
+            for n in self._map.values():
+                if n.flags & (LOADING | SAVING | EVICTING):
+                    assert id(n) in inflight_nodes, f"{n} flagged in flight but no task"
+
+
+def content_key(key: int) -> bytes:
+    """The bytes a diagnostic fill derives a block's content from."""
+    return key_bytes(key)
