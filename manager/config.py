@@ -60,7 +60,7 @@ DTYPE_BYTES: dict[str, int] = {
 """Bytes per element of every KV dtype kvtier accepts (kept here so sizing needs no torch)."""
 
 MAX_BLOCKS = 2**31 - 1
-"""Block ids must fit a signed 32-bit integer (compact id arrays in the manager and wire)."""
+"""Block counts stay below 2**31 so that every block id fits an int32 array or index tensor."""
 
 DEPLOYMENT_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,31}")
 """No `_` in the id: segment names are `/kvtier_<id>_<what>`, so the first `_` after the prefix
@@ -354,7 +354,8 @@ def _unknown_key(dotted: str, origin: str | None = None) -> str:
     if dotted in SECTIONS:
         notes.append(f"[{dotted}] is a section; name one of its keys")
     else:
-        close = difflib.get_close_matches(dotted, _all_keys(), n=1, cutoff=0.75)
+        candidates = [*_all_keys(), *SECTIONS]
+        close = difflib.get_close_matches(dotted, candidates, n=1, cutoff=0.75)
         notes += [f"did you mean {close[0]}?"] if close else []
     return f"{dotted}: unknown key" + (f" ({'; '.join(notes)})" if notes else "")
 
@@ -477,8 +478,9 @@ class EnvironmentSource(PydanticBaseSettingsSource):
                 continue
             if path in self.origins:
                 if self.environ[self.origins[path]] != raw:
+                    first, second = sorted((name, self.origins[path]), key=len)
                     errors.append(
-                        f"{name} and {self.origins[path]} both set {'.'.join(path)} to "
+                        f"{first} and {second} both set {'.'.join(path)} to "
                         "different values; set only one"
                     )
                 continue
@@ -563,7 +565,9 @@ def _describe(error: Mapping[str, Any], origins: Mapping[tuple[str, ...], str]) 
         problem = _EXPECTED[kind]
     elif kind in _BOUNDS:
         symbol, name = _BOUNDS[kind]
-        problem = f"must be {symbol} {error['ctx'][name]}"
+        bound = error["ctx"][name]
+        bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
+        problem = f"must be {symbol} {bound}"
     elif kind == "literal_error":
         problem = f"expected one of {error['ctx']['expected']}"
     elif kind == "value_error":

@@ -205,46 +205,50 @@ class KVCacheManager:
             now = _monotonic()
             get = self._map.get
             nodes = req.nodes
-            dev_lru = self._dev_lru
+            add = nodes.append
             host_hits: list[int] = []  # indexes into nodes
             waits: list[tuple[int, int]] = []
             backups: list[Node] = []
             hit_threshold = self.policy.hit_threshold if self._host_pool.capacity else 0
-            for i in range(min(cap, len(keys))):
-                node = get(keys[i])
+            unlinked = 0
+            for key in keys[:cap] if cap < len(keys) else keys:
+                node = get(key)
                 if node is None:
                     break
                 if node.dev is None:
                     if node.host is None or node.flags & PREFETCHING:
                         break
-                    host_hits.append(i)
+                    host_hits.append(len(nodes))
                     node.flags |= LOADING
                     if node.hprev is not None:
                         self._host_lru.unlink(node)
-                else:
+                elif node.flags:
                     fl = node.flags
-                    if fl:
-                        if fl & EVICTING:
-                            node.flags = fl | CANCEL_EVICT
-                        if fl & LOADING:
-                            seq = self._loading_seq(node)
-                            if seq is not None:
-                                waits.append((seq, i))
-                if node.dprev is not None:
-                    dev_lru.unlink(node)
+                    if fl & EVICTING:
+                        node.flags = fl | CANCEL_EVICT
+                    if fl & LOADING:
+                        seq = self._loading_seq(node)
+                        if seq is not None:
+                            waits.append((seq, len(nodes)))
+                prev = node.dprev
+                if prev is not None:  # leave the device LRU (inlined DeviceLRU.unlink)
+                    nxt = node.dnext
+                    prev.dnext = nxt
+                    nxt.dprev = prev  # type: ignore[union-attr]
+                    node.dprev = node.dnext = None
+                    unlinked += 1
                 node.ref += 1
                 node.hits += 1
                 node.last = now
                 if hit_threshold and node.host is None and node.hits >= hit_threshold:
                     backups.append(node)
-                nodes.append(node)
-            if host_hits:
-                self._load_host_hits(req, host_hits, waits)
+                add(node)
+            self._dev_lru.size -= unlinked
+            n_host = self._load_host_hits(req, host_hits, waits) if host_hits else 0
             req.blocks = [n.dev for n in nodes]  # type: ignore[union-attr,misc]
             n_hit = len(nodes)
             req.length = n_hit * bs
             self._requests[request_id] = req
-            n_host = len(host_hits)
             c = self.counters
             c.requests += 1
             c.lookup_tokens += n_tokens
@@ -373,25 +377,37 @@ class KVCacheManager:
             blocks = req.blocks
             nodes = req.nodes
             pool = self._dev_pool
-            lru = self._dev_lru
             now = _monotonic()
             n = len(nodes)
             if len(blocks) > n:
                 pool.free(blocks[n:])
+            # Tail first, so a request's leaves are older than its inner blocks. Evictable
+            # nodes are chained onto the LRU's tail in one pass (inlined DeviceLRU.append).
+            lru = self._dev_lru
+            head = lru.head
+            tail = head.dprev
+            appended = 0
             for i in range(n - 1, -1, -1):
                 node = nodes[i]
                 if node is None:
                     pool.free_one(blocks[i])
                     continue
-                node.ref -= 1
-                if node.ref == 0:
+                ref = node.ref - 1
+                node.ref = ref
+                if ref == 0:
                     if node.key is None:  # detached: the block was the requests' own
                         if node.dev is not None:
                             pool.free_one(node.dev)
                             node.dev = None
                     elif not node.flags & DEVICE_BUSY:
                         node.last = now
-                        lru.append(node)
+                        node.dprev = tail
+                        tail.dnext = node  # type: ignore[union-attr]
+                        tail = node
+                        appended += 1
+            tail.dnext = head  # type: ignore[union-attr]
+            head.dprev = tail
+            lru.size += appended
 
     # ------------------------------------------------------------------ admin API
 
@@ -593,9 +609,9 @@ class KVCacheManager:
         return self._dev_pool.num_free + self._dev_lru.size >= n
 
     def _load_host_hits(self, req: _Request, host_hits: list[int],
-                        waits: list[tuple[int, int]]) -> None:
+                        waits: list[tuple[int, int]]) -> int:
         """Give the host-only nodes of a match device blocks and one H2D task; truncate the
-        match where the device cannot hold more."""
+        match where the device cannot hold more. Returns the number of host hits kept."""
         nodes = req.nodes
         room = self._dev_pool.num_free + self._dev_lru.size
         if room < len(host_hits):
@@ -606,7 +622,7 @@ class KVCacheManager:
             del nodes[cut:]
             host_hits = host_hits[:room]
         if not host_hits:
-            return
+            return 0
         self._make_room(len(host_hits), "match")
         ids = self._dev_pool.allocate(len(host_hits))
         src: list[int] = []
@@ -621,6 +637,7 @@ class KVCacheManager:
         seq = self._submit(TaskKind.H2D, src, ids, loaded, Priority.LOAD, host_hits[0])
         self.counters.h2d_blocks += len(loaded)
         waits.append((seq, host_hits[0]))
+        return len(loaded)
 
     def _unref_after_failed_match(self, node: Node) -> None:
         node.ref -= 1

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Debian packages the test suite needs: a real Redis server for the storage tier and
-# Prometheus (promtool and the server) for the metrics tests. Installs only what is missing.
+# Debian packages the test suite needs: a real Redis server for the storage tier,
+# Prometheus (promtool and the server) for the metrics tests, and docker-compose to validate
+# compose.yaml against the Compose schema offline. Installs only what is missing.
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
 [ ${#need[@]} -eq 0 ] && exit 0
 sudo=""
 [ "$(id -u)" -ne 0 ] && sudo="sudo"

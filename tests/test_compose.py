@@ -1,0 +1,317 @@
+"""The deployment files agree with the Compose specification, with each other and with kvtier.
+
+No Docker engine runs where the tests run, so nothing here starts a container. compose.yaml is
+validated by Debian's `docker-compose` (1.29, package `docker-compose`, installed with
+`apt-get install --no-install-recommends docker-compose`): its `config` command checks the file
+against the Compose specification JSON schema it bundles and resolves it, offline and without a
+Docker daemon. The Prometheus scrape config and the dashboard's PromQL are checked by
+`promtool` (package `prometheus`). Everything else is cross-checked by reading the files: ports,
+paths, commands and the shared-memory size must all follow from docker/kvtier.toml.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+from compose_support import (
+    COMPOSE_FILE,
+    DASHBOARD_JSON,
+    DASHBOARD_PROVIDER_YML,
+    DOCKERIGNORE,
+    KVTIER_TOML,
+    PROMETHEUS_YML,
+    REPO,
+    SHM_MARGIN_BYTES,
+    bind_mounts,
+    compose,
+    compose_commands,
+    dashboard,
+    dashboard_metric_names,
+    dashboard_panels,
+    dashboard_queries,
+    datasource,
+    datasource_host_port,
+    dockerfile_args,
+    dockerfile_exec_form,
+    dockerfile_instructions,
+    load_yaml,
+    parse_bytes,
+    prometheus_job,
+    prometheus_targets,
+    promql_without_grafana_variables,
+)
+
+from manager.config import host_pool_bytes, load_config, page_bytes
+
+CONTAINER_CONFIG = "/etc/kvtier/kvtier.toml"
+
+
+def _tool(name: str, package: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} not found: install the Debian package {package}")
+    return path
+
+
+def _compose_config(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [_tool("docker-compose", "docker-compose"), "-f", str(path), "config"],
+        cwd=path.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.fixture(scope="module")
+def kvtier_cfg():
+    """docker/kvtier.toml as kvtier reads it. The machine checks are skipped: the file sizes
+    pools for the container, whose /dev/shm is compose's shm_size (checked below)."""
+    return load_config(KVTIER_TOML, env={}, check_resources=False)
+
+
+def _healthcheck_code(test: list[str]) -> str:
+    assert test[:3] in (["CMD", "python3", "-c"], ["CMD", "python", "-c"]), test
+    return test[3]
+
+
+def _urls_in(code: str) -> list[str]:
+    """String constants in a Python snippet that look like URLs (f-strings included)."""
+    urls = []
+    for node in ast.walk(ast.parse(code)):
+        is_text = isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if is_text and node.value.startswith("http://"):
+            urls.append(node.value)
+    return urls
+
+
+# --- compose.yaml ----------------------------------------------------------------------------
+
+
+def test_compose_file_is_valid_compose():
+    result = _compose_config(COMPOSE_FILE)
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    assert set(resolved["services"]) == {"kvtier", "redis", "prometheus", "grafana"}
+
+
+def test_compose_validation_rejects_a_broken_file(tmp_path):
+    """The validator does fail: the same file with one misspelt service key is refused."""
+    broken = tmp_path / "compose.yaml"
+    broken.write_text(COMPOSE_FILE.read_text().replace("shm_size:", "shm_sise:", 1))
+    result = _compose_config(broken)
+    assert result.returncode != 0
+    assert "shm_sise" in result.stderr
+
+
+def test_docker_kvtier_toml_loads(kvtier_cfg):
+    assert kvtier_cfg.storage.backend == "redis"
+    assert urlsplit(kvtier_cfg.storage.url).hostname == "redis"
+    assert "redis" in compose()["services"]
+    assert kvtier_cfg.admin.host == "0.0.0.0"
+
+
+def test_kvtier_service_runs_serve_with_the_mounted_config():
+    assert compose_commands() == {"kvtier": ["serve", "--config", CONTAINER_CONFIG]}
+    assert bind_mounts("kvtier") == {CONTAINER_CONFIG: KVTIER_TOML.resolve()}
+    mount = next(v for v in compose()["services"]["kvtier"]["volumes"] if isinstance(v, dict))
+    assert mount["read_only"] is True
+    assert compose()["services"]["kvtier"]["build"]["dockerfile"] == "docker/Dockerfile"
+
+
+def test_shm_size_holds_the_host_pools(kvtier_cfg):
+    host = host_pool_bytes(kvtier_cfg)
+    assert host > 0
+    shm = parse_bytes(compose()["services"]["kvtier"]["shm_size"])
+    assert shm >= host + SHM_MARGIN_BYTES, (shm, host)
+    # The arithmetic in the comment must describe the current file.
+    text = COMPOSE_FILE.read_text()
+    assert str(page_bytes(kvtier_cfg)) in text
+    assert str(host) in text
+
+
+def test_kvtier_healthcheck_and_port_match_the_admin(kvtier_cfg):
+    service = compose()["services"]["kvtier"]
+    port = kvtier_cfg.admin.port
+    code = _healthcheck_code(service["healthcheck"]["test"])
+    compile(code, "<healthcheck>", "exec")
+    assert _urls_in(code) == [f"http://127.0.0.1:{port}/readyz"]
+    published = [p.rsplit(":", 1)[-1] for p in service["ports"]]
+    assert published == [str(port)]
+    assert all(p.startswith("127.0.0.1:") for p in service["ports"])
+    assert service["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_redis_service_is_checked_with_redis_cli():
+    redis = compose()["services"]["redis"]
+    assert redis["image"].split(":")[0] == "redis"
+    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+
+
+# --- Prometheus ------------------------------------------------------------------------------
+
+
+def test_prometheus_scrapes_the_admin_port(kvtier_cfg):
+    assert prometheus_targets() == [f"kvtier:{kvtier_cfg.admin.port}"]
+    assert prometheus_job().get("metrics_path", "/metrics") == "/metrics"
+    mounts = bind_mounts("prometheus")
+    assert mounts["/etc/prometheus/prometheus.yml"] == PROMETHEUS_YML.resolve()
+    command = compose()["services"]["prometheus"]["command"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in command
+
+
+def test_prometheus_config_passes_promtool():
+    result = subprocess.run(
+        [_tool("promtool", "prometheus"), "check", "config", str(PROMETHEUS_YML)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- Grafana ---------------------------------------------------------------------------------
+
+
+def test_grafana_provisioning_is_mounted_where_it_points():
+    mounts = bind_mounts("grafana")
+    provisioning = mounts["/etc/grafana/provisioning"]
+    assert provisioning == (REPO / "docker/grafana/provisioning").resolve()
+    provider = load_yaml(DASHBOARD_PROVIDER_YML)["providers"][0]
+    dashboards_in_container = provider["options"]["path"]
+    assert mounts[dashboards_in_container] == DASHBOARD_JSON.parent.resolve()
+    home = compose()["services"]["grafana"]["environment"][
+        "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"
+    ]
+    assert home == f"{dashboards_in_container}/{DASHBOARD_JSON.name}"
+
+
+def test_grafana_datasource_is_the_prometheus_service():
+    host, port = datasource_host_port()
+    assert host == "prometheus" and port == 9090
+    assert datasource()["type"] == "prometheus"
+    assert "127.0.0.1:9090:9090" in compose()["services"]["prometheus"]["ports"]
+
+
+def test_dashboard_panels_use_the_provisioned_datasource():
+    uid = datasource()["uid"]
+    panels = dashboard_panels()
+    assert dashboard()["uid"] and dashboard()["title"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    for panel in panels:
+        assert panel["datasource"]["uid"] == uid, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == uid, panel["title"]
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+
+
+def test_dashboard_shows_the_operator_views():
+    names = set(dashboard_metric_names())
+    required = {
+        "kvtier_hit_tokens_total",
+        "kvtier_lookup_tokens_total",
+        "kvtier_blocks",
+        "kvtier_capacity_blocks",
+        "kvtier_transfer_bytes_total",
+        "kvtier_transfer_seconds_bucket",
+        "kvtier_transfer_tasks_inflight",
+        "kvtier_worker_up",
+        "kvtier_worker_restarts_total",
+        "kvtier_evicted_blocks_total",
+        "kvtier_resets_total",
+        "kvtier_storage_prefetch_pages_total",
+        "kvtier_storage_backup_pages_total",
+        "kvtier_storage_errors_total",
+    }
+    assert required <= names, required - names
+    hit_rate = [q for q in dashboard_queries() if "kvtier_hit_tokens_total" in q]
+    assert any("by (tier)" in q and "kvtier_lookup_tokens_total" in q for q in hit_rate)
+
+
+def test_dashboard_queries_are_valid_promql(tmp_path):
+    """promtool parses every query, wrapped as a recording rule (Grafana variables replaced)."""
+    records = [
+        {"record": f"kvtier:dashboard_query_{i}", "expr": promql_without_grafana_variables(q)}
+        for i, q in enumerate(dashboard_queries())
+    ]
+    rules = {"groups": [{"name": "dashboard", "rules": records}]}
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    result = subprocess.run(
+        [_tool("promtool", "prometheus"), "check", "rules", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    broken = tmp_path / "broken.yml"
+    rules["groups"][0]["rules"][0]["expr"] = "sum(rate(kvtier_blocks[1m])"
+    broken.write_text(yaml.safe_dump(rules))
+    refused = subprocess.run(
+        ["promtool", "check", "rules", str(broken)], capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode != 0
+
+
+# --- Dockerfile ------------------------------------------------------------------------------
+
+
+def test_dockerfile_runs_kvtier_as_a_non_root_user(kvtier_cfg):
+    assert dockerfile_exec_form("ENTRYPOINT") == ["kvtier"]
+    assert dockerfile_exec_form("CMD") == compose_commands()["kvtier"]
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "kvtier" in pyproject["project"]["scripts"]
+    users = [rest for kw, rest in dockerfile_instructions() if kw == "USER"]
+    assert users and users[-1] not in ("root", "0")
+    exposed = [rest for kw, rest in dockerfile_instructions() if kw == "EXPOSE"]
+    assert exposed == [str(kvtier_cfg.admin.port)]
+
+
+def test_dockerfile_healthcheck_asks_readyz():
+    code = _healthcheck_code(["CMD", *dockerfile_exec_form("HEALTHCHECK")])
+    compile(code, "<healthcheck>", "exec")
+    assert "/readyz" in code and "urllib.request" in code
+
+
+def test_dockerfile_installs_the_pinned_cpu_torch():
+    args = dockerfile_args()
+    assert args["BASE_IMAGE"].startswith("python:3.11-slim")
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    pins = [
+        d
+        for d in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+        if d.replace(" ", "").startswith("torch==")
+    ]
+    assert pins == [f"torch=={args['TORCH_VERSION']}"]
+    first = dockerfile_instructions()[0]
+    assert first == ("ARG", f"BASE_IMAGE={args['BASE_IMAGE']}")
+
+
+def test_dockerfile_copies_every_package_and_dockerignore_lets_them_through():
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.rstrip("*") for p in include}
+    copied: set[str] = set()
+    for keyword, rest in dockerfile_instructions():
+        if keyword == "COPY":
+            copied.update(rest.split()[:-1])
+    assert packages | {"pyproject.toml", "README.md"} <= copied
+    allowed = {
+        line[1:].rstrip("/")
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.startswith("!")
+    }
+    assert "*" in DOCKERIGNORE.read_text().splitlines()
+    for source in copied:
+        assert (REPO / source).exists(), source
+        assert source in allowed, f".dockerignore excludes {source}"

@@ -1,0 +1,543 @@
+"""Configuration: defaults, file and environment precedence, one-line errors, machine checks.
+
+Every error case asserts the whole message (or its stable head): the operator sees exactly this
+line and nothing else, so its wording is part of the contract. Memory checks use the real
+/proc/meminfo and /dev/shm with block counts no machine holds; reachability uses a real
+redis-server (tests/redis_server.py) and real refused or silent ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+from redis_server import RedisServer, free_port
+from redis_server import redis_server as redis_server
+
+from manager.config import (
+    ConfigError,
+    KvtierConfig,
+    check_storage_reachable,
+    defaults_toml,
+    device_pool_bytes,
+    host_pool_bytes,
+    load_config,
+    mem_available_bytes,
+    page_bytes,
+    shm_free_bytes,
+    summary,
+    to_toml,
+)
+
+BRIEF_DEFAULTS = {
+    "deployment_id": "default",
+    "model": {"num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16"},
+    "cache": {
+        "block_size": 64,
+        "device_blocks": 2048,
+        "host_blocks": 8192,
+        "write_policy": "write_through_selective",
+        "hit_threshold": 2,
+        "decode_reserve_blocks": 1,
+    },
+    "storage": {
+        "backend": "file",
+        "path": ".kvtier/storage",
+        "url": "redis://127.0.0.1:6379/0",
+        "prefetch_policy": "best_effort",
+        "prefetch_threshold": 256,
+        "capacity_bytes": 8 * 1024**3,
+        "ttl_s": 0,
+        "timeout_base_s": 0.01,
+        "timeout_per_1k_tokens_s": 0.005,
+        "prefetch_host_blocks_limit": None,
+        "backup_one_rank": False,
+    },
+    "workers": {"count": 1, "device": "auto", "ready_timeout_s": 60, "heartbeat_timeout_s": 5},
+    "admin": {"host": "127.0.0.1", "port": 8080, "token": ""},
+}
+
+
+def _plain(cfg: KvtierConfig) -> dict:
+    data = cfg.model_dump()
+    data["admin"]["token"] = cfg.admin.token.get_secret_value()
+    return data
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kvtier.toml"
+    path.write_text(text)
+    return path
+
+
+def _error(path: Path | None = None, env: dict[str, str] | None = None) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env or {})
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "Traceback" not in message
+    return message
+
+
+# --- defaults and precedence -----------------------------------------------------------------
+
+
+def test_defaults_are_the_briefs():
+    assert _plain(KvtierConfig()) == BRIEF_DEFAULTS
+    assert _plain(load_config(None, {})) == BRIEF_DEFAULTS
+
+
+def test_effective_prefetch_limit_is_a_quarter_of_the_host_pool():
+    assert KvtierConfig().effective_prefetch_host_blocks_limit() == 8192 // 4
+    cfg = load_config(None, {"KVTIER_CACHE__HOST_BLOCKS": "100"})
+    assert cfg.effective_prefetch_host_blocks_limit() == 25
+    cfg = load_config(None, {"KVTIER_STORAGE__PREFETCH_HOST_BLOCKS_LIMIT": "0"})
+    assert cfg.effective_prefetch_host_blocks_limit() == 0
+
+
+def test_environment_wins_over_the_file(tmp_path):
+    path = _write(
+        tmp_path,
+        'deployment_id = "filed"\n[cache]\ndevice_blocks = 1024\nhost_blocks = 2048\n'
+        "[admin]\nport = 9000\n",
+    )
+    cfg = load_config(
+        path,
+        {
+            "KVTIER_CACHE__DEVICE_BLOCKS": "4096",
+            "KVTIER_DEPLOYMENT_ID": "from-env",
+            "KVTIER_STORAGE__BACKUP_ONE_RANK": "yes",
+            "KVTIER_STORAGE__TTL_S": "3600",
+            "KVTIER_WORKERS__DEVICE": "cpu",
+            "PATH": "/usr/bin",  # not ours: ignored
+        },
+    )
+    assert cfg.cache.device_blocks == 4096  # env over file
+    assert cfg.cache.host_blocks == 2048  # file over default
+    assert cfg.admin.port == 9000
+    assert cfg.deployment_id == "from-env"
+    assert cfg.storage.backup_one_rank is True
+    assert cfg.storage.ttl_s == 3600.0
+    assert cfg.workers.device == "cpu"
+    assert cfg.model == KvtierConfig().model  # untouched section keeps its defaults
+
+
+def test_process_environment_is_the_default_source(monkeypatch):
+    monkeypatch.setenv("KVTIER_CACHE__HOST_BLOCKS", "16")
+    assert load_config(None).cache.host_blocks == 16
+    # An explicit mapping replaces the process environment entirely.
+    assert load_config(None, {}).cache.host_blocks == 8192
+
+
+def test_admin_token_from_either_variable():
+    secret = "s3cret-token-value"
+    for name in ("KVTIER_ADMIN_TOKEN", "KVTIER_ADMIN__TOKEN"):
+        cfg = load_config(None, {name: secret})
+        assert cfg.admin.token.get_secret_value() == secret
+        shown = summary(cfg)
+        assert shown["admin"]["token_set"] is True and "token" not in shown["admin"]
+        for text in (json.dumps(shown), repr(cfg), str(cfg), to_toml(cfg)):
+            assert secret not in text
+    same = load_config(None, {"KVTIER_ADMIN_TOKEN": secret, "KVTIER_ADMIN__TOKEN": secret})
+    assert same.admin.token.get_secret_value() == secret
+    message = _error(env={"KVTIER_ADMIN_TOKEN": secret, "KVTIER_ADMIN__TOKEN": "other"})
+    assert message == (
+        "KVTIER_ADMIN_TOKEN and KVTIER_ADMIN__TOKEN both set admin.token to different values; "
+        "set only one"
+    )
+    assert secret not in message
+    assert summary(load_config(None, {}))["admin"]["token_set"] is False
+
+
+# --- one-line errors -------------------------------------------------------------------------
+
+FILE_ERRORS = [
+    (
+        "[cache]\ndevce_blocks = 4096\n",
+        "cache.devce_blocks: unknown key (did you mean cache.device_blocks?)",
+    ),
+    ("[cahce]\ndevice_blocks = 4096\n", "cahce: unknown key (did you mean cache?)"),
+    ("colour = 1\n", "colour: unknown key"),
+    ("[cache]\ndevice_blocks = 'abc'\n", "cache.device_blocks = 'abc': expected an integer"),
+    ("[cache]\ndevice_blocks = 1.5\n", "cache.device_blocks = 1.5: expected an integer"),
+    ("[cache]\ndevice_blocks = true\n", "cache.device_blocks = True: expected an integer"),
+    (
+        "[storage]\nbackup_one_rank = 'yes'\n",
+        "storage.backup_one_rank = 'yes': expected true or false",
+    ),
+    ("[storage]\nttl_s = 'long'\n", "storage.ttl_s = 'long': expected a number"),
+    ("[storage]\npath = 5\n", "storage.path = 5: expected a string"),
+    ("[storage]\npath = ''\n", "storage.path = '': must not be empty"),
+    ("[cache]\nhost_blocks = -1\n", "cache.host_blocks = -1: must be >= 0"),
+    ("[cache]\ndevice_blocks = 0\n", "cache.device_blocks = 0: must be >= 1"),
+    ("[cache]\nblock_size = 0\n", "cache.block_size = 0: must be >= 1"),
+    ("[admin]\nport = 70000\n", "admin.port = 70000: must be <= 65535"),
+    ("[workers]\nheartbeat_timeout_s = 0\n", "workers.heartbeat_timeout_s = 0: must be > 0"),
+    ("[storage]\ntimeout_base_s = inf\n", "storage.timeout_base_s = inf: expected a finite number"),
+    (
+        "[cache]\nwrite_policy = 'lru'\n",
+        "cache.write_policy = 'lru': expected one of 'write_through', "
+        "'write_through_selective' or 'write_back'",
+    ),
+    (
+        "[model]\ndtype = 'int8'\n",
+        "model.dtype = 'int8': expected one of 'float16', 'bfloat16', 'float32' or 'float8_e4m3fn'",
+    ),
+    (
+        "[storage]\nbackend = 'nfs'\n",
+        "storage.backend = 'nfs': expected one of 'none', 'file' or 'redis'",
+    ),
+    (
+        "[storage]\nprefetch_policy = 'always'\n",
+        "storage.prefetch_policy = 'always': expected one of 'best_effort', 'wait_complete' "
+        "or 'timeout'",
+    ),
+    (
+        "[workers]\ndevice = 'tpu'\n",
+        "workers.device = 'tpu': expected one of 'auto', 'cpu' or 'cuda'",
+    ),
+    (
+        "[storage]\nurl = 'http://h:6379/0'\n",
+        "storage.url = 'http://h:6379/0': expected a redis:// or rediss:// URL",
+    ),
+    ("[storage]\nurl = 'redis:///0'\n", "storage.url = 'redis:///0': the URL names no host"),
+    (
+        "[storage]\nurl = 'redis://h:6379/x'\n",
+        "storage.url = 'redis://h:6379/x': the database 'x' is not a number",
+    ),
+    (
+        "[storage]\nurl = 'redis://u:hunter2@h:99999/0'\n",
+        "storage.url = 'redis://u:***@h:99999/0': not a valid URL (Port out of range 0-65535)",
+    ),
+    (
+        "[admin]\nhost = 'my host'\n",
+        "admin.host = 'my host': expected an address or host name such as 127.0.0.1 or 0.0.0.0",
+    ),
+    ("[admin]\ntoken = 1234\n", "admin.token = '***': expected a string"),
+    (
+        "deployment_id = 'a_b'\n",
+        "deployment_id = 'a_b': expected 1-32 letters, digits or '-', starting with a letter or "
+        "digit (it names shared-memory segments /kvtier_<id>_...)",
+    ),
+    ("cache = 5\n", "cache = 5: expected a table ([cache])"),
+    (
+        "[cache]\ndevice_blocks = 8\ndecode_reserve_blocks = 8\n",
+        "cache.decode_reserve_blocks = 8: must be less than cache.device_blocks (8)",
+    ),
+    (
+        "[cache]\nhost_blocks = 10\n[storage]\nprefetch_host_blocks_limit = 11\n",
+        "storage.prefetch_host_blocks_limit = 11: must be at most cache.host_blocks (10)",
+    ),
+    (
+        "[cache]\nhost_blocks = 0\n",
+        "storage.backend = 'file': the storage tier moves pages through host blocks, but "
+        "cache.host_blocks = 0; set storage.backend = 'none' or give the host tier blocks",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), FILE_ERRORS, ids=[e.split(":")[0] for _, e in FILE_ERRORS]
+)
+def test_file_errors_are_one_line_naming_key_and_value(tmp_path, text, expected):
+    assert _error(_write(tmp_path, text)) == expected
+
+
+def test_several_errors_are_reported_together_on_one_line(tmp_path):
+    message = _error(_write(tmp_path, "[cache]\ndevice_blocks = 'x'\nhost_blocks = -2\n"))
+    assert message == (
+        "cache.device_blocks = 'x': expected an integer; cache.host_blocks = -2: must be >= 0"
+    )
+
+
+ENV_ERRORS = [
+    (
+        {"KVTIER_CACHE__DEVICE_BLOCKS": "abc"},
+        "cache.device_blocks = 'abc': expected an integer (from KVTIER_CACHE__DEVICE_BLOCKS)",
+    ),
+    (
+        {"KVTIER_CACHE__DEVICE_BLOCKS": "4.0"},
+        "cache.device_blocks = '4.0': expected an integer (from KVTIER_CACHE__DEVICE_BLOCKS)",
+    ),
+    (
+        {"KVTIER_CACHE__DEVCE_BLOCKS": "1"},
+        "cache.devce_blocks: unknown key (from KVTIER_CACHE__DEVCE_BLOCKS; did you mean "
+        "cache.device_blocks?)",
+    ),
+    ({"KVTIER_COLOUR": "red"}, "colour: unknown key (from KVTIER_COLOUR)"),
+    (
+        {"KVTIER_CACHE": "1"},
+        "cache: unknown key (from KVTIER_CACHE; [cache] is a section; name one of its keys)",
+    ),
+    (
+        {"KVTIER_CACHE__DEVICE__BLOCKS": "1"},
+        "KVTIER_CACHE__DEVICE__BLOCKS: not a kvtier setting (expected KVTIER_<SECTION>__<KEY> "
+        "or KVTIER_DEPLOYMENT_ID)",
+    ),
+    (
+        {"KVTIER_STORAGE__BACKUP_ONE_RANK": "maybe"},
+        "storage.backup_one_rank = 'maybe': expected true or false "
+        "(from KVTIER_STORAGE__BACKUP_ONE_RANK)",
+    ),
+    (
+        {"KVTIER_STORAGE__TTL_S": "nan"},
+        "storage.ttl_s = nan: expected a finite number (from KVTIER_STORAGE__TTL_S)",
+    ),
+    (
+        {"KVTIER_ADMIN__PORT": "-1"},
+        "admin.port = -1: must be >= 0 (from KVTIER_ADMIN__PORT)",
+    ),
+    (
+        {"KVTIER_CACHE__WRITE_POLICY": "sometimes"},
+        "cache.write_policy = 'sometimes': expected one of 'write_through', "
+        "'write_through_selective' or 'write_back' (from KVTIER_CACHE__WRITE_POLICY)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"), ENV_ERRORS, ids=[next(iter(e)) for e, _ in ENV_ERRORS]
+)
+def test_environment_errors_name_key_value_and_variable(env, expected):
+    assert _error(env=env) == expected
+
+
+def test_file_problems_name_the_file(tmp_path):
+    missing = tmp_path / "absent.toml"
+    assert _error(missing) == f"config file {str(missing)!r}: not found"
+    broken = _write(tmp_path, "[cache\n")
+    assert _error(broken).startswith(f"config file {str(broken)!r}: invalid TOML: ")
+    assert _error(tmp_path) == f"config file {str(tmp_path)!r}: is a directory"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available on this machine")
+def test_cuda_requested_without_cuda():
+    assert _error(env={"KVTIER_WORKERS__DEVICE": "cuda"}) == (
+        "workers.device = 'cuda': CUDA is not available on this machine"
+    )
+
+
+def test_a_failed_load_leaves_nothing_behind(tmp_path):
+    storage = tmp_path / "storage-dir"
+    path = _write(
+        tmp_path,
+        f"[storage]\npath = {json.dumps(str(storage))}\n[cache]\ndevice_blocks = 'many'\n",
+    )
+    before = path.read_bytes()
+    env = {"KVTIER_CACHE__HOST_BLOCKS": "64", "KVTIER_DEPLOYMENT_ID": "leftovers"}
+    env_before = dict(env)
+    shm_before = set(os.listdir("/dev/shm"))
+    _error(path, env)
+    assert not storage.exists()
+    assert path.read_bytes() == before
+    assert env == env_before
+    assert set(os.listdir("/dev/shm")) == shm_before
+    # Nothing of the failed load sticks: the next load sees only its own inputs.
+    assert _plain(load_config(None, {})) == BRIEF_DEFAULTS
+    # A loaded configuration cannot be changed half-way either: it is immutable.
+    cfg = load_config(None, {})
+    with pytest.raises(ValidationError):
+        cfg.cache.device_blocks = 1  # type: ignore[misc]
+    assert cfg.cache.device_blocks == 2048
+
+
+# --- sizes and memory ------------------------------------------------------------------------
+
+
+def test_page_and_pool_bytes():
+    cfg = KvtierConfig()
+    assert page_bytes(cfg) == 2 * 8 * 64 * 4 * 64 * 2
+    two_ranks = {"KVTIER_WORKERS__COUNT": "2", "KVTIER_MODEL__DTYPE": "float32"}
+    cfg = load_config(None, {**two_ranks, "KVTIER_CACHE__HOST_BLOCKS": "1000"})
+    assert page_bytes(cfg) == 2 * 8 * 64 * 4 * 64 * 4
+    assert host_pool_bytes(cfg) == 1000 * page_bytes(cfg) * 2
+    assert device_pool_bytes(cfg) == 2048 * page_bytes(cfg) * 2
+    fp8 = load_config(None, {"KVTIER_MODEL__DTYPE": "float8_e4m3fn"})
+    assert page_bytes(fp8) == 2 * 8 * 64 * 4 * 64
+    sizes = summary(cfg)["sizes"]
+    assert sizes == {
+        "page_bytes": page_bytes(cfg),
+        "device_pool_bytes": device_pool_bytes(cfg),
+        "host_pool_bytes": host_pool_bytes(cfg),
+    }
+
+
+def test_device_pool_that_does_not_fit_in_memory():
+    blocks = 2**31 - 1
+    need = blocks * page_bytes(KvtierConfig())
+    message = _error(
+        env={"KVTIER_CACHE__DEVICE_BLOCKS": str(blocks), "KVTIER_WORKERS__DEVICE": "cpu"}
+    )
+    assert message.startswith(
+        f"cache.device_blocks = {blocks}: the device pool on cpu ({blocks} blocks x 524288 "
+        f"bytes per block x 1 worker) needs {need} bytes "
+    )
+    assert re.search(r"but only \d+ bytes \(.*\) are available in MemAvailable$", message)
+
+
+def test_host_pool_that_does_not_fit_in_shared_memory():
+    blocks = 2**31 - 1
+    message = _error(env={"KVTIER_CACHE__HOST_BLOCKS": str(blocks)})
+    assert message.startswith(f"cache.host_blocks = {blocks}: the host pool ")
+    assert str(blocks * 524288) in message
+    assert message.endswith("are available in /dev/shm")
+
+
+def test_memory_check_counts_every_worker():
+    page = page_bytes(KvtierConfig())
+    room = min(shm_free_bytes("default"), mem_available_bytes())
+    blocks = room // page // 3
+    env = {"KVTIER_CACHE__HOST_BLOCKS": str(blocks), "KVTIER_CACHE__DEVICE_BLOCKS": "16"}
+    assert load_config(None, env).cache.host_blocks == blocks  # one worker fits
+    message = _error(env={**env, "KVTIER_WORKERS__COUNT": "4"})
+    assert message.startswith(f"cache.host_blocks = {blocks}: the host pool ")
+    assert "x 4 workers" in message and str(4 * blocks * page) in message
+
+
+def test_device_and_host_pools_together_must_fit(tmp_path):
+    page = page_bytes(KvtierConfig())
+    mem = mem_available_bytes()
+    half = mem // page // 2 + 1024  # 1 GiB over MemAvailable in all: robust to its drift
+    small = min(half, shm_free_bytes("default") // page - 1)
+    env = {
+        "KVTIER_WORKERS__DEVICE": "cpu",
+        "KVTIER_CACHE__DEVICE_BLOCKS": str(half),
+        "KVTIER_CACHE__HOST_BLOCKS": str(small),
+    }
+    if half * page + small * page <= mem:
+        pytest.fail("/dev/shm is too small on this machine to build the case")
+    message = _error(env=env)
+    assert message.startswith(
+        f"cache.device_blocks = {half}, cache.host_blocks = {small}: device and host pools on "
+        "cpu need"
+    )
+
+
+def test_stale_segments_of_the_same_deployment_count_as_free(tmp_path):
+    stale = tmp_path / "kvtier_mine_host_0"
+    stale.write_bytes(os.urandom(1 << 20))
+    (tmp_path / "kvtier_other_host_0").write_bytes(os.urandom(1 << 20))
+    mine = shm_free_bytes("mine", tmp_path)
+    others = shm_free_bytes("nobody", tmp_path)
+    assert mine - others == stale.stat().st_blocks * 512 >= 1 << 20
+
+
+def test_machine_checks_can_be_skipped_for_another_machine():
+    env = {"KVTIER_CACHE__HOST_BLOCKS": str(2**31 - 1)}
+    cfg = load_config(None, env, check_resources=False)
+    assert cfg.cache.host_blocks == 2**31 - 1
+
+
+# --- storage reachability --------------------------------------------------------------------
+
+
+def _redis_cfg(url: str) -> KvtierConfig:
+    return load_config(None, {"KVTIER_STORAGE__BACKEND": "redis", "KVTIER_STORAGE__URL": url})
+
+
+def test_refused_redis_fails_within_the_timeout():
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as caught:
+        check_storage_reachable(_redis_cfg(url), timeout=1.0)
+    assert time.monotonic() - started < 1.5
+    message = str(caught.value)
+    assert message.startswith(f"storage.url = {url!r}: cannot reach Redis: ")
+    assert "\n" not in message
+
+
+def test_silent_redis_fails_within_the_timeout():
+    """A server that accepts connections but never answers (SIGSTOPped redis)."""
+    with RedisServer() as server:
+        server.pause()
+        started = time.monotonic()
+        with pytest.raises(ConfigError) as caught:
+            check_storage_reachable(_redis_cfg(server.url), timeout=0.5)
+        elapsed = time.monotonic() - started
+        server.resume()
+    assert elapsed < 1.0
+    assert str(caught.value).startswith(f"storage.url = {server.url!r}: ")
+
+
+def test_unresolvable_redis_host_fails_within_the_timeout():
+    url = "redis://kvtier-no-such-host.invalid:6379/0"
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as caught:
+        check_storage_reachable(_redis_cfg(url), timeout=1.0)
+    assert time.monotonic() - started < 1.5
+    assert str(caught.value).startswith(f"storage.url = {url!r}: ")
+
+
+def test_running_redis_is_reachable(redis_server):
+    check_storage_reachable(_redis_cfg(redis_server.url), timeout=2.0)
+
+
+def test_reachability_errors_hide_the_password(redis_server):
+    url = f"redis://kvtier:hunter2@127.0.0.1:{redis_server.port}/0"
+    with pytest.raises(ConfigError) as caught:
+        check_storage_reachable(_redis_cfg(url), timeout=2.0)
+    message = str(caught.value)
+    assert "hunter2" not in message
+    assert message.startswith(f"storage.url = 'redis://kvtier:***@127.0.0.1:{redis_server.port}/0'")
+    assert summary(_redis_cfg(url))["storage"]["url"].count("***") == 1
+
+
+def test_file_storage_reachability(tmp_path):
+    target = tmp_path / "deep" / "storage"
+    check_storage_reachable(load_config(None, {"KVTIER_STORAGE__PATH": str(target)}))
+    assert not target.exists() and not target.parent.exists()  # checked, not created
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad = load_config(None, {"KVTIER_STORAGE__PATH": str(blocker / "storage")})
+    with pytest.raises(ConfigError) as caught:
+        check_storage_reachable(bad)
+    assert str(caught.value) == (
+        f"storage.path = {str(blocker / 'storage')!r}: {str(blocker)!r} exists and is not a "
+        "directory"
+    )
+
+
+def test_no_storage_backend_needs_nothing():
+    cfg = load_config(
+        None,
+        {"KVTIER_STORAGE__BACKEND": "none", "KVTIER_STORAGE__URL": "redis://nowhere.invalid:1/0"},
+    )
+    check_storage_reachable(cfg, timeout=0.1)
+
+
+# --- rendering -------------------------------------------------------------------------------
+
+
+def test_defaults_toml_documents_and_reloads_every_key(tmp_path):
+    text = defaults_toml()
+    for section, keys in BRIEF_DEFAULTS.items():
+        if isinstance(keys, dict):
+            assert f"[{section}]" in text
+            for key in keys:
+                assert re.search(rf"^(# )?{key} = ", text, re.MULTILINE), key
+    assert all(len(line) <= 100 for line in text.splitlines())
+    assert _plain(load_config(_write(tmp_path, text), {})) == BRIEF_DEFAULTS
+
+
+def test_to_toml_round_trips_a_changed_configuration(tmp_path):
+    env = {
+        "KVTIER_DEPLOYMENT_ID": "node-7",
+        "KVTIER_CACHE__BLOCK_SIZE": "16",
+        "KVTIER_CACHE__HOST_BLOCKS": "512",
+        "KVTIER_STORAGE__BACKEND": "redis",
+        "KVTIER_STORAGE__URL": "redis://h:6380/3",
+        "KVTIER_STORAGE__PREFETCH_HOST_BLOCKS_LIMIT": "7",
+        "KVTIER_STORAGE__TIMEOUT_BASE_S": "1e-05",
+        "KVTIER_STORAGE__PATH": 'dir with "quotes" and \\ backslash',
+        "KVTIER_ADMIN_TOKEN": "t",
+    }
+    cfg = load_config(None, env)
+    again = load_config(_write(tmp_path, to_toml(cfg)), {"KVTIER_ADMIN_TOKEN": "t"})
+    assert again == cfg
+    assert 'token = ""  # set, not written' in to_toml(cfg)
