@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -34,60 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from manager.scheduler import KVCacheManager  # noqa: E402
-
-SEED = 20240611
-VOCAB = 32000
-N_CONV = 200
-N_TURNS = 6
-SYS_LEN = 1024
-USER_LEN = 256
-OUT_LEN = 256
-CONCURRENCY = 64
-CAP_FRACTION = 0.30
-WARMUP_FRAC = 0.1
+from manager.scheduler import KVCacheManager
+from manager.workloads import WARMUP_FRAC, capacity_blocks, make_chat_workload
 
 PEERS_DIR = Path(__file__).resolve().parents[2] / "shared" / "peers"
-
-
-def make_workload(seed: int = SEED) -> list[list[int]]:
-    """Token lists of every request, in issue order."""
-    rng = random.Random(seed)
-
-    def rnd(n: int) -> list[int]:
-        return [rng.randrange(VOCAB) for _ in range(n)]
-
-    system = rnd(SYS_LEN)
-    convs = [[(rnd(USER_LEN), rnd(OUT_LEN)) for _ in range(N_TURNS)] for _ in range(N_CONV)]
-    order = random.Random(seed + 1)
-    open_convs = list(range(min(CONCURRENCY, N_CONV)))
-    next_conv = len(open_convs)
-    next_turn = [0] * N_CONV
-    history = {c: list(system) for c in range(N_CONV)}
-    reqs: list[list[int]] = []
-    while open_convs:
-        k = order.randrange(len(open_convs))
-        c = open_convs[k]
-        t = next_turn[c]
-        user, out = convs[c][t]
-        h = history[c]
-        h.extend(user)
-        h.extend(out)
-        reqs.append(list(h))
-        next_turn[c] += 1
-        if next_turn[c] == N_TURNS:
-            del history[c]
-            if next_conv < N_CONV:
-                open_convs[k] = next_conv
-                next_conv += 1
-            else:
-                open_convs.pop(k)
-    return reqs
-
-
-def capacity_blocks(block_size: int) -> int:
-    distinct = SYS_LEN // block_size + N_CONV * N_TURNS * (USER_LEN + OUT_LEN) // block_size
-    return math.ceil(CAP_FRACTION * distinct)
 
 
 class Runner:
@@ -215,7 +163,7 @@ def main() -> int:
     ap.add_argument("--block-sizes", default="16,64")
     args = ap.parse_args()
     sizes = [int(x) for x in args.block_sizes.split(",")]
-    reqs = make_workload()
+    reqs = make_chat_workload()
     venv = peers_venv() if args.peers else None
     if args.peers and venv is None:
         print("peer venv not found: run `bash ../shared/peers/setup.sh` first", file=sys.stderr)

@@ -50,6 +50,14 @@ class ExtraKey:
     length: int
     content_hash: bytes
 
+    def __post_init__(self) -> None:
+        if (not isinstance(self.offset, int) or not isinstance(self.length, int)
+                or self.offset < 0 or self.length <= 0):
+            raise TokenKeyError(
+                f"extra_keys item {self!r}: offset must be >= 0 and length > 0 (token counts)")
+        if not isinstance(self.content_hash, bytes) or not self.content_hash:
+            raise TokenKeyError(f"extra_keys item {self!r}: content_hash must be non-empty bytes")
+
     @classmethod
     def coerce(cls, item: object) -> ExtraKey:
         """Accept an ExtraKey or an (offset, length, hash) tuple; hash as bytes, hex str or int."""
@@ -63,14 +71,12 @@ class ExtraKey:
             ) from None
         if isinstance(digest, str):
             digest = digest.encode()
-        elif isinstance(digest, int):
+        elif isinstance(digest, int) and not isinstance(digest, bool):
+            if digest < 0:
+                raise TokenKeyError(f"extra_keys item {item!r}: an int content_hash must be >= 0")
             digest = digest.to_bytes((max(digest.bit_length(), 1) + 7) // 8, "little")
         if not isinstance(digest, bytes | bytearray) or not digest:
             raise TokenKeyError(f"extra_keys item {item!r}: content_hash must be non-empty")
-        if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length <= 0:
-            raise TokenKeyError(
-                f"extra_keys item {item!r}: offset must be >= 0 and length > 0 (token counts)"
-            )
         return cls(offset, length, bytes(digest))
 
 
@@ -86,9 +92,14 @@ def pack_tokens(token_ids: Sequence[int], count: int) -> bytes:
         if isinstance(token_ids, list | tuple):
             return packer.pack(*token_ids[:count])
         return packer.pack(*(int(t) for t in token_ids[:count]))
-    except struct.error:
-        bad = next((t for t in token_ids[:count] if not -(2**31) <= int(t) < 2**31), None)
-        raise TokenKeyError(f"token id {bad!r} does not fit in int32") from None
+    except (struct.error, TypeError, ValueError):
+        for i, t in enumerate(token_ids[:count]):
+            if isinstance(t, bool) or (not isinstance(t, int) and not hasattr(t, "__index__")):
+                raise TokenKeyError(f"token id {t!r} at position {i} is not an integer") from None
+            if not -(2**31) <= int(t) < 2**31:
+                raise TokenKeyError(
+                    f"token id {t!r} at position {i} does not fit in int32") from None
+        raise
 
 
 def _extra_bytes_per_block(
@@ -126,6 +137,8 @@ def chain_keys(
     """
     full = len(token_ids) // block_size
     end = full if num_blocks is None else min(full, start_block + num_blocks)
+    if extra_keys:  # validated even when no block is full yet
+        extra_keys = [ExtraKey.coerce(e) for e in extra_keys]
     if end <= start_block:
         return []
     step = block_size * 4
@@ -161,8 +174,9 @@ def storage_keys(
     """SHA-256 storage keys of blocks `start_block ..`, chained from `parent` (b"" at the root).
 
     Canonical encoding of one block: parent digest (32 bytes, or empty at the root), the
-    block's tokens as little-endian int32, then for each overlapping multimodal item its hash
-    length (2 bytes LE) and hash. Any instance on any machine computes the same digest.
+    block's tokens as little-endian int32, then, when multimodal items overlap the block, the
+    marker b"\x00mm" and for each item (sorted by offset, then hash) its hash length (2 bytes
+    LE) and hash. Any instance on any machine computes the same digest.
     """
     full = len(token_ids) // block_size
     end = full if num_blocks is None else min(full, start_block + num_blocks)

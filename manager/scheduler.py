@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from manager.block_pool import BlockPool
 from manager.errors import (
@@ -40,9 +41,11 @@ from manager.keys import TokenKeyError, chain_keys, key_bytes
 from manager.policies import WritePolicy, make_write_policy
 from manager.transfers import Dispatcher, ImmediateDispatcher, LoadHandle
 from manager.tree import (
+    BACKING,
     CANCEL_EVICT,
     DEVICE_BUSY,
     EVICTING,
+    FROM_STORAGE,
     HOST_BUSY,
     LOADING,
     PINNED,
@@ -53,6 +56,9 @@ from manager.tree import (
     Node,
 )
 from worker.wire import Completion, Priority, Task, TaskKind
+
+if TYPE_CHECKING:
+    from manager.storage_tier import StorageTier
 
 _monotonic = time.monotonic
 
@@ -99,7 +105,7 @@ class _Request:
     block is the request's own (a duplicate of a cached block); `blocks[i]` is block i's
     device id; blocks past `len(nodes)` are owned by the request."""
 
-    __slots__ = ("blocks", "extra_keys", "handle", "keys", "length", "nodes")
+    __slots__ = ("blocks", "extra_keys", "handle", "keys", "length", "nodes", "skeys")
 
     def __init__(self, keys: list[int], extra_keys: Sequence[object] | None) -> None:
         self.keys = keys
@@ -108,6 +114,7 @@ class _Request:
         self.blocks: list[int] = []
         self.length = 0  # tokens the request has device slots for (counted from 0)
         self.handle: LoadHandle | None = None
+        self.skeys: list[bytes] = []  # storage keys, computed only with a storage tier
 
 
 @dataclass(slots=True)
@@ -181,6 +188,7 @@ class KVCacheManager:
         self.paused = False
         self._dev_in_tree = 0
         self._host_in_tree = 0
+        self.storage: StorageTier | None = None  # set by the Stack when storage is configured
 
     # ------------------------------------------------------------------ scheduler API
 
@@ -211,40 +219,53 @@ class KVCacheManager:
             backups: list[Node] = []
             hit_threshold = self.policy.hit_threshold if self._host_pool.capacity else 0
             unlinked = 0
-            for key in keys[:cap] if cap < len(keys) else keys:
-                node = get(key)
-                if node is None:
-                    break
-                if node.dev is None:
-                    if node.host is None or node.flags & PREFETCHING:
+            n_storage = 0
+            limit = min(cap, len(keys))
+            storage = self.storage
+            while True:
+                for key in keys[len(nodes):limit]:
+                    node = get(key)
+                    if node is None:
                         break
-                    host_hits.append(len(nodes))
-                    node.flags |= LOADING
-                    if node.hprev is not None:
-                        self._host_lru.unlink(node)
-                elif node.flags:
-                    fl = node.flags
-                    if fl & EVICTING:
-                        node.flags = fl | CANCEL_EVICT
-                    if fl & LOADING:
-                        seq = self._loading_seq(node)
-                        if seq is not None:
-                            waits.append((seq, len(nodes)))
-                prev = node.dprev
-                if prev is not None:  # leave the device LRU (inlined DeviceLRU.unlink)
-                    nxt = node.dnext
-                    prev.dnext = nxt
-                    nxt.dprev = prev  # type: ignore[union-attr]
-                    node.dprev = node.dnext = None
-                    unlinked += 1
-                node.ref += 1
-                node.hits += 1
-                node.last = now
-                if hit_threshold and node.host is None and node.hits >= hit_threshold:
-                    backups.append(node)
-                add(node)
+                    if node.dev is None:
+                        if node.host is None or node.flags & PREFETCHING:
+                            break
+                        host_hits.append(len(nodes))
+                        if node.flags & FROM_STORAGE:
+                            n_storage += 1
+                        node.flags = (node.flags | LOADING) & ~FROM_STORAGE
+                        if node.hprev is not None:
+                            self._host_lru.unlink(node)
+                    elif node.flags:
+                        fl = node.flags
+                        if fl & EVICTING:
+                            node.flags = fl | CANCEL_EVICT
+                        if fl & LOADING:
+                            seq = self._loading_seq(node)
+                            if seq is not None:
+                                waits.append((seq, len(nodes)))
+                    prev = node.dprev
+                    if prev is not None:  # leave the device LRU (inlined DeviceLRU.unlink)
+                        nxt = node.dnext
+                        prev.dnext = nxt
+                        nxt.dprev = prev  # type: ignore[union-attr]
+                        node.dprev = node.dnext = None
+                        unlinked += 1
+                    node.ref += 1
+                    node.hits += 1
+                    node.last = now
+                    if hit_threshold and node.host is None and node.hits >= hit_threshold:
+                        backups.append(node)
+                    add(node)
+                if storage is None or len(nodes) >= limit:
+                    break
+                self._dev_lru.size -= unlinked  # the wait below releases the lock
+                unlinked = 0
+                if not storage.on_miss(req, token_ids, len(nodes), limit):
+                    break
             self._dev_lru.size -= unlinked
             n_host = self._load_host_hits(req, host_hits, waits) if host_hits else 0
+            n_storage = min(n_storage, n_host)
             req.blocks = [n.dev for n in nodes]  # type: ignore[union-attr,misc]
             n_hit = len(nodes)
             req.length = n_hit * bs
@@ -253,7 +274,8 @@ class KVCacheManager:
             c.requests += 1
             c.lookup_tokens += n_tokens
             c.hit_device_tokens += (n_hit - n_host) * bs
-            c.hit_host_tokens += n_host * bs
+            c.hit_host_tokens += (n_host - n_storage) * bs
+            c.hit_storage_tokens += n_storage * bs
             if backups:
                 self._backup([n for n in backups if n.dev is not None and n.host is None
                               and not n.flags & (SAVING | LOADING | EVICTING)])
@@ -265,8 +287,8 @@ class KVCacheManager:
                 if rec is not None:
                     rec.handles.append((handle, idx))
             self._flush()
-            return MatchResult(list(req.blocks), (n_hit - n_host) * bs, n_host * bs, 0,
-                               handle)
+            return MatchResult(list(req.blocks), (n_hit - n_host) * bs,
+                               (n_host - n_storage) * bs, n_storage * bs, handle)
 
     def allocate(self, request_id: str, num_tokens: int,
                  reserve_blocks: int | None = None) -> list[int]:
@@ -290,7 +312,7 @@ class KVCacheManager:
             if need <= 0:
                 req.length = length
                 return []
-            self._make_room(need, request_id)
+            self._make_room(need, f"request {request_id!r}")
             ids = self._dev_pool.allocate(need)
             req.blocks.extend(ids)
             req.length = length
@@ -360,6 +382,12 @@ class KVCacheManager:
                     node = None  # a duplicate: the request keeps its own block
                 nodes.append(node)
             self._dev_in_tree += len(new_nodes)
+            if self.storage is not None and new_nodes:
+                skeys = self.storage.request_skeys(req, token_ids, n_full)
+                for i in range(start, n_full):
+                    node = nodes[i]
+                    if node is not None and node.skey is None:
+                        node.skey = skeys[i]
             if new_nodes and self.policy.backup_on_commit and self._host_pool.capacity:
                 self._backup(new_nodes)
             self._flush()
@@ -409,6 +437,31 @@ class KVCacheManager:
             head.dprev = tail
             lru.size += appended
 
+    def prefetch(self, token_ids: Sequence[int],
+                 extra_keys: Sequence[object] | None = None) -> bool:
+        """Ask the storage tier for the blocks of this prompt that no tier holds, without
+        waiting (schedulers call it for queued requests, so best-effort prefetches have time
+        to land before `match`). Returns True when a storage query was issued."""
+        if self.storage is None:
+            return False
+        with self._lock:
+            keys = self._keys_or_error(token_ids, extra_keys)
+            req = _Request(keys, extra_keys)
+            n = len(token_ids)
+            cap = min((n - 1) // self.block_size if n else 0, len(keys))
+            get = self._map.get
+            for key in keys[:cap]:
+                node = get(key)
+                if node is None:
+                    break
+                req.nodes.append(node)
+            start = len(req.nodes)
+            if (cap - start) * self.block_size < self.storage.threshold_tokens:
+                return False
+            self.storage.prefetch_for(req, token_ids, start, cap)
+            self._flush()
+            return True
+
     # ------------------------------------------------------------------ admin API
 
     def pin(self, token_ids: Sequence[int], extra_keys: Sequence[object] | None = None) -> int:
@@ -436,6 +489,8 @@ class KVCacheManager:
                     self._submit(TaskKind.H2D, [node.host], [node.dev], [node],  # type: ignore[list-item]
                                  Priority.LOAD)
                     self.counters.h2d_blocks += 1
+                if node.flags & EVICTING:  # a demotion in flight must keep the device copy
+                    node.flags |= CANCEL_EVICT
                 node.flags |= PINNED
                 self._refresh(node)
                 self._pins[node] = self._pins.get(node, 0) + 1
@@ -448,6 +503,7 @@ class KVCacheManager:
         with self._lock:
             keys = self._keys_or_error(token_ids, extra_keys)
             count = 0
+            freed: list[Node] = []
             for key in keys:
                 node = self._map.get(key)
                 if node is None or node not in self._pins:
@@ -458,8 +514,10 @@ class KVCacheManager:
                 else:
                     del self._pins[node]
                     node.flags &= ~PINNED
-                    self._refresh(node)
+                    freed.append(node)
                 count += 1
+            for node in reversed(freed):  # tail first: leaves age first
+                self._refresh(node)
             return count
 
     def reset(self, timeout: float = 10.0) -> dict[str, int]:
@@ -591,6 +649,11 @@ class KVCacheManager:
         self._outbox.append(task)
         return seq
 
+    def _track(self, task: Task, nodes: list[Node], on_done: object = None) -> None:
+        """Queue a task built elsewhere (storage tier); sent at the end of the API call."""
+        self._inflight[task.seq] = _Inflight(task, nodes, on_done=on_done)
+        self._outbox.append(task)
+
     def _flush(self) -> None:
         """Hand queued tasks to the dispatcher once the state they describe is complete (an
         immediate dispatcher re-enters `_on_complete`)."""
@@ -657,6 +720,10 @@ class KVCacheManager:
                 f"{who}: {n} device blocks needed, {pool.num_free} free and "
                 f"{self._dev_lru.size} evictable of {pool.capacity}")
         while pool.num_free < n:
+            if not self._dev_lru.size:  # a demotion waited for was cancelled by a hit
+                raise OutOfBlocksError(
+                    f"{who}: {n} device blocks needed, {pool.num_free} free and nothing "
+                    f"left to evict of {pool.capacity}")
             demoting = self._evict_device(n - pool.num_free)
             if demoting:
                 self._flush()
@@ -743,7 +810,7 @@ class KVCacheManager:
         src: list[int] = []
         dst: list[int] = []
         saving: list[Node] = []
-        for node in nodes:
+        for node in reversed(nodes):  # tail first, so their LRU order stays leaves-first
             if node.host is not None or node.dev is None:
                 continue
             hb = self._host_block()
@@ -779,8 +846,10 @@ class KVCacheManager:
             else:
                 self._host_lru.unlink(node)
 
-    def _wait_unlocked(self, seqs: list[int]) -> None:
-        """Wait for tasks with the lock released, so the completion thread can apply them."""
+    def _wait_unlocked(self, seqs: list[int], timeout: float | None = None) -> None:
+        """Send what is queued, then wait for tasks with the lock released, so the completion
+        thread can apply them."""
+        self._flush()
         depth = 0
         while True:  # release however many times the calling thread holds the lock
             try:
@@ -789,7 +858,7 @@ class KVCacheManager:
                 break
             depth += 1
         try:
-            self.dispatcher.wait(seqs, self.transfer_timeout_s)
+            self.dispatcher.wait(seqs, self.transfer_timeout_s if timeout is None else timeout)
         finally:
             for _ in range(depth):
                 self._lock.acquire()
@@ -815,7 +884,7 @@ class KVCacheManager:
 
     def _finish_load(self, rec: _Inflight, ok: bool) -> None:
         exclusive = self.policy.exclusive
-        for node in rec.nodes:
+        for node in reversed(rec.nodes):  # tail first: leaves age first
             node.flags &= ~LOADING
             if ok:
                 if exclusive and node.host is not None and node.key is not None:
@@ -862,13 +931,16 @@ class KVCacheManager:
                 self._host_pool.free_one(node.host)
                 node.host = None
                 self._host_in_tree -= 1
-            if evicting and not flags & CANCEL_EVICT and node.ref == 0 and node.dev is not None:
+            if (evicting and not flags & (CANCEL_EVICT | PINNED) and node.ref == 0
+                    and node.dev is not None):
                 # The demotion landed (or failed: the block was being evicted anyway).
                 self._dev_pool.free_one(node.dev)
                 node.dev = None
                 self._dev_in_tree -= 1
             self._refresh(node)
             self._forget(node)
+        if ok and self.storage is not None:
+            self.storage.backup(rec.nodes)
 
     def _clear_all(self) -> dict[str, int]:
         """Drop every node; nodes held by requests become detached (their device blocks the
@@ -964,7 +1036,7 @@ class KVCacheManager:
                     assert node in self._pins
             inflight_nodes = {id(n) for r in self._inflight.values() for n in r.nodes}
             for n in self._map.values():
-                if n.flags & (LOADING | SAVING | EVICTING):
+                if n.flags & (LOADING | SAVING | EVICTING | PREFETCHING | BACKING):
                     assert id(n) in inflight_nodes, f"{n} flagged in flight but no task"
 
 

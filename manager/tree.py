@@ -24,8 +24,10 @@ Node residency and transfer state machine (one node = one block-sized prefix):
                       (storage)
 
 * Flags (`Node.flags`) mark what is in flight: LOADING, SAVING, EVICTING, PREFETCHING,
-  BACKING, plus PINNED. A node with LOADING/SAVING/EVICTING is never evicted from the device;
-  one with SAVING/LOADING/PREFETCHING/BACKING never loses its host block.
+  BACKING, plus PINNED, STORED (storage has a copy) and FROM_STORAGE (the host copy came
+  from storage and has not been hit yet). A node with LOADING/SAVING/EVICTING is never
+  evicted from the device; one with SAVING/LOADING/PREFETCHING/BACKING never loses its host
+  block.
 * A node whose device copy is being demoted (EVICTING) and is hit meanwhile is served from
   the device: the hit sets CANCEL_EVICT and the completion keeps the device block.
 * A node is *detached* (`key is None`) when it left the tree while requests still hold it
@@ -49,6 +51,8 @@ CANCEL_EVICT = 8  # hit while EVICTING: keep the device copy
 PREFETCHING = 16  # S2H in flight: host block allocated, content arriving
 BACKING = 32  # H2S in flight: host copy is being read
 PINNED = 64  # never evicted from the device
+STORED = 128  # a copy is in the storage tier (no backup needed)
+FROM_STORAGE = 256  # host copy prefetched from storage and not hit yet (counts a storage hit)
 
 DEVICE_BUSY = LOADING | SAVING | EVICTING | PINNED
 HOST_BUSY = LOADING | SAVING | EVICTING | PREFETCHING | BACKING | PINNED
@@ -59,12 +63,12 @@ class Node:
 
     Fields: `key` (tree key, None once detached), `dev`/`host` (block id on that tier or None),
     `ref` (requests holding it), `flags` (see module doc), `hits` (times matched), `last`
-    (monotonic time of the last match or commit), and the intrusive links of the device and
-    host LRU lists.
+    (monotonic time of the last match or commit), the intrusive links of the device and host
+    LRU lists, and `skey` (the SHA-256 storage key, when a storage tier exists).
     """
 
     __slots__ = ("dev", "dnext", "dprev", "flags", "hits", "hnext", "host", "hprev", "key",
-                 "last", "ref")
+                 "last", "ref", "skey")
 
     def __init__(self, key: int | None, dev: int | None, host: int | None, last: float) -> None:
         self.key = key
@@ -78,6 +82,7 @@ class Node:
         self.dnext: Node | None = None
         self.hprev: Node | None = None
         self.hnext: Node | None = None
+        self.skey: bytes | None = None  # storage key, only while a storage tier exists
 
     def __repr__(self) -> str:
         k = "detached" if self.key is None else f"{self.key & 0xFFFFFFFF:08x}"

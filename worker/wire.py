@@ -48,6 +48,7 @@ head and raises ValueError naming the message and the field that does not add up
 
 from __future__ import annotations
 
+import functools
 import struct
 import sys
 from array import array
@@ -169,6 +170,7 @@ class Fragment:
     data: bytes
 
 
+_KINDS: dict[int, TaskKind] = {int(k): k for k in TaskKind}
 _TASK_HEAD = struct.Struct("<BBBxiqIIIHxx")
 _COMPLETION_HEAD = struct.Struct("<BBBxIqqII")
 _REF_HEAD = struct.Struct("<BB6xqQQQ")
@@ -197,6 +199,11 @@ def _check_seq(what: str, seq: int) -> int:
     return seq
 
 
+@functools.lru_cache(maxsize=128)
+def _int64s(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}q")
+
+
 def _ids_bytes(what: str, ids: Any) -> tuple[int, bytes]:
     """Block ids -> (count, little-endian int64 bytes); any int sequence or int array."""
     if isinstance(ids, np.ndarray):
@@ -208,17 +215,18 @@ def _ids_bytes(what: str, ids: Any) -> tuple[int, bytes]:
             raise ValueError(f"{what}: id {int(ids.max())} does not fit in int64")
         return int(ids.size), ids.astype(_I64, copy=False).tobytes()
     try:
-        arr = array("q", ids)
-    except OverflowError:
-        raise ValueError(f"{what}: an id does not fit in int64") from None
-    except TypeError:
-        bad = next((x for x in ids if not isinstance(x, int | np.integer)), None)
-        raise ValueError(
-            f"{what}: ids must be integers, got {type(bad).__name__} {bad!r}"
-        ) from None
-    if _BIG_ENDIAN:
-        arr.byteswap()
-    return len(arr), arr.tobytes()
+        count = len(ids)
+        return count, _int64s(count).pack(*ids)
+    except (TypeError, struct.error):
+        pass
+    if not hasattr(ids, "__len__"):
+        raise ValueError(f"{what}: ids must be a sequence, got {type(ids).__name__}")
+    for i, x in enumerate(ids):
+        if isinstance(x, float | str | bytes) or not hasattr(x, "__index__"):
+            raise ValueError(f"{what}: id {i} must be an integer, got {type(x).__name__} {x!r}")
+        if not _I64_MIN <= int(x) <= _I64_MAX:
+            raise ValueError(f"{what}: id {i} = {int(x)} does not fit in int64")
+    raise ValueError(f"{what}: ids could not be encoded as int64")
 
 
 def _read_ids(raw: bytes, offset: int, count: int, as_array: bool) -> Any:
@@ -288,10 +296,13 @@ def encode_task(task: Task) -> bytes:
     """One TASK message holding the whole task (the transport decides where it travels)."""
     seq = _check_seq("task", task.seq)
     what = f"task seq={seq}"
-    try:
-        kind = TaskKind(task.kind)
-    except ValueError:
-        raise ValueError(f"{what}: unknown task kind {task.kind!r}") from None
+    kind = (
+        _KINDS.get(task.kind)
+        if isinstance(task.kind, int) and not isinstance(task.kind, bool)
+        else None
+    )
+    if kind is None:
+        raise ValueError(f"{what}: unknown task kind {task.kind!r}")
     if isinstance(task.priority, bool) or not isinstance(task.priority, int | np.integer):
         raise ValueError(f"{what}: priority must be an int, got {task.priority!r}")
     if not _I32_MIN <= task.priority <= _I32_MAX:
@@ -316,10 +327,9 @@ def decode_task(buf: bytes | bytearray | memoryview, *, ids_as_arrays: bool = Fa
         raw, "task", _TASK_HEAD, MessageType.TASK
     )
     what = f"task message seq={seq}"
-    try:
-        kind = TaskKind(kind)
-    except ValueError:
-        raise ValueError(f"{what}: unknown task kind {kind}") from None
+    if kind not in _KINDS:
+        raise ValueError(f"{what}: unknown task kind {kind}")
+    kind = _KINDS[kind]
     if not 0 <= seq < SEQ_LIMIT:
         raise ValueError(f"{what}: seq out of range [0, 2**47)")
     ids_end = _TASK_HEAD.size + 8 * (n_src + n_dst)

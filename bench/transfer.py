@@ -1,0 +1,206 @@
+"""D2H and H2D throughput of kvtier's copy engine against a contiguous copy of the same bytes.
+
+What is measured: one task of `blocks` random block ids (random device ids and random host
+ids, drawn afresh for every repetition) copied device -> host (`d2h`, all layers at once) and
+host -> device (`h2d`, layer by layer, as loads run), through `worker.copy_engine.CopyEngine`
+with a real `HostPool` in /dev/shm. The baseline, in the same run and interleaved with it, is
+one contiguous `copy_` of exactly as many bytes between the same two pools. The ratio of the
+two is what the copy strategy costs over the memory-bandwidth limit of the machine.
+
+Block-size convention: `block_kib` is the size of one block of ONE layer with K and V counted
+together (a 64 KiB block is 32 KiB of K plus 32 KiB of V per layer), so with 32 layers one
+block moves 32 x 64 KiB = 2 MiB. The KV shape used is 8 KV heads x 128 head_dim in float16
+(4 KiB of K+V per token), so block_size = block_kib / 4 tokens.
+
+Working set: both pools are sized between `blocks` and `2 x blocks` blocks to stay under
+`--max-working-set-gib` (default 3). A configuration whose task alone does not fit (256 KiB x
+512 blocks x 32 layers is 4 GiB per pool) is reported as skipped rather than shrunk, because
+shrinking the blocks would measure something else.
+
+    python bench/transfer.py            # table
+    python bench/transfer.py --json     # {"results": [{"block_kib": 64, "blocks": 512, ...}]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from worker.copy_engine import CopyEngine
+from worker.kv_pools import DevicePool, HostPool, KVShape
+
+KV_HEADS, HEAD_DIM, DTYPE = 8, 128, "float16"
+TOKEN_KV_BYTES = 2 * KV_HEADS * HEAD_DIM * 2  # K and V, float16
+
+
+@dataclass
+class Case:
+    block_kib: int
+    blocks: int
+    pool_blocks: int
+    shape: KVShape
+
+
+def plan_cases(
+    block_kibs: list[int], block_counts: list[int], layers: int, budget: int
+) -> tuple[list[Case], list[dict[str, object]]]:
+    cases: list[Case] = []
+    skipped: list[dict[str, object]] = []
+    for kib in block_kibs:
+        if (kib * 1024) % TOKEN_KV_BYTES:
+            raise SystemExit(f"--block-kib: {kib} is not a multiple of {TOKEN_KV_BYTES // 1024}")
+        shape = KVShape(layers, KV_HEADS, HEAD_DIM, kib * 1024 // TOKEN_KV_BYTES, DTYPE)
+        for n in block_counts:
+            pool = min(2 * n, budget // (2 * shape.page_bytes))
+            if pool < n:
+                need = 2 * n * shape.page_bytes
+                skipped.append(
+                    {
+                        "block_kib": kib,
+                        "blocks": n,
+                        "reason": f"needs {need / 2**30:.1f} GiB for two pools of {n} blocks, "
+                        f"over --max-working-set-gib {budget / 2**30:g}",
+                    }
+                )
+                continue
+            cases.append(Case(kib, n, pool, shape))
+    return cases, skipped
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list[dict[str, object]]:
+    shape, n, pool_n = case.shape, case.blocks, case.pool_blocks
+    dev = DevicePool(shape, pool_n, args.device)
+    name = f"/kvtier_bench_{os.getpid()}_host"
+    results: list[dict[str, object]] = []
+    with HostPool(shape, pool_n, name) as host:
+        dev_bytes = dev.data.view(-1).view(torch.uint8)
+        host_bytes = host.data.view(-1)
+        dev_bytes.fill_(0x5A)  # fault every page in before timing anything
+        host_bytes.fill_(0xA5)
+        engine = CopyEngine(dev, host, strategy=args.strategy)
+        page = shape.page_bytes
+        nbytes = n * page
+
+        def ids() -> tuple[torch.Tensor, torch.Tensor]:
+            return (
+                torch.randperm(pool_n, generator=gen)[:n],
+                torch.randperm(pool_n, generator=gen)[:n],
+            )
+
+        def offset() -> tuple[int, int]:
+            span = pool_n - n + 1
+            a = int(torch.randint(span, (1,), generator=gen)) * page
+            b = int(torch.randint(span, (1,), generator=gen)) * page
+            return a, b
+
+        def engine_d2h() -> None:
+            d, h = ids()
+            engine.d2h(d, h)
+
+        def engine_h2d() -> None:
+            d, h = ids()
+            engine.h2d(h, d)
+
+        def contig_d2h() -> None:
+            a, b = offset()
+            host_bytes[b : b + nbytes].copy_(dev_bytes[a : a + nbytes])
+
+        def contig_h2d() -> None:
+            a, b = offset()
+            dev_bytes[a : a + nbytes].copy_(host_bytes[b : b + nbytes])
+
+        ops: dict[str, Callable[[], None]] = {
+            "d2h": engine_d2h,
+            "d2h_contig": contig_d2h,
+            "h2d": engine_h2d,
+            "h2d_contig": contig_h2d,
+        }
+        times: dict[str, list[float]] = {k: [] for k in ops}
+        for fn in ops.values():  # warm-up: staging buffers, thread pools, first-touch
+            fn()
+        order = list(ops)
+        for rep in range(args.reps):
+            for key in order if rep % 2 == 0 else reversed(order):
+                _sync(dev.device)
+                t0 = time.perf_counter()
+                ops[key]()
+                _sync(dev.device)
+                times[key].append(time.perf_counter() - t0)
+        for direction in ("d2h", "h2d"):
+            ours = nbytes / statistics.median(times[direction]) / 1e9
+            base = nbytes / statistics.median(times[direction + "_contig"]) / 1e9
+            results.append(
+                {
+                    "block_kib": case.block_kib,
+                    "blocks": n,
+                    "direction": direction,
+                    "gbps": round(ours, 2),
+                    "contiguous_gbps": round(base, 2),
+                    "ratio_vs_contiguous": round(ours / base, 3),
+                }
+            )
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions per operation")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--block-kib", type=int, nargs="+", default=[16, 64, 256])
+    p.add_argument("--blocks", type=int, nargs="+", default=[64, 512])
+    p.add_argument("--max-working-set-gib", type=float, default=3.0)
+    p.add_argument("--strategy", choices=["auto", "runs", "gather"], default="auto")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error("--reps must be at least 1")
+    gen = torch.Generator().manual_seed(args.seed)
+    budget = int(args.max_working_set_gib * 2**30)
+    cases, skipped = plan_cases(args.block_kib, args.blocks, args.layers, budget)
+    results: list[dict[str, object]] = []
+    for case in cases:
+        results.extend(run_case(case, args, gen))
+    cuda = args.device != "cpu" and torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    if args.json:
+        out = {
+            "results": results,
+            "skipped": skipped,
+            "layers": args.layers,
+            "strategy": args.strategy,
+            "device": device,
+            "torch_threads": torch.get_num_threads(),
+        }
+        print(json.dumps(out))
+        return 0
+    print(f"{args.layers} layers, random block ids, device={device}, strategy={args.strategy}, "
+          f"{args.reps} interleaved repetitions (medians)")
+    print(f"{'block_kib':>9} {'blocks':>6} {'dir':>4} {'GB/s':>7} {'contig GB/s':>11} "
+          f"{'ratio_vs_contiguous':>19}")
+    for r in results:
+        print(f"{r['block_kib']:>9} {r['blocks']:>6} {r['direction']:>4} {r['gbps']:>7.2f} "
+              f"{r['contiguous_gbps']:>11.2f} {r['ratio_vs_contiguous']:>19.3f}")
+    for s in skipped:
+        print(f"skipped block_kib={s['block_kib']} blocks={s['blocks']}: {s['reason']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

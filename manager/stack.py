@@ -1,0 +1,232 @@
+"""One deployment's running parts, built from its configuration: worker processes, the
+dispatcher that feeds them, and the manager. `kvtier serve` and `kvtier replay` run a Stack;
+engine builders can too (`Stack(cfg).start()`, then `stack.manager` is the scheduler API).
+
+Start order: IPC names (stale ones of this deployment removed) -> worker processes (each
+builds its pools and reports ready) -> dispatcher -> manager. Stop order is the reverse, and
+`close()` is safe to call from any state: it always ends with every process stopped and every
+shared-memory segment and queue of the deployment unlinked.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from manager.config import KvtierConfig, page_bytes, resolve_device, summary
+from manager.errors import KvtierError
+from manager.launcher import WorkerSupervisor
+from manager.scheduler import KVCacheManager
+from manager.storage_tier import StorageTier
+from worker.ipc import TreeStatus
+from worker.process import WorkerSpec
+from worker.wire import TaskKind
+
+log = logging.getLogger("kvtier.stack")
+
+TransferObserver = Callable[[TaskKind, int, float], None]
+"""Called as `observer(kind, blocks, seconds)` once per finished task (every rank answered)."""
+
+
+class _ObservedTransferLog(collections.deque):  # type: ignore[type-arg]
+    """The dispatcher's log of finished tasks (kind, blocks, seconds), which also hands every
+    entry to the stack's observers as it is appended: a histogram fed here sees every task,
+    where one drained from the bounded log at scrape time would miss those pushed out."""
+
+    def __init__(self, maxlen: int | None, observers: list[TransferObserver]) -> None:
+        super().__init__(maxlen=maxlen)
+        self._observers = observers
+
+    def append(self, item: tuple[TaskKind, int, float]) -> None:
+        super().append(item)
+        for observe in self._observers:
+            try:
+                observe(*item)
+            except Exception:  # an observer must never break the dispatcher
+                log.exception("transfer observer %r failed", observe)
+
+
+class Stack:
+    """Manager + workers (+ storage tier) of one deployment.
+
+    Invariant: `manager` exists only while the workers it dispatches to are running.
+    """
+
+    def __init__(self, cfg: KvtierConfig, *, log_dir: str | None = None,
+                 transfer_timeout_s: float = 30.0) -> None:
+        self.cfg = cfg
+        self.log_dir = log_dir
+        self.transfer_timeout_s = transfer_timeout_s
+        self.supervisor: WorkerSupervisor | None = None
+        self.manager: KVCacheManager | None = None
+        self.storage: StorageTier | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._transfer_observers: list[TransferObserver] = []
+
+    # ------------------------------------------------------------------ life cycle
+
+    def worker_spec(self, rank: int) -> WorkerSpec:
+        c = self.cfg
+        s = c.storage
+        return WorkerSpec(
+            deployment_id=c.deployment_id, rank=rank, num_ranks=c.workers.count,
+            num_layers=c.model.num_layers, num_kv_heads=c.model.num_kv_heads,
+            head_dim=c.model.head_dim, dtype=c.model.dtype, block_size=c.cache.block_size,
+            device_blocks=c.cache.device_blocks, host_blocks=c.cache.host_blocks,
+            device=resolve_device(c), storage_backend=s.backend, storage_path=s.path,
+            storage_url=s.url, storage_capacity_bytes=s.capacity_bytes,
+            storage_ttl_s=int(s.ttl_s), backup_one_rank=s.backup_one_rank,
+            manager_timeout_s=max(3.0, c.workers.heartbeat_timeout_s))
+
+    def start(self) -> Stack:
+        c = self.cfg
+        try:
+            self.supervisor = WorkerSupervisor(
+                self.worker_spec, c.workers.count, c.deployment_id,
+                ready_timeout_s=c.workers.ready_timeout_s,
+                heartbeat_timeout_s=c.workers.heartbeat_timeout_s, log_dir=self.log_dir,
+                on_worker_lost=self._on_worker_lost)
+            dispatcher = self.supervisor.make_dispatcher()
+            dispatcher.transfer_seconds = _ObservedTransferLog(
+                dispatcher.transfer_seconds.maxlen, self._transfer_observers)
+            self.supervisor.start()
+            self.manager = KVCacheManager(
+                block_size=c.cache.block_size, device_blocks=c.cache.device_blocks,
+                host_blocks=c.cache.host_blocks, write_policy=c.cache.write_policy,
+                hit_threshold=c.cache.hit_threshold,
+                decode_reserve_blocks=c.cache.decode_reserve_blocks, dispatcher=dispatcher,
+                page_bytes=self.page_bytes,
+                num_layers=c.model.num_layers, transfer_timeout_s=self.transfer_timeout_s)
+            if c.storage.backend != "none":
+                self.storage = StorageTier(self.manager, c)
+                self.manager.storage = self.storage
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block on one rank (all layers, K and V)."""
+        return page_bytes(self.cfg)
+
+    def _on_worker_lost(self, rank: int, reason: str) -> None:
+        if self.manager is not None:
+            cleared = self.manager.lose_all()
+            log.error("rank %d lost (%s): every cached block is gone with its pools (%s)",
+                      rank, reason, cleared)
+
+    def close(self) -> None:
+        """Stop everything (idempotent): drain transfers briefly, stop workers, unlink."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self.manager is not None:
+            self.manager.dispatcher.drain(5.0)
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        self.manager = None
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ operations
+
+    def require_manager(self) -> KVCacheManager:
+        if self.manager is None:
+            raise KvtierError("the stack is not running")
+        return self.manager
+
+    def add_transfer_observer(self, observer: TransferObserver) -> None:
+        """Call `observer(kind, blocks, seconds)` for every task that finishes from now on
+        (on the dispatcher's thread, under its lock: keep it to a counter update)."""
+        self._transfer_observers.append(observer)
+
+    def alive(self) -> tuple[bool, str]:
+        """Whether the manager's own threads still run: the supervisor's watcher, the
+        completion applier and the IPC reader and notify watcher. Without any of them the
+        manager stops hearing from its workers, whatever the workers' state."""
+        if self._closed:
+            return False, "stopped"
+        sup = self.supervisor
+        if sup is None or self.manager is None or sup.dispatcher is None:
+            return False, "starting"
+        if sup._monitor is None:
+            return False, "starting"
+        threads = [sup._monitor, sup.dispatcher._applier, *sup.ipc._threads]
+        dead = [t.name for t in threads if not t.is_alive()]
+        if dead:
+            return False, "manager thread(s) stopped: " + ", ".join(map(str, dead))
+        return True, "manager threads running"
+
+    def ready(self) -> tuple[bool, str]:
+        if self.supervisor is None or self.manager is None:
+            return False, "starting"
+        return self.supervisor.ready()
+
+    def pause(self) -> None:
+        m = self.require_manager()
+        m.paused = True
+        assert self.supervisor is not None
+        self.supervisor.ipc.paused = True
+
+    def resume(self) -> None:
+        m = self.require_manager()
+        m.paused = False
+        assert self.supervisor is not None
+        self.supervisor.ipc.paused = False
+
+    def reset(self, *, storage: bool = False, timeout: float = 10.0) -> dict[str, Any]:
+        """Empty the tree and the device and host caches after in-flight transfers finish;
+        with `storage`, also this deployment's storage namespace. Raises ResetBusyError
+        (nothing cleared) when transfers do not finish in time."""
+        m = self.require_manager()
+        assert self.supervisor is not None
+        ipc = self.supervisor.ipc
+        ipc.tree_status = TreeStatus.CLEARING
+        try:
+            cleared: dict[str, Any] = dict(m.reset(timeout))
+            if storage:
+                cleared["storage_pages"] = (self.storage.clear(timeout)
+                                            if self.storage is not None else 0)
+            ipc.tree_status = TreeStatus.CLEARED
+            return cleared
+        finally:
+            ipc.tree_status = TreeStatus.NORMAL
+
+    def status(self) -> dict[str, Any]:
+        m = self.require_manager()
+        st = m.stats()
+        pb = self.page_bytes
+        tiers: dict[str, Any] = {}
+        for tier in ("device", "host"):
+            t = dict(st[tier])  # type: ignore[arg-type]
+            t["bytes_per_block"] = pb * self.cfg.workers.count
+            for k in ("capacity", "free", "cached", "in_use"):
+                t[f"{k}_bytes"] = t[k] * pb * self.cfg.workers.count
+            tiers[tier] = t
+        c = st["counters"]  # type: ignore[index]
+        lookup = c["lookup_tokens"] or 0
+        hits = {"device": c["hit_device_tokens"], "host": c["hit_host_tokens"],
+                "storage": c["hit_storage_tokens"]}
+        return {
+            "deployment_id": self.cfg.deployment_id,
+            "tiers": tiers,
+            "storage": self.storage.status() if self.storage is not None else None,
+            "workers": self.supervisor.status() if self.supervisor else [],
+            "hit_rate": {k: (v / lookup if lookup else 0.0) for k, v in hits.items()}
+            | {"total": (sum(hits.values()) / lookup if lookup else 0.0)},
+            "paused": m.paused,
+            "tree_status": st["tree_status"],
+            "requests_active": st["requests_active"],
+            "tasks_inflight": st["tasks_inflight"],
+            "config": summary(self.cfg),
+        }

@@ -1,0 +1,189 @@
+"""A real `redis-server` process on a free 127.0.0.1 port, for tests and benchmarks.
+
+Storage tests run against the Redis that production uses, not a fake: only a real server shows
+real timeouts, refused connections and recovery. The server persists nothing (`--save ""`,
+`--appendonly no`), works in its own temp directory, and every wait on it is bounded. For outage
+tests it can be killed, paused (SIGSTOP: a server that accepts connections but never answers)
+and restarted on the same port, which is what a client sees when its Redis restarts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+START_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 5.0
+
+
+def redis_server_binary() -> str:
+    """Path of `redis-server`, or a RuntimeError that says how to install it."""
+    path = shutil.which("redis-server")
+    if path is None:
+        raise RuntimeError(
+            "redis-server is not installed or not on PATH; the storage tests need a real "
+            "Redis server (Debian/Ubuntu: apt-get install -y redis-server)"
+        )
+    return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def ping(port: int, timeout_s: float = 0.2) -> bool:
+    """True if a Redis server on 127.0.0.1:`port` answers PING within `timeout_s`."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """One redis-server child process.
+
+    State: `port` (fixed once the first start succeeds, reused by `restart`), `proc` (the
+    running child or None), `workdir` (temp dir holding the server's log; removed by `stop`).
+    Invariant: when a method returns, `proc` is either None or a server answering PING.
+    """
+
+    def __init__(self, port: int | None = None) -> None:
+        self.binary = redis_server_binary()
+        self.port = port
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvtier-redis-"))
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> RedisServer:
+        """Start the server (on a free port unless one is fixed) and wait for PING."""
+        if self.proc is not None:
+            raise RuntimeError(f"redis-server already running on port {self.port}")
+        attempts = 1 if self.port is not None else 3
+        last_error = ""
+        for _ in range(attempts):
+            port = self.port if self.port is not None else free_port()
+            error = self._spawn_and_wait(port)
+            if error is None:
+                self.port = port
+                return self
+            last_error = error
+        raise RuntimeError(f"redis-server did not start: {last_error}")
+
+    def _spawn_and_wait(self, port: int) -> str | None:
+        log_path = self.workdir / "redis.log"
+        with open(self.workdir / "stdout.log", "ab") as out:
+            proc = subprocess.Popen(
+                [
+                    self.binary,
+                    "--port", str(port),
+                    "--bind", "127.0.0.1",
+                    "--save", "",
+                    "--appendonly", "no",
+                    "--daemonize", "no",
+                    "--dir", str(self.workdir),
+                    "--logfile", str(log_path),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return f"exited with {proc.returncode} on port {port}: {self._log_tail()}"
+            if ping(port):
+                self.proc = proc
+                return None
+            time.sleep(0.02)
+        self._reap(proc, signal.SIGKILL)
+        return f"no PING answer on port {port} within {START_TIMEOUT_S}s: {self._log_tail()}"
+
+    def _log_tail(self) -> str:
+        text = ""
+        for name in ("redis.log", "stdout.log"):
+            with contextlib.suppress(OSError):
+                text += (self.workdir / name).read_text(errors="replace")
+        return " | ".join(text.strip().splitlines()[-3:])
+
+    @staticmethod
+    def _reap(proc: subprocess.Popen[bytes], sig: int) -> None:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=STOP_TIMEOUT_S)
+
+    def kill(self) -> None:
+        """SIGKILL the server (an abrupt outage) and reap it; the port stays reserved for
+        `restart`."""
+        if self.proc is not None:
+            self.resume()
+            self._reap(self.proc, signal.SIGKILL)
+            self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the kernel still accepts connections but nothing is answered."""
+        if self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    def restart(self) -> RedisServer:
+        """Start again on the same port (after `kill`), empty, as a restarted Redis is."""
+        if self.port is None:
+            raise RuntimeError("restart() needs a server that was started once")
+        self.kill()
+        return self.start()
+
+    def stop(self) -> None:
+        """Terminate the server, reap it and remove its directory. Safe to call twice."""
+        if self.proc is not None:
+            self.resume()
+            self._reap(self.proc, signal.SIGTERM)
+            self.proc = None
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    """A redis-server shared by the tests of one module. Fails (does not skip) when
+    redis-server is missing: the storage tier must be tested against real Redis."""
+    try:
+        server = RedisServer()
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    with server:
+        yield server

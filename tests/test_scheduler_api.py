@@ -1,0 +1,825 @@
+"""The scheduler API, one behaviour per test: hits, caps, all-or-nothing, errors, eviction
+order, pins, write policies, transfers that fail, and reset.
+
+Every manager a test builds is checked with `check_invariants()` when the test ends (and the
+helpers check after each request): every block id of a tier is exactly one of free / tree /
+request, the counts add up, the LRU lists hold exactly the evictable nodes.
+
+`ManualDispatcher` keeps transfer tasks pending until the test completes them; the manager
+itself blocks only on write-back demotions, which the dispatcher's resolver completes. The
+resolver runs while the manager waits with its lock released, i.e. exactly where a completion
+thread or the admin would get in, so tests use it to act in the middle of an eviction.
+
+`where()` reads the prefix tree directly: the public API has no read-only lookup (a match
+references blocks and refreshes their LRU position, which would change what is tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from manager.errors import (
+    InvalidRequestError,
+    OutOfBlocksError,
+    ResetBusyError,
+    TransferFailedError,
+    UnknownRequestError,
+)
+from manager.keys import chain_keys
+from manager.scheduler import KVCacheManager, MatchResult
+from manager.transfers import ImmediateDispatcher, ManualDispatcher
+from manager.tree import EVICTING, SAVING, Node
+from worker.wire import Priority, Task, TaskKind
+
+BS = 4
+Factory = Callable[..., KVCacheManager]
+
+
+@pytest.fixture
+def make() -> Iterator[Factory]:
+    """Builds managers (block size 4) and checks each one's invariants after the test."""
+    made: list[KVCacheManager] = []
+
+    def factory(**kw: object) -> KVCacheManager:
+        kw.setdefault("block_size", BS)
+        kw.setdefault("transfer_timeout_s", 5.0)
+        m = KVCacheManager(**kw)  # type: ignore[arg-type]
+        made.append(m)
+        return m
+
+    yield factory
+    for m in made:
+        m.check_invariants()
+
+
+def prompt(tag: int, n: int) -> list[int]:
+    """`n` tokens no other tag shares."""
+    return [tag * 1000 + i for i in range(n)]
+
+
+def node(m: KVCacheManager, tokens: list[int], block: int) -> Node | None:
+    return m._map.get(chain_keys(tokens, BS)[block])
+
+
+def where(m: KVCacheManager, tokens: list[int]) -> list[str]:
+    """Per full block of `tokens`: "dev", "host", "both", or "-" when not in the tree."""
+    out = []
+    for key in chain_keys(tokens, BS):
+        n = m._map.get(key)
+        if n is None:
+            out.append("-")
+        elif n.dev is not None and n.host is not None:
+            out.append("both")
+        else:
+            out.append("dev" if n.dev is not None else "host")
+    return out
+
+
+def serve(m: KVCacheManager, rid: str, tokens: list[int], *,
+          release: bool = True) -> MatchResult:
+    """One whole request: match, allocate the rest, wait for loads, commit, release."""
+    res = m.match(rid, tokens)
+    m.allocate(rid, len(tokens) - res.num_tokens)
+    res.handle.wait()
+    m.commit(rid, tokens, len(tokens))
+    if release:
+        m.release(rid)
+    m.check_invariants()
+    return res
+
+
+def tasks_of(d: ManualDispatcher, kind: TaskKind) -> list[Task]:
+    return [t for t in d.tasks.values() if t.kind == kind]
+
+
+def assert_no_leak(m: KVCacheManager) -> None:
+    m.check_invariants()
+    dev = m.stats()["device"]
+    assert dev["owned_by_requests"] == 0  # type: ignore[index]
+    assert dev["free"] + dev["cached"] == dev["capacity"]  # type: ignore[index]
+
+
+# ---------------------------------------------------------------------- match
+
+
+def test_match_on_an_empty_cache(make: Factory) -> None:
+    m = make(device_blocks=8)
+    res = m.match("r", prompt(1, 10))
+    assert res.block_ids == [] and res.num_tokens == 0
+    assert (res.device_tokens, res.host_tokens, res.storage_tokens) == (0, 0, 0)
+    assert res.handle.done and not res.handle.has_loads
+    res.handle.wait(0)
+    res.handle.wait_layer(0, 0)
+    empty = m.match("e", [])
+    assert empty.num_tokens == 0
+    c = m.stats()["counters"]
+    assert c["requests"] == 2 and c["lookup_tokens"] == 10  # type: ignore[index]
+    m.release("r")
+    m.release("e")
+
+
+def test_committed_prefix_is_a_device_hit(make: Factory) -> None:
+    m = make(device_blocks=16)
+    a = prompt(1, 14)  # 3 full blocks + 2 tokens
+    serve(m, "a", a, release=False)
+    blocks = m.request_blocks("a")
+    m.release("a")
+    assert where(m, a) == ["dev"] * 3
+    longer = [*a[:12], 7, 7, 7, 7, 7]
+    res = m.match("b", longer)
+    assert res.device_tokens == 12 and res.host_tokens == 0
+    assert res.block_ids == blocks[:3]
+    assert m.request_blocks("b") == blocks[:3]
+    assert res.handle.done
+    # A prompt that diverges inside block 1 hits block 0 only.
+    other = list(a)
+    other[5] += 1
+    assert m.match("c", other).block_ids == blocks[:1]
+    c = m.stats()["counters"]
+    assert c["hit_device_tokens"] == 16  # type: ignore[index]
+    m.release("b")
+    m.release("c")
+
+
+@pytest.mark.parametrize(("length", "hit"), [(12, 8), (13, 12), (15, 12), (16, 12), (1, 0),
+                                              (4, 0), (5, 4)])
+def test_hit_is_capped_at_len_minus_one(make: Factory, length: int, hit: int) -> None:
+    m = make(device_blocks=16)
+    full = prompt(1, 16)
+    serve(m, "a", [*full, 99])  # all 4 blocks cached
+    res = m.match("b", full[:length])
+    assert res.num_tokens == hit, "at least one token must be left to compute"
+    assert length - res.num_tokens >= 1
+    new = m.allocate("b", length - res.num_tokens)
+    assert len(res.block_ids) + len(new) == -(-length // BS)
+    m.release("b")
+
+
+def test_only_full_blocks_are_cached(make: Factory) -> None:
+    m = make(device_blocks=16)
+    a = prompt(1, 10)  # 2 full blocks + 2 tokens
+    m.match("a", a)
+    m.allocate("a", 10)
+    assert m.commit("a", a, 7) == 1  # chunked prefill: 7 tokens, 1 full block
+    assert m.commit("a", a, 7) == 0
+    assert m.commit("a", a, 10) == 1
+    grown = [*a, 55, 56]  # decode filled block 2
+    m.allocate("a", 2)
+    assert m.commit("a", grown, 12) == 1
+    m.release("a")
+    assert m.stats()["device"]["cached"] == 3  # type: ignore[index]
+    assert where(m, grown) == ["dev"] * 3
+    res = m.match("b", [*a, 55, 77, 1])
+    assert res.num_tokens == 8, "the partial block 2 of another prompt must not hit"
+    m.release("b")
+
+
+def test_duplicate_blocks_stay_the_requests_own(make: Factory) -> None:
+    """Two requests computing the same prompt at once: the second's blocks are duplicates,
+    kept out of the tree and freed at release."""
+    m = make(device_blocks=16)
+    a = prompt(1, 9)
+    m.match("x", a)
+    m.match("y", a)
+    m.allocate("x", 9)
+    m.allocate("y", 9)
+    assert m.commit("x", a, 9) == 2
+    assert m.commit("y", a, 9) == 0
+    assert m.stats()["device"]["cached"] == 2  # type: ignore[index]
+    m.check_invariants()
+    m.release("y")
+    m.release("x")
+    assert_no_leak(m)
+    assert m.stats()["device"]["free"] == 14  # type: ignore[index]
+
+
+# ---------------------------------------------------------------------- allocate
+
+
+def test_allocate_is_all_or_nothing(make: Factory) -> None:
+    m = make(device_blocks=6)
+    a = prompt(1, 13)
+    serve(m, "a", a)  # 3 cached and evictable, 3 free
+    m.match("b", prompt(2, 8))
+    m.allocate("b", 8)  # 2 blocks held: 1 free, 3 evictable
+    m.match("c", prompt(3, 20))
+    before = m.stats()
+    blocks_before = m.request_blocks("c")
+    with pytest.raises(OutOfBlocksError, match=r"^request .c.: 5 device blocks needed, 1 free and 3 "
+                                               r"evictable of 6"):
+        m.allocate("c", 17)
+    assert m.stats() == before
+    assert m.request_blocks("c") == blocks_before
+    assert where(m, a) == ["dev"] * 3, "nothing may be evicted by a failed allocation"
+    m.check_invariants()
+    got = m.allocate("c", 16)  # exactly what free + evictable can give
+    assert len(got) == 4 and len(set(got) | set(m.request_blocks("b"))) == 6
+    assert where(m, a) == ["-"] * 3
+    m.release("b")
+    m.release("c")
+    assert_no_leak(m)
+
+
+def test_decode_reservation(make: Factory) -> None:
+    m = make(device_blocks=12, decode_reserve_blocks=2)
+    a = prompt(1, 10)
+    m.match("a", a)
+    assert len(m.allocate("a", 10)) == 3 + 2
+    assert m.allocate("a", 1) == []  # 11 tokens: 3 blocks + 2 reserved already held
+    assert m.allocate("a", 1) == []
+    assert len(m.allocate("a", 1)) == 1  # 13 tokens: 4 blocks + 2 reserved
+    assert len(m.request_blocks("a")) == 6
+    # Decode tokens land in reserved blocks and may be committed.
+    grown = [*a, 1, 2, 3]
+    assert m.commit("a", grown, 13) == 3
+    m.match("b", prompt(2, 10))
+    assert len(m.allocate("b", 10, reserve_blocks=0)) == 3
+    m.match("c", prompt(3, 4))
+    # The reservation counts toward all-or-nothing: 1 block + 2 reserved > 3 free + 0.
+    m.match("d", prompt(4, 4))
+    assert len(m.allocate("d", 4, reserve_blocks=1)) == 2
+    with pytest.raises(OutOfBlocksError):
+        m.allocate("c", 4)
+    assert m.request_blocks("c") == []
+    for rid in "abcd":
+        m.release(rid)
+    assert_no_leak(m)
+
+
+# ---------------------------------------------------------------------- errors
+
+
+def test_errors_name_the_request_and_field(make: Factory) -> None:
+    m = make(device_blocks=8)
+    a = prompt(1, 9)
+    m.match("r1", a)
+    m.allocate("r1", 4)
+    before = m.stats()
+    blocks = m.request_blocks("r1")
+    with pytest.raises(InvalidRequestError, match=r"'r1': num_tokens must be an int >= 0, got -1"):
+        m.allocate("r1", -1)
+    with pytest.raises(InvalidRequestError, match=r"'r1': num_tokens .* got 2.5"):
+        m.allocate("r1", 2.5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match=r"'r1': reserve_blocks must be >= 0, got -2"):
+        m.allocate("r1", 1, reserve_blocks=-2)
+    with pytest.raises(InvalidRequestError, match=r"'r1' is already active"):
+        m.match("r1", prompt(2, 9))
+    with pytest.raises(InvalidRequestError,
+                       match=r"'r1': num_computed_tokens=12 exceeds the 9 token ids given"):
+        m.commit("r1", a, 12)
+    with pytest.raises(InvalidRequestError,
+                       match=r"'r1': 2 full blocks computed but only 1 device blocks allocated"):
+        m.commit("r1", a, 8)
+    with pytest.raises(InvalidRequestError, match=r"'r1': num_computed_tokens must be an int"):
+        m.commit("r1", a, -4)
+    assert m.stats() == before
+    assert m.request_blocks("r1") == blocks
+    for call in (lambda: m.allocate("nope", 1), lambda: m.commit("nope", a, 4),
+                 lambda: m.release("nope"), lambda: m.request_blocks("nope")):
+        with pytest.raises(UnknownRequestError, match=r"request 'nope' is not active"):
+            call()
+    m.release("r1")
+    with pytest.raises(UnknownRequestError, match=r"'r1' is not active .*already released"):
+        m.release("r1")
+    assert_no_leak(m)
+
+
+def test_bad_token_ids_are_a_clear_error_and_register_nothing(make: Factory) -> None:
+    m = make(device_blocks=8)
+    bad = prompt(1, 9)
+    bad[2] = 2**31
+    with pytest.raises(InvalidRequestError, match=r"'r': token id 2147483648\b.*int32"):
+        m.match("r", bad)
+    with pytest.raises(InvalidRequestError, match=r"'r': token_ids must be a sequence"):
+        m.match("r", None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match=r"'r': extra_keys item .* offset must be"):
+        m.match("r", prompt(1, 9), extra_keys=[(-1, 3, b"img")])
+    with pytest.raises(InvalidRequestError, match=r"token_ids: token id 2147483648"):
+        m.pin(bad)
+    assert m.stats()["requests_active"] == 0
+    m.match("r", prompt(1, 9))  # the id was never taken
+    # A chunk extending the request with a bad token fails at commit, naming the request.
+    m.allocate("r", 16)
+    grown = [*prompt(1, 9), 1, 2, 3, 2**33, 5, 6, 7]
+    with pytest.raises(InvalidRequestError, match=r"'r': token id 8589934592"):
+        m.commit("r", grown, 16)
+    assert m.stats()["device"]["cached"] == 0  # type: ignore[index]
+    m.release("r")
+    assert_no_leak(m)
+
+
+def test_bad_extra_keys_rejected_even_for_a_prompt_shorter_than_a_block(make: Factory) -> None:
+    m = make(device_blocks=4)
+    with pytest.raises(InvalidRequestError, match=r"'r': extra_keys item"):
+        m.match("r", [1, 2], extra_keys=[(-1, 1, b"img")])
+    assert m.stats()["requests_active"] == 0
+
+
+def test_release_returns_every_block(make: Factory) -> None:
+    m = make(device_blocks=20, decode_reserve_blocks=1)
+    shared = prompt(1, 8)
+    for i in range(4):
+        serve(m, f"r{i}", [*shared, *prompt(10 + i, 6)])
+    m.match("held", [*shared, 1])
+    m.allocate("held", 1)
+    m.match("bare", prompt(3, 6))
+    m.allocate("bare", 6)
+    m.release("held")
+    m.release("bare")
+    assert_no_leak(m)
+    assert m.stats()["device"]["cached"] == 2 + 4  # type: ignore[index]
+    cleared = m.reset()
+    assert cleared["nodes"] == 6 and cleared["device_blocks"] == 6
+    s = m.stats()
+    assert s["device"]["free"] == 20 and s["nodes"] == 0  # type: ignore[index]
+
+
+# ---------------------------------------------------------------------- eviction order
+
+
+def test_lru_evicts_leaves_before_parents_and_oldest_first(make: Factory) -> None:
+    m = make(device_blocks=6)
+    a, b = prompt(1, 13), prompt(2, 5)
+    serve(m, "a", a)  # 3 blocks
+    serve(m, "b", b)  # 1 block, more recent
+    assert m.stats()["device"]["free"] == 2  # type: ignore[index]
+    states = []
+    for need in range(3, 7):  # each step needs one more block than is free
+        rid = f"p{need}"
+        m.match(rid, prompt(50 + need, 4 * need))
+        m.allocate(rid, 4 * need)
+        states.append(where(m, a) + where(m, b))
+        m.release(rid)
+        m.check_invariants()
+    assert states == [
+        ["dev", "dev", "-", "dev"],
+        ["dev", "-", "-", "dev"],
+        ["-", "-", "-", "dev"],
+        ["-", "-", "-", "-"],
+    ]
+
+
+def test_lru_touch_makes_a_prefix_recent(make: Factory) -> None:
+    m = make(device_blocks=4)
+    a, b = prompt(1, 5), prompt(2, 5)
+    serve(m, "a", a)
+    serve(m, "b", b)
+    res = m.match("again", [*a[:4], 9])  # touch a: b is now the least recently used
+    assert res.num_tokens == 4
+    m.release("again")
+    m.match("p", prompt(3, 12))
+    m.allocate("p", 12)  # needs 3 of 2 free: one eviction
+    assert where(m, a) == ["dev"] and where(m, b) == ["-"]
+    m.release("p")
+
+
+def test_pinned_prefix_is_never_evicted(make: Factory) -> None:
+    m = make(device_blocks=4)
+    a = prompt(1, 9)
+    serve(m, "a", a)  # 2 cached, 2 free
+    assert m.pin(a) == 2
+    assert m.pin(a[:4]) == 1  # a second pin on block 0
+    assert m.pin(prompt(7, 8)) == 0, "nothing cached: nothing pinned"
+    s = m.stats()
+    assert s["pinned_blocks"] == 2 and s["device"]["evictable"] == 0  # type: ignore[index]
+    m.match("p", prompt(2, 12))
+    with pytest.raises(OutOfBlocksError, match=r"^request .p.: 3 device blocks needed, 2 free and 0 "
+                                               r"evictable"):
+        m.allocate("p", 12)
+    m.allocate("p", 8)
+    assert where(m, a) == ["dev", "dev"]
+    m.release("p")
+    # Pinned blocks can still be hit (and are not unpinned by release).
+    serve(m, "hit", [*a, 3])
+    assert where(m, a) == ["dev", "dev"]
+    assert m.unpin(a) == 2
+    assert m.stats()["device"]["evictable"] == 1, "block 0 is still pinned once"  # type: ignore[index]
+    assert m.unpin(a) == 1
+    assert m.unpin(a) == 0
+    s = m.stats()
+    assert s["pinned_blocks"] == 0 and s["device"]["evictable"] == 2  # type: ignore[index]
+    m.match("q", prompt(3, 16))
+    m.allocate("q", 16)
+    assert where(m, a) == ["-", "-"]
+    m.release("q")
+
+
+def test_unpinned_prefix_leaves_leaf_first(make: Factory) -> None:
+    m = make(device_blocks=4)
+    a = prompt(1, 9)
+    serve(m, "a", a)
+    m.pin(a)
+    m.unpin(a)
+    m.match("p", prompt(2, 12))
+    m.allocate("p", 12)  # one eviction
+    assert where(m, a) == ["dev", "-"], "the leaf must go before its parent"
+    m.release("p")
+
+
+def test_backup_completed_after_release_keeps_leaf_first_order(make: Factory) -> None:
+    d = ManualDispatcher()
+    m = make(device_blocks=4, host_blocks=8, write_policy="write_through", dispatcher=d)
+    a = prompt(1, 9)
+    serve(m, "a", a)  # backup still pending at release
+    for t in tasks_of(d, TaskKind.D2H):
+        d.complete(t.seq)
+    m.match("p", prompt(2, 12))
+    m.allocate("p", 12)
+    assert where(m, a) == ["both", "host"], "the leaf's device copy must go first"
+    m.release("p")
+
+
+# ---------------------------------------------------------------------- host tier
+
+
+def test_write_back_demotes_on_eviction_and_loads_host_hits(make: Factory) -> None:
+    seen: list[Task] = []
+
+    def resolver(task: Task) -> tuple[bool, int]:
+        seen.append(task)
+        return True, 0
+
+    d = ManualDispatcher(resolver)
+    m = make(device_blocks=3, host_blocks=8, write_policy="write_back", dispatcher=d)
+    a = prompt(1, 9)
+    m.match("a", a)
+    m.allocate("a", 9)
+    a_blocks = m.request_blocks("a")
+    m.commit("a", a, 9)
+    m.release("a")
+    assert not d.tasks, "write_back backs up nothing at commit"
+    m.match("b", prompt(2, 8))
+    m.allocate("b", 8)  # needs 2, 1 free: the leaf is demoted and the eviction waits
+    assert [(t.kind, t.priority, list(t.src)) for t in seen] == [
+        (TaskKind.D2H, Priority.EVICT, [a_blocks[1]])]
+    leaf_host = seen[0].dst[0]
+    assert where(m, a) == ["dev", "host"]
+    assert node(m, a, 1).host == leaf_host  # type: ignore[union-attr]
+    c = m.stats()["counters"]
+    assert c["evicted_device_demote"] == 1 and c["d2h_blocks"] == 1  # type: ignore[index]
+    m.release("b")
+    m.check_invariants()
+
+    res = m.match("c", a)
+    assert (res.device_tokens, res.host_tokens) == (4, 4)
+    assert res.block_ids[0] == a_blocks[0]
+    loads = tasks_of(d, TaskKind.H2D)
+    assert len(loads) == 1
+    assert loads[0].priority == Priority.LOAD
+    assert list(loads[0].src) == [leaf_host] and list(loads[0].dst) == [res.block_ids[1]]
+    assert res.handle.has_loads and not res.handle.done
+    m.check_invariants()
+    res.handle.wait_layer(0)  # the dispatcher resolves the load
+    assert res.handle.done
+    res.handle.wait()
+    # write_back keeps the tiers exclusive: the host copy is freed once loaded.
+    assert where(m, a) == ["dev", "dev"]
+    assert m.stats()["host"]["free"] == 8  # type: ignore[index]
+    m.allocate("c", 1)
+    m.commit("c", a, 9)
+    m.release("c")
+    assert_no_leak(m)
+
+
+def test_write_through_backs_up_every_committed_block(make: Factory) -> None:
+    d = ManualDispatcher()
+    m = make(device_blocks=4, host_blocks=8, write_policy="write_through", dispatcher=d)
+    a = prompt(1, 9)
+    m.match("a", a)
+    m.allocate("a", 9)
+    blocks = m.request_blocks("a")
+    m.commit("a", a, 9)
+    saves = tasks_of(d, TaskKind.D2H)
+    assert len(saves) == 1
+    assert saves[0].priority == Priority.BACKUP
+    nodes = [node(m, a, i) for i in range(2)]
+    assert sorted(saves[0].src) == sorted(blocks[:2])
+    assert dict(zip(saves[0].src, saves[0].dst, strict=True)) == {
+        n.dev: n.host for n in nodes}  # type: ignore[union-attr]
+    assert all(n.flags & SAVING for n in nodes)  # type: ignore[union-attr]
+    d.complete(saves[0].seq)
+    m.release("a")
+    assert where(m, a) == ["both", "both"]
+    # Evicting a backed-up block drops its device copy only: no new task.
+    m.match("b", prompt(2, 16))
+    m.allocate("b", 16)
+    assert not d.tasks
+    assert where(m, a) == ["host", "host"]
+    m.release("b")
+    res = m.match("c", a)
+    assert (res.device_tokens, res.host_tokens) == (0, 8)
+    (load,) = tasks_of(d, TaskKind.H2D)
+    assert list(load.dst) == res.block_ids
+    d.complete(load.seq)
+    res.handle.wait(0)
+    assert where(m, a) == ["both", "both"], "write_through keeps the host copy after a load"
+    m.release("c")
+    assert_no_leak(m)
+
+
+@pytest.mark.parametrize("threshold", [2, 3])
+def test_write_through_selective_backs_up_at_the_hit_threshold(make: Factory,
+                                                               threshold: int) -> None:
+    d = ManualDispatcher()
+    kw = {} if threshold == 2 else {"hit_threshold": threshold}  # 2 is the default
+    m = make(device_blocks=8, host_blocks=8, write_policy="write_through_selective",
+             dispatcher=d, **kw)
+    a = prompt(1, 13)  # 3 blocks
+    serve(m, "a", a)
+    assert not d.tasks, "no backup at commit"
+    for hit in range(1, threshold + 1):
+        assert not d.tasks, f"backup before hit {hit}"
+        serve(m, f"h{hit}", a[:9])  # hits blocks 0 and 1
+    (save,) = tasks_of(d, TaskKind.D2H)
+    assert save.priority == Priority.BACKUP
+    assert len(save.src) == 2
+    d.complete(save.seq)
+    assert where(m, a) == ["both", "both", "dev"]
+    serve(m, "more", a[:9])
+    assert not d.tasks, "a block with a host copy is not backed up again"
+
+
+def test_hit_during_write_back_demotion_is_served_from_device(make: Factory) -> None:
+    """The demotion of a's leaf is in flight when another request hits it: the hit gets the
+    device block, the demotion's result is kept as a host copy, and the eviction takes the
+    next victim instead."""
+    a, other = prompt(1, 9), prompt(2, 5)
+    during: list[tuple[MatchResult, int, int]] = []
+    box: list[KVCacheManager] = []
+
+    def resolver(task: Task) -> tuple[bool, int]:
+        if task.kind == TaskKind.D2H and not during:
+            m = box[0]
+            leaf = node(m, a, 1)
+            assert leaf is not None and leaf.flags & EVICTING
+            during.append((m.match("c", a), task.src[0], leaf.dev))  # type: ignore[arg-type]
+        return True, 0
+
+    d = ManualDispatcher(resolver)
+    m = make(device_blocks=5, host_blocks=8, write_policy="write_back", dispatcher=d)
+    box.append(m)
+    serve(m, "a", a)  # LRU: a1, a0
+    serve(m, "o", other)  # LRU: a1, a0, o0; 2 free
+    m.match("b", prompt(3, 12))
+    m.allocate("b", 12)  # needs 3: demotes a1 (hit meanwhile), then o0
+    assert during, "the demotion never ran"
+    res, demoted_src, leaf_dev = during[0]
+    assert demoted_src == leaf_dev
+    assert (res.device_tokens, res.host_tokens) == (8, 0)
+    assert res.block_ids[1] == leaf_dev and res.handle.done
+    assert leaf_dev not in m.request_blocks("b")
+    assert where(m, a) == ["dev", "both"]
+    assert where(m, other) == ["host"]
+    assert node(m, a, 1).flags == 0  # type: ignore[union-attr]
+    m.check_invariants()
+    m.release("c")
+    m.release("b")
+    assert_no_leak(m)
+
+
+def test_cancelled_demotion_with_nothing_else_to_evict_fails_cleanly(make: Factory) -> None:
+    a = prompt(1, 9)
+    box: list[KVCacheManager] = []
+
+    def resolver(task: Task) -> tuple[bool, int]:
+        if task.kind == TaskKind.D2H and box:
+            box.pop().match("c", a)  # hits the node being demoted
+        return True, 0
+
+    d = ManualDispatcher(resolver)
+    m = make(device_blocks=3, host_blocks=8, write_policy="write_back", dispatcher=d)
+    serve(m, "a", a)  # 2 cached, 1 free
+    box.append(m)
+    m.match("b", prompt(2, 8))
+    real_evict = m._evict_device
+    calls = [0]
+
+    def bounded_evict(n: int) -> list[int]:  # turns the endless loop into an error
+        calls[0] += 1
+        if calls[0] > 1000:
+            raise RuntimeError("_make_room is spinning without progress")
+        return real_evict(n)
+
+    m._evict_device = bounded_evict  # type: ignore[method-assign]
+    with pytest.raises(OutOfBlocksError, match=r"^request .b.: "):
+        m.allocate("b", 8)
+    assert m.request_blocks("b") == []
+    m.release("c")
+    m.release("b")
+
+
+def test_pin_during_demotion_keeps_the_prefix_on_device(make: Factory) -> None:
+    a, other = prompt(1, 9), prompt(2, 5)
+    box: list[KVCacheManager] = []
+
+    def resolver(task: Task) -> tuple[bool, int]:
+        if task.kind == TaskKind.D2H and box:
+            assert box.pop().pin(a) == 2  # the admin pins while the demotion is in flight
+        return True, 0
+
+    d = ManualDispatcher(resolver)
+    m = make(device_blocks=5, host_blocks=8, write_policy="write_back", dispatcher=d)
+    serve(m, "a", a)
+    serve(m, "o", other)
+    box.append(m)
+    m.match("b", prompt(3, 12))
+    m.allocate("b", 12)
+    assert where(m, a)[1] in ("dev", "both"), "a pinned block lost its device copy"
+    m.release("b")
+
+
+def test_pin_loads_a_host_only_prefix(make: Factory) -> None:
+    d = ManualDispatcher()
+    m = make(device_blocks=3, host_blocks=8, write_policy="write_back", dispatcher=d)
+    a = prompt(1, 9)
+    serve(m, "a", a)
+    m.match("b", prompt(2, 12))
+    m.allocate("b", 12)  # demotes both of a's blocks (resolved by the default resolver)
+    m.release("b")
+    assert where(m, a) == ["host", "host"]
+    assert m.pin(a) == 2
+    loads = tasks_of(d, TaskKind.H2D)
+    assert len(loads) == 2
+    m.check_invariants()
+    for t in loads:
+        d.complete(t.seq)
+    assert where(m, a) == ["dev", "dev"]
+    m.match("c", prompt(3, 4))
+    with pytest.raises(OutOfBlocksError):
+        m.allocate("c", 8)
+    m.release("c")
+    assert m.unpin(a) == 2
+
+
+def test_host_hits_beyond_device_room_are_cut(make: Factory) -> None:
+    d = ManualDispatcher()
+    m = make(device_blocks=3, host_blocks=8, write_policy="write_back", dispatcher=d)
+    a = prompt(1, 9)
+    serve(m, "a", a)
+    m.match("full", prompt(2, 12))
+    m.allocate("full", 12)  # holds all 3 device blocks; a is on the host
+    assert where(m, a) == ["host", "host"]
+    res = m.match("c", a)
+    assert res.num_tokens == 0 and res.block_ids == [] and not d.tasks
+    m.check_invariants()
+    m.release("c")
+    m.release("full")
+    res = m.match("c2", a)
+    assert res.host_tokens == 8
+    res.handle.wait()
+    m.release("c2")
+
+
+def test_failed_load_is_a_miss_from_the_failed_block(make: Factory) -> None:
+    d = ManualDispatcher()
+    m = make(device_blocks=3, host_blocks=8, write_policy="write_back", dispatcher=d)
+    a = prompt(1, 9)
+    serve(m, "a", a)
+    m.match("b", prompt(2, 8))
+    m.allocate("b", 8)  # demotes a's leaf
+    m.release("b")
+    assert where(m, a) == ["dev", "host"]
+    res = m.match("c", a)
+    assert (res.device_tokens, res.host_tokens) == (4, 4)
+    (load,) = tasks_of(d, TaskKind.H2D)
+    d.complete(load.seq, ok=False)
+    assert res.handle.done
+    with pytest.raises(TransferFailedError, match="4 of 8 matched tokens are valid") as info:
+        res.handle.wait()
+    assert info.value.valid_tokens == 4
+    with pytest.raises(TransferFailedError):
+        res.handle.wait_layer(0)
+    m.check_invariants()
+    # The host copy is still cached; the request recomputes into the block it was given.
+    assert where(m, a) == ["dev", "host"]
+    assert m.stats()["counters"]["failed_tasks"] == 1  # type: ignore[index]
+    m.allocate("c", 1)
+    m.commit("c", a, 9)
+    m.release("c")
+    assert_no_leak(m)
+    res = m.match("again", a)
+    assert (res.device_tokens, res.host_tokens) == (4, 4)
+    res.handle.wait()
+    m.release("again")
+    assert_no_leak(m)
+
+
+def test_failed_load_after_release_frees_the_device_block(make: Factory) -> None:
+    d = ManualDispatcher()
+    m = make(device_blocks=3, host_blocks=8, write_policy="write_back", dispatcher=d)
+    a = prompt(1, 9)
+    serve(m, "a", a)
+    m.match("b", prompt(2, 12))
+    m.allocate("b", 12)
+    m.release("b")
+    m.match("c", a)
+    m.release("c")  # gone before its load finished
+    (load,) = tasks_of(d, TaskKind.H2D)
+    d.complete(load.seq, ok=False)
+    assert where(m, a) == ["host", "host"]
+    assert_no_leak(m)
+    assert m.stats()["device"]["free"] == 3  # type: ignore[index]
+
+
+def test_two_requests_waiting_on_one_failed_load(make: Factory) -> None:
+    d = ManualDispatcher()
+    m = make(device_blocks=4, host_blocks=8, write_policy="write_back", dispatcher=d)
+    a = prompt(1, 9)
+    serve(m, "a", a)
+    m.match("b", prompt(2, 16))
+    m.allocate("b", 16)
+    m.release("b")
+    r1 = m.match("r1", a)
+    r2 = m.match("r2", a)  # the blocks are still loading: r2 waits on r1's load
+    assert r1.block_ids == r2.block_ids and r2.handle.has_loads and not r2.handle.done
+    (load,) = tasks_of(d, TaskKind.H2D)
+    d.complete(load.seq, ok=False)
+    for res in (r1, r2):
+        with pytest.raises(TransferFailedError) as info:
+            res.handle.wait()
+        assert info.value.valid_tokens == 0
+    m.check_invariants()
+    m.release("r1")
+    m.check_invariants()
+    m.release("r2")
+    assert_no_leak(m)
+    assert where(m, a) == ["host", "host"]
+
+
+def test_failed_backup_leaves_the_node_on_device(make: Factory) -> None:
+    d = ManualDispatcher()
+    m = make(device_blocks=4, host_blocks=8, write_policy="write_through", dispatcher=d)
+    a = prompt(1, 9)
+    serve(m, "a", a)
+    (save,) = tasks_of(d, TaskKind.D2H)
+    d.complete(save.seq, ok=False)
+    assert where(m, a) == ["dev", "dev"]
+    s = m.stats()
+    assert s["host"]["free"] == 8 and s["device"]["evictable"] == 2  # type: ignore[index]
+    res = m.match("c", [*a, 1])
+    assert res.device_tokens == 8
+    # write_through retries the backup of a block without a host copy when it is hit.
+    (retry,) = tasks_of(d, TaskKind.D2H)
+    d.complete(retry.seq)
+    m.release("c")
+    assert where(m, a) == ["both", "both"]
+
+
+# ---------------------------------------------------------------------- reset
+
+
+def test_reset_with_a_pending_task_clears_nothing(make: Factory) -> None:
+    d = ManualDispatcher()
+    m = make(device_blocks=4, host_blocks=8, write_policy="write_through", dispatcher=d)
+    a = prompt(1, 9)
+    serve(m, "a", a)
+    assert d.tasks
+    before = m.stats()
+    with pytest.raises(ResetBusyError, match=r"still in flight .* nothing was cleared"):
+        m.reset(timeout=0.05)
+    assert m.stats() == before
+    assert where(m, a) == ["both", "both"]
+    assert all(node(m, a, i).flags & SAVING for i in range(2))  # type: ignore[union-attr]
+    m.check_invariants()
+    for seq in list(d.tasks):
+        d.complete(seq)
+    cleared = m.reset(timeout=1)
+    assert cleared["nodes"] == 2 and cleared["host_blocks"] == 2
+    s = m.stats()
+    assert s["nodes"] == 0 and s["device"]["free"] == 4 and s["host"]["free"] == 8  # type: ignore[index]
+
+
+def test_reset_keeps_an_active_requests_blocks_until_release(make: Factory) -> None:
+    m = make(device_blocks=12, host_blocks=8, write_policy="write_through",
+             dispatcher=ImmediateDispatcher())
+    a = prompt(1, 9)
+    serve(m, "a", a)
+    long = [*a[:8], *prompt(2, 9)]
+    res = m.match("b", long)
+    assert res.device_tokens == 8
+    m.allocate("b", len(long) - 8)
+    m.commit("b", long, 12)  # one more block joins the tree
+    b_blocks = m.request_blocks("b")
+    cleared = m.reset()
+    assert cleared["detached_in_use"] == 3 and cleared["nodes"] == 3
+    m.check_invariants()
+    s = m.stats()
+    assert s["nodes"] == 0 and s["host"]["free"] == 8  # type: ignore[index]
+    assert s["device"]["free"] == 12 - len(b_blocks)  # type: ignore[index]
+    assert m.request_blocks("b") == b_blocks
+    # The request goes on: more blocks join the new tree; another request computes the same
+    # prefix into other blocks.
+    assert m.commit("b", long, 16) == 1
+    c = serve(m, "c", a, release=False)
+    assert c.num_tokens == 0
+    assert not set(m.request_blocks("c")) & set(b_blocks)
+    m.release("b")  # each block back exactly once (a double free would raise)
+    m.check_invariants()
+    m.release("c")
+    assert_no_leak(m)
+    # Blocks 0-1 of `long` are a's (recommitted by c); block 2 left with the reset.
+    assert where(m, long) == ["both", "both", "-", "both"]
+    m.reset()
+    assert m.stats()["device"]["free"] == 12  # type: ignore[index]

@@ -1,0 +1,512 @@
+"""Storage-tier backends against real stores: files in a temp dir and a real redis-server.
+
+What must hold for every backend: pages come back byte-exact into caller-owned buffers;
+namespaces (model shape + TP layout + rank) isolate pages while two backend objects on the same
+namespace (two kvtier instances) share them; damaged pages are misses, counted, never data;
+clear() touches only its own namespace. Then per backend: the file tier's LRU capacity and
+atomic writes, and Redis outages (killed, frozen) degrading to bounded-time misses with
+recovery on the same backend object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import torch
+
+from worker.storage import HEADER_BYTES, PageStatus, make_backend, namespace_for
+from worker.storage.backend import StorageBackend
+from worker.storage.file_backend import FileBackend
+from worker.storage.page_format import decode_into, encode_page
+from worker.storage.redis_backend import RedisBackend
+
+try:  # pytest puts tests/ on sys.path (rootdir-relative imports when tests/ is a package)
+    from redis_server import RedisServer, free_port, redis_server
+except ImportError:  # pragma: no cover
+    from tests.redis_server import RedisServer, free_port, redis_server
+
+__all__ = ["redis_server"]  # the module-scoped pytest fixture used below
+
+PAGE = 64 * 1024
+SHAPE = {"num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16", "block_size": 64}
+NS = namespace_for(SHAPE, 0, 2)
+
+
+def make_keys(n: int, salt: str = "") -> list[bytes]:
+    return [hashlib.sha256(f"{salt}/{i}".encode()).digest() for i in range(n)]
+
+
+def make_pages(n: int, size: int = PAGE, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=(n, size), dtype=np.uint8)
+
+
+OpenBackend = Callable[..., StorageBackend]
+
+
+@pytest.fixture(params=["file", "redis"])
+def backend_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def open_backend(
+    backend_kind: str, tmp_path: Path, redis_server: RedisServer
+) -> Iterator[OpenBackend]:
+    """Opens backends of the parametrized kind on one store (one dir / the one server), the
+    way several processes or instances would; closes them after the test."""
+    redis.Redis.from_url(redis_server.url).flushall()
+    opened: list[StorageBackend] = []
+
+    def _open(namespace: str = NS, **kwargs: object) -> StorageBackend:
+        if backend_kind == "file":
+            backend: StorageBackend = FileBackend(tmp_path / "store", namespace, **kwargs)
+        else:
+            backend = RedisBackend(redis_server.url, namespace, **kwargs)
+        opened.append(backend)
+        return backend
+
+    yield _open
+    for backend in opened:
+        backend.close()
+
+
+# --- damage helpers: reach the stored bytes of one page behind the backend's back -------------
+
+def read_raw(backend: StorageBackend, key: bytes) -> bytes | None:
+    if isinstance(backend, FileBackend):
+        path = backend.root / key.hex()[:2] / key.hex()
+        return path.read_bytes() if path.exists() else None
+    assert isinstance(backend, RedisBackend)
+    return redis.Redis.from_url(backend.url).get(backend.redis_key(key))
+
+
+def write_raw(backend: StorageBackend, key: bytes, raw: bytes) -> None:
+    if isinstance(backend, FileBackend):
+        path = backend.root / key.hex()[:2] / key.hex()
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(raw)
+    else:
+        assert isinstance(backend, RedisBackend)
+        redis.Redis.from_url(backend.url).set(backend.redis_key(key), raw)
+
+
+# --- round trip --------------------------------------------------------------------------------
+
+def test_round_trip_into_numpy_and_torch(open_backend: OpenBackend) -> None:
+    backend = open_backend(page_bytes=PAGE)
+    keys, pages = make_keys(12), make_pages(12)
+    assert backend.set(keys, list(pages)) == 12
+
+    absent = make_keys(1, "absent")[0]
+    assert backend.exists([*keys[:3], absent]) == [True, True, True, False]
+    assert backend.leading_present([*keys[:5], absent, *keys[5:]]) == 5
+    assert backend.leading_present(keys) == 12
+
+    dest_np = np.zeros_like(pages)
+    assert backend.get_into(keys, list(dest_np)) == [True] * 12
+    assert np.array_equal(dest_np, pages)
+
+    dest_t = torch.zeros((12, PAGE), dtype=torch.uint8)
+    order = [3, 0, 11, 7]
+    got = backend.get_into([keys[i] for i in order] + [absent],
+                           [dest_t[j].numpy() for j in range(5)])
+    assert got == [True, True, True, True, False]
+    for j, i in enumerate(order):
+        assert torch.equal(dest_t[j], torch.from_numpy(pages[i]))
+
+    stats = backend.stats()
+    assert stats["pages_written"] == 12 and stats["bytes_written"] == 12 * PAGE
+    assert stats["pages_read"] == 16 and stats["bytes_read"] == 16 * PAGE
+    assert stats["misses"] == 1 and stats["corrupt_pages"] == 0
+    assert stats["read_calls"] == 2 and stats["read_seconds_total"] > 0
+    hist = backend.latency_histograms()
+    assert hist["read"]["count"] == 2 and hist["write"]["count"] == 1
+    assert hist["read"]["cumulative_counts"][-1] == 2
+
+    assert backend.delete([keys[0], absent]) == 1
+    assert backend.exists(keys[:2]) == [False, True]
+
+
+def test_bad_arguments_raise_and_change_nothing(open_backend: OpenBackend) -> None:
+    backend = open_backend(page_bytes=PAGE)
+    keys, pages = make_keys(3), make_pages(3)
+    with pytest.raises(ValueError, match="key 1 is 31 bytes"):
+        backend.set([keys[0], keys[1][:31], keys[2]], list(pages))
+    with pytest.raises(ValueError, match="3 keys but 2 pages"):
+        backend.set(keys, list(pages[:2]))
+    with pytest.raises(ValueError, match="page 2 is 100 bytes"):
+        backend.set(keys, [pages[0], pages[1], pages[2][:100]])
+    with pytest.raises(TypeError, match="key 0 has type str"):
+        backend.exists(["ab" * 16])  # type: ignore[list-item]
+    assert backend.exists(keys) == [False, False, False]
+    assert backend.stats()["pages_written"] == 0
+
+    assert backend.set(keys, list(pages)) == 3
+    with pytest.raises(ValueError, match="page 0 is a read-only buffer"):
+        backend.get_into(keys[:1], [bytes(PAGE)])
+    with pytest.raises(ValueError, match="page 1 is not a contiguous buffer"):
+        backend.get_into(keys[:2], [bytearray(PAGE), np.zeros((PAGE, 2), np.uint8)[:, 0]])
+
+
+# --- namespaces --------------------------------------------------------------------------------
+
+def test_namespace_for_is_deterministic_and_separates_shapes() -> None:
+    assert namespace_for(SHAPE, 0, 2) == namespace_for(dict(reversed(SHAPE.items())), 0, 2)
+    assert re.fullmatch(r"[0-9a-f]{16}-tp2/r0", NS)
+    names = {
+        NS,
+        namespace_for(SHAPE, 1, 2),
+        namespace_for(SHAPE, 0, 4),
+        namespace_for({**SHAPE, "head_dim": 128}, 0, 2),
+        namespace_for({**SHAPE, "dtype": "bfloat16"}, 0, 2),
+    }
+    assert len(names) == 5
+    with pytest.raises(ValueError, match="rank must be an int in"):
+        namespace_for(SHAPE, 2, 2)
+    with pytest.raises(ValueError, match="field 'layers' has type list"):
+        namespace_for({"layers": [1]}, 0, 1)
+    with pytest.raises(ValueError, match="namespace"):
+        FileBackend("/tmp", "../escape")
+
+
+def test_namespaces_isolate_and_same_namespace_shares(open_backend: OpenBackend) -> None:
+    keys, pages = make_keys(4), make_pages(4, seed=1)
+    writer = open_backend(NS, page_bytes=PAGE)
+    assert writer.set(keys, list(pages)) == 4
+
+    # A second backend object on the same namespace: another kvtier instance, same model.
+    other_instance = open_backend(NS, page_bytes=PAGE)
+    dest = np.zeros_like(pages)
+    assert other_instance.get_into(keys, list(dest)) == [True] * 4
+    assert np.array_equal(dest, pages)
+
+    for namespace in (
+        namespace_for(SHAPE, 1, 2),  # other rank
+        namespace_for(SHAPE, 0, 4),  # other TP layout
+        namespace_for({**SHAPE, "num_layers": 16}, 0, 2),  # other model shape
+    ):
+        foreign = open_backend(namespace, page_bytes=PAGE)
+        assert foreign.exists(keys) == [False] * 4
+        assert foreign.leading_present(keys) == 0
+        assert foreign.get_into(keys, list(np.zeros_like(pages))) == [False] * 4
+
+
+# --- corruption --------------------------------------------------------------------------------
+
+def _flip(offset: int) -> Callable[[bytes], bytes]:
+    def damage(raw: bytes) -> bytes:
+        b = bytearray(raw)
+        b[offset] ^= 0x40
+        return bytes(b)
+    return damage
+
+
+DAMAGES: dict[str, Callable[[bytes], bytes]] = {
+    "payload_byte": _flip(HEADER_BYTES + 1000),
+    "last_payload_byte": _flip(HEADER_BYTES + PAGE - 1),
+    "magic": _flip(0),
+    "version": _flip(4),
+    "key": _flip(8 + 5),
+    "length": _flip(40),
+    "checksum": _flip(50),
+    "truncated_payload": lambda raw: raw[:-1],
+    "truncated_header": lambda raw: raw[:30],
+    "empty": lambda raw: b"",
+    "extended": lambda raw: raw + b"\0",
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_damaged_page_is_a_counted_miss(open_backend: OpenBackend, damage: str) -> None:
+    backend = open_backend(page_bytes=PAGE)
+    keys, pages = make_keys(3, damage), make_pages(3, seed=2)
+    assert backend.set(keys, list(pages)) == 3
+    raw = read_raw(backend, keys[1])
+    assert raw is not None and len(raw) == HEADER_BYTES + PAGE
+    write_raw(backend, keys[1], DAMAGES[damage](raw))
+
+    dest = np.zeros_like(pages)
+    assert backend.get_into(keys, list(dest)) == [True, False, True]
+    assert np.array_equal(dest[0], pages[0]) and np.array_equal(dest[2], pages[2])
+    stats = backend.stats()
+    assert stats["corrupt_pages"] == 1 and stats["misses"] == 1
+    assert read_raw(backend, keys[1]) is None  # deleted, so it is not offered again
+    assert backend.exists(keys) == [True, False, True]
+
+
+def test_page_stored_under_another_key_is_a_miss(open_backend: OpenBackend) -> None:
+    backend = open_backend(page_bytes=PAGE)
+    keys, pages = make_keys(2, "swap"), make_pages(2, seed=3)
+    assert backend.set(keys[:1], [pages[0]]) == 1
+    raw = read_raw(backend, keys[0])
+    assert raw is not None
+    write_raw(backend, keys[1], raw)  # intact page, wrong name
+    assert backend.get_into([keys[1]], [np.zeros(PAGE, np.uint8)]) == [False]
+    assert backend.stats()["corrupt_pages"] == 1
+
+
+def test_page_format_statuses() -> None:
+    key = make_keys(1)[0]
+    payload = make_pages(1, 256)[0]
+    page = encode_page(key, payload)
+    dest = bytearray(256)
+    assert decode_into(key, page, memoryview(dest)) is PageStatus.OK and dest == payload.tobytes()
+    untouched = bytearray(256)
+    assert decode_into(key, page[:-1], memoryview(untouched)) is PageStatus.TRUNCATED
+    assert decode_into(key, page + b"x", memoryview(untouched)) is PageStatus.TOO_LONG
+    assert decode_into(make_keys(2)[1], page, memoryview(untouched)) is PageStatus.BAD_KEY
+    bad = bytearray(page)
+    bad[-1] ^= 1
+    assert decode_into(key, bytes(bad), memoryview(untouched)) is PageStatus.BAD_CHECKSUM
+    assert untouched == bytearray(256)
+    assert decode_into(key, page, memoryview(bytearray(255))) is PageStatus.TOO_LONG
+
+
+# --- clear -------------------------------------------------------------------------------------
+
+def test_clear_only_clears_its_namespace(open_backend: OpenBackend, backend_kind: str,
+                                         redis_server: RedisServer) -> None:
+    keys, pages = make_keys(5, "clear"), make_pages(5, seed=4)
+    mine = open_backend(NS, page_bytes=PAGE)
+    neighbours = [
+        open_backend(namespace_for(SHAPE, 1, 2), page_bytes=PAGE),
+        open_backend(f"{NS}/ab", page_bytes=PAGE),  # nested under mine on disk
+        open_backend(f"{NS}x", page_bytes=PAGE),  # shares mine as a string prefix
+    ]
+    for backend in (mine, *neighbours):
+        assert backend.set(keys, list(pages)) == 5
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.set(b"other-app:key", b"v")
+
+    assert mine.clear() == 5
+    assert mine.exists(keys) == [False] * 5
+    for backend in neighbours:
+        assert backend.exists(keys) == [True] * 5
+        assert backend.get_into(keys, list(np.zeros_like(pages))) == [True] * 5
+    assert raw.get(b"other-app:key") == b"v"
+    assert mine.set(keys[:1], [pages[0]]) == 1  # usable after clear
+    if backend_kind == "file":
+        assert mine.stats()["used_bytes"] == HEADER_BYTES + PAGE
+
+
+# --- file backend: capacity, LRU, atomic writes, restart ----------------------------------------
+
+def _files(root: Path) -> list[str]:
+    return sorted(p.name for p in root.rglob("*") if p.is_file())
+
+
+def test_file_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
+    size = 4096
+    page_file = HEADER_BYTES + size
+    backend = FileBackend(tmp_path, NS, capacity_bytes=4 * page_file, page_bytes=size)
+    keys, pages = make_keys(6, "lru"), make_pages(6, size, seed=5)
+    # One batch is a prefix in order: its tail is least recent (k3, k2, k1, k0).
+    assert backend.set(keys[:4], list(pages[:4])) == 4
+    assert backend.get_into([keys[3]], [np.zeros(size, np.uint8)]) == [True]  # k3 now recent
+    assert backend.set([keys[4]], [pages[4]]) == 1
+    assert backend.exists(keys[:5]) == [True, True, False, True, True]
+    stats = backend.stats()
+    assert stats["evicted_pages"] == 1 and stats["used_bytes"] == 4 * page_file
+    assert backend.set([keys[5]], [pages[5]]) == 1  # next victim: k1
+    assert backend.exists(keys) == [True, False, False, True, True, True]
+    assert all(re.fullmatch(r"[0-9a-f]{64}", n) for n in _files(backend.root))  # no temp files
+    backend.close()
+
+    with pytest.raises(ValueError, match="cannot hold one page"):
+        FileBackend(tmp_path, NS, capacity_bytes=size, page_bytes=size)
+
+
+def test_file_index_rebuilt_from_disk_by_mtime(tmp_path: Path) -> None:
+    size = 4096
+    page_file = HEADER_BYTES + size
+    keys, pages = make_keys(4, "mtime"), make_pages(4, size, seed=6)
+    writer = FileBackend(tmp_path, NS, page_bytes=size)
+    assert writer.set(keys, list(pages)) == 4
+    writer.close()
+    now = time.time()
+    for age, key in zip((100, 400, 300, 200), keys, strict=True):  # k1 oldest, then k2
+        path = writer.root / key.hex()[:2] / key.hex()
+        os.utime(path, (now - age, now - age))
+    stale = writer.root / "00" / ".tmp-dead-writer"
+    stale.parent.mkdir(exist_ok=True)
+    stale.write_bytes(b"partial")
+    os.utime(stale, (now - 3600, now - 3600))
+
+    # Reading k1 refreshes its (old) mtime on disk, so it survives the restart below.
+    reader = FileBackend(tmp_path, NS, page_bytes=size)
+    assert not stale.exists()
+    assert reader.get_into([keys[1]], [np.zeros(size, np.uint8)]) == [True]
+    reader.close()
+
+    second = FileBackend(tmp_path, NS, capacity_bytes=3 * page_file, page_bytes=size)
+    assert second.exists(keys) == [True, True, False, True]  # k2 was the oldest
+    assert second.stats()["used_bytes"] == 3 * page_file
+    dest = np.zeros((4, size), np.uint8)
+    assert second.get_into(keys, list(dest)) == [True, True, False, True]
+    assert np.array_equal(dest[[0, 1, 3]], pages[[0, 1, 3]])
+
+
+def test_file_io_errors_degrade_to_misses_and_failed_writes(tmp_path: Path) -> None:
+    backend = FileBackend(tmp_path, NS, page_bytes=PAGE)
+    keys, pages = make_keys(2, "io-error"), make_pages(2, seed=10)
+    # A regular file where a key's shard directory should be: every open under it fails.
+    blocker = backend.root / keys[0].hex()[:2]
+    blocker.write_bytes(b"not a directory")
+    assert keys[1].hex()[:2] != keys[0].hex()[:2]
+    assert backend.set(keys, list(pages)) == 1
+    dest = np.zeros_like(pages)
+    assert backend.get_into(keys, list(dest)) == [False, True]
+    assert np.array_equal(dest[1], pages[1])
+    stats = backend.stats()
+    assert stats["errors_set"] == 1 and stats["errors_get"] == 1
+    assert stats["pages_written"] == 1 and stats["misses"] == 1
+    assert blocker.read_bytes() == b"not a directory"
+
+
+def test_file_concurrent_writers_leave_whole_pages(tmp_path: Path) -> None:
+    keys, pages = make_keys(32, "threads"), make_pages(32, seed=7)
+    a = FileBackend(tmp_path, NS, page_bytes=PAGE, io_threads=1)
+    b = FileBackend(tmp_path, NS, page_bytes=PAGE, io_threads=3)
+    assert a.set(keys, list(pages)) == 32
+    assert b.set(keys, list(pages)) == 32  # rewrite the same pages from another "process"
+    dest = np.zeros_like(pages)
+    assert a.get_into(keys, list(dest)) == [True] * 32
+    assert np.array_equal(dest, pages)
+    assert all(re.fullmatch(r"[0-9a-f]{64}", n) for n in _files(a.root))
+
+
+# --- redis backend: TTL, outages ---------------------------------------------------------------
+
+def test_redis_ttl(redis_server: RedisServer) -> None:
+    raw = redis.Redis.from_url(redis_server.url)
+    keys, pages = make_keys(2, "ttl"), make_pages(2, 1024)
+    with RedisBackend(redis_server.url, "ttl-test/r0", ttl_s=100) as expiring:
+        assert expiring.set(keys[:1], [pages[0]]) == 1
+        assert 0 < raw.ttl(expiring.redis_key(keys[0])) <= 100
+    with RedisBackend(redis_server.url, "ttl-test/r0") as forever:
+        assert forever.set(keys[1:], [pages[1]]) == 1
+        assert raw.ttl(forever.redis_key(keys[1])) == -1
+
+
+def _timed(fn: Callable[[], object]) -> tuple[object, float]:
+    start = time.monotonic()
+    result = fn()
+    return result, time.monotonic() - start
+
+
+def _wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_redis_outage_degrades_then_recovers_by_itself(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier.storage")
+    keys, pages = make_keys(8, "outage"), make_pages(8, seed=8)
+    with RedisServer() as server:
+        backend = RedisBackend(server.url, NS, page_bytes=PAGE, timeout_s=0.5,
+                               backoff_s=0.1, backoff_max_s=0.4)
+        assert backend.set(keys, list(pages)) == 8
+        dest = np.zeros_like(pages)
+
+        server.kill()
+        calls: dict[str, Callable[[], object]] = {
+            "get": lambda: backend.get_into(keys, list(dest)),
+            "exists": lambda: backend.exists(keys),
+            "leading": lambda: backend.leading_present(keys),
+            "set": lambda: backend.set(keys, list(pages)),
+            "delete": lambda: backend.delete(keys),
+            "clear": backend.clear,
+        }
+        expected = {"get": [False] * 8, "exists": [False] * 8, "leading": 0, "set": 0,
+                    "delete": 0, "clear": 0}
+        for _ in range(2):  # first round: real failures; second: inside the backoff window
+            for name, call in calls.items():
+                result, elapsed = _timed(call)
+                assert result == expected[name], name
+                assert elapsed < 2.0, f"{name} took {elapsed:.2f}s during the outage"
+            time.sleep(0.15)
+        stats = backend.stats()
+        for op in ("get", "exists", "set", "delete", "clear"):
+            assert stats[f"errors_{op}"] >= 1, op
+        assert stats["available"] == 0 and stats["outages"] == 1
+        assert stats["pages_read"] == 0 and stats["misses"] >= 16
+        warnings = [r for r in caplog.records if r.name == "kvtier.storage"]
+        assert len(warnings) == 1, "an outage must not flood the log"
+        assert "unavailable" in warnings[0].getMessage()
+
+        server.restart()  # same port, empty (nothing persisted)
+        assert server.url == backend.url
+        assert _wait_until(lambda: backend.set(keys, list(pages)) == 8, 5.0)
+        assert backend.get_into(keys, list(dest)) == [True] * 8
+        assert np.array_equal(dest, pages)
+        assert backend.stats()["available"] == 1
+        backend.close()
+
+
+def test_redis_frozen_server_times_out_instead_of_hanging() -> None:
+    keys, pages = make_keys(4, "frozen"), make_pages(4, seed=9)
+    with RedisServer() as server:
+        backend = RedisBackend(server.url, NS, page_bytes=PAGE, timeout_s=0.3,
+                               backoff_s=0.1, backoff_max_s=0.2)
+        assert backend.set(keys, list(pages)) == 4
+        server.pause()  # accepts connections, answers nothing
+        try:
+            dest = np.zeros_like(pages)
+            # One socket timeout (0.3 s) per call, no hidden retries.
+            got, elapsed = _timed(lambda: backend.get_into(keys, list(dest)))
+            assert got == [False] * 4 and 0.25 < elapsed < 1.0, elapsed
+            time.sleep(0.25)  # past the backoff window: the next call tries the network again
+            written, elapsed = _timed(lambda: backend.set(keys, list(pages)))
+            assert written == 0 and 0.25 < elapsed < 1.0, elapsed
+            assert backend.stats()["errors_get"] >= 1
+        finally:
+            server.resume()
+        assert _wait_until(lambda: backend.get_into(keys, list(dest)) == [True] * 4, 5.0)
+        assert np.array_equal(dest, pages)
+        backend.close()
+
+
+def test_redis_unreachable_from_the_start_logs_no_password(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier.storage")
+    port = free_port()  # nothing listens there
+    backend = RedisBackend(f"redis://:hunter2@127.0.0.1:{port}/0", NS, page_bytes=PAGE)
+    keys = make_keys(2, "unreachable")
+    got, elapsed = _timed(lambda: backend.get_into(keys, list(make_pages(2))))
+    assert got == [False, False] and elapsed < 2.0
+    assert backend.stats()["errors_get"] == 1
+    messages = [r.getMessage() for r in caplog.records if r.name == "kvtier.storage"]
+    assert messages and all("hunter2" not in m for m in messages)
+    assert ":***@127.0.0.1" in messages[0]
+    backend.close()
+
+
+# --- factory -----------------------------------------------------------------------------------
+
+def test_make_backend(tmp_path: Path, redis_server: RedisServer) -> None:
+    assert make_backend("none", namespace=NS) is None
+    file_backend = make_backend("file", namespace=NS, path=str(tmp_path), capacity_bytes=1 << 20)
+    assert isinstance(file_backend, FileBackend) and file_backend.capacity_bytes == 1 << 20
+    redis_backend = make_backend("redis", namespace=NS, url=redis_server.url, ttl_s=5)
+    assert isinstance(redis_backend, RedisBackend) and redis_backend.ttl_s == 5
+    assert redis_backend.exists(make_keys(1)) == [False]
+    with pytest.raises(ValueError, match="'s3' is unknown; choose one of none, file, redis"):
+        make_backend("s3", namespace=NS)
+    with pytest.raises(ValueError, match="not a valid Redis URL"):
+        make_backend("redis", namespace=NS, url="http://127.0.0.1:1")
+    file_backend.close()
+    redis_backend.close()

@@ -1,0 +1,357 @@
+"""Moves KV blocks between the device pool and the host pool of one rank.
+
+Why the copies look the way they do (measured on a 2-vCPU build machine, see
+`bench/transfer.py`): a contiguous `copy_` runs at memory bandwidth, while per-element index
+kernels over bytes run 20x slower and a Python call per block per layer drowns in call
+overhead once blocks are small. So every transfer is first *planned*:
+
+* pairs `(src, dst)` are sorted by source and split into **runs** where both sides are
+  consecutive; a run big enough to amortise one call (`min_run_bytes`) is moved with a single
+  slice copy (for D2H one copy covers every layer of the run, because the device pool keeps all
+  layers in one allocation and a host page holds all layers of a block);
+* the remaining pairs go through a **gather**: rows are viewed as the widest integer/complex
+  dtype that divides a block, gathered with `index_select` (one `memcpy`-like copy per row)
+  into a staging buffer that stays in cache, and scattered with `index_copy_`.
+
+D2H (evict / backup) copies all layers at once. H2D (load) goes layer by layer and reports
+each finished layer through `on_layer_done(layer)`, so a model runner can start computing
+layer 0 while later layers are still loading. On CUDA each direction has its own stream, each
+H2D layer records an event and its callback fires once the event has completed; on CPU the
+copy is synchronous and the callback follows it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from worker.kv_pools import BlockIdError, DevicePool, HostPool, as_block_ids
+
+Strategy = Literal["auto", "runs", "gather"]
+BlockIds = Sequence[int] | torch.Tensor
+
+LAYER_DELAY_ENV = "KVTIER_TEST_LAYER_DELAY_MS"
+
+# Defaults measured with bench/transfer.py: on the build machine one slice copy per block
+# spanning all layers (D2H) beats the staged gather from 256 KiB pages on, while a per-layer
+# slice copy (H2D) needs ~1 MiB before its call overhead stops mattering.
+D2H_MIN_RUN_BYTES = 256 << 10
+H2D_MIN_RUN_BYTES = 1 << 20
+STAGE_BYTES = 4 << 20
+
+_WIDE_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
+    (16, torch.complex128),
+    (8, torch.int64),
+    (4, torch.int32),
+    (2, torch.int16),
+    (1, torch.uint8),
+)
+
+
+def wide_dtype(row_bytes: int) -> torch.dtype:
+    """The widest dtype whose size divides `row_bytes`: index kernels copy one element at a
+    time, so wider elements mean fewer, larger moves (bit patterns are preserved)."""
+    for size, dtype in _WIDE_DTYPES:
+        if row_bytes % size == 0:
+            return dtype
+    raise AssertionError("unreachable: every size is a multiple of 1")
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """How to move pairs `src[i] -> dst[i]`: runs (`run_src[j]..+run_len[j]` to
+    `run_dst[j]..`, both sides consecutive) copied with one slice copy each, and the leftover
+    pairs (`gather_src[i] -> gather_dst[i]`) copied through a staged gather/scatter."""
+
+    run_src: list[int]
+    run_dst: list[int]
+    run_len: list[int]
+    gather_src: torch.Tensor
+    gather_dst: torch.Tensor
+
+    @property
+    def num_pairs(self) -> int:
+        return sum(self.run_len) + int(self.gather_src.numel())
+
+
+def plan_copy(
+    src: torch.Tensor, dst: torch.Tensor, unit_bytes: int, min_run_bytes: float
+) -> CopyPlan:
+    """Split pairs into slice runs of at least `min_run_bytes` and gather pairs.
+
+    `unit_bytes` is what one pair moves per copy call (a page for D2H, one layer of a block
+    for H2D). `min_run_bytes=0` makes every run a slice copy, `inf` sends everything through
+    the gather. Vectorised: no Python work per pair.
+    """
+    n = int(src.numel())
+    empty = torch.empty(0, dtype=torch.int64)
+    if n == 0:
+        return CopyPlan([], [], [], empty, empty)
+    order = torch.argsort(src, stable=True)
+    s, d = src[order], dst[order]
+    brk = torch.ones(n, dtype=torch.bool)
+    brk[1:] = (s[1:] - s[:-1] != 1) | (d[1:] - d[:-1] != 1)
+    starts = brk.nonzero().flatten()
+    lengths = torch.diff(starts, append=torch.tensor([n]))
+    as_run = lengths * unit_bytes >= min_run_bytes
+    run_starts = starts[as_run]
+    pair_in_run = as_run[torch.cumsum(brk.to(torch.int64), 0) - 1]
+    return CopyPlan(
+        run_src=s[run_starts].tolist(),
+        run_dst=d[run_starts].tolist(),
+        run_len=lengths[as_run].tolist(),
+        gather_src=s[~pair_in_run],
+        gather_dst=d[~pair_in_run],
+    )
+
+
+def _read_layer_delay() -> float:
+    raw = os.environ.get(LAYER_DELAY_ENV, "")
+    if not raw:
+        return 0.0
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise ValueError(f"{LAYER_DELAY_ENV}: {raw!r} is not a number of milliseconds") from None
+    if not ms >= 0:
+        raise ValueError(f"{LAYER_DELAY_ENV}: must be >= 0, got {raw!r}")
+    return ms / 1000.0
+
+
+class CopyEngine:
+    """D2H and H2D block copies between one rank's `DevicePool` and `HostPool`.
+
+    Data structures: `_dev_w` is the device pool as `[layers, 2, device_blocks, row]` and
+    `_host_w` the host pool as `[host_blocks, layers, 2, row]`, both in the wide dtype (a row
+    is one block of one layer's K or V); one staging buffer per direction (CPU path), reused
+    across calls; on CUDA one stream per direction. Invariants: ids are fully validated before
+    the first byte moves; H2D callbacks fire once per layer, in layer order, only after that
+    layer's bytes are in place. On CPU, copies of both directions are serialised by one lock
+    (two concurrent multi-threaded copies only fight over the same cores and memory bus); a
+    call holds it per step (one run, one staged chunk), so a long backup cannot hold off a load.
+    """
+
+    def __init__(
+        self,
+        device_pool: DevicePool,
+        host_pool: HostPool,
+        *,
+        strategy: Strategy = "auto",
+        stage_bytes: int = STAGE_BYTES,
+        d2h_min_run_bytes: int = D2H_MIN_RUN_BYTES,
+        h2d_min_run_bytes: int = H2D_MIN_RUN_BYTES,
+    ) -> None:
+        if device_pool.shape != host_pool.shape:
+            raise ValueError(
+                f"device pool shape {device_pool.shape} differs from host pool shape "
+                f"{host_pool.shape}"
+            )
+        if strategy not in ("auto", "runs", "gather"):
+            raise ValueError(f"strategy: {strategy!r} is not one of 'auto', 'runs', 'gather'")
+        if stage_bytes <= 0:
+            raise ValueError(f"stage_bytes: must be positive, got {stage_bytes}")
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.shape = shape = device_pool.shape
+        self.strategy: Strategy = strategy
+        self.stage_bytes = stage_bytes
+        self.d2h_min_run_bytes = d2h_min_run_bytes
+        self.h2d_min_run_bytes = h2d_min_run_bytes
+        self.layer_delay_s = _read_layer_delay()
+        self.wide = wide_dtype(shape.k_bytes)
+        row = shape.k_bytes // torch.empty((), dtype=self.wide).element_size()
+        self._row = row
+        self._dev_w = device_pool.data.view(
+            shape.num_layers, 2, device_pool.num_blocks, -1
+        ).view(self.wide)
+        self._host_w = host_pool.kv.view(host_pool.num_blocks, shape.num_layers, 2, -1).view(
+            self.wide
+        )
+        assert self._dev_w.shape[-1] == row and self._host_w.shape[-1] == row
+        self._cuda = device_pool.device.type == "cuda"
+        self._lock = threading.Lock()
+        self._stage: dict[str, torch.Tensor] = {}
+        if self._cuda:
+            self._d2h_stream = torch.cuda.Stream(device_pool.device)
+            self._h2d_stream = torch.cuda.Stream(device_pool.device)
+        self.bytes_d2h = 0
+        self.bytes_h2d = 0
+
+    # ---------------------------------------------------------------- validation / planning
+
+    def _pairs(
+        self, op: str, src_ids: BlockIds, dst_ids: BlockIds, src_pool: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        dev_n, host_n = self.device_pool.num_blocks, self.host_pool.num_blocks
+        src_n, dst_n = (dev_n, host_n) if src_pool == "device" else (host_n, dev_n)
+        dst_pool = "host" if src_pool == "device" else "device"
+        try:
+            ns, nd = len(src_ids), len(dst_ids)
+        except TypeError:
+            raise BlockIdError(f"{op}: ids must be sequences of integers") from None
+        if ns != nd:
+            raise BlockIdError(f"{op}: {ns} {src_pool} ids but {nd} {dst_pool} ids")
+        src = as_block_ids(src_ids, src_n, f"{op}: {src_pool} ids", unique=False)
+        dst = as_block_ids(dst_ids, dst_n, f"{op}: {dst_pool} ids", unique=True)
+        return src, dst
+
+    def _min_run(self, default: int) -> float:
+        if self.strategy == "runs":
+            return 0
+        if self.strategy == "gather":
+            return float("inf")
+        return default
+
+    def _staging(self, key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        buf = self._stage.get(key)
+        if buf is None or buf.numel() < numel or buf.device != device:
+            buf = torch.empty(numel, dtype=self.wide, device=device)
+            self._stage[key] = buf
+        return buf[:numel].view(shape)
+
+    # ---------------------------------------------------------------- D2H
+
+    def d2h(self, dev_ids: BlockIds, host_ids: BlockIds) -> None:
+        """Copy device blocks `dev_ids[i]` (all layers, K and V) to host pages `host_ids[i]`.
+        Returns when the bytes are in the host pool."""
+        src, dst = self._pairs("d2h", dev_ids, host_ids, "device")
+        if src.numel() == 0:
+            return
+        plan = plan_copy(src, dst, self.shape.page_bytes, self._min_run(self.d2h_min_run_bytes))
+        if self._cuda:
+            self._d2h_cuda(plan)
+        else:
+            self._d2h_cpu(plan)
+        self.bytes_d2h += int(src.numel()) * self.shape.page_bytes
+
+    def _d2h_cpu(self, plan: CopyPlan) -> None:
+        dev, host = self._dev_w, self._host_w
+        for s0, d0, k in zip(plan.run_src, plan.run_dst, plan.run_len, strict=True):
+            with self._lock:
+                host[d0 : d0 + k].copy_(dev[:, :, s0 : s0 + k].permute(2, 0, 1, 3))
+        g = int(plan.gather_src.numel())
+        if not g:
+            return
+        c = max(1, min(g, self.stage_bytes // self.shape.page_bytes))
+        L = self.shape.num_layers
+        stage = self._staging("d2h", (c, L, 2, self._row), host.device)
+        for i in range(0, g, c):
+            gs, gd = plan.gather_src[i : i + c], plan.gather_dst[i : i + c]
+            part = stage[: gs.numel()]
+            with self._lock:
+                torch.index_select(dev, 2, gs, out=part.permute(1, 2, 0, 3))
+                host.index_copy_(0, gd, part)
+
+    def _d2h_cuda(self, plan: CopyPlan) -> None:
+        dev, host = self._dev_w, self._host_w
+        stream = self._d2h_stream
+        stream.wait_stream(torch.cuda.current_stream(dev.device))  # KV written by compute
+        with torch.cuda.stream(stream):
+            for s0, d0, k in zip(plan.run_src, plan.run_dst, plan.run_len, strict=True):
+                src_run = dev[:, :, s0 : s0 + k].permute(2, 0, 1, 3)
+                host[d0 : d0 + k].copy_(src_run, non_blocking=True)
+            g = int(plan.gather_src.numel())
+            c = max(1, min(max(g, 1), self.stage_bytes // self.shape.page_bytes))
+            gs_all = plan.gather_src.to(dev.device)
+            for i in range(0, g, c):
+                gd = plan.gather_dst[i : i + c]
+                on_dev = torch.index_select(dev, 2, gs_all[i : i + c])  # [L, 2, k, row]
+                pinned = torch.empty(
+                    (gd.numel(), *on_dev.shape[:2], self._row), dtype=self.wide, pin_memory=True
+                )
+                pinned.copy_(on_dev.permute(2, 0, 1, 3), non_blocking=True)
+                stream.synchronize()  # the CPU scatter below reads `pinned`
+                host.index_copy_(0, gd, pinned)
+        stream.synchronize()
+
+    # ---------------------------------------------------------------- H2D
+
+    def h2d(
+        self,
+        host_ids: BlockIds,
+        dev_ids: BlockIds,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> None:
+        """Copy host pages `host_ids[i]` to device blocks `dev_ids[i]` layer by layer, calling
+        `on_layer_done(layer)` as soon as each layer is complete (in layer order, also for an
+        empty task, so nobody waits on a layer that will never come)."""
+        src, dst = self._pairs("h2d", host_ids, dev_ids, "host")
+        done = on_layer_done if on_layer_done is not None else _ignore_layer
+        unit = self.shape.layer_bytes
+        # On CUDA a host run is strided (one layer of consecutive pages), which copy_ would
+        # stage through pageable memory; the pinned gather path is always better there.
+        min_run = float("inf") if self._cuda else self._min_run(self.h2d_min_run_bytes)
+        plan = plan_copy(src, dst, unit, min_run)
+        if self._cuda:
+            self._h2d_cuda(plan, done)
+        else:
+            self._h2d_cpu(plan, done)
+        self.bytes_h2d += int(src.numel()) * self.shape.page_bytes
+
+    def _h2d_cpu(self, plan: CopyPlan, done: Callable[[int], None]) -> None:
+        dev, host = self._dev_w, self._host_w
+        g = int(plan.gather_src.numel())
+        c = max(1, min(max(g, 1), self.stage_bytes // self.shape.layer_bytes))
+        stage = self._staging("h2d", (c, 2, self._row), host.device) if g else None
+        runs = list(zip(plan.run_src, plan.run_dst, plan.run_len, strict=True))
+        for layer in range(self.shape.num_layers):
+            dev_l, host_l = dev[layer], host[:, layer]
+            with self._lock:
+                for s0, d0, k in runs:
+                    dev_l[:, d0 : d0 + k].copy_(host_l[s0 : s0 + k].transpose(0, 1))
+                if stage is not None:
+                    for i in range(0, g, c):
+                        gs, gd = plan.gather_src[i : i + c], plan.gather_dst[i : i + c]
+                        part = stage[: gs.numel()]
+                        torch.index_select(host_l, 0, gs, out=part)
+                        dev_l.index_copy_(1, gd, part.transpose(0, 1))
+            done(layer)
+            if self.layer_delay_s:
+                time.sleep(self.layer_delay_s)
+
+    def _h2d_cuda(self, plan: CopyPlan, done: Callable[[int], None]) -> None:
+        dev, host = self._dev_w, self._host_w
+        stream = self._h2d_stream
+        g = int(plan.gather_src.numel())
+        c = max(1, min(max(g, 1), self.stage_bytes // self.shape.layer_bytes))
+        gd_all = plan.gather_dst.to(dev.device)
+        pending: deque[tuple[int, torch.cuda.Event]] = deque()
+        stream.wait_stream(torch.cuda.current_stream(dev.device))  # readers of old content
+        with torch.cuda.stream(stream):
+            for layer in range(self.shape.num_layers):
+                dev_l, host_l = dev[layer], host[:, layer]
+                for i in range(0, g, c):
+                    gs = plan.gather_src[i : i + c]
+                    # Fresh pinned staging per chunk: the caching host allocator keeps it
+                    # alive until the async copy that reads it has completed.
+                    pinned = torch.empty(
+                        (gs.numel(), 2, self._row), dtype=self.wide, pin_memory=True
+                    )
+                    torch.index_select(host_l, 0, gs, out=pinned)
+                    on_dev = pinned.to(dev.device, non_blocking=True)
+                    dev_l.index_copy_(1, gd_all[i : i + c], on_dev.transpose(0, 1))
+                event = torch.cuda.Event()
+                event.record(stream)
+                pending.append((layer, event))
+                while pending and pending[0][1].query():
+                    done(pending.popleft()[0])
+                if self.layer_delay_s:
+                    time.sleep(self.layer_delay_s)
+        while pending:
+            layer, event = pending.popleft()
+            event.synchronize()
+            done(layer)
+
+
+def _ignore_layer(layer: int) -> None:
+    del layer

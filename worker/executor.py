@@ -1,0 +1,94 @@
+"""What a rank does with a task: the one place that turns tasks into copies, content checks
+and storage calls. The worker process runs it behind its queues; an engine that keeps its KV
+in its own process can run it directly (`worker.embedded`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from worker import content
+from worker.copy_engine import CopyEngine
+from worker.kv_pools import DevicePool, HostPool
+from worker.storage.backend import StorageBackend
+from worker.wire import Task, TaskKind
+
+DEVICE_KINDS = frozenset({TaskKind.D2H, TaskKind.H2D, TaskKind.FILL, TaskKind.CHECK})
+STORAGE_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP, TaskKind.CLEAR})
+MERGEABLE = frozenset({TaskKind.D2H, TaskKind.H2D})
+
+
+class TaskExecutor:
+    """Executes tasks on one rank's pools and storage backend.
+
+    `device`, `host` (None: no host tier), `engine` (copies between them), `storage` (None:
+    no storage tier). `backup_one_rank`: only rank 0 writes pages (every rank holds the same
+    KV, as in MLA models), the others report success without writing.
+    """
+
+    def __init__(self, rank: int, device: DevicePool, host: HostPool | None,
+                 storage: StorageBackend | None, *, backup_one_rank: bool = False) -> None:
+        self.rank = rank
+        self.device = device
+        self.host = host
+        self.storage = storage
+        self.backup_one_rank = backup_one_rank
+        self.engine = CopyEngine(device, host) if host is not None else None
+
+    def device_batch(self, kind: TaskKind, batch: list[Task],
+                     on_layer_done: Callable[[list[int], int], None] | None = None,
+                     ) -> list[tuple[int, list[int]]]:
+        """Run same-kind device tasks as one batch; one (result, detail) per task.
+        `on_layer_done(seqs, layer)` fires as each layer of an H2D batch lands."""
+        if kind in (TaskKind.D2H, TaskKind.H2D):
+            if self.engine is None:
+                raise RuntimeError(f"{kind.name} needs a host tier, and this rank has none")
+            src = [i for t in batch for i in t.src]
+            dst = [i for t in batch for i in t.dst]
+            if kind == TaskKind.D2H:
+                self.engine.d2h(src, dst)
+            else:
+                seqs = [t.seq for t in batch]
+                cb = None if on_layer_done is None else (lambda layer: on_layer_done(seqs, layer))
+                self.engine.h2d(src, dst, cb)
+            return [(0, [])] * len(batch)
+        if len(batch) != 1:
+            raise ValueError(f"{kind.name} tasks are not merged")
+        task = batch[0]
+        if not (task.src or task.dst):
+            return [(0, [])]  # nothing to fill or check
+        if kind == TaskKind.FILL:
+            content.fill(self.device, task.dst, task.keys, self.rank)
+            return [(0, [])]
+        if kind == TaskKind.CHECK:
+            bad = content.check(self.device, task.src, task.keys, self.rank)
+            return [(len(bad), bad)]
+        raise ValueError(f"not a device task kind: {kind!r}")
+
+    def storage_task(self, task: Task) -> int:
+        """Run one storage task; returns its result (see `worker.wire`)."""
+        store = self.storage
+        if store is None:
+            if task.kind in (TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.CLEAR):
+                return 0
+            raise RuntimeError("no storage tier is configured on this rank")
+        if task.kind == TaskKind.QUERY:
+            return store.leading_present(task.keys)
+        if task.kind == TaskKind.CLEAR:
+            return store.clear()
+        host = self.host
+        if host is None:
+            raise RuntimeError(f"{task.kind.name} needs a host tier")
+        if task.kind == TaskKind.PREFETCH:
+            got = store.get_into(task.keys, [host.page_view(h) for h in task.dst])
+            n = 0
+            for ok in got:
+                if not ok:
+                    break
+                n += 1
+            return n
+        if task.kind == TaskKind.BACKUP:
+            if self.backup_one_rank and self.rank != 0:
+                return len(task.keys)  # rank 0 writes the pages every rank shares
+            return store.set(task.keys, [host.page_view(h) for h in task.src])
+        raise ValueError(f"not a storage task kind: {task.kind!r}")

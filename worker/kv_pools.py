@@ -1,0 +1,417 @@
+"""The KV bytes of one rank: the device pool (L1) and the host pool (L2).
+
+The two pools are laid out for different readers:
+
+* The **device pool** is what attention kernels read: per layer one K and one V tensor of shape
+  `[num_blocks, block_size, num_kv_heads, head_dim]`. All of them are views into one allocation
+  `[num_layers, 2, num_blocks, ...]`, so one block's bytes across every layer form a single
+  strided view and a copy engine can move a whole block (all layers) with one copy.
+* The **host pool** is `page_first`: block `b` holds every layer's K and V contiguously
+  (`[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`), so a block is one
+  contiguous page. Storage I/O then reads or writes one page per block, and evictions write
+  large contiguous runs. It lives in a POSIX shared-memory segment so other processes on the
+  machine (tests, diagnostics) can map it, and it is pinned for DMA when CUDA is present.
+
+Sizes are validated up front against the memory the machine actually has, because a pool that
+does not fit fails late and confusingly (OOM kill, SIGBUS on a full /dev/shm) otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import sys
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from numbers import Integral
+from typing import Literal
+
+import posix_ipc
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+}
+
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+
+
+class PoolConfigError(ValueError):
+    """A pool cannot be built as asked (bad size, unknown dtype or device, not enough memory)."""
+
+
+class BlockIdError(ValueError):
+    """Block ids handed to a pool operation are malformed (range, length, duplicates)."""
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a config string such as "float16" to its torch dtype (torch dtypes pass through)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise PoolConfigError(f"dtype: {dtype} is not supported (one of {sorted(DTYPES)})")
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except (KeyError, TypeError):
+        raise PoolConfigError(
+            f"dtype: {dtype!r} is not supported (one of {sorted(DTYPES)})"
+        ) from None
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The KV geometry of one rank. `dtype` may be given as a string ("float16", ...); it is
+    stored as a torch dtype. All sizes are positive integers (checked at construction)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise PoolConfigError(f"{name}: must be a positive integer, got {value!r}")
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """Shape of one block of one layer's K (or V): [block_size, num_kv_heads, head_dim]."""
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def k_bytes(self) -> int:
+        """Bytes of one block of one layer's K; V has the same size."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one block of one layer, K and V together."""
+        return 2 * self.k_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block over all layers, K and V: one host page / storage page."""
+        return self.num_layers * self.layer_bytes
+
+
+def _mem_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where the file does not exist."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _shm_free_bytes() -> int | None:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PoolConfigError(f"{name}: must be a positive integer, got {value!r}")
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" -> cuda when available else cpu; "cuda" without CUDA is an error, not a fallback,
+    because an operator who asked for the GPU must not silently get a CPU pool."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise PoolConfigError(
+                "device: 'cuda' requested but CUDA is not available (use 'auto' or 'cpu')"
+            )
+        return torch.device("cuda")
+    raise PoolConfigError(f"device: {device!r} is not one of 'auto', 'cpu', 'cuda'")
+
+
+def as_block_ids(
+    ids: Sequence[int] | torch.Tensor, num_blocks: int, what: str, *, unique: bool
+) -> torch.Tensor:
+    """Validate block ids and return them as a 1-D int64 CPU tensor.
+
+    `what` names the ids in error messages ("d2h: host ids"). `unique` rejects duplicates
+    (destination ids: two sources for one block would leave its content undefined).
+    """
+    if isinstance(ids, torch.Tensor):
+        t = ids.detach().to("cpu")
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise BlockIdError(f"{what}: ids must be integers, got dtype {t.dtype}")
+        t = t.to(torch.int64)
+    else:
+        items = list(ids)
+        if not all(isinstance(x, Integral) and not isinstance(x, bool) for x in items):
+            bad = next(x for x in items if not isinstance(x, Integral) or isinstance(x, bool))
+            raise BlockIdError(f"{what}: ids must be integers, got {bad!r}")
+        try:
+            t = torch.tensor(items, dtype=torch.int64)
+        except (RuntimeError, OverflowError):
+            raise BlockIdError(f"{what}: block id out of the int64 range") from None
+    if t.dim() != 1:
+        raise BlockIdError(f"{what}: ids must be one-dimensional, got shape {tuple(t.shape)}")
+    if t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= num_blocks:
+            bad = lo if lo < 0 else hi
+            raise BlockIdError(f"{what}: block id {bad} out of range [0, {num_blocks})")
+        if unique:
+            s = torch.sort(t).values
+            dup = s[1:][s[1:] == s[:-1]]
+            if dup.numel():
+                raise BlockIdError(f"{what}: block id {int(dup[0])} appears more than once")
+    return t.contiguous()
+
+
+class DevicePool:
+    """Per-layer K and V caches of one rank, in the layout attention kernels read.
+
+    Data structures: `data` is one tensor `[num_layers, 2, num_blocks, block_size,
+    num_kv_heads, head_dim]` (index 0 = K, 1 = V); `k_caches[l]` and `v_caches[l]` are
+    contiguous views `data[l, 0]` and `data[l, 1]`. Invariant: the views never outlive or
+    re-point away from `data`; block `b` of every layer is `data[:, :, b]`.
+    """
+
+    def __init__(self, shape: KVShape, num_blocks: int, device: str = "auto") -> None:
+        _check_positive("device_blocks", num_blocks)
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.device = resolve_device(device)
+        self.nbytes = num_blocks * shape.page_bytes
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            if self.nbytes > free:
+                raise PoolConfigError(
+                    f"device_blocks: {num_blocks} blocks need {_gib(self.nbytes)} but the GPU "
+                    f"has {_gib(free)} free"
+                )
+        else:
+            avail = _mem_available_bytes()
+            if avail is not None and self.nbytes > avail:
+                raise PoolConfigError(
+                    f"device_blocks: {num_blocks} blocks need {_gib(self.nbytes)} but only "
+                    f"{_gib(avail)} of memory is available (MemAvailable)"
+                )
+        self.data = torch.zeros(
+            (shape.num_layers, 2, num_blocks, *shape.block_shape),
+            dtype=shape.dtype,
+            device=self.device,
+        )
+        layers = range(shape.num_layers)
+        self.k_caches: list[torch.Tensor] = [self.data[layer, 0] for layer in layers]
+        self.v_caches: list[torch.Tensor] = [self.data[layer, 1] for layer in layers]
+
+    def __repr__(self) -> str:
+        return (
+            f"DevicePool(blocks={self.num_blocks}, device={self.device}, "
+            f"bytes={self.nbytes}, shape={self.shape})"
+        )
+
+
+class HostPool:
+    """The host tier of one rank: `page_first` pages in a POSIX shared-memory segment.
+
+    Data structures: `data` is a uint8 tensor `[num_blocks, page_bytes]` over the mmapped
+    segment; `kv` is the same memory typed as `[num_blocks, num_layers, 2, block_size,
+    num_kv_heads, head_dim]`. Invariants: the segment exists under `name` from construction
+    until `close()` (owner only); `close()` is idempotent and, for the owner, always unlinks
+    the name; the mapping itself is released as soon as no view into it remains, so a view
+    still held elsewhere never points into unmapped memory.
+    """
+
+    def __init__(self, shape: KVShape, num_blocks: int, name: str) -> None:
+        _check_positive("host_blocks", num_blocks)
+        _check_name(name)
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.name = name
+        self.nbytes = num_blocks * shape.page_bytes
+        self.owner = True
+        self.pinned = False
+        self._closed = True
+        shm_free = _shm_free_bytes()
+        if shm_free is not None and self.nbytes > shm_free:
+            raise PoolConfigError(
+                f"host_blocks: {num_blocks} blocks need {_gib(self.nbytes)} but /dev/shm has "
+                f"{_gib(shm_free)} free (raise the container's shm_size or lower host_blocks)"
+            )
+        avail = _mem_available_bytes()
+        if avail is not None and self.nbytes > avail:
+            raise PoolConfigError(
+                f"host_blocks: {num_blocks} blocks need {_gib(self.nbytes)} but only "
+                f"{_gib(avail)} of memory is available (MemAvailable)"
+            )
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(name)  # a stale segment of a dead deployment
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=self.nbytes)
+        try:
+            os.fchmod(shm.fd, 0o600)  # shm_open applies the umask; make the mode exact
+            self._map(shm.fd)
+        except BaseException:
+            shm.close_fd()
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_shared_memory(name)
+            raise
+        shm.close_fd()
+        # Last resort for an owner that is never closed (an exception path that skipped
+        # close()): unlink at garbage collection or interpreter exit, in this process only,
+        # so a forked child exiting never removes its parent's segment.
+        self._finalizer = weakref.finalize(self, _unlink_if_creator, name, os.getpid())
+
+    @classmethod
+    def attach(cls, name: str, shape: KVShape) -> HostPool:
+        """Map an existing segment read/write from another process. The attached pool never
+        unlinks the segment; its `close()` only drops this process's mapping."""
+        _check_name(name)
+        try:
+            shm = posix_ipc.SharedMemory(name, 0)
+        except posix_ipc.ExistentialError:
+            raise PoolConfigError(f"host pool segment {name!r} does not exist") from None
+        try:
+            size = shm.size
+            if size == 0 or size % shape.page_bytes:
+                raise PoolConfigError(
+                    f"host pool segment {name!r} has {size} bytes, not a whole number of "
+                    f"{shape.page_bytes}-byte pages for {shape}"
+                )
+            self = cls.__new__(cls)
+            self.shape = shape
+            self.num_blocks = size // shape.page_bytes
+            self.name = name
+            self.nbytes = size
+            self.owner = False
+            self.pinned = False
+            self._closed = True
+            self._map(shm.fd)
+        finally:
+            shm.close_fd()
+        return self
+
+    def _map(self, fd: int) -> None:
+        self._mm: mmap.mmap | None = mmap.mmap(fd, self.nbytes)
+        self._closed = False
+        try:
+            raw = torch.frombuffer(self._mm, dtype=torch.uint8)
+            self.data = raw.view(self.num_blocks, self.shape.page_bytes)
+            self.kv = raw.view(self.shape.dtype).view(
+                self.num_blocks, self.shape.num_layers, 2, *self.shape.block_shape
+            )
+            if torch.cuda.is_available():
+                err = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), self.nbytes, 0)
+                if int(err) != 0:
+                    raise RuntimeError(f"cudaHostRegister of {self.name} failed: {err}")
+                self.pinned = True
+        except BaseException:
+            self._release_mapping()
+            raise
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def page_view(self, host_id: int) -> memoryview:
+        """One block's page (all layers, K and V) as a writable memoryview, for storage I/O.
+        Release it (or drop it) before expecting the mapping to go away."""
+        off = self._page_offset(host_id)
+        assert self._mm is not None
+        return memoryview(self._mm)[off : off + self.shape.page_bytes]
+
+    def page_tensor(self, host_id: int) -> torch.Tensor:
+        """One block's page as a uint8 tensor view `[page_bytes]`."""
+        self._page_offset(host_id)
+        return self.data[host_id]
+
+    def _page_offset(self, host_id: int) -> int:
+        if self._closed:
+            raise RuntimeError(f"host pool {self.name} is closed")
+        if isinstance(host_id, bool) or not isinstance(host_id, int):
+            raise BlockIdError(f"host id must be an integer, got {host_id!r}")
+        if not 0 <= host_id < self.num_blocks:
+            raise BlockIdError(f"host id {host_id} out of range [0, {self.num_blocks})")
+        return host_id * self.shape.page_bytes
+
+    def _release_mapping(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
+            self.pinned = False
+        for attr in ("data", "kv"):
+            if hasattr(self, attr):
+                delattr(self, attr)
+        mm, self._mm = self._mm, None
+        self._closed = True
+        if mm is None:
+            return
+        # Unmap now only when nothing else references the mapping (our local + the argument):
+        # tensors built on it hold a reference, and closing under them would leave them
+        # pointing at unmapped memory. Otherwise it is unmapped with its last view.
+        if sys.getrefcount(mm) <= 2:
+            with contextlib.suppress(BufferError):
+                mm.close()
+
+    def close(self) -> None:
+        """Unpin, unmap and (owner only) unlink the segment. Safe to call more than once."""
+        if not self._closed:
+            self._release_mapping()
+        if self.owner:
+            self._finalizer.detach()
+            _unlink_if_creator(self.name, os.getpid())
+            self.owner = False
+
+    def __enter__(self) -> HostPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"HostPool(name={self.name!r}, blocks={self.num_blocks}, bytes={self.nbytes}, "
+            f"pinned={self.pinned}, closed={self._closed})"
+        )
+
+
+def _unlink_if_creator(name: str, creator_pid: int) -> None:
+    if os.getpid() == creator_pid:
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(name)
+
+
+def _check_name(name: str) -> None:
+    if (
+        not isinstance(name, str)
+        or len(name) < 2
+        or not name.startswith("/")
+        or "/" in name[1:]
+        or len(name) > 255
+    ):
+        raise PoolConfigError(
+            f"host pool name: {name!r} must look like '/kvtier_<deployment>_host_r<rank>' "
+            "(one leading slash, no other slash, at most 255 characters)"
+        )

@@ -1,0 +1,262 @@
+"""The worker process of one tensor-parallel rank: owns the rank's KV bytes, runs its tasks.
+
+    python -m worker.process --spec '<json WorkerSpec>'
+
+Started by the manager's launcher, one per rank. It attaches to the deployment's IPC names,
+builds the device pool, the host pool (a shared-memory segment named after the deployment and
+rank) and the storage backend, sets its ready flag, then loops:
+
+* receive every task waiting in its queue (the receive refreshes the heartbeat), keep them in
+  a priority heap (higher `priority` first, then arrival order);
+* while the paused flag is set, hold every device transfer (storage tasks go on);
+* run the best task, merged with the queued tasks of the same kind and priority into one
+  batch (one copy for many tasks); H2D loads publish each layer as it lands;
+* storage tasks (QUERY, PREFETCH, BACKUP, CLEAR) run on a second thread, so a slow store never
+  holds up a device transfer;
+* post one completion per task: ok, or failed with the error text — an exception in a task
+  fails that task, never the loop.
+
+It exits on SIGTERM/SIGINT, or by itself when the manager stops beating (no orphans), and
+always unlinks its host-pool segment on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from worker.executor import MERGEABLE, STORAGE_KINDS, TaskExecutor
+from worker.ipc import ManagerGone, WorkerIPC
+from worker.kv_pools import DevicePool, HostPool, KVShape
+from worker.storage.backend import StorageBackend, make_backend, namespace_for
+from worker.wire import Completion, Task
+
+log = logging.getLogger("kvtier.worker")
+
+
+def host_segment_name(deployment_id: str, rank: int) -> str:
+    """The host pool's shared-memory name (the launcher unlinks it after a crash)."""
+    return f"/kvtier_{deployment_id}_host_r{rank}"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs, passed as JSON on its command line."""
+
+    deployment_id: str
+    rank: int
+    num_ranks: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    device_blocks: int
+    host_blocks: int
+    device: str = "auto"
+    storage_backend: str = "none"
+    storage_path: str = ".kvtier/storage"
+    storage_url: str = "redis://127.0.0.1:6379/0"
+    storage_capacity_bytes: int = 0
+    storage_ttl_s: int = 0
+    storage_timeout_s: float = 0.5
+    backup_one_rank: bool = False
+    manager_timeout_s: float = 3.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        return cls(**json.loads(text))
+
+    @property
+    def shape(self) -> KVShape:
+        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
+                       self.dtype)  # type: ignore[arg-type]
+
+    def storage_namespace(self) -> str:
+        fields: dict[str, Any] = {"num_layers": self.num_layers,
+                                  "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                                  "dtype": self.dtype, "block_size": self.block_size}
+        if self.backup_one_rank:  # every rank holds the same KV: all share rank 0's pages
+            return namespace_for(fields, 0, 1)
+        return namespace_for(fields, self.rank, self.num_ranks)
+
+
+class Worker:
+    """One rank's task loop.
+
+    Data structures: `_heap` of (-priority, arrival, task) for device tasks; `_storage_q` a
+    FIFO of storage tasks for the storage thread; `_inflight` the number of tasks received and
+    not yet answered (published in the rank's flags).
+    Invariant: every task received is answered by exactly one completion.
+    """
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.rank = spec.rank
+        self._stop = threading.Event()
+        self._heap: list[tuple[int, int, Task]] = []
+        self._arrival = itertools.count()
+        self._storage_q: queue.Queue[Task | None] = queue.Queue()
+        self._inflight = 0
+        self._inflight_lock = threading.Lock()
+        self.ipc = WorkerIPC(spec.deployment_id, spec.rank,
+                             manager_timeout=spec.manager_timeout_s)
+        self.host: HostPool | None = None
+        self.storage: StorageBackend | None = None
+        try:
+            shape = spec.shape
+            self.device = DevicePool(shape, spec.device_blocks, spec.device)
+            if spec.host_blocks:
+                self.host = HostPool(shape, spec.host_blocks,
+                                     host_segment_name(spec.deployment_id, spec.rank))
+            self.storage = make_backend(
+                spec.storage_backend, namespace=spec.storage_namespace(),
+                path=spec.storage_path, url=spec.storage_url,
+                capacity_bytes=spec.storage_capacity_bytes, ttl_s=spec.storage_ttl_s,
+                page_bytes=shape.page_bytes, timeout_s=spec.storage_timeout_s)
+            self.executor = TaskExecutor(spec.rank, self.device, self.host, self.storage,
+                                         backup_one_rank=spec.backup_one_rank)
+        except BaseException:
+            self.close()
+            raise
+        self._storage_thread = threading.Thread(target=self._storage_loop, daemon=True,
+                                                name=f"kvtier-storage-r{self.rank}")
+
+    # ------------------------------------------------------------------ loop
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        self._storage_thread.start()
+        self.ipc.set_ready(True)
+        log.info("rank %d ready (pid %d, device %s, %d device / %d host blocks, storage %s)",
+                 self.rank, os.getpid(), self.device.device, self.spec.device_blocks,
+                 self.spec.host_blocks, self.spec.storage_backend)
+        try:
+            while not self._stop.is_set():
+                wait = 0.0 if self._heap and not self.ipc.paused else 0.2
+                task = self.ipc.recv_task(timeout=wait)
+                while task is not None:
+                    self._accept(task)
+                    task = self.ipc.recv_task(timeout=0)
+                if self._heap and not self.ipc.paused:
+                    self._run_best()
+        except ManagerGone as e:
+            log.warning("rank %d: %s; exiting", self.rank, e)
+        finally:
+            self.ipc.set_ready(False)
+            self._storage_q.put(None)
+            self._storage_thread.join(timeout=5)
+
+    def _accept(self, task: Task) -> None:
+        with self._inflight_lock:
+            self._inflight += 1
+            self.ipc.set_inflight(self._inflight)
+        if task.kind in STORAGE_KINDS:
+            self._storage_q.put(task)
+        else:
+            heapq.heappush(self._heap, (-task.priority, next(self._arrival), task))
+
+    def _answer(self, comp: Completion) -> None:
+        self.ipc.post_completion(comp)
+        with self._inflight_lock:
+            self._inflight -= 1
+            self.ipc.set_inflight(self._inflight)
+
+    def _run_best(self) -> None:
+        _, _, first = heapq.heappop(self._heap)
+        batch = [first]
+        if first.kind in MERGEABLE:
+            while (self._heap and self._heap[0][2].kind == first.kind
+                   and self._heap[0][2].priority == first.priority):
+                batch.append(heapq.heappop(self._heap)[2])
+        try:
+            results = self.executor.device_batch(first.kind, batch, self._layer_done)
+        except Exception as e:  # a task fails; the loop goes on
+            log.error("rank %d: %s task(s) %s failed: %s\n%s", self.rank, first.kind.name,
+                      [t.seq for t in batch], e, traceback.format_exc())
+            for t in batch:
+                self._answer(Completion(t.seq, self.rank, False, error=f"{type(e).__name__}: {e}"))
+            return
+        for t, (result, detail) in zip(batch, results, strict=True):
+            self._answer(Completion(t.seq, self.rank, True, result, detail))
+
+    def _layer_done(self, seqs: list[int], layer: int) -> None:
+        for s in seqs:
+            self.ipc.publish_layers_done(s, layer + 1)
+
+    # ------------------------------------------------------------------ storage
+
+    def _storage_loop(self) -> None:
+        while True:
+            task = self._storage_q.get()
+            if task is None:
+                return
+            try:
+                result = self.executor.storage_task(task)
+            except Exception as e:
+                log.error("rank %d: storage %s task %d failed: %s", self.rank, task.kind.name,
+                          task.seq, e)
+                self._answer(Completion(task.seq, self.rank, False,
+                                        error=f"{type(e).__name__}: {e}"))
+                continue
+            self._answer(Completion(task.seq, self.rank, True, result))
+
+    # ------------------------------------------------------------------ exit
+
+    def close(self) -> None:
+        """Release everything; the host segment is unlinked (idempotent)."""
+        if self.storage is not None:
+            try:
+                self.storage.close()
+            except Exception as e:  # closing must go on to the next resource
+                log.warning("rank %d: closing storage: %s", self.rank, e)
+            self.storage = None
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+        self.ipc.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvtier-worker", description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", required=True, help="WorkerSpec as JSON")
+    args = ap.parse_args(argv)
+    spec = WorkerSpec.from_json(args.spec)
+    logging.basicConfig(level=os.environ.get("KVTIER_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s rank{spec.rank} %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    worker = Worker(spec)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("rank %d: signal %d, stopping", spec.rank, signum)
+        worker.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        worker.run()
+    finally:
+        worker.close()
+        time.sleep(0)  # let log handlers flush before the interpreter goes
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

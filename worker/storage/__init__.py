@@ -1,0 +1,18 @@
+"""kvtier's storage tier (L3): pages of KV blocks in local files or a shared Redis.
+
+`make_backend` opens the backend named by the `[storage]` config section on the namespace
+`namespace_for` computes for one rank; every backend implements `StorageBackend`. The byte
+layout of a stored page (header + checksum) is in `page_format`.
+"""
+
+from worker.storage.backend import StorageBackend, make_backend, namespace_for
+from worker.storage.page_format import HEADER_BYTES, KEY_BYTES, PageStatus
+
+__all__ = [
+    "HEADER_BYTES",
+    "KEY_BYTES",
+    "PageStatus",
+    "StorageBackend",
+    "make_backend",
+    "namespace_for",
+]

@@ -1,0 +1,362 @@
+"""The shared storage tier: pages as values in a Redis server that several kvtier instances use.
+
+This is how kvtier scales past one machine: every instance serving the same model shape opens
+the same namespace, so a prefix one node computed and backed up is a storage hit on every other
+node. Keys are `kvtier:<namespace>:<64 hex digits of the page key>`; values are the page header
++ payload of `page_format`, so a value that was truncated, overwritten by another client or
+written by another format version is a miss.
+
+A shared network store can be down or slow, and a storage lookup sits on the path of a
+scheduler call. So nothing here may block for long or raise for an outage:
+* every socket operation has a timeout (default 0.5 s) and redis-py's own retries are off, so
+  one batch costs at most about one timeout when Redis does not answer;
+* a failure opens a short backoff window (doubling up to a cap, reset on success) during
+  which calls fail fast as misses / unwritten pages without touching the network;
+* the first call after the window tries again, so the tier resumes by itself when Redis comes
+  back; failures are counted per operation and logged at most once per `log_interval_s`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from worker.storage.backend import (
+    Buffer,
+    RateLimitedLog,
+    StorageBackend,
+    check_keys,
+    log,
+)
+from worker.storage.page_format import HEADER_BYTES, PageStatus, decode_into, encode_page
+
+T = TypeVar("T")
+
+
+def _redact(url: str) -> str:
+    """`url` with any password replaced by '***', for log lines."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<invalid url>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+# Errors that mean "the server is unreachable or too slow": they open the backoff window.
+_OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    OSError,
+)
+
+
+class RedisBackend(StorageBackend):
+    """Pages of one namespace in Redis, reached through one redis-py connection pool.
+
+    State: `_client` (thread-safe pool of connections, created lazily, so a backend can be
+    opened while Redis is down); `_retry_at` / `_backoff_s` (the fail-fast window and its next
+    length) and `_failing` (an outage is in progress), all guarded by `_state_lock`. Batches
+    are cut so that one request carries at most `batch_bytes` of page data (bounded memory and
+    bounded time per round trip) or `batch_keys` keys.
+    """
+
+    kind = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        *,
+        ttl_s: int = 0,
+        page_bytes: int | None = None,
+        timeout_s: float = 0.5,
+        connect_timeout_s: float | None = None,
+        backoff_s: float = 0.25,
+        backoff_max_s: float = 4.0,
+        log_interval_s: float = 30.0,
+        batch_bytes: int = 16 << 20,
+        batch_keys: int = 512,
+    ) -> None:
+        super().__init__(namespace, page_bytes)
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s < 0:
+            raise ValueError(f"ttl_s must be an int >= 0 (0 = no expiry), got {ttl_s!r}")
+        for name, value in (
+            ("timeout_s", timeout_s),
+            ("backoff_s", backoff_s),
+            ("backoff_max_s", backoff_max_s),
+            ("log_interval_s", log_interval_s),
+        ):
+            if not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if batch_bytes < 1 or batch_keys < 1:
+            raise ValueError("batch_bytes and batch_keys must be >= 1")
+        self.url = url
+        self._shown_url = _redact(url)  # what logs show: never the password
+        self.ttl_s = ttl_s
+        self.timeout_s = float(timeout_s)
+        self._batch_bytes = batch_bytes
+        self._batch_keys = batch_keys
+        self._prefix = f"kvtier:{self.namespace}:".encode()
+        try:
+            self._client = redis.Redis.from_url(
+                url,
+                socket_timeout=self.timeout_s,
+                socket_connect_timeout=float(connect_timeout_s or timeout_s),
+                retry=Retry(NoBackoff(), 0),
+                retry_on_timeout=False,
+                health_check_interval=0,
+                decode_responses=False,
+            )
+        except ValueError as exc:
+            raise ValueError(f"storage url {url!r} is not a valid Redis URL: {exc}") from exc
+        self._state_lock = threading.Lock()
+        self._backoff_base_s = float(backoff_s)
+        self._backoff_max_s = float(backoff_max_s)
+        self._backoff_s = self._backoff_base_s
+        self._retry_at = 0.0
+        self._failing = False
+        self._closed = False
+        self._warn = RateLimitedLog(log, log_interval_s)
+        self._stats.add(outages=0, fast_failed_calls=0)
+
+    # -- keys and batching -------------------------------------------------------------------
+    def redis_key(self, key: bytes) -> bytes:
+        """The Redis key of a page key (exposed for operators and tests)."""
+        return self._prefix + key.hex().encode()
+
+    def batch_bounds(self, n: int, page_len: int) -> Iterator[tuple[int, int]]:
+        """The [lo, hi) index ranges one call of `n` pages of `page_len` bytes is cut into."""
+        per = max(1, min(self._batch_keys, self._batch_bytes // max(1, page_len + HEADER_BYTES)))
+        for lo in range(0, n, per):
+            yield lo, min(n, lo + per)
+
+    # -- outage handling ---------------------------------------------------------------------
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+
+    def _in_backoff(self, op: str) -> bool:
+        with self._state_lock:
+            skip = time.monotonic() < self._retry_at
+        if skip:
+            self._stats.add(**{f"errors_{op}": 1, "fast_failed_calls": 1})
+        return skip
+
+    def _call(self, op: str, fn: Callable[[], T]) -> tuple[bool, T | None]:
+        """Run one network round trip. Returns (True, result), or (False, None) after an
+        outage-type failure (counted, logged, backoff window opened). Other Redis errors
+        (e.g. out of memory on write) are counted and logged but do not open the window."""
+        try:
+            result = fn()
+        except _OUTAGE_ERRORS as exc:
+            with self._state_lock:
+                self._retry_at = time.monotonic() + self._backoff_s
+                window = self._backoff_s
+                self._backoff_s = min(self._backoff_s * 2, self._backoff_max_s)
+                new_outage = not self._failing
+                self._failing = True
+            self._stats.add(**{f"errors_{op}": 1, "outages": int(new_outage)})
+            self._warn.warning(
+                f"redis storage {self._shown_url} ({self.namespace}) unavailable during {op}: "
+                f"{type(exc).__name__}: {exc}; failing fast for {window:.2f}s"
+            )
+            return False, None
+        except redis.RedisError as exc:
+            self._stats.add(**{f"errors_{op}": 1})
+            self._warn.warning(
+                f"redis storage {self._shown_url} ({self.namespace}) {op} failed: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            return False, None
+        with self._state_lock:
+            recovered = self._failing
+            self._failing = False
+            self._backoff_s = self._backoff_base_s
+        if recovered:
+            log.info("redis storage %s (%s) reachable again", self._shown_url, self.namespace)
+        return True, result
+
+    # -- operations --------------------------------------------------------------------------
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        self._ensure_open()
+        keys_b = check_keys(keys)
+        out = [False] * len(keys_b)
+        if not keys_b or self._in_backoff("exists"):
+            return out
+        for lo, hi in self.batch_bounds(len(keys_b), 0):
+            ok, found = self._call("exists", lambda lo=lo, hi=hi: self._exists_batch(keys_b[lo:hi]))
+            if not ok:
+                break
+            out[lo:hi] = found
+        return out
+
+    def leading_present(self, keys: Sequence[bytes]) -> int:
+        """Like `exists`, but asks in growing batches and stops at the first absent page, so
+        a long prompt whose storage hit is short costs one small round trip."""
+        self._ensure_open()
+        keys_b = check_keys(keys)
+        if not keys_b or self._in_backoff("exists"):
+            return 0
+        count, lo, step = 0, 0, 32
+        while lo < len(keys_b):
+            hi = min(len(keys_b), lo + step)
+            ok, found = self._call("exists", lambda lo=lo, hi=hi: self._exists_batch(keys_b[lo:hi]))
+            if not ok:
+                return count
+            for present in found:
+                if not present:
+                    return count
+                count += 1
+            lo, step = hi, min(step * 4, self._batch_keys)
+        return count
+
+    def _exists_batch(self, keys: list[bytes]) -> list[bool]:
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self.redis_key(key))
+        return [bool(n) for n in pipe.execute()]
+
+    def get_into(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> list[bool]:
+        self._ensure_open()
+        keys_b, views = self._check_pages(keys, dests, writable=True, what="destination buffers")
+        start = time.perf_counter()
+        hits = [False] * len(keys_b)
+        corrupt: list[tuple[int, PageStatus]] = []
+        if keys_b and not self._in_backoff("get"):
+            page_len = max(v.nbytes for v in views)
+            for lo, hi in self.batch_bounds(len(keys_b), page_len):
+                names = [self.redis_key(k) for k in keys_b[lo:hi]]
+                ok, values = self._call("get", lambda names=names: self._client.mget(names))
+                if not ok or values is None:
+                    break
+                for i, value in enumerate(values, start=lo):
+                    if value is None:
+                        continue
+                    status = decode_into(keys_b[i], value, views[i])
+                    if status is PageStatus.OK:
+                        hits[i] = True
+                    else:
+                        corrupt.append((i, status))
+                del values
+        pages = sum(hits)
+        self._stats.add(
+            pages_read=pages,
+            bytes_read=sum(v.nbytes for v, ok in zip(views, hits, strict=True) if ok),
+            misses=len(hits) - pages,
+            corrupt_pages=len(corrupt),
+        )
+        self._stats.observe("read", time.perf_counter() - start)
+        if corrupt:
+            self._drop_corrupt([keys_b[i] for i, _ in corrupt])
+            i, status = corrupt[0]
+            self._warn.warning(
+                f"redis storage {self.namespace}: {len(corrupt)} corrupt page(s) dropped "
+                f"(first: key {keys_b[i].hex()[:16]}..., {status.value})"
+            )
+        return hits
+
+    def _drop_corrupt(self, keys: list[bytes]) -> None:
+        """Delete values that failed verification so `exists` stops reporting them. Best
+        effort: if another instance rewrote a good page in the few milliseconds since the
+        read, that page is lost too, which costs one later miss and never wrong data."""
+        names = [self.redis_key(k) for k in keys]
+        self._call("delete", lambda: self._client.unlink(*names))
+
+    def set(self, keys: Sequence[bytes], pages: Sequence[Buffer]) -> int:
+        self._ensure_open()
+        keys_b, views = self._check_pages(keys, pages, writable=False, what="pages")
+        start = time.perf_counter()
+        written_bytes = 0
+        written = 0
+        if keys_b and not self._in_backoff("set"):
+            page_len = max(v.nbytes for v in views)
+            for lo, hi in self.batch_bounds(len(keys_b), page_len):
+                ok, results = self._call(
+                    "set", lambda lo=lo, hi=hi: self._set_batch(keys_b[lo:hi], views[lo:hi])
+                )
+                if not ok or results is None:
+                    break
+                for i, result in enumerate(results, start=lo):
+                    if result is True:
+                        written += 1
+                        written_bytes += views[i].nbytes
+                failed = [r for r in results if r is not True]
+                if failed:
+                    self._stats.add(errors_set=len(failed))
+                    self._warn.warning(
+                        f"redis storage {self.namespace}: {len(failed)} SET(s) refused: "
+                        f"{failed[0]!r}"
+                    )
+        self._stats.add(pages_written=written, bytes_written=written_bytes)
+        self._stats.observe("write", time.perf_counter() - start)
+        return written
+
+    def _set_batch(self, keys: list[bytes], views: list[memoryview]) -> list[object]:
+        pipe = self._client.pipeline(transaction=False)
+        ttl = self.ttl_s or None
+        for key, view in zip(keys, views, strict=True):
+            pipe.set(self.redis_key(key), encode_page(key, view), ex=ttl)
+        return pipe.execute(raise_on_error=False)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        self._ensure_open()
+        keys_b = check_keys(keys)
+        removed = 0
+        if not keys_b or self._in_backoff("delete"):
+            return 0
+        for lo in range(0, len(keys_b), self._batch_keys):
+            names = [self.redis_key(k) for k in keys_b[lo : lo + self._batch_keys]]
+            ok, n = self._call("delete", lambda names=names: self._client.unlink(*names))
+            if not ok:
+                break
+            removed += int(n or 0)
+        self._stats.add(pages_deleted=removed)
+        return removed
+
+    def clear(self) -> int:
+        """SCAN the namespace's keys (`kvtier:<namespace>:*`, exact because namespaces hold no
+        glob characters or ':') and UNLINK them in batches; other namespaces and other
+        applications' keys are untouched. Returns the number of keys removed (0 and an
+        `errors_clear` count when Redis is unreachable)."""
+        self._ensure_open()
+        if self._in_backoff("clear"):
+            return 0
+        ok, removed = self._call("clear", self._clear_all)
+        removed = int(removed or 0) if ok else 0
+        self._stats.add(pages_deleted=removed)
+        return removed
+
+    def _clear_all(self) -> int:
+        pattern = self._prefix + b"*"
+        removed = 0
+        batch: list[bytes] = []
+        for name in self._client.scan_iter(match=pattern, count=1000):
+            batch.append(name)
+            if len(batch) >= 1000:
+                removed += self._client.unlink(*batch)
+                batch.clear()
+        if batch:
+            removed += self._client.unlink(*batch)
+        return removed
+
+    def close(self) -> None:
+        self._closed = True
+        self._client.close()
+
+    def stats(self) -> dict[str, float]:
+        """Adds `outages` (transitions from reachable to unreachable), `fast_failed_calls`
+        (calls answered without the network during a backoff window) and `available`
+        (1 unless the last round trip failed)."""
+        out = super().stats()
+        with self._state_lock:
+            out["available"] = 0 if self._failing else 1
+        return out
