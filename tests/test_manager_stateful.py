@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from manager.errors import OutOfBlocksError, ResetBusyError, TransferFailedError
 from manager.scheduler import KVCacheManager
-from manager.tree import LOADING, PREFETCHING, SAVING, EVICTING
+from manager.tree import EVICTING, LOADING, PREFETCHING, SAVING
 from worker.wire import TaskKind
 
 BS = 4

@@ -207,8 +207,8 @@ def test_allocate_is_all_or_nothing(make: Factory) -> None:
     m.match("c", prompt(3, 20))
     before = m.stats()
     blocks_before = m.request_blocks("c")
-    with pytest.raises(OutOfBlocksError, match=r"^request .c.: 5 device blocks needed, 1 free and 3 "
-                                               r"evictable of 6"):
+    with pytest.raises(OutOfBlocksError,
+                       match=r"^request .c.: 5 device blocks needed, 1 free and 3 evictable of 6"):
         m.allocate("c", 17)
     assert m.stats() == before
     assert m.request_blocks("c") == blocks_before
@@ -385,8 +385,8 @@ def test_pinned_prefix_is_never_evicted(make: Factory) -> None:
     s = m.stats()
     assert s["pinned_blocks"] == 2 and s["device"]["evictable"] == 0  # type: ignore[index]
     m.match("p", prompt(2, 12))
-    with pytest.raises(OutOfBlocksError, match=r"^request .p.: 3 device blocks needed, 2 free and 0 "
-                                               r"evictable"):
+    with pytest.raises(OutOfBlocksError,
+                       match=r"^request .p.: 3 device blocks needed, 2 free and 0 evictable"):
         m.allocate("p", 12)
     m.allocate("p", 8)
     assert where(m, a) == ["dev", "dev"]
