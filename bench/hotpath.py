@@ -140,8 +140,11 @@ def run_peer(venv: Path, name: str, script: list[str], env_extra: dict[str, str]
         if name == "sglang":  # page size 1 at 16-token accounting, page = block otherwise
             args = [("1:16" if b == 16 else f"{b}:{b}") for b in block_sizes]
         env = dict(os.environ, PB_OUT=out, **env_extra)
-        subprocess.run([str(venv / "bin" / "python"), *script, *args], cwd=PEERS_DIR, env=env,
-                       check=True, stdout=subprocess.DEVNULL, timeout=1800)
+        proc = subprocess.run([str(venv / "bin" / "python"), *script, *args], cwd=PEERS_DIR,
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, timeout=1800, check=False)
+        if proc.returncode:
+            raise RuntimeError(f"peer {name} failed ({proc.returncode}): {proc.stderr[-2000:]}")
         res: dict[int, dict[str, float]] = {}
         for line in Path(out).read_text().splitlines():
             d = json.loads(line)

@@ -156,10 +156,11 @@ def chain_keys(
             p = h(data, p & _MASK64) ^ (p >> 64)
             append(p)
         return out
-    for a in range(start_block * step, end * step, step):
-        p = h(buf[a : a + step], p & _MASK64) ^ (p >> 64)
-        append(p)
-    return out
+    # One comprehension (no per-block method call): each key folds in the previous one. The
+    # seed argument takes the low 64 bits of `p` by itself (xxhash parses it as an unsigned
+    # long long without overflow check; the golden-key tests would catch a change).
+    return [p := h(buf[a : a + step], p) ^ (p >> 64)
+            for a in range(start_block * step, end * step, step)]
 
 
 def storage_keys(

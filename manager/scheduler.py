@@ -52,6 +52,7 @@ from manager.tree import (
     PREFETCHING,
     SAVING,
     DeviceLRU,
+    DeviceNode,
     HostLRU,
     Node,
 )
@@ -173,6 +174,8 @@ class KVCacheManager:
         self._dev_pool = BlockPool("device", device_blocks)
         self._host_pool = BlockPool("host", host_blocks)
         self._dev_lru = DeviceLRU()
+        # Device-only deployments use the leaner node (no host links, no storage key).
+        self._node_cls: type[Node] = Node if host_blocks else DeviceNode  # type: ignore[assignment]
         self._host_lru = HostLRU()
         self._map: dict[int, Node] = {}
         self._requests: dict[str, _Request] = {}
@@ -358,12 +361,13 @@ class KVCacheManager:
             blocks = req.blocks
             new_nodes: list[Node] = []
             exclusive = self.policy.exclusive
+            new_node = self._node_cls
             joined = 0
             for i in range(start, n_full):
                 key = keys[i]
                 node = m.get(key)
                 if node is None:
-                    node = Node(key, blocks[i], None, now)
+                    node = new_node(key, blocks[i], None, now)
                     node.ref = 1
                     m[key] = node
                     new_nodes.append(node)
@@ -736,6 +740,27 @@ class KVCacheManager:
         policy = self.policy
         host_tier = self._host_pool.capacity > 0
         c = self.counters
+        if not host_tier:
+            # Device only: every victim is dropped. Unlink a run of victims from the head of
+            # the list in one pass and free their blocks in one call.
+            head = lru.head
+            m = self._map
+            freed: list[int] = []
+            node = head.dnext
+            while len(freed) < n and node is not head:
+                nxt = node.dnext  # type: ignore[union-attr]
+                freed.append(node.dev)  # type: ignore[union-attr,arg-type]
+                node.dev = node.dprev = node.dnext = None  # type: ignore[union-attr]
+                del m[node.key]  # type: ignore[union-attr]
+                node.key = None  # type: ignore[union-attr]
+                node = nxt
+            head.dnext = node
+            node.dprev = head  # type: ignore[union-attr]
+            lru.size -= len(freed)
+            self._dev_in_tree -= len(freed)
+            c.evicted_device_drop += len(freed)
+            pool.free(freed)
+            return []
         demote_src: list[int] = []
         demote_dst: list[int] = []
         demote_nodes: list[Node] = []
@@ -901,7 +926,7 @@ class KVCacheManager:
                 self._dev_in_tree -= 1
             if node.ref > 0:
                 if node.key is not None:
-                    fresh = Node(node.key, None, node.host, node.last)
+                    fresh = self._node_cls(node.key, None, node.host, node.last)
                     fresh.hits = node.hits
                     self._map[node.key] = fresh
                     if node in self._pins:

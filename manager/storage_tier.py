@@ -95,24 +95,28 @@ class StorageTier:
         if (cap - start) * self.bs < self.threshold_tokens:
             return False
         node = self.m._map.get(req.keys[start])
+        # One budget for the query and the prefetch together: `timeout` bounds the whole wait.
+        deadline = time.monotonic() + self._wait_budget(cap - start)
         if node is None:
             seq = self._query(req, token_ids, start, cap)
             if self.policy == "best_effort":
                 return False  # it lands for later requests of the same prefix
             try:
-                self.m._wait_unlocked([seq], self._wait_budget(cap - start))
+                self.m._wait_unlocked([seq], max(0.0, deadline - time.monotonic()))
             except TransferTimeoutError:
                 return False
             node = self.m._map.get(req.keys[start])
             if node is None:
                 return False
+            if not node.flags & PREFETCHING:
+                return True  # the prefetch landed while we waited for the query: walk again
         if not node.flags & PREFETCHING or self.policy == "best_effort":
             return False
         seq = self._prefetch_of.get(node)
         if seq is None:
             return False
         try:
-            self.m._wait_unlocked([seq], self._wait_budget(cap - start))
+            self.m._wait_unlocked([seq], max(0.0, deadline - time.monotonic()))
         except TransferTimeoutError:
             return False
         return True
@@ -234,17 +238,21 @@ class StorageTier:
         seq = m._next_seq()
         task = Task(seq, TaskKind.BACKUP, src, [], keys, Priority.BACKUP)
         self.counters["backup_tasks"] += 1
-        m._track(task, batch, on_done=lambda ok, comp: self._on_backup(batch, ok))
+        m._track(task, batch, on_done=lambda ok, comp: self._on_backup(batch, ok, comp))
 
-    def _on_backup(self, nodes: list[Node], ok: bool) -> None:
-        if ok:
-            self.counters["backup_pages"] += len(nodes)
-        else:
+    def _on_backup(self, nodes: list[Node], ok: bool, comp: Completion) -> None:
+        # A backend that cannot write (Redis down, disk full) still answers the task, with
+        # the number of pages it wrote (the minimum over ranks): only those count as backed
+        # up, and only a fully written batch marks its nodes STORED.
+        written = min(comp.result, len(nodes)) if ok else 0
+        if not ok:
             self.counters["errors_backup"] += 1
-            self.counters["backup_failed_pages"] += len(nodes)
+        self.counters["backup_pages"] += written
+        self.counters["backup_failed_pages"] += len(nodes) - written
+        stored = written == len(nodes)
         for node in nodes:
             node.flags &= ~BACKING
-            if ok:
+            if stored:
                 node.flags |= STORED
             self.m._refresh(node)
             self.m._forget(node)

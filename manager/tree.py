@@ -90,6 +90,33 @@ class Node:
                 f"flags={self.flags:#x})")
 
 
+class DeviceNode:
+    """A Node for deployments with only a device tier: the host-side fields are class
+    constants (always None), so each node costs 8 slots instead of 12 — about a fifth less
+    memory per cached block where no host or storage tier exists."""
+
+    __slots__ = ("dev", "dnext", "dprev", "flags", "hits", "key", "last", "ref")
+
+    host = None
+    hprev = None
+    hnext = None
+    skey = None
+
+    def __init__(self, key: int | None, dev: int | None, host: int | None, last: float) -> None:
+        if host is not None:
+            raise ValueError("a device-only node cannot hold a host block")
+        self.key = key
+        self.dev = dev
+        self.ref = 0
+        self.flags = 0
+        self.hits = 0
+        self.last = last
+        self.dprev: Node | None = None
+        self.dnext: Node | None = None
+
+    __repr__ = Node.__repr__
+
+
 class DeviceLRU:
     """Evictable nodes on the device, oldest first (a circular list through a sentinel).
 
