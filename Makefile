@@ -17,8 +17,11 @@ install: $(VENV)/.installed
 system-deps:
 	bash scripts/system-deps.sh
 
+# The main job on embedded defaults: replay the built-in chat workload through a manager, one
+# worker and the file storage tier (.kvtier/), checking every hit byte for byte. A second
+# `make run` finds the first run's pages in storage.
 run: install
-	$(PY) bench/hotpath.py
+	$(VENV)/bin/kvtier replay --workload chat --limit 400 --verify --plot .kvtier/replay.png
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -431,6 +431,12 @@ class TomlFileSource(PydanticBaseSettingsSource):
             raise ConfigError(f"config file {str(self.path)!r}: not UTF-8 text") from None
 
 
+# Variables with the prefix that are not configuration keys: the log level and the test hooks
+# the launcher passes through to workers.
+NON_CONFIG_ENV = frozenset({"KVTIER_LOG_LEVEL", "KVTIER_TEST_LAYER_DELAY_MS",
+                            "KVTIER_TEST_STORAGE_DELAY_MS"})
+
+
 class EnvironmentSource(PydanticBaseSettingsSource):
     """`KVTIER_<SECTION>__<KEY>` (and `KVTIER_DEPLOYMENT_ID`, `KVTIER_ADMIN_TOKEN`) from a mapping.
 
@@ -462,7 +468,7 @@ class EnvironmentSource(PydanticBaseSettingsSource):
         errors: list[str] = []
         self.origins = {}
         for name in sorted(self.environ):
-            if not name.upper().startswith(ENV_PREFIX):
+            if not name.upper().startswith(ENV_PREFIX) or name.upper() in NON_CONFIG_ENV:
                 continue
             raw = self.environ[name]
             path = self._path_of(name)

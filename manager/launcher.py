@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import posix_ipc
 
+from manager.config import NON_CONFIG_ENV
 from manager.errors import KvtierError, TransferTimeoutError
 from manager.transfers import Dispatcher
 from worker.ipc import ManagerIPC, TaskAborted
@@ -196,6 +198,10 @@ class WorkerSupervisor:
         self.ready_timeout_s = ready_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.on_worker_lost = on_worker_lost
+        # Worker logs go to `log_dir`, or to a temporary folder removed at stop unless a
+        # worker failed (then its log is worth keeping, and its path was logged).
+        self._own_log_dir = log_dir is None
+        self._keep_logs = False
         self._log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvtier-{deployment_id}-"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self.workers = [WorkerHandle(r) for r in range(num_ranks)]
@@ -225,6 +231,7 @@ class WorkerSupervisor:
                 self._spawn(w)
             self._wait_ready(self.workers, self.ready_timeout_s)
         except BaseException:
+            self._keep_logs = True
             self.stop()
             raise
         self._monitor = threading.Thread(target=self._watch, daemon=True,
@@ -235,12 +242,14 @@ class WorkerSupervisor:
         self._unlink_host_segment(w.rank)
         w.log_path = self._log_dir / f"worker-r{w.rank}.log"
         logf = w.log_path.open("ab")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")
-               or k in ("KVTIER_LOG_LEVEL", "KVTIER_TEST_LAYER_DELAY_MS")}
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("KVTIER_") or k in NON_CONFIG_ENV}
         w.proc = subprocess.Popen(
             [sys.executable, "-m", "worker.process", "--spec",
              self.spec_for_rank(w.rank).to_json()],
-            stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=False)
+            # A session of its own: a terminal's Ctrl-C goes to the manager, which stops the
+            # workers in order; orphans still exit by themselves (manager heartbeat).
+            stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         logf.close()
         w.state = "starting"
         w.started_at = time.monotonic()
@@ -295,6 +304,7 @@ class WorkerSupervisor:
         log.error("worker rank %d (pid %d) %s; last log lines:\n%s", w.rank,
                   w.proc.pid if w.proc else -1, reason, self.last_log_lines(w.rank, 5))
         w.state = "dead"
+        self._keep_logs = True
         if w.proc is not None and w.proc.poll() is None:
             w.proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -367,6 +377,10 @@ class WorkerSupervisor:
         if self.dispatcher is not None:
             self.dispatcher.close()
         self.ipc.close()
+        if self._own_log_dir and not self._keep_logs:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+        elif self._keep_logs:
+            log.info("worker logs kept in %s", self._log_dir)
 
     def _unlink_host_segment(self, rank: int) -> None:
         with contextlib.suppress(posix_ipc.ExistentialError):

@@ -7,17 +7,23 @@ against the Compose specification JSON schema it bundles and resolves it, offlin
 Docker daemon. The Prometheus scrape config and the dashboard's PromQL are checked by
 `promtool` (package `prometheus`). Everything else is cross-checked by reading the files: ports,
 paths, commands and the shared-memory size must all follow from docker/kvtier.toml.
+The command of the kvtier service is run for real, as a local process (ENTRYPOINT + command,
+config path moved to a small local file): its live /metrics must hold every metric the
+dashboard queries.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import shutil
+import signal
 import subprocess
 import tomllib
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 import yaml
 from compose_support import (
@@ -47,6 +53,8 @@ from compose_support import (
     prometheus_targets,
     promql_without_grafana_variables,
 )
+from prometheus_client.parser import text_string_to_metric_families
+from serve_support import ServeProcess, kvtier_script, leftovers, tiny_config, wait_for
 
 from manager.config import host_pool_bytes, load_config, page_bytes
 
@@ -315,3 +323,33 @@ def test_dockerfile_copies_every_package_and_dockerignore_lets_them_through():
     for source in copied:
         assert (REPO / source).exists(), source
         assert source in allowed, f".dockerignore excludes {source}"
+
+
+# --- the commands compose runs, run here ------------------------------------------------------
+
+
+def test_compose_command_runs_and_serves_every_dashboard_metric(tmp_path):
+    """The only service built from this repository runs ENTRYPOINT + command; this runs that
+    exact command line (the console script, its config path moved to a small local file),
+    then checks that a live /metrics has every metric the dashboard queries and passes
+    promtool, and that SIGINT stops it cleanly."""
+    assert set(compose_commands()) == {"kvtier"}
+    assert dockerfile_exec_form("ENTRYPOINT") == ["kvtier"]
+    command = list(compose_commands()["kvtier"])
+    at = command.index("--config") + 1
+    assert command[at] == CONTAINER_CONFIG
+    dep = f"cmp{os.getpid()}"
+    command[at] = str(tiny_config(tmp_path / "kvtier.toml", dep))
+    with ServeProcess([str(kvtier_script())], command, deployment_id=dep,
+                      log_path=tmp_path / "serve.log") as serve:
+        with httpx.Client(base_url=serve.url, timeout=10.0) as client:
+            wait_for(lambda: client.get("/readyz").status_code == 200, 30, "/readyz 200")
+            text = client.get("/metrics").text
+        names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+        missing = sorted(set(dashboard_metric_names()) - names)
+        assert not missing, f"the dashboard queries metrics /metrics lacks: {missing}"
+        linted = subprocess.run([_tool("promtool", "prometheus"), "check", "metrics"],
+                                input=text, capture_output=True, text=True, timeout=60)
+        assert linted.returncode == 0, linted.stdout + linted.stderr
+        assert serve.stop(signal.SIGINT) == 0
+    assert leftovers(dep, 1) == []

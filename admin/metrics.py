@@ -1,0 +1,274 @@
+"""Prometheus metrics of one running Stack, built at scrape time from its snapshots.
+
+Why a custom collector rather than counters incremented on the hot path: the scheduler
+already keeps plain integer counters and O(1) occupancy figures (`KVCacheManager.stats()`,
+`StorageTier.counters`, the supervisor's worker table), readable without its lock. Turning
+them into metric families when Prometheus asks costs the scheduler nothing per request, and a
+scrape costs the same with ten cached blocks or ten million (nothing here walks the tree).
+
+The one figure no snapshot holds is the duration of each transfer, so `kvtier_transfer_seconds`
+is a real histogram, fed by the stack's transfer observer once per finished task.
+
+Names follow Prometheus conventions (checked by `promtool check metrics` in the tests): every
+name starts with `kvtier_`, carries its unit (`_seconds`, `_bytes`, `_blocks`, `_tokens`,
+`_pages`), and counters end in `_total`. Every label value a family can take is always
+exported (zero when nothing happened), so dashboards and alerts see a series from the first
+scrape on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from manager.config import resolve_device
+from worker.wire import TaskKind
+
+if TYPE_CHECKING:
+    from manager.stack import Stack
+
+log = logging.getLogger("kvtier.admin.metrics")
+
+TIERS = ("device", "host")
+BLOCK_STATES = ("free", "cached", "in_use", "evictable")
+HIT_TIERS = ("device", "host", "storage")
+DIRECTIONS = ("d2h", "h2d", "storage_read", "storage_write")
+DIRECTION_OF_KIND: dict[TaskKind, str] = {
+    TaskKind.D2H: "d2h",
+    TaskKind.H2D: "h2d",
+    TaskKind.PREFETCH: "storage_read",
+    TaskKind.BACKUP: "storage_write",
+}
+"""Task kinds that move KV bytes; queries, clears and diagnostic fills/checks are not
+transfers and stay out of the transfer histogram."""
+
+TRANSFER_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                      0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+"""From a 100 us copy of a few CPU blocks to a 30 s storage batch (the transfer timeout)."""
+
+STORAGE_ERROR_OPS = ("query", "prefetch", "backup", "clear")
+
+
+class StackCollector(Collector):
+    """Metric families of one Stack, read from its lock-free snapshots at every scrape.
+
+    Holds only a reference to the stack: the manager, supervisor and storage tier are looked
+    up on each scrape, so the collector follows the stack through start and close (families
+    whose source is not running are left out of that scrape).
+    """
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+
+    def collect(self) -> Iterator[Metric]:
+        stack = self.stack
+        yield self._info()
+        manager = stack.manager
+        if manager is not None:
+            yield from self._manager_families(manager.stats())
+        yield from self._storage_families()
+        yield from self._worker_families()
+
+    # ------------------------------------------------------------------ families
+
+    def _info(self) -> Metric:
+        cfg = self.stack.cfg
+        try:
+            device = resolve_device(cfg)
+        except Exception:  # CUDA asked for but gone: the info line still names the request
+            device = cfg.workers.device
+        info = GaugeMetricFamily(
+            "kvtier_info", "Constant 1, labelled with this deployment's identity and settings.",
+            labels=["deployment_id", "device", "storage_backend", "write_policy", "ranks"])
+        info.add_metric([cfg.deployment_id, device, cfg.storage.backend,
+                         cfg.cache.write_policy, str(cfg.workers.count)], 1)
+        return info
+
+    def _manager_families(self, st: dict[str, Any]) -> Iterator[Metric]:
+        cfg = self.stack.cfg
+        ranks = cfg.workers.count
+        block_bytes = self.stack.page_bytes * ranks
+        c = st["counters"]
+
+        capacity = GaugeMetricFamily(
+            "kvtier_capacity_blocks", "Blocks in the pool of each tier.", labels=["tier"])
+        blocks = GaugeMetricFamily(
+            "kvtier_blocks",
+            "Blocks of each tier by state: free (in the free list), cached (held by the prefix "
+            "tree), evictable (cached and evictable now), in_use (capacity - free - evictable: "
+            "referenced by requests, pinned or in transfer).",
+            labels=["tier", "state"])
+        for tier in TIERS:
+            t = st[tier]
+            capacity.add_metric([tier], t["capacity"])
+            for state in BLOCK_STATES:
+                blocks.add_metric([tier, state], t[state])
+        yield capacity
+        yield blocks
+        yield GaugeMetricFamily(
+            "kvtier_block_bytes", "Bytes of one block over all ranks (all layers, K and V).",
+            value=block_bytes)
+        yield GaugeMetricFamily(
+            "kvtier_tree_nodes", "Nodes of the prefix tree (cached blocks of any tier).",
+            value=st["nodes"])
+        yield GaugeMetricFamily(
+            "kvtier_requests_active", "Requests matched and not yet released.",
+            value=st["requests_active"])
+        yield GaugeMetricFamily(
+            "kvtier_pinned_blocks", "Prefix-tree nodes pinned through the admin API.",
+            value=st["pinned_blocks"])
+        yield GaugeMetricFamily(
+            "kvtier_transfer_tasks_inflight",
+            "Tasks sent to the workers whose outcome the manager has not applied yet.",
+            value=st["tasks_inflight"])
+        yield GaugeMetricFamily(
+            "kvtier_paused", "1 while transfers are paused (POST /pause), else 0.",
+            value=1 if st["paused"] else 0)
+
+        yield CounterMetricFamily(
+            "kvtier_requests", "Requests matched (scheduler match calls).", value=c["requests"])
+        yield CounterMetricFamily(
+            "kvtier_lookup_tokens",
+            "Prompt tokens looked up by match (the denominator of every hit rate).",
+            value=c["lookup_tokens"])
+        hits = CounterMetricFamily(
+            "kvtier_hit_tokens", "Prompt tokens found cached, by the tier that held them.",
+            labels=["tier"])
+        for tier in HIT_TIERS:
+            hits.add_metric([tier], c[f"hit_{tier}_tokens"])
+        yield hits
+        evicted = CounterMetricFamily(
+            "kvtier_evicted_blocks",
+            "Blocks evicted, by tier and action (demote: copied down to host; drop: gone).",
+            labels=["tier", "action"])
+        evicted.add_metric(["device", "drop"], c["evicted_device_drop"])
+        evicted.add_metric(["device", "demote"], c["evicted_device_demote"])
+        evicted.add_metric(["host", "drop"], c["evicted_host_drop"])
+        yield evicted
+
+        storage = self.stack.storage
+        sc = storage.counters if storage is not None else None
+        writers = 1 if cfg.storage.backup_one_rank else ranks
+        moved = {
+            "d2h": c["d2h_blocks"] * block_bytes,
+            "h2d": c["h2d_blocks"] * block_bytes,
+            "storage_read": (sc["prefetch_pages_completed"] * block_bytes) if sc else 0,
+            "storage_write": (sc["backup_pages"] * self.stack.page_bytes * writers) if sc else 0,
+        }
+        transfer_bytes = CounterMetricFamily(
+            "kvtier_transfer_bytes",
+            "KV bytes moved, by direction, summed over ranks (blocks x block bytes x ranks).",
+            labels=["direction"])
+        for direction in DIRECTIONS:
+            transfer_bytes.add_metric([direction], moved[direction])
+        yield transfer_bytes
+        yield CounterMetricFamily(
+            "kvtier_transfer_failed_tasks", "Tasks that failed on at least one rank.",
+            value=c["failed_tasks"])
+        yield CounterMetricFamily(
+            "kvtier_resets", "Successful resets (POST /reset) of the device and host caches.",
+            value=c["resets"])
+        yield CounterMetricFamily(
+            "kvtier_cache_losses",
+            "Times every cached block was dropped because a worker died with its pools.",
+            value=c["lost_all"])
+
+    def _storage_families(self) -> Iterator[Metric]:
+        """Storage counters; zeros when the deployment has no storage tier, so that the same
+        dashboard works on every deployment."""
+        storage = self.stack.storage
+        sc: dict[str, int] = storage.counters if storage is not None else {}
+
+        def get(name: str) -> int:
+            return sc.get(name, 0)
+
+        yield CounterMetricFamily(
+            "kvtier_storage_queries", "Batched 'which pages does storage hold' queries.",
+            value=get("queries"))
+        yield CounterMetricFamily(
+            "kvtier_storage_query_hit_pages",
+            "Pages the queries found on every rank (before the prefetch limit).",
+            value=get("query_hit_pages"))
+        prefetch = CounterMetricFamily(
+            "kvtier_storage_prefetch_pages",
+            "Pages prefetched from storage into the host tier: issued, completed (read and "
+            "verified on every rank), revoked (cancelled, failed or incomplete: a miss).",
+            labels=["outcome"])
+        for outcome in ("issued", "completed", "revoked"):
+            prefetch.add_metric([outcome], get(f"prefetch_pages_{outcome}"))
+        yield prefetch
+        yield CounterMetricFamily(
+            "kvtier_storage_backup_pages", "Pages backed up from the host tier to storage.",
+            value=get("backup_pages"))
+        yield CounterMetricFamily(
+            "kvtier_storage_backup_failed_pages", "Pages whose backup to storage failed.",
+            value=get("backup_failed_pages"))
+        errors = CounterMetricFamily(
+            "kvtier_storage_errors", "Storage tasks that failed, by operation.", labels=["op"])
+        for op in STORAGE_ERROR_OPS:
+            errors.add_metric([op], get(f"errors_{op}"))
+        yield errors
+        yield GaugeMetricFamily(
+            "kvtier_storage_prefetching_blocks", "Host blocks held by prefetches in flight.",
+            value=storage.prefetching_blocks if storage is not None else 0)
+
+    def _worker_families(self) -> Iterator[Metric]:
+        sup = self.stack.supervisor
+        if sup is None:
+            return
+        try:
+            workers = sup.status()
+        except Exception as e:  # the IPC closed under us (stack closing): no worker figures
+            log.debug("worker status unavailable: %s", e)
+            return
+        up = GaugeMetricFamily(
+            "kvtier_worker_up", "1 while the worker of the rank is ready, else 0.",
+            labels=["rank"])
+        age = GaugeMetricFamily(
+            "kvtier_worker_heartbeat_age_seconds",
+            "Seconds since the worker of the rank last beat (absent before its first beat).",
+            labels=["rank"])
+        inflight = GaugeMetricFamily(
+            "kvtier_worker_tasks_inflight", "Tasks the worker of the rank has received and "
+            "not answered.", labels=["rank"])
+        restarts = CounterMetricFamily(
+            "kvtier_worker_restarts", "Times the worker of the rank was replaced after dying.",
+            labels=["rank"])
+        for w in workers:
+            rank = [str(w["rank"])]
+            up.add_metric(rank, 1 if w["state"] == "ready" else 0)
+            if w["heartbeat_age_s"] is not None:
+                age.add_metric(rank, float(w["heartbeat_age_s"]))  # type: ignore[arg-type]
+            inflight.add_metric(rank, int(w["tasks_inflight"]))  # type: ignore[call-overload]
+            restarts.add_metric(rank, int(w["restarts"]))  # type: ignore[call-overload]
+        yield up
+        yield age
+        yield inflight
+        yield restarts
+
+
+def build_registry(stack: Stack) -> CollectorRegistry:
+    """A registry of its own (not the process-global default, so two stacks in one process
+    never mix) with the stack's collector, the transfer histogram fed by the stack's transfer
+    observer, and the process collector (CPU, memory, open files of the manager process)."""
+    registry = CollectorRegistry()
+    seconds = Histogram(
+        "kvtier_transfer_seconds",
+        "Seconds from sending a transfer task to every rank having answered, by direction.",
+        labelnames=["direction"], buckets=TRANSFER_BUCKETS_S, registry=registry)
+    children = {d: seconds.labels(direction=d) for d in DIRECTIONS}
+
+    def observe(kind: TaskKind, blocks: int, elapsed_s: float) -> None:
+        direction = DIRECTION_OF_KIND.get(kind)
+        if direction is not None:
+            children[direction].observe(elapsed_s)
+
+    stack.add_transfer_observer(observe)
+    registry.register(StackCollector(stack))
+    ProcessCollector(registry=registry)
+    return registry

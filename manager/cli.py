@@ -1,0 +1,392 @@
+"""The `kvtier` command: `serve`, `status` and `replay`.
+
+    kvtier serve [--config FILE]           manager + workers + admin, in the foreground
+    kvtier status [--url URL] [--json]     the admin's /status as tables (or JSON)
+    kvtier replay ...                      drive a trace or workload through a stack
+
+Exit statuses: 0 success (and a serve stopped by SIGTERM/SIGINT); 1 a runtime failure (a worker
+that never got ready, an admin that cannot be reached); 2 a usage or configuration error,
+printed as one line naming the key and the value.
+
+`serve` life cycle, one log line per event:
+
+    config loaded and checked (file, env, machine, storage reachable)  -> "config: ..."
+    admin socket bound (port 0: a free port)                           -> fails fast, exit 2
+    workers started, each ready                                        -> the launcher's lines
+    admin serving                                                      -> "admin listening on URL"
+    SIGTERM / SIGINT                                                   -> "stopping"
+      POSTs refused (503), /readyz 503; transfers drained (bounded); admin stopped;
+      stack closed: workers stopped, every segment and queue unlinked  -> "stopped", exit 0
+
+`replay` lives in `manager.replay`, imported only when that subcommand runs, so `serve` and
+`status` never pay for (or depend on) the replay machinery.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from manager.config import (
+    ConfigError,
+    KvtierConfig,
+    check_storage_reachable,
+    device_pool_bytes,
+    host_pool_bytes,
+    load_config,
+    page_bytes,
+    redact_url,
+    resolve_device,
+)
+
+if TYPE_CHECKING:
+    from manager.stack import Stack
+
+log = logging.getLogger("kvtier.serve")
+
+DEFAULT_ADMIN_URL = "http://127.0.0.1:8080"
+DRAIN_TIMEOUT_S = 10.0
+"""How long `serve` waits at shutdown for transfers in flight before stopping the workers."""
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _fail(command: str, message: object, code: int) -> int:
+    print(f"kvtier {command}: {_one_line(message)}", file=sys.stderr, flush=True)
+    return code
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 1024**2:.1f} MiB"
+
+
+def config_line(cfg: KvtierConfig) -> str:
+    """The configuration in one log line (no secrets)."""
+    m, c, s, w, a = cfg.model, cfg.cache, cfg.storage, cfg.workers, cfg.admin
+    storage = {"none": "none", "file": f"file {s.path}",
+               "redis": f"redis {redact_url(s.url)}"}[s.backend]
+    return (
+        f"config: deployment {cfg.deployment_id!r}; {w.count} worker(s) on "
+        f"{resolve_device(cfg)}; model {m.num_layers} layers x {m.num_kv_heads} kv heads x "
+        f"{m.head_dim} {m.dtype}; block {c.block_size} tokens = {page_bytes(cfg)} bytes/rank; "
+        f"device {c.device_blocks} blocks ({_mib(device_pool_bytes(cfg))}), host "
+        f"{c.host_blocks} blocks ({_mib(host_pool_bytes(cfg))}); write policy "
+        f"{c.write_policy}; storage {storage} (prefetch {s.prefetch_policy} >= "
+        f"{s.prefetch_threshold} tokens); admin {a.host}:{a.port} "
+        f"(token {'set' if a.token.get_secret_value() else 'not set'})")
+
+
+# -------------------------------------------------------------------------------- serve
+
+
+class _StopDuringStart(BaseException):
+    """Raised by the signal handler while the workers are starting, to abandon the start
+    (Stack.start cleans up on any exception)."""
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    phase = ["preparing"]  # preparing -> starting (workers) -> running -> stopping
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            log.warning("%s received; already stopping", name)
+            return
+        stop.set()
+        log.info("%s received: stopping", name)
+        if phase[0] == "starting":
+            raise _StopDuringStart(name)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _serve(args, stop, phase)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) -> int:
+    try:
+        cfg = load_config(args.config)
+        check_storage_reachable(cfg)
+    except ConfigError as e:
+        return _fail("serve", e, EXIT_USAGE)
+    if stop.is_set():
+        return EXIT_OK
+    from admin.server import AdminBindError, AdminServer, AdminStartError, bind_socket
+
+    try:  # before any worker exists: a taken port is a configuration error
+        sock = bind_socket(cfg.admin.host, cfg.admin.port)
+    except AdminBindError as e:
+        return _fail("serve", f"admin.port = {cfg.admin.port}: {e}", EXIT_USAGE)
+    log.info("%s", config_line(cfg))
+
+    # Imported only now: a bad configuration is reported without loading torch, and
+    # `status` never loads FastAPI or uvicorn.
+    from admin.app import create_app
+    from manager.errors import KvtierError
+    from manager.stack import Stack
+    from worker.ipc import IPCError
+
+    stack = Stack(cfg)
+    server = AdminServer(app := create_app(stack), cfg.admin.host, sock=sock)
+    code = EXIT_OK
+    try:
+        if stop.is_set():  # a signal while loading: nothing was started
+            return EXIT_OK
+        try:
+            phase[0] = "starting"
+            stack.start()
+            phase[0] = "running"
+        except _StopDuringStart:
+            log.info("stopped while starting; every worker, segment and queue removed")
+            return EXIT_OK
+        except (KvtierError, IPCError) as e:
+            print(f"kvtier serve: cannot start: {e}", file=sys.stderr, flush=True)
+            return EXIT_FAILURE
+        try:
+            server.start()
+        except AdminStartError as e:
+            print(f"kvtier serve: {e}", file=sys.stderr, flush=True)
+            return EXIT_FAILURE
+        log.info("admin listening on %s (API docs at %s/docs)", server.url, server.url)
+        while not stop.wait(0.2):
+            if not server.running:
+                log.error("the admin server stopped unexpectedly; shutting down")
+                code = EXIT_FAILURE
+                break
+        phase[0] = "stopping"
+        app.state.admin.stop_accepting("kvtier is shutting down")
+        _drain(stack)
+    finally:
+        phase[0] = "stopping"
+        server.stop()
+        stack.close()
+    log.info("stopped: workers gone, every shared-memory segment and queue removed")
+    return code
+
+
+def _drain(stack: Stack) -> None:
+    """Let transfers in flight finish (bounded) so no worker is stopped mid-copy. While
+    paused they cannot run, so there is nothing to wait for."""
+    manager = stack.manager
+    if manager is None:
+        return
+    pending = manager.dispatcher.pending()
+    if not pending:
+        return
+    if manager.paused:
+        log.info("transfers are paused: not waiting for %d task(s) in flight", pending)
+        return
+    log.info("draining %d transfer task(s) (at most %.0f s)", pending, DRAIN_TIMEOUT_S)
+    if not manager.dispatcher.drain(DRAIN_TIMEOUT_S):
+        log.warning("%d task(s) still in flight after %.0f s; stopping anyway",
+                    manager.dispatcher.pending(), DRAIN_TIMEOUT_S)
+
+
+# -------------------------------------------------------------------------------- status
+
+
+def fetch_status(url: str, timeout: float) -> dict[str, Any]:
+    """GET <url>/status as JSON. Raises RuntimeError with one readable line."""
+    target = url.rstrip("/") + "/status"
+    try:
+        with urllib.request.urlopen(target, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        try:
+            detail = json.loads(e.read()).get("detail", "")
+        except (ValueError, AttributeError):
+            detail = ""
+        raise RuntimeError(f"{target} answered {e.code} {e.reason}"
+                           + (f": {detail}" if detail else "")) from None
+    except urllib.error.URLError as e:
+        raise RuntimeError(f"cannot reach the admin at {url}: {e.reason}") from None
+    except (OSError, TimeoutError) as e:
+        raise RuntimeError(f"cannot reach the admin at {url}: {e}") from None
+    except ValueError as e:
+        raise RuntimeError(f"{target} did not answer JSON: {e}") from None
+
+
+def _bytes(n: object) -> str:
+    if not isinstance(n, int | float):
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def render_status(data: dict[str, Any]) -> None:
+    """Print /status as a few small tables."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    # A pipe or a file gets 120 columns: rich would otherwise assume 80 and wrap the tables.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+    ready = data.get("ready", {})
+    console.print(
+        f"deployment [bold]{data.get('deployment_id')}[/bold]  ready: "
+        f"{'yes' if ready.get('ready') else 'no'} ({ready.get('reason', '-')})  paused: "
+        f"{'yes' if data.get('paused') else 'no'}  uptime: {data.get('uptime_s', '-')} s")
+    console.print(
+        f"requests active: {data.get('requests_active', '-')}  tasks in flight: "
+        f"{data.get('tasks_inflight', '-')}")
+
+    tiers = Table(title="tiers (blocks; bytes over all ranks)", box=box.SIMPLE)
+    for col in ("tier", "capacity", "free", "cached", "evictable", "in use", "capacity bytes",
+                "cached bytes", "in use bytes"):
+        tiers.add_column(col, justify="left" if col == "tier" else "right")
+    for name, t in data.get("tiers", {}).items():
+        tiers.add_row(name, str(t.get("capacity")), str(t.get("free")), str(t.get("cached")),
+                      str(t.get("evictable")), str(t.get("in_use")),
+                      _bytes(t.get("capacity_bytes")), _bytes(t.get("cached_bytes")),
+                      _bytes(t.get("in_use_bytes")))
+    console.print(tiers)
+
+    workers = Table(title="workers", box=box.SIMPLE)
+    for col in ("rank", "pid", "state", "heartbeat age", "tasks in flight", "restarts"):
+        workers.add_column(col, justify="right" if col != "state" else "left")
+    for w in data.get("workers", []):
+        age = w.get("heartbeat_age_s")
+        workers.add_row(str(w.get("rank")), str(w.get("pid")), str(w.get("state")),
+                        "-" if age is None else f"{age:.2f} s", str(w.get("tasks_inflight")),
+                        str(w.get("restarts")))
+    console.print(workers)
+
+    hits = Table(title="hit rate (hit tokens / lookup tokens)", box=box.SIMPLE)
+    hits.add_column("tier")
+    hits.add_column("hit rate", justify="right")
+    for tier, rate in data.get("hit_rate", {}).items():
+        hits.add_row(tier, f"{100 * float(rate):.1f} %")
+    console.print(hits)
+
+    storage = data.get("storage")
+    if storage:
+        c = storage.get("counters", {})
+        console.print(
+            f"storage {storage.get('backend')}: prefetch {storage.get('prefetch_policy')}, "
+            f"{c.get('queries', 0)} queries, {c.get('prefetch_pages_completed', 0)} pages "
+            f"prefetched ({_bytes(storage.get('prefetch_bytes'))}), "
+            f"{c.get('backup_pages', 0)} backed up ({_bytes(storage.get('backup_bytes'))}), "
+            f"errors: query {c.get('errors_query', 0)}, prefetch "
+            f"{c.get('errors_prefetch', 0)}, backup {c.get('errors_backup', 0)}")
+    else:
+        console.print("storage: none")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        data = fetch_status(args.url, args.timeout)
+    except RuntimeError as e:
+        return _fail("status", e, EXIT_FAILURE)
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        render_status(data)
+    return EXIT_OK
+
+
+# -------------------------------------------------------------------------------- replay
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from manager.replay import run_replay_command
+
+    return int(run_replay_command(args))
+
+
+# -------------------------------------------------------------------------------- parser
+
+
+def build_parser(with_replay_arguments: bool = False) -> argparse.ArgumentParser:
+    """The full parser. The replay subcommand's own arguments are added only when asked,
+    because they come from `manager.replay` (imported only for that subcommand)."""
+    parser = argparse.ArgumentParser(
+        prog="kvtier", description="kvtier: a hierarchical KV-cache manager for LLM inference.")
+    parser.add_argument("--log-level", default=None,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper,
+                        help="log level of the manager process (default: INFO for serve, "
+                        "WARNING otherwise)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve", help="run the manager, its workers and the admin API in the foreground",
+        description="Run the manager, one worker per rank and the admin API until SIGTERM or "
+        "SIGINT; then drain transfers, stop the workers and remove every shared-memory "
+        "segment and queue. Without --config the embedded defaults are used; "
+        "KVTIER_<SECTION>__<KEY> variables override the file.")
+    serve.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    serve.set_defaults(func=cmd_serve)
+
+    status = sub.add_parser(
+        "status", help="show a running deployment's status",
+        description="Ask a running kvtier's admin for /status and print it as tables.")
+    status.add_argument("--url", default=DEFAULT_ADMIN_URL,
+                        help=f"admin base URL (default {DEFAULT_ADMIN_URL})")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
+    status.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="give up after this many seconds (default 5)")
+    status.set_defaults(func=cmd_status)
+
+    replay = sub.add_parser(
+        "replay", help="drive a trace or a built-in workload through a stack",
+        description="Replay a Mooncake-format trace or a built-in workload through a kvtier "
+        "stack and print per-tier hit rates and transfer figures.")
+    replay.set_defaults(func=cmd_replay)
+    if with_replay_arguments:
+        from manager.replay import add_replay_arguments
+
+        add_replay_arguments(replay)
+    return parser
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand named in argv, found without the full parser."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--log-level")
+    pre.add_argument("command", nargs="?")
+    known, _ = pre.parse_known_args(argv)
+    return known.command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    with_replay = _command_of(args_list) == "replay"
+    try:
+        parser = build_parser(with_replay_arguments=with_replay)
+    except ImportError as e:
+        return _fail("replay", f"not available: {e}", EXIT_FAILURE)
+    args = parser.parse_args(args_list)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    _setup_logging(args.log_level or ("INFO" if args.command == "serve" else "WARNING"))
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""`kvtier serve` as a child process, for the black-box, Prometheus and compose tests.
+
+The server is started exactly as an operator starts it (a command line and a TOML file), its
+admin URL is read from its log (admin port 0: the real port is logged), and it is stopped with
+a signal. Every wait is bounded; whatever a failed test leaves behind (the server, its workers,
+the deployment's shared-memory segments and queues) is removed in `close()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import posix_ipc
+
+from worker.ipc import cleanup_stale, ipc_names
+
+URL_LINE = re.compile(r"admin listening on (http://\S+)")
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+
+
+def kvtier_script() -> Path:
+    """The `kvtier` console script of the environment running the tests."""
+    path = Path(sys.executable).parent / "kvtier"
+    if not path.exists():
+        raise RuntimeError(f"{path} not found: install the project (pip install -e .)")
+    return path
+
+
+def module_command() -> list[str]:
+    return [sys.executable, "-m", "manager.cli"]
+
+
+def tiny_config(path: Path, deployment_id: str, *, workers: int = 1, storage: str = "file",
+                storage_dir: Path | None = None, extra: str = "") -> Path:
+    """A TOML file for a small deployment: 2 layers x 2 heads x 8, 4-token blocks, 64 device
+    and 64 host blocks per rank, admin on a free loopback port."""
+    storage_lines = f'backend = "{storage}"\n'
+    if storage == "file":
+        storage_lines += f'path = "{storage_dir or path.parent / "storage"}"\n'
+    path.write_text(
+        f'deployment_id = "{deployment_id}"\n'
+        "[model]\nnum_layers = 2\nnum_kv_heads = 2\nhead_dim = 8\n"
+        '[cache]\nblock_size = 4\ndevice_blocks = 64\nhost_blocks = 64\n'
+        'write_policy = "write_through"\n'
+        f"[storage]\n{storage_lines}"
+        f'[workers]\ncount = {workers}\ndevice = "cpu"\n'
+        '[admin]\nhost = "127.0.0.1"\nport = 0\n' + extra)
+    return path
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test's environment without any KVTIER_ variable (they would override the file),
+    plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("KVTIER_")}
+    env.update(extra)
+    return env
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def leftovers(deployment_id: str, num_ranks: int) -> list[str]:
+    """What the deployment left behind: /dev/shm entries (segments, host pools, semaphores)
+    of its name prefix, and message queues that still open (no /dev/mqueue mount needed)."""
+    prefixes = (f"kvtier_{deployment_id}_", f"sem.kvtier_{deployment_id}_")
+    found = sorted(e.name for e in Path("/dev/shm").iterdir() if e.name.startswith(prefixes))
+    for name in ipc_names(deployment_id, num_ranks).queues:
+        try:
+            queue = posix_ipc.MessageQueue(name)
+        except posix_ipc.ExistentialError:
+            continue
+        queue.close()
+        found.append(f"queue {name}")
+    return found
+
+
+def remove_leftovers(deployment_id: str) -> None:
+    """Unlink every IPC name of the deployment (after a failed test)."""
+    cleanup_stale(deployment_id)
+    for entry in Path("/dev/shm").iterdir():
+        if entry.name.startswith(f"kvtier_{deployment_id}_"):
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_shared_memory("/" + entry.name)
+
+
+def pid_exists(pid: int) -> bool:
+    """True while `pid` is a live process (a zombie counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll `predicate` until it returns something truthy; AssertionError naming `what` after
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+class ServeProcess:
+    """One `kvtier serve` child. `command` is the program part (`kvtier` or `python -m
+    manager.cli`); `args` follow it (`serve --config FILE`)."""
+
+    def __init__(self, command: Sequence[str], args: Sequence[str], *, deployment_id: str,
+                 log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.argv = [*command, *args]
+        self.deployment_id = deployment_id
+        self.log_path = log_path
+        self.env = dict(clean_env() if env is None else env)
+        # Worker logs go to a temporary directory of the stack's: keep it in the test's.
+        self.env["TMPDIR"] = str(log_path.parent)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+        self.seen_pids: set[int] = set()
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> ServeProcess:
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         env=self.env, cwd=self.log_path.parent)
+
+        def started() -> str | None:
+            if self.proc.poll() is not None:  # type: ignore[union-attr]
+                raise AssertionError(
+                    f"kvtier serve exited with {self.proc.returncode} while starting:\n"  # type: ignore[union-attr]
+                    f"{self.log()}")
+            found = URL_LINE.search(self.log())
+            return found.group(1) if found else None
+
+        try:
+            self.url = wait_for(started, timeout, "the admin URL in the serve log")
+        except BaseException:
+            self.close()
+            raise
+        self.remember_children()
+        return self
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def remember_children(self) -> None:
+        if self.proc is not None:
+            self.seen_pids.update(child_pids(self.proc.pid))
+
+    def client(self, token: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=10.0)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT_S) -> int:
+        """Send `sig` and wait for the exit status (AssertionError if it does not exit)."""
+        assert self.proc is not None
+        self.remember_children()
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"kvtier serve did not exit within {timeout:g} s of {signal.Signals(sig).name}"
+                f":\n{self.log()}") from None
+
+    def close(self) -> None:
+        """Kill whatever is left (server, workers) and remove the deployment's IPC names."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.remember_children()
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+        for pid in self.seen_pids:
+            if pid_exists(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        remove_leftovers(self.deployment_id)
+
+    def __enter__(self) -> ServeProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

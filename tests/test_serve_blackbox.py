@@ -1,0 +1,239 @@
+"""`kvtier serve` as a black box: a child process started from a command line and a TOML file,
+talked to only over HTTP, stopped with a signal.
+
+One run covers the operator's whole story: start with two workers (admin port 0, token from
+KVTIER_ADMIN_TOKEN), every endpoint with and without the token and with good and bad bodies,
+`kvtier status` through the console script, a worker killed with SIGKILL and replaced, and
+SIGTERM leaving no process, shared-memory segment or queue behind. The compose command itself
+(`kvtier serve --config FILE` through the console script, stopped with SIGINT) runs in
+test_compose.py. Bad configurations must fail before anything starts: exit 2, one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from redis_server import free_port
+from serve_support import (
+    ServeProcess,
+    clean_env,
+    kvtier_script,
+    leftovers,
+    module_command,
+    pid_exists,
+    tiny_config,
+    wait_for,
+)
+
+TOKEN = "blackbox-token-1"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def worker_samples(client: httpx.Client, name: str) -> dict[str, float]:
+    """rank -> value of a per-rank metric, from a live scrape."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name:
+                out[sample.labels["rank"]] = sample.value
+    return out
+
+
+def test_serve_end_to_end(tmp_path: Path) -> None:
+    dep = f"bb{os.getpid()}"
+    config = tiny_config(tmp_path / "kvtier.toml", dep, workers=2)
+    serve = ServeProcess(module_command(), ["serve", "--config", str(config)],
+                         deployment_id=dep, log_path=tmp_path / "serve.log",
+                         env=clean_env(KVTIER_ADMIN_TOKEN=TOKEN))
+    with serve:
+        log = serve.log()
+        for line in ("config: deployment", "worker rank 0 ready", "worker rank 1 ready",
+                     "admin listening on http://127.0.0.1:"):
+            assert line in log, log
+        assert TOKEN not in log
+        client = serve.client()
+
+        # --- reads, no token needed
+        assert client.get("/healthz").status_code == 200
+        assert client.get("/readyz").json() == {"ready": True,
+                                                "reason": "every worker is ready"}
+        status = client.get("/status").json()
+        assert [w["rank"] for w in status["workers"]] == [0, 1]
+        assert all(w["state"] == "ready" and pid_exists(w["pid"]) for w in status["workers"])
+        assert status["config"]["admin"]["token_set"] is True
+        assert status["tiers"]["device"]["capacity"] == 64
+        assert worker_samples(client, "kvtier_worker_up") == {"0": 1.0, "1": 1.0}
+        assert client.get("/docs").status_code == 200
+        assert "/pin" in client.get("/openapi.json").json()["paths"]
+
+        # --- every POST refuses a missing or wrong token, whatever the body
+        for path in ("/pause", "/resume", "/reset", "/pin", "/unpin"):
+            assert client.post(path, json={"token_ids": [1]}).status_code == 401, path
+            wrong = client.post(path, json={"token_ids": [1]},
+                                headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401, path
+            assert client.post(path, content=b"][").status_code == 401, path
+        assert client.get("/status").json()["paused"] is False
+
+        # --- with the token
+        assert client.post("/pause", headers=AUTH).json() == {"paused": True}
+        assert client.get("/status").json()["paused"] is True
+        assert client.post("/resume", headers=AUTH).json() == {"paused": False}
+        body = {"token_ids": list(range(16))}
+        assert client.post("/pin", json=body, headers=AUTH).json() == {
+            "pinned_blocks": 0, "prefix_blocks": 4}
+        assert client.post("/unpin", json=body, headers=AUTH).json()["unpinned_blocks"] == 0
+        for bad in ({"token_ids": "1 2 3"}, {"token_ids": [1.5]}, {"ids": [1]}):
+            answer = client.post("/pin", json=bad, headers=AUTH)
+            assert answer.status_code == 422 and answer.json()["detail"], bad
+        assert client.post("/unpin", content=b"{", headers={
+            **AUTH, "content-type": "application/json"}).status_code == 422
+        reset = client.post("/reset", headers=AUTH)
+        assert reset.status_code == 200 and reset.json()["cleared"]["nodes"] == 0
+        reset = client.post("/reset", params={"storage": "true"}, headers=AUTH)
+        assert reset.status_code == 200 and "storage_pages" in reset.json()["cleared"]
+        assert client.post("/reset", params={"timeout": "-1"}, headers=AUTH).status_code == 422
+
+        # --- kvtier status, through the console script
+        pids = [w["pid"] for w in status["workers"]]
+        shown = subprocess.run([str(kvtier_script()), "status", "--url", serve.url],
+                               capture_output=True, text=True, timeout=30)
+        assert shown.returncode == 0, shown.stderr
+        for text in (dep, "ready", "device", "host", "hit rate", *map(str, pids)):
+            assert text in shown.stdout, (text, shown.stdout)
+        as_json = subprocess.run([str(kvtier_script()), "status", "--url", serve.url, "--json"],
+                                 capture_output=True, text=True, timeout=30)
+        assert json.loads(as_json.stdout)["deployment_id"] == dep
+
+        # --- a worker killed with SIGKILL is noticed and replaced
+        victim = pids[0]
+        os.kill(victim, signal.SIGKILL)
+
+        def not_ready() -> dict[str, object] | None:
+            answer = client.get("/readyz")
+            return answer.json() if answer.status_code == 503 else None
+
+        down = wait_for(not_ready, 10, "/readyz to turn 503", 0.01)
+        assert down["ready"] is False and "rank 0 is" in str(down["reason"])
+        wait_for(lambda: client.get("/readyz").status_code == 200, 60, "/readyz back to 200")
+        after = client.get("/status").json()["workers"]
+        assert after[0]["pid"] != victim and pid_exists(after[0]["pid"])
+        assert after[0]["restarts"] == 1 and after[0]["state"] == "ready"
+        assert after[1]["pid"] == pids[1] and after[1]["restarts"] == 0
+        assert not pid_exists(victim)
+        assert worker_samples(client, "kvtier_worker_restarts_total") == {"0": 1.0, "1": 0.0}
+        assert worker_samples(client, "kvtier_worker_up") == {"0": 1.0, "1": 1.0}
+        client.close()
+
+        # --- SIGTERM: exit 0, nothing left
+        serve.remember_children()
+        all_pids = {serve.proc.pid, *serve.seen_pids}  # type: ignore[union-attr]
+        assert after[0]["pid"] in all_pids and victim in all_pids
+        assert serve.stop(signal.SIGTERM) == 0
+        wait_for(lambda: not any(pid_exists(p) for p in all_pids), 10,
+                 "every kvtier process to be gone")
+        assert leftovers(dep, 2) == []
+        assert "stopped: workers gone" in serve.log()
+
+
+def _serve_once(tmp_path: Path, config: Path | None, env: dict[str, str],
+                *extra: str) -> subprocess.CompletedProcess[str]:
+    args = ["serve"] if config is None else ["serve", "--config", str(config)]
+    return subprocess.run([*module_command(), *args, *extra], capture_output=True, text=True,
+                          timeout=60, env=env, cwd=tmp_path)
+
+
+@pytest.mark.parametrize(("toml", "env", "expected"), [
+    ("[cache]\ndevice_blokcs = 5\n", {},
+     "cache.device_blokcs: unknown key (did you mean cache.device_blocks?)"),
+    ('[workers]\ncount = "two"\n', {}, "workers.count = 'two': expected an integer"),
+    ("", {"KVTIER_CACHE__HOST_BLOCKS": "lots"},
+     "cache.host_blocks = 'lots': expected an integer (from KVTIER_CACHE__HOST_BLOCKS)"),
+    ("[cache]\nhost_blocks = 0\n", {}, "storage.backend = 'file'"),
+])
+def test_bad_configuration_exits_2_with_one_line_naming_the_key(
+        tmp_path: Path, toml: str, env: dict[str, str], expected: str) -> None:
+    dep = f"bad{os.getpid()}"
+    config = tmp_path / "bad.toml"
+    config.write_text(f'deployment_id = "{dep}"\n{toml}')
+    result = _serve_once(tmp_path, config, clean_env(**env))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("kvtier serve: ") and expected in lines[0], lines[0]
+    assert result.stdout == ""
+    assert leftovers(dep, 1) == []
+
+
+def test_unreachable_redis_and_a_taken_port_exit_2_before_any_worker(tmp_path: Path) -> None:
+    dep = f"bad{os.getpid()}r"
+    port = free_port()
+    config = tiny_config(tmp_path / "redis.toml", dep, storage="redis")
+    config.write_text(config.read_text().replace(
+        'backend = "redis"\n', f'backend = "redis"\nurl = "redis://127.0.0.1:{port}/0"\n'))
+    result = _serve_once(tmp_path, config, clean_env())
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert f"storage.url = 'redis://127.0.0.1:{port}/0': cannot reach Redis" in line
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        busy = taken.getsockname()[1]
+        config = tiny_config(tmp_path / "port.toml", dep, storage="none")
+        config.write_text(config.read_text().replace("port = 0", f"port = {busy}"))
+        result = _serve_once(tmp_path, config, clean_env())
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"kvtier serve: admin.port = {busy}: cannot listen on "
+                           f"127.0.0.1:{busy}"), line
+    assert "worker rank" not in result.stderr
+    assert leftovers(dep, 1) == []
+
+
+def test_missing_config_file_and_no_command(tmp_path: Path) -> None:
+    result = _serve_once(tmp_path, tmp_path / "nowhere.toml", clean_env())
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"kvtier serve: config file '{tmp_path / 'nowhere.toml'}': not found")
+    bare = subprocess.run(module_command(), capture_output=True, text=True, timeout=30)
+    assert bare.returncode == 2 and "serve" in bare.stderr and "status" in bare.stderr
+
+
+def test_status_of_an_admin_nobody_runs_is_one_line_and_exit_1() -> None:
+    port = free_port()
+    result = subprocess.run([str(kvtier_script()), "status", "--url", f"http://127.0.0.1:{port}"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"kvtier status: cannot reach the admin at http://127.0.0.1:{port}: "
+        "[Errno 111] Connection refused")
+
+
+def test_sigterm_while_workers_start_stops_cleanly(tmp_path: Path) -> None:
+    dep = f"bb{os.getpid()}s"
+    config = tiny_config(tmp_path / "kvtier.toml", dep, storage="none")
+    serve = ServeProcess(module_command(), ["serve", "--config", str(config)],
+                         deployment_id=dep, log_path=tmp_path / "serve.log")
+    try:
+        with (tmp_path / "serve.log").open("wb") as log:
+            serve.proc = subprocess.Popen(serve.argv, stdout=log, stderr=subprocess.STDOUT,
+                                          env=serve.env, cwd=tmp_path)
+        wait_for(lambda: "worker rank 0 starting" in serve.log(), 30, "a worker to start")
+        serve.remember_children()
+        workers = set(serve.seen_pids)
+        assert workers, serve.log()
+        assert serve.stop(signal.SIGTERM) == 0, serve.log()
+        assert "stopped while starting" in serve.log()
+        wait_for(lambda: not any(pid_exists(p) for p in workers), 10, "the worker to be gone")
+        assert leftovers(dep, 1) == []
+    finally:
+        serve.close()
