@@ -5,6 +5,8 @@ Measured systems (each with its own 2 worker processes, started once):
                      manager's completion callback wakes the waiting thread, as in the
                      manager; workers decode ids as int64 arrays (what a copy engine uses).
   * kvtier_list_ids  the same, workers decoding ids into Python lists (the default).
+  * raw_posix_mq     the floor: the same topology on bare POSIX queues (bytes of the same
+                     size, no encoding, no flags), to show what the machine itself costs.
   * managers_queue   a `multiprocessing.managers` server over TCP serving queue.Queue objects:
                      one task queue per worker, one result queue.
   * enginecachequeue the "EngineCacheQueue pattern": a manager-served task list + per-rank
@@ -22,13 +24,20 @@ read from the scheduler's per-thread runtime in /proc (the source getrusage repo
 for live processes), over the phase, divided by its round trips. Idle CPU: the same for the
 system's two workers over `--idle-seconds` with no task, as % of one core.
 
+Reading the baselines at 4,096 ids: a pickled 4,096-id task is over 16 KiB, and
+multiprocessing's connection then writes the length header and the payload in two send()
+calls; over TCP (Nagle + delayed ACK) each such message stalls ~40 ms on Linux. That is how
+those transports behave with tasks of this size, so it is measured, not worked around.
+
 Usage:  .venv/bin/python bench/ipc.py [--json] [--rounds 5] [--round-trips 2000]
+                                      [--phase-seconds 0.5] [--idle-seconds 3]
 """
 
 from __future__ import annotations
 
 import abc
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -40,6 +49,8 @@ import time
 from collections.abc import Callable
 from multiprocessing.managers import SyncManager
 from typing import Any
+
+import posix_ipc
 
 from worker.ipc import ManagerGone, ManagerIPC, WorkerIPC, cleanup_stale
 from worker.wire import Completion, Task, TaskKind
@@ -96,6 +107,24 @@ def kvtier_worker(deployment_id: str, rank: int, arrays: bool) -> None:
             if task.kind == TaskKind.CLEAR:
                 return
             ipc.post_completion(Completion(task.seq, rank, True, result=len(task.src)))
+
+
+def raw_queue_worker(task_queue: str, done_queue: str) -> None:
+    """Echo loop on bare POSIX queues: no encoding, no flags; an empty message ends it."""
+    tasks = posix_ipc.MessageQueue(task_queue)
+    done = posix_ipc.MessageQueue(done_queue)
+    try:
+        while True:
+            try:
+                msg, _ = tasks.receive(0.5)
+            except posix_ipc.BusyError:
+                continue
+            if not msg:
+                return
+            done.send(msg[:32])
+    finally:
+        tasks.close()
+        done.close()
 
 
 def managers_queue_worker(tasks: Any, done: Any, rank: int) -> None:
@@ -209,6 +238,71 @@ class Kvtier(System):
             self.ipc.close()
 
 
+class RawQueues(System):
+    """The floor under kvtier's transport on this machine: the same processes, queues,
+    reader thread and wake-up, with bare bytes of the same size and nothing else."""
+
+    name = "raw_posix_mq"
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__()
+        prefix = f"/kvtier_bench{os.getpid()}r_"
+        self.names = [f"{prefix}task0", f"{prefix}task1", f"{prefix}done"]
+        for n in self.names:
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_message_queue(n)
+        self.queues = [
+            posix_ipc.MessageQueue(
+                n, posix_ipc.O_CREX, mode=0o600, max_messages=10, max_message_size=4096
+            )
+            for n in self.names
+        ]
+        self._event = threading.Event()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.procs = [
+            ctx.Process(target=raw_queue_worker, args=(self.names[r], self.names[2]), daemon=True)
+            for r in range(2)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def _read(self) -> None:
+        while not self._stopping:
+            try:
+                self.queues[2].receive(0.5)
+            except posix_ipc.BusyError:
+                continue
+            with self._lock:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._event.set()
+
+    def round_trip(self, task: Task) -> None:
+        payload = b"\0" * (32 + 16 * len(task.src))  # what kvtier sends inline or by ref
+        msg = payload if len(payload) <= 4096 else payload[:40]
+        self._pending = 2
+        self._event.clear()
+        for q in self.queues[:2]:
+            q.send(msg, 5)
+        if not self._event.wait(10):
+            raise RuntimeError("raw queue round trip timed out")
+
+    def stop(self) -> None:
+        self.resume()
+        for q in self.queues[:2]:
+            q.send(b"", 2)
+        self._join()
+        self._stopping = True
+        self._reader.join(timeout=5)
+        for q, n in zip(self.queues, self.names, strict=True):
+            q.close()
+            posix_ipc.unlink_message_queue(n)
+
+
 class ManagersQueue(System):
     name = "managers_queue"
 
@@ -293,18 +387,22 @@ def make_task(seq: int, ids: int) -> Task:
     return Task(seq, TaskKind.H2D, src=list(range(ids)), dst=list(range(ids, 2 * ids)))
 
 
-def measure(system: System, ids: int, n: int, seq: Callable[[], int]) -> tuple[list[float], int]:
-    """`n` round trips after a warm-up; (latencies in us, CPU ns spent by all processes)."""
+def measure(
+    system: System, ids: int, n: int, budget_s: float, seq: Callable[[], int]
+) -> tuple[list[float], int]:
+    """Up to `n` round trips (at least 10, and no more once `budget_s` has passed) after a
+    short warm-up; returns (latencies in us, CPU ns spent by all the system's processes)."""
     system.resume()
     time.sleep(0.02)
     task = make_task(0, ids)
-    for _ in range(max(5, n // 20)):
+    for _ in range(3):
         task.seq = seq()
         system.round_trip(task)
     pids = system.pids()
-    lat = []
+    lat: list[float] = []
     cpu0 = cpu_of(pids)
-    for _ in range(n):
+    stop_at = time.monotonic() + budget_s
+    while len(lat) < n and (len(lat) < 10 or time.monotonic() < stop_at):
         task.seq = seq()
         t0 = time.perf_counter_ns()
         system.round_trip(task)
@@ -332,23 +430,21 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run(rounds: int, round_trips: int, idle_seconds: float) -> dict[str, Any]:
+def run(rounds: int, round_trips: int, budget_s: float, idle_seconds: float) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     counter = iter(range(1, 1 << 40))
     systems: list[System] = []
     try:
-        systems = [Kvtier(ctx, arrays=True), Kvtier(ctx, arrays=False)]
+        systems = [Kvtier(ctx, arrays=True), Kvtier(ctx, arrays=False), RawQueues(ctx)]
         systems += [ManagersQueue(ctx), EngineCacheQueue(ctx)]
         for s in systems:
             s.pause()
-        per_rt = {"kvtier": 1, "kvtier_list_ids": 1, "managers_queue": 4, "enginecachequeue": 20}
         lat: dict[tuple[str, int], list[float]] = {}
         cpu: dict[tuple[str, int], int] = {}
         for _ in range(rounds):
             for ids in SIZES:
                 for s in systems:
-                    n = max(20, round_trips // per_rt[s.name] // (4 if ids > 64 else 1))
-                    values, spent = measure(s, ids, n, lambda: next(counter))
+                    values, spent = measure(s, ids, round_trips, budget_s, lambda: next(counter))
                     lat.setdefault((s.name, ids), []).extend(values)
                     cpu[(s.name, ids)] = cpu.get((s.name, ids), 0) + spent
         idle = {s.name: idle_cpu_pct(s, idle_seconds) for s in systems}
@@ -382,6 +478,7 @@ def run(rounds: int, round_trips: int, idle_seconds: float) -> dict[str, Any]:
                 "ratio_vs_managers_queue": round(mq["median_us"] / ours["median_us"], 1),
                 "ratio_vs_enginecachequeue": round(ecq["median_us"] / ours["median_us"], 1),
                 "kvtier_list_ids": figures("kvtier_list_ids", ids),
+                "raw_posix_mq": figures("raw_posix_mq", ids),
                 "managers_queue": mq,
                 "enginecachequeue": ecq,
             }
@@ -411,7 +508,8 @@ def print_table(report: dict[str, Any]) -> None:
     print(head)
     for r in report["results"]:
         rows = [("kvtier", r)] + [
-            (k, r[k]) for k in ("kvtier_list_ids", "managers_queue", "enginecachequeue")
+            (k, r[k])
+            for k in ("kvtier_list_ids", "raw_posix_mq", "managers_queue", "enginecachequeue")
         ]
         for name, f in rows:
             print(
@@ -437,18 +535,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument(
-        "--round-trips",
-        type=int,
-        default=2000,
-        help="kvtier round trips per phase at 64 ids; baselines run fewer (default 2000)",
+        "--round-trips", type=int, default=2000, help="round trips per phase, at most (2000)"
+    )
+    parser.add_argument(
+        "--phase-seconds",
+        type=float,
+        default=0.5,
+        help="a phase stops early after this long (at least 10 round trips; default 0.5)",
     )
     parser.add_argument(
         "--idle-seconds", type=float, default=3.0, help="idle CPU window per system (default 3)"
     )
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.round_trips < 1 or args.idle_seconds <= 0:
-        parser.error("--rounds, --round-trips and --idle-seconds must be positive")
-    report = run(args.rounds, args.round_trips, args.idle_seconds)
+    if min(args.rounds, args.round_trips) < 1 or min(args.idle_seconds, args.phase_seconds) <= 0:
+        parser.error("--rounds, --round-trips, --phase-seconds, --idle-seconds must be > 0")
+    report = run(args.rounds, args.round_trips, args.phase_seconds, args.idle_seconds)
     if args.json:
         print(json.dumps(report))
     else:

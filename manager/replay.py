@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -256,6 +257,10 @@ def _print_report(report: ReplayReport, stack: Stack) -> None:
     print(f"config: {json.dumps(summary(stack.cfg), default=str)}")
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_replay_command(args: argparse.Namespace) -> int:
     """`kvtier replay`: exit 0, 1 when a corrupt block was seen, 2 on bad input."""
     try:
@@ -266,6 +271,8 @@ def run_replay_command(args: argparse.Namespace) -> int:
         print(f"kvtier replay: {e}", file=sys.stderr)
         return 2
     prog, update = _progress_printer(not args.json and sys.stderr.isatty())
+    # SIGTERM unwinds like Ctrl-C does, so the stack stops its workers and unlinks its names.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     with Stack(cfg) as stack:
         if prog is not None:
             with prog:

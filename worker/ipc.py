@@ -1106,14 +1106,16 @@ class WorkerIPC:
 
         Refreshes this rank's heartbeat; raises ManagerGone when the manager died or
         stopped beating (the worker should then close and exit), ValueError for a
-        malformed message. Keep `timeout` short (<= 0.5 s) so the heartbeat stays fresh."""
+        malformed message. Keep `timeout` short (<= 0.5 s) so the heartbeat stays fresh.
+        A signal arriving during the wait (SIGTERM asking the worker to stop) ends it
+        early with None, so the caller sees its stop flag instead of an exception."""
         if timeout is None or not timeout >= 0:
             raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
         ctl = self._require_open()
         ctl.put(self.rank, _R_BEAT, time.monotonic_ns())
         try:
             msg, _ = self._tasks.receive(timeout)
-        except posix_ipc.BusyError:
+        except (posix_ipc.BusyError, posix_ipc.SignalError):
             self.check_manager()
             return None
         if time.monotonic() - self._last_check > HEARTBEAT_INTERVAL_S:

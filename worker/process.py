@@ -142,8 +142,15 @@ class Worker:
     def stop(self) -> None:
         self._stop.set()
 
+    def _beat_loop(self) -> None:
+        """Keep the heartbeat fresh while the main loop is inside a long copy."""
+        while not self._stop.wait(0.25):
+            self.ipc.beat()
+
     def run(self) -> None:
         self._storage_thread.start()
+        threading.Thread(target=self._beat_loop, daemon=True,
+                         name=f"kvtier-beat-r{self.rank}").start()
         self.ipc.set_ready(True)
         log.info("rank %d ready (pid %d, device %s, %d device / %d host blocks, storage %s)",
                  self.rank, os.getpid(), self.device.device, self.spec.device_blocks,
@@ -160,6 +167,7 @@ class Worker:
         except ManagerGone as e:
             log.warning("rank %d: %s; exiting", self.rank, e)
         finally:
+            self._stop.set()  # ends the heartbeat thread before the IPC handles close
             self.ipc.set_ready(False)
             self._storage_q.put(None)
             self._storage_thread.join(timeout=5)

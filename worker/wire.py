@@ -171,6 +171,7 @@ class Fragment:
 
 
 _KINDS: dict[int, TaskKind] = {int(k): k for k in TaskKind}
+_MESSAGE_TYPES: dict[int, MessageType] = {int(t): t for t in MessageType}
 _TASK_HEAD = struct.Struct("<BBBxiqIIIHxx")
 _COMPLETION_HEAD = struct.Struct("<BBBxIqqII")
 _REF_HEAD = struct.Struct("<BB6xqQQQ")
@@ -283,10 +284,10 @@ def message_type(buf: bytes | bytearray | memoryview) -> MessageType:
         raise ValueError(f"message of {len(buf)} bytes: too short for a version and a type")
     if buf[0] != WIRE_VERSION:
         raise ValueError(f"message with wire version {buf[0]}, expected {WIRE_VERSION}")
-    try:
-        return MessageType(buf[1])
-    except ValueError:
-        raise ValueError(f"message with unknown type byte {buf[1]}") from None
+    mtype = _MESSAGE_TYPES.get(buf[1])
+    if mtype is None:
+        raise ValueError(f"message with unknown type byte {buf[1]}")
+    return mtype
 
 
 # --------------------------------------------------------------------------- tasks
