@@ -40,13 +40,20 @@ from manager.config import NON_CONFIG_ENV
 from manager.errors import KvtierError, TransferTimeoutError
 from manager.transfers import Dispatcher
 from worker.ipc import ManagerIPC, TaskAborted
-from worker.process import WorkerSpec, host_segment_name
-from worker.wire import Completion, Task, TaskKind
+from worker.spec import WorkerSpec, host_segment_name
+from worker.wire import (
+    MIN_RESULT_KINDS,
+    SUM_RESULT_KINDS,
+    Completion,
+    Task,
+    TaskKind,
+    merge_results,
+)
 
 log = logging.getLogger("kvtier.launcher")
 
-MIN_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP})
-SUM_KINDS = frozenset({TaskKind.CLEAR})
+MIN_KINDS = MIN_RESULT_KINDS
+SUM_KINDS = SUM_RESULT_KINDS
 
 
 class WorkerStartError(KvtierError):
@@ -112,14 +119,8 @@ class ProcessDispatcher(Dispatcher):
                 pend.ok = False
                 pend.errors.append(f"rank {comp.rank}: {comp.error}")
                 self.ipc.abort_task(comp.seq, f"rank {comp.rank}: {comp.error}")
-            if pend.result is None:
-                pend.result = comp.result
-            elif pend.kind in MIN_KINDS:  # a page counts only where every rank has it
-                pend.result = min(pend.result, comp.result)
-            elif pend.kind in SUM_KINDS:  # every rank deletes its own pages
-                pend.result += comp.result
-            else:
-                pend.result = max(pend.result, comp.result)
+            pend.result = (comp.result if pend.result is None
+                           else merge_results(pend.kind, pend.result, comp.result))
             pend.detail.update(comp.detail)
             if not pend.ranks:
                 self._finish_locked(comp.seq)

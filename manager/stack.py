@@ -22,7 +22,7 @@ from manager.launcher import WorkerSupervisor
 from manager.scheduler import KVCacheManager
 from manager.storage_tier import StorageTier
 from worker.ipc import TreeStatus
-from worker.process import WorkerSpec
+from worker.spec import WorkerSpec
 from worker.wire import TaskKind
 
 log = logging.getLogger("kvtier.stack")

@@ -24,22 +24,27 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from worker.executor import DEVICE_KINDS, STORAGE_KINDS, TaskExecutor
-from worker.kv_pools import DevicePool, HostPool
-from worker.process import WorkerSpec
-from worker.storage.backend import StorageBackend, make_backend
-from worker.wire import Completion, Task, TaskKind
+from worker.executor import DEVICE_KINDS, STORAGE_KINDS, RankResources
+from worker.spec import WorkerSpec
+from worker.wire import (
+    MIN_RESULT_KINDS,
+    SUM_RESULT_KINDS,
+    Completion,
+    Task,
+    merge_results,
+)
 
 if TYPE_CHECKING:
     from manager.config import KvtierConfig
     from manager.transfers import ImmediateDispatcher
+    from worker.kv_pools import DevicePool, HostPool
+    from worker.storage.backend import StorageBackend
 
 log = logging.getLogger("kvtier.embedded")
 
-# How per-rank results combine (the same rule as manager.launcher.ProcessDispatcher): a page
-# counts only where every rank has it, and every rank deletes its own pages.
-MIN_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP})
-SUM_KINDS = frozenset({TaskKind.CLEAR})
+# How per-rank results combine: the rule of worker.wire, as ProcessDispatcher applies it.
+MIN_KINDS = MIN_RESULT_KINDS
+SUM_KINDS = SUM_RESULT_KINDS
 
 
 def embedded_host_segment_name(deployment_id: str, rank: int) -> str:
@@ -49,28 +54,15 @@ def embedded_host_segment_name(deployment_id: str, rank: int) -> str:
 
 
 class _Rank:
-    """One rank's pools, storage backend and executor."""
+    """One rank's resources, and a task runner that never raises."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self.host: HostPool | None = None
-        self.storage: StorageBackend | None = None
-        try:
-            shape = spec.shape
-            self.device = DevicePool(shape, spec.device_blocks, spec.device)
-            if spec.host_blocks:
-                self.host = HostPool(shape, spec.host_blocks,
-                                     embedded_host_segment_name(spec.deployment_id, spec.rank))
-            self.storage = make_backend(
-                spec.storage_backend, namespace=spec.storage_namespace(),
-                path=spec.storage_path, url=spec.storage_url,
-                capacity_bytes=spec.storage_capacity_bytes, ttl_s=spec.storage_ttl_s,
-                page_bytes=shape.page_bytes, timeout_s=spec.storage_timeout_s)
-            self.executor = TaskExecutor(spec.rank, self.device, self.host, self.storage,
-                                         backup_one_rank=spec.backup_one_rank)
-        except BaseException:
-            self.close()
-            raise
+        self.res = RankResources(spec, embedded_host_segment_name(spec.deployment_id, spec.rank))
+        self.device = self.res.device
+        self.host = self.res.host
+        self.storage = self.res.storage
+        self.executor = self.res.executor
 
     def run(self, task: Task) -> Completion:
         """The task on this rank; an exception fails the task, never the caller."""
@@ -86,15 +78,8 @@ class _Rank:
             return Completion(task.seq, rank, False, error=f"{type(e).__name__}: {e}")
 
     def close(self) -> None:
-        if self.storage is not None:
-            try:
-                self.storage.close()
-            except Exception as e:  # closing must go on to the host segment
-                log.warning("rank %d: closing storage: %s", self.spec.rank, e)
-            self.storage = None
-        if self.host is not None:
-            self.host.close()
-            self.host = None
+        self.res.close()
+        self.host = self.storage = None
 
 
 class EmbeddedWorkers:
@@ -176,13 +161,9 @@ class EmbeddedWorkers:
             if self._closed:
                 return Completion(task.seq, -1, False, error="embedded workers are closed")
             answers = [r.run(task) for r in self._ranks]
-        results = [a.result for a in answers]
-        if task.kind in MIN_KINDS:
-            result = min(results)
-        elif task.kind in SUM_KINDS:
-            result = sum(results)
-        else:
-            result = max(results)
+        result = answers[0].result
+        for a in answers[1:]:
+            result = merge_results(task.kind, result, a.result)
         detail = sorted({d for a in answers for d in a.detail})
         errors = "; ".join(f"rank {a.rank}: {a.error}" for a in answers if not a.ok)
         return Completion(task.seq, -1, all(a.ok for a in answers), result, detail, errors)

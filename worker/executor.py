@@ -5,17 +5,40 @@ in its own process can run it directly (`worker.embedded`).
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from collections.abc import Callable
 
 from worker import content
 from worker.copy_engine import CopyEngine
 from worker.kv_pools import DevicePool, HostPool
-from worker.storage.backend import StorageBackend
+from worker.spec import WorkerSpec
+from worker.storage.backend import StorageBackend, make_backend
 from worker.wire import Task, TaskKind
+
+log = logging.getLogger("kvtier.worker")
 
 DEVICE_KINDS = frozenset({TaskKind.D2H, TaskKind.H2D, TaskKind.FILL, TaskKind.CHECK})
 STORAGE_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP, TaskKind.CLEAR})
 MERGEABLE = frozenset({TaskKind.D2H, TaskKind.H2D})
+
+STORAGE_DELAY_ENV = "KVTIER_TEST_STORAGE_DELAY_MS"
+"""Test hook: milliseconds to sleep before every storage read (QUERY, PREFETCH) on this rank,
+so tests can show what each prefetch policy does with a slow store."""
+
+
+def _read_storage_delay() -> float:
+    raw = os.environ.get(STORAGE_DELAY_ENV, "")
+    if not raw:
+        return 0.0
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise ValueError(f"{STORAGE_DELAY_ENV}: {raw!r} is not a number of milliseconds") from None
+    if not ms >= 0:
+        raise ValueError(f"{STORAGE_DELAY_ENV}: must be >= 0, got {raw!r}")
+    return ms / 1000.0
 
 
 class TaskExecutor:
@@ -23,7 +46,8 @@ class TaskExecutor:
 
     `device`, `host` (None: no host tier), `engine` (copies between them), `storage` (None:
     no storage tier). `backup_one_rank`: only rank 0 writes pages (every rank holds the same
-    KV, as in MLA models), the others report success without writing.
+    KV, as in MLA models), the others report success without writing. `storage_delay_s`
+    (from `KVTIER_TEST_STORAGE_DELAY_MS`, read once) slows every storage read, for tests.
     """
 
     def __init__(self, rank: int, device: DevicePool, host: HostPool | None,
@@ -34,6 +58,7 @@ class TaskExecutor:
         self.storage = storage
         self.backup_one_rank = backup_one_rank
         self.engine = CopyEngine(device, host) if host is not None else None
+        self.storage_delay_s = _read_storage_delay()
 
     def device_batch(self, kind: TaskKind, batch: list[Task],
                      on_layer_done: Callable[[list[int], int], None] | None = None,
@@ -72,6 +97,8 @@ class TaskExecutor:
             if task.kind in (TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.CLEAR):
                 return 0
             raise RuntimeError("no storage tier is configured on this rank")
+        if self.storage_delay_s and task.kind in (TaskKind.QUERY, TaskKind.PREFETCH):
+            time.sleep(self.storage_delay_s)
         if task.kind == TaskKind.QUERY:
             return store.leading_present(task.keys)
         if task.kind == TaskKind.CLEAR:
@@ -92,3 +119,40 @@ class TaskExecutor:
                 return len(task.keys)  # rank 0 writes the pages every rank shares
             return store.set(task.keys, [host.page_view(h) for h in task.src])
         raise ValueError(f"not a storage task kind: {task.kind!r}")
+
+
+class RankResources:
+    """One rank's device pool, host pool (the shared-memory segment `host_segment`), storage
+    backend and executor, built from its spec; `close()` releases them all (idempotent) and
+    unlinks the segment. Shared by the worker process and the embedded workers."""
+
+    def __init__(self, spec: WorkerSpec, host_segment: str) -> None:
+        self.spec = spec
+        self.host: HostPool | None = None
+        self.storage: StorageBackend | None = None
+        try:
+            shape = spec.shape
+            self.device = DevicePool(shape, spec.device_blocks, spec.device)
+            if spec.host_blocks:
+                self.host = HostPool(shape, spec.host_blocks, host_segment)
+            self.storage = make_backend(
+                spec.storage_backend, namespace=spec.storage_namespace(),
+                path=spec.storage_path, url=spec.storage_url,
+                capacity_bytes=spec.storage_capacity_bytes, ttl_s=spec.storage_ttl_s,
+                page_bytes=shape.page_bytes, timeout_s=spec.storage_timeout_s)
+            self.executor = TaskExecutor(spec.rank, self.device, self.host, self.storage,
+                                         backup_one_rank=spec.backup_one_rank)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.storage is not None:
+            try:
+                self.storage.close()
+            except Exception as e:  # closing must go on to the host segment
+                log.warning("rank %d: closing storage: %s", self.spec.rank, e)
+            self.storage = None
+        if self.host is not None:
+            self.host.close()
+            self.host = None

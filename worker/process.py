@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import heapq
 import itertools
-import json
 import logging
 import os
 import queue
@@ -34,66 +33,15 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass
-from typing import Any
 
-from worker.executor import MERGEABLE, STORAGE_KINDS, TaskExecutor
+from worker.executor import MERGEABLE, STORAGE_KINDS, RankResources
 from worker.ipc import ManagerGone, WorkerIPC
-from worker.kv_pools import DevicePool, HostPool, KVShape
-from worker.storage.backend import StorageBackend, make_backend, namespace_for
+from worker.spec import WorkerSpec, host_segment_name
 from worker.wire import Completion, Task
 
+__all__ = ["Worker", "WorkerSpec", "host_segment_name", "main"]
+
 log = logging.getLogger("kvtier.worker")
-
-
-def host_segment_name(deployment_id: str, rank: int) -> str:
-    """The host pool's shared-memory name (the launcher unlinks it after a crash)."""
-    return f"/kvtier_{deployment_id}_host_r{rank}"
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker needs, passed as JSON on its command line."""
-
-    deployment_id: str
-    rank: int
-    num_ranks: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    block_size: int
-    device_blocks: int
-    host_blocks: int
-    device: str = "auto"
-    storage_backend: str = "none"
-    storage_path: str = ".kvtier/storage"
-    storage_url: str = "redis://127.0.0.1:6379/0"
-    storage_capacity_bytes: int = 0
-    storage_ttl_s: int = 0
-    storage_timeout_s: float = 0.5
-    backup_one_rank: bool = False
-    manager_timeout_s: float = 3.0
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str) -> WorkerSpec:
-        return cls(**json.loads(text))
-
-    @property
-    def shape(self) -> KVShape:
-        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                       self.dtype)  # type: ignore[arg-type]
-
-    def storage_namespace(self) -> str:
-        fields: dict[str, Any] = {"num_layers": self.num_layers,
-                                  "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                                  "dtype": self.dtype, "block_size": self.block_size}
-        if self.backup_one_rank:  # every rank holds the same KV: all share rank 0's pages
-            return namespace_for(fields, 0, 1)
-        return namespace_for(fields, self.rank, self.num_ranks)
 
 
 class Worker:
@@ -116,24 +64,12 @@ class Worker:
         self._inflight_lock = threading.Lock()
         self.ipc = WorkerIPC(spec.deployment_id, spec.rank,
                              manager_timeout=spec.manager_timeout_s)
-        self.host: HostPool | None = None
-        self.storage: StorageBackend | None = None
         try:
-            shape = spec.shape
-            self.device = DevicePool(shape, spec.device_blocks, spec.device)
-            if spec.host_blocks:
-                self.host = HostPool(shape, spec.host_blocks,
-                                     host_segment_name(spec.deployment_id, spec.rank))
-            self.storage = make_backend(
-                spec.storage_backend, namespace=spec.storage_namespace(),
-                path=spec.storage_path, url=spec.storage_url,
-                capacity_bytes=spec.storage_capacity_bytes, ttl_s=spec.storage_ttl_s,
-                page_bytes=shape.page_bytes, timeout_s=spec.storage_timeout_s)
-            self.executor = TaskExecutor(spec.rank, self.device, self.host, self.storage,
-                                         backup_one_rank=spec.backup_one_rank)
+            self.res = RankResources(spec, host_segment_name(spec.deployment_id, spec.rank))
         except BaseException:
-            self.close()
+            self.ipc.close()
             raise
+        self.executor = self.res.executor
         self._storage_thread = threading.Thread(target=self._storage_loop, daemon=True,
                                                 name=f"kvtier-storage-r{self.rank}")
 
@@ -153,7 +89,7 @@ class Worker:
                          name=f"kvtier-beat-r{self.rank}").start()
         self.ipc.set_ready(True)
         log.info("rank %d ready (pid %d, device %s, %d device / %d host blocks, storage %s)",
-                 self.rank, os.getpid(), self.device.device, self.spec.device_blocks,
+                 self.rank, os.getpid(), self.res.device.device, self.spec.device_blocks,
                  self.spec.host_blocks, self.spec.storage_backend)
         try:
             while not self._stop.is_set():
@@ -230,15 +166,7 @@ class Worker:
 
     def close(self) -> None:
         """Release everything; the host segment is unlinked (idempotent)."""
-        if self.storage is not None:
-            try:
-                self.storage.close()
-            except Exception as e:  # closing must go on to the next resource
-                log.warning("rank %d: closing storage: %s", self.rank, e)
-            self.storage = None
-        if self.host is not None:
-            self.host.close()
-            self.host = None
+        self.res.close()
         self.ipc.close()
 
 

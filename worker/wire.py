@@ -520,3 +520,19 @@ class Reassembler:
     def pending(self) -> int:
         """How many messages are partially received."""
         return len(self._parts)
+
+
+# How the ranks' results of one task combine into the task's result: a page counts only where
+# every rank has it (minimum), every rank deletes its own pages (sum), other counts (CHECK
+# mismatches) take the worst rank (maximum).
+MIN_RESULT_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP})
+SUM_RESULT_KINDS = frozenset({TaskKind.CLEAR})
+
+
+def merge_results(kind: TaskKind, a: int, b: int) -> int:
+    """Combine two ranks' results of a task of `kind`."""
+    if kind in MIN_RESULT_KINDS:
+        return min(a, b)
+    if kind in SUM_RESULT_KINDS:
+        return a + b
+    return max(a, b)

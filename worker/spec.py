@@ -1,0 +1,67 @@
+"""What one rank's worker is built from: its `WorkerSpec` and the names derived from it.
+
+Kept free of torch so the manager can describe its workers without importing it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from worker.storage.backend import namespace_for
+
+if TYPE_CHECKING:
+    from worker.kv_pools import KVShape
+
+
+def host_segment_name(deployment_id: str, rank: int) -> str:
+    """The host pool's shared-memory name (the launcher unlinks it after a crash)."""
+    return f"/kvtier_{deployment_id}_host_r{rank}"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs, passed as JSON on its command line."""
+
+    deployment_id: str
+    rank: int
+    num_ranks: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    device_blocks: int
+    host_blocks: int
+    device: str = "auto"
+    storage_backend: str = "none"
+    storage_path: str = ".kvtier/storage"
+    storage_url: str = "redis://127.0.0.1:6379/0"
+    storage_capacity_bytes: int = 0
+    storage_ttl_s: int = 0
+    storage_timeout_s: float = 0.5
+    backup_one_rank: bool = False
+    manager_timeout_s: float = 3.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        return cls(**json.loads(text))
+
+    @property
+    def shape(self) -> KVShape:
+        from worker.kv_pools import KVShape
+
+        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
+                       self.dtype)  # type: ignore[arg-type]
+
+    def storage_namespace(self) -> str:
+        fields: dict[str, Any] = {"num_layers": self.num_layers,
+                                  "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                                  "dtype": self.dtype, "block_size": self.block_size}
+        if self.backup_one_rank:  # every rank holds the same KV: all share rank 0's pages
+            return namespace_for(fields, 0, 1)
+        return namespace_for(fields, self.rank, self.num_ranks)
