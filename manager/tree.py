@@ -58,49 +58,23 @@ DEVICE_BUSY = LOADING | SAVING | EVICTING | PINNED
 HOST_BUSY = LOADING | SAVING | EVICTING | PREFETCHING | BACKING | PINNED
 
 
-class Node:
-    """One cached block-sized prefix.
-
-    Fields: `key` (tree key, None once detached), `dev`/`host` (block id on that tier or None),
-    `ref` (requests holding it), `flags` (see module doc), `hits` (times matched), `last`
-    (monotonic time of the last match or commit), the intrusive links of the device and host
-    LRU lists, and `skey` (the SHA-256 storage key, when a storage tier exists).
-    """
-
-    __slots__ = ("dev", "dnext", "dprev", "flags", "hits", "hnext", "host", "hprev", "key",
-                 "last", "ref", "skey")
-
-    def __init__(self, key: int | None, dev: int | None, host: int | None, last: float) -> None:
-        self.key = key
-        self.dev = dev
-        self.host = host
-        self.ref = 0
-        self.flags = 0
-        self.hits = 0
-        self.last = last
-        self.dprev: Node | None = None
-        self.dnext: Node | None = None
-        self.hprev: Node | None = None
-        self.hnext: Node | None = None
-        self.skey: bytes | None = None  # storage key, only while a storage tier exists
-
-    def __repr__(self) -> str:
-        k = "detached" if self.key is None else f"{self.key & 0xFFFFFFFF:08x}"
-        return (f"Node({k}, dev={self.dev}, host={self.host}, ref={self.ref}, "
-                f"flags={self.flags:#x})")
-
-
 class DeviceNode:
-    """A Node for deployments with only a device tier: the host-side fields are class
-    constants (always None), so each node costs 8 slots instead of 12 — about a fifth less
-    memory per cached block where no host or storage tier exists."""
+    """One cached block-sized prefix, as a deployment with only a device tier stores it.
+
+    Fields: `key` (tree key, None once detached), `dev` (device block id or None), `ref`
+    (requests holding it), `flags` (see module doc), `hits` (times matched), `last`
+    (monotonic time of the last match or commit), and the device LRU links. The host-side
+    fields are class constants here (always None); `Node` adds them as real fields. Eight
+    slots instead of twelve: about a fifth less memory per cached block where no host or
+    storage tier exists.
+    """
 
     __slots__ = ("dev", "dnext", "dprev", "flags", "hits", "key", "last", "ref")
 
-    host = None
-    hprev = None
-    hnext = None
-    skey = None
+    host: int | None = None
+    hprev: Node | None = None
+    hnext: Node | None = None
+    skey: bytes | None = None
 
     def __init__(self, key: int | None, dev: int | None, host: int | None, last: float) -> None:
         if host is not None:
@@ -114,87 +88,87 @@ class DeviceNode:
         self.dprev: Node | None = None
         self.dnext: Node | None = None
 
-    __repr__ = Node.__repr__
+    def __repr__(self) -> str:
+        k = "detached" if self.key is None else f"{self.key & 0xFFFFFFFF:08x}"
+        return (f"Node({k}, dev={self.dev}, host={self.host}, ref={self.ref}, "
+                f"flags={self.flags:#x})")
 
 
-class DeviceLRU:
-    """Evictable nodes on the device, oldest first (a circular list through a sentinel).
+class Node(DeviceNode):
+    """A node of a deployment with a host tier: adds `host` (host block id or None), the host
+    LRU links and `skey` (the SHA-256 storage key, when a storage tier exists)."""
 
-    Invariant: a node is linked exactly when `node.dprev is not None`.
+    __slots__ = ("hnext", "host", "hprev", "skey")
+
+    def __init__(self, key: int | None, dev: int | None, host: int | None, last: float) -> None:
+        self.key = key
+        self.dev = dev
+        self.host = host
+        self.ref = 0
+        self.flags = 0
+        self.hits = 0
+        self.last = last
+        self.dprev = None
+        self.dnext = None
+        self.hprev = None
+        self.hnext = None
+        self.skey = None
+
+
+class IntrusiveLRU:
+    """Evictable nodes of one tier, oldest first: a circular doubly-linked list through a
+    sentinel, whose links live in the nodes (`dprev`/`dnext` for the device list,
+    `hprev`/`hnext` for the host list), so a node costs the list no allocation.
+
+    Invariant: a node is linked exactly when its prev link is not None. The scheduler inlines
+    the device list's links on its hottest paths; everything else goes through here.
     """
 
-    __slots__ = ("head", "size")
+    __slots__ = ("_get_next", "_get_prev", "_set_next", "_set_prev", "head", "size")
 
-    def __init__(self) -> None:
-        self.head = Node(None, None, None, 0.0)
-        self.head.dprev = self.head.dnext = self.head
+    def __init__(self, prev: str, nxt: str) -> None:
+        prev_slot, next_slot = getattr(Node, prev), getattr(Node, nxt)  # slot descriptors
+        self._get_prev, self._set_prev = prev_slot.__get__, prev_slot.__set__
+        self._get_next, self._set_next = next_slot.__get__, next_slot.__set__
+        self.head = head = Node(None, None, None, 0.0)
+        self._set_prev(head, head)
+        self._set_next(head, head)
         self.size = 0
 
     def append(self, node: Node) -> None:
         """Make `node` the most recently used."""
         head = self.head
-        last = head.dprev
-        node.dprev = last
-        node.dnext = head
-        last.dnext = node  # type: ignore[union-attr]
-        head.dprev = node
+        last = self._get_prev(head)
+        self._set_prev(node, last)
+        self._set_next(node, head)
+        self._set_next(last, node)
+        self._set_prev(head, node)
         self.size += 1
 
     def unlink(self, node: Node) -> None:
-        prev, nxt = node.dprev, node.dnext
-        prev.dnext = nxt  # type: ignore[union-attr]
-        nxt.dprev = prev  # type: ignore[union-attr]
-        node.dprev = node.dnext = None
+        prev, nxt = self._get_prev(node), self._get_next(node)
+        self._set_next(prev, nxt)
+        self._set_prev(nxt, prev)
+        self._set_prev(node, None)
+        self._set_next(node, None)
         self.size -= 1
 
     def oldest(self) -> Node | None:
-        n = self.head.dnext
+        n = self._get_next(self.head)
         return None if n is self.head else n
 
     def __iter__(self) -> Iterator[Node]:
-        n = self.head.dnext
+        n = self._get_next(self.head)
         while n is not self.head:
-            assert n is not None
             yield n
-            n = n.dnext
+            n = self._get_next(n)
 
 
-class HostLRU:
-    """Evictable nodes on the host, oldest first. Same shape as DeviceLRU over the host links.
+def DeviceLRU() -> IntrusiveLRU:
+    """The device tier's list (links `dprev`/`dnext`)."""
+    return IntrusiveLRU("dprev", "dnext")
 
-    Invariant: a node is linked exactly when `node.hprev is not None`.
-    """
 
-    __slots__ = ("head", "size")
-
-    def __init__(self) -> None:
-        self.head = Node(None, None, None, 0.0)
-        self.head.hprev = self.head.hnext = self.head
-        self.size = 0
-
-    def append(self, node: Node) -> None:
-        head = self.head
-        last = head.hprev
-        node.hprev = last
-        node.hnext = head
-        last.hnext = node  # type: ignore[union-attr]
-        head.hprev = node
-        self.size += 1
-
-    def unlink(self, node: Node) -> None:
-        prev, nxt = node.hprev, node.hnext
-        prev.hnext = nxt  # type: ignore[union-attr]
-        nxt.hprev = prev  # type: ignore[union-attr]
-        node.hprev = node.hnext = None
-        self.size -= 1
-
-    def oldest(self) -> Node | None:
-        n = self.head.hnext
-        return None if n is self.head else n
-
-    def __iter__(self) -> Iterator[Node]:
-        n = self.head.hnext
-        while n is not self.head:
-            assert n is not None
-            yield n
-            n = n.hnext
+def HostLRU() -> IntrusiveLRU:
+    """The host tier's list (links `hprev`/`hnext`)."""
+    return IntrusiveLRU("hprev", "hnext")
