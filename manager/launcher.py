@@ -125,9 +125,10 @@ class ProcessDispatcher(Dispatcher):
             if not pend.ranks:
                 self._finish_locked(comp.seq)
 
-    def fail_rank(self, rank: int, reason: str) -> int:
-        """Fail every task still waiting for `rank` (it died). Returns how many."""
-        failed = 0
+    def fail_rank(self, rank: int, reason: str) -> list[int]:
+        """Fail every task still waiting for `rank` (it died). Returns their seqs: each is
+        reported once the other ranks have answered it too."""
+        failed: list[int] = []
         with self._acks_lock:
             for seq, pend in list(self._acks.items()):
                 if rank in pend.ranks:
@@ -135,7 +136,7 @@ class ProcessDispatcher(Dispatcher):
                     pend.ok = False
                     pend.errors.append(f"rank {rank}: {reason}")
                     self.ipc.abort_task(seq, f"rank {rank}: {reason}")
-                    failed += 1
+                    failed.append(seq)
                     if not pend.ranks:
                         self._finish_locked(seq)
         return failed
@@ -314,6 +315,8 @@ class WorkerSupervisor:
         # a task sent in between is answered by the replacement (a late answer is ignored).
         self.ipc.reset_rank(w.rank)
         if self.dispatcher is not None:
+            # Each task is reported once the surviving ranks have answered it too; until then
+            # the manager keeps its blocks out of the free lists (see KVCacheManager.lose_all).
             self.dispatcher.fail_rank(w.rank, f"worker {reason}")
         if self.on_worker_lost is not None:
             try:

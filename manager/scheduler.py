@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from manager.storage_tier import StorageTier
 
 _monotonic = time.monotonic
+IN_FLIGHT = LOADING | SAVING | EVICTING | PREFETCHING | BACKING
 
 TREE_NORMAL, TREE_CLEARING, TREE_CLEARED = 0, 1, 2
 
@@ -181,6 +182,9 @@ class KVCacheManager:
         self._requests: dict[str, _Request] = {}
         self._inflight: dict[int, _Inflight] = {}
         self._pins: dict[Node, int] = {}
+        # Nodes that left the tree (worker lost) while a transfer still used their blocks:
+        # the blocks return to the free lists when the last rank has answered.
+        self._written_off: set[Node] = set()
         self._seq = 0
         self._outbox: list[Task] = []
         self._lock = threading.RLock()
@@ -428,7 +432,7 @@ class KVCacheManager:
                 node.ref = ref
                 if ref == 0:
                     if node.key is None:  # detached: the block was the requests' own
-                        if node.dev is not None:
+                        if node.dev is not None and not node.flags & IN_FLIGHT:
                             pool.free_one(node.dev)
                             node.dev = None
                     elif not node.flags & DEVICE_BUSY:
@@ -553,10 +557,9 @@ class KVCacheManager:
 
     def lose_all(self) -> dict[str, int]:
         """Every cached byte is gone (a worker died with its pools): forget the tree now,
-        without waiting; in-flight tasks have been failed by the dispatcher."""
+        without waiting. Blocks that transfers still in flight on other ranks use stay out of
+        the free lists until those transfers are answered."""
         with self._lock:
-            for seq in list(self._inflight):
-                self._on_complete(Completion(seq, -1, False, error="worker lost"))
             cleared = self._clear_all()
             self.counters.lost_all += 1
             return cleared
@@ -917,6 +920,7 @@ class KVCacheManager:
                     node.host = None
                     self._host_in_tree -= 1
                 self._refresh(node)
+                self._settle(node)
                 continue
             # The device copy is garbage. Requests holding the node keep the block (they
             # recompute into it); the host copy stays cached under a fresh node.
@@ -942,6 +946,7 @@ class KVCacheManager:
                 self._dev_pool.free_one(dev)  # type: ignore[arg-type]
                 self._refresh(node)
                 self._forget(node)
+            self._settle(node)
         if not ok:
             for h, idx in rec.handles:
                 h.note_failure(idx)
@@ -952,30 +957,51 @@ class KVCacheManager:
             flags = node.flags
             evicting = flags & EVICTING
             node.flags = flags & ~(SAVING | EVICTING | CANCEL_EVICT)
+            attached = node.key is not None
             if not ok and node.host is not None:
                 self._host_pool.free_one(node.host)
                 node.host = None
-                self._host_in_tree -= 1
+                self._host_in_tree -= attached
             if (evicting and not flags & (CANCEL_EVICT | PINNED) and node.ref == 0
                     and node.dev is not None):
                 # The demotion landed (or failed: the block was being evicted anyway).
                 self._dev_pool.free_one(node.dev)
                 node.dev = None
-                self._dev_in_tree -= 1
+                self._dev_in_tree -= attached
             self._refresh(node)
             self._forget(node)
+            self._settle(node)
         if ok and self.storage is not None:
             self.storage.backup(rec.nodes)
 
+    def _settle(self, node: Node) -> None:
+        """A detached node whose last transfer has been answered gives its blocks back (the
+        device block only once no request holds it)."""
+        if node.key is not None or node.flags & IN_FLIGHT:
+            return
+        self._written_off.discard(node)
+        if node.host is not None:
+            self._host_pool.free_one(node.host)
+            node.host = None
+        if node.ref == 0 and node.dev is not None:
+            self._dev_pool.free_one(node.dev)
+            node.dev = None
+
     def _clear_all(self) -> dict[str, int]:
-        """Drop every node; nodes held by requests become detached (their device blocks the
-        requests' own). Caller holds the lock and has made sure nothing is in flight."""
+        """Drop every node. Nodes held by requests become detached (their device blocks the
+        requests' own); nodes a transfer still uses keep their blocks until it is answered
+        (`_written_off`). Caller holds the lock."""
         dev_freed = host_freed = detached = 0
         for node in list(self._map.values()):
             if node.dprev is not None:
                 self._dev_lru.unlink(node)
             if node.hprev is not None:
                 self._host_lru.unlink(node)
+            if node.flags & IN_FLIGHT:
+                node.flags &= IN_FLIGHT
+                node.key = None
+                self._written_off.add(node)
+                continue
             if node.host is not None:
                 self._host_pool.free_one(node.host)
                 node.host = None
@@ -1026,6 +1052,10 @@ class KVCacheManager:
                                 assert node.dev == b, (
                                     f"device: request block {b} differs from its node {node}")
                     assert len(owned) == len(set(owned)), f"{tier}: id owned twice"
+                    owned += [n.dev for n in self._written_off
+                              if n.dev is not None and id(n) not in seen_detached]
+                else:
+                    owned += [n.host for n in self._written_off if n.host is not None]
                 everything = free + tree_ids + owned
                 assert len(everything) == len(set(everything)), (
                     f"{tier}: an id is in two of free/tree/requests")

@@ -204,9 +204,10 @@ class StorageTier:
             elif node.host is not None:
                 m._host_pool.free_one(node.host)
                 node.host = None
-                m._host_in_tree -= 1
+                m._host_in_tree -= node.key is not None
             m._refresh(node)
             m._forget(node)
+            m._settle(node)
 
     def revoke(self) -> int:
         """Throw away the result of every prefetch in flight (their blocks become misses and
@@ -256,6 +257,7 @@ class StorageTier:
                 node.flags |= STORED
             self.m._refresh(node)
             self.m._forget(node)
+            self.m._settle(node)
 
     # ------------------------------------------------------------------ admin
 

@@ -36,7 +36,7 @@ tokens_st = st.builds(
 # What the randomized runs reached, summed over all of them (checked by the last test).
 REACHED = dict.fromkeys(("hit_device_tokens", "hit_host_tokens", "evicted_device_drop",
                          "evicted_device_demote", "evicted_host_drop", "failed_tasks",
-                         "resets", "steps"), 0)
+                         "resets", "lost_all", "steps"), 0)
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -200,6 +200,24 @@ class ManagerMachine(RuleBasedStateMachine):
         assert not pending
         assert self.m.stats()["nodes"] == 0
         self.pins.clear()
+
+    @rule(roll=st.integers(0, 14))
+    def worker_lost(self, roll: int) -> None:
+        """A worker died with its pools: every byte is gone, the tree is forgotten, the
+        requests in flight are dropped by the engine -- while transfers may still be
+        pending on the surviving ranks (they complete later, in any order)."""
+        if roll:
+            return
+        self.m.lose_all()
+        for contents in (self.model.device, self.model.host):
+            for k in contents:
+                contents[k] = GARBAGE
+        for seq, snap in self.model.snapshots.items():
+            self.model.snapshots[seq] = [GARBAGE] * len(snap)
+        self.pins.clear()
+        for rid in list(self.reqs):
+            self.release_rid(rid)
+        assert self.m.stats()["nodes"] == 0
 
     @rule(tokens=tokens_st)
     def pin(self, tokens: tuple[int, ...]) -> None:

@@ -823,3 +823,37 @@ def test_reset_keeps_an_active_requests_blocks_until_release(make: Factory) -> N
     assert where(m, long) == ["both", "both", "-", "both"]
     m.reset()
     assert m.stats()["device"]["free"] == 12  # type: ignore[index]
+
+
+def test_lost_worker_keeps_in_flight_blocks_until_every_rank_answers(make: Factory) -> None:
+    """After `lose_all` (a worker died), a load still pending on the other ranks writes into
+    its device blocks: those must not be handed to another request before it is answered,
+    even when the request that matched them is released at once."""
+    d = ManualDispatcher()
+    m = make(device_blocks=4, host_blocks=8, write_policy="write_back", dispatcher=d)
+    a = prompt(1, 9)
+    serve(m, "a", a)
+    for seq in list(d.tasks):
+        d.complete(seq)
+    serve(m, "b", prompt(2, 9))  # demotes a's two blocks to the host
+    for seq in list(d.tasks):
+        d.complete(seq)
+    res = m.match("c", a)
+    assert res.host_tokens > 0 and len(d.tasks) == 1  # one H2D in flight
+    (load,) = d.tasks.values()
+    loading = set(load.dst)
+    m.lose_all()
+    m.release("c")
+    m.check_invariants()
+    free = m.stats()["device"]["free"]
+    assert free == 4 - len(loading)
+    m.match("d", prompt(3, 1))
+    got = set(m.allocate("d", free * BS, 0))
+    assert not got & loading, f"blocks {sorted(got & loading)} reused while still loading"
+    with pytest.raises(OutOfBlocksError):  # the loading blocks stay out until it answers
+        m.allocate("d", BS, 0)
+    d.complete(load.seq, ok=False)
+    assert m.allocate("d", BS, 0)  # the load answered: its blocks are free again
+    m.release("d")
+    m.check_invariants()
+    assert m.stats()["device"]["free"] == 4 and m.stats()["host"]["free"] == 8

@@ -1,0 +1,249 @@
+"""Helpers for tests that run a real Stack: tiny configurations, a context manager that checks
+a stopped deployment left nothing behind, synchronous diagnostics and bounded waits.
+
+Worker processes import torch, so starting a Stack costs seconds: tests share stacks where
+they do not break them, and everything here is bounded so a stuck worker fails a test
+instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import posix_ipc
+
+from manager.config import KvtierConfig, load_config
+from manager.scheduler import KVCacheManager, content_key
+from manager.stack import Stack
+from worker.ipc import existing_names, ipc_names, pid_alive
+from worker.kv_pools import HostPool, KVShape
+from worker.process import host_segment_name
+from worker.wire import Completion, TaskKind
+
+SHM_DIR = Path("/dev/shm")
+_ids = itertools.count()
+
+
+def new_deployment_id() -> str:
+    """An id no other test (or test run on this machine) uses: names stay apart."""
+    return f"t{os.getpid()}x{next(_ids)}"
+
+
+def tiny_config(
+    *,
+    deployment_id: str | None = None,
+    workers: int = 2,
+    num_layers: int = 2,
+    device_blocks: int = 16,
+    host_blocks: int = 32,
+    write_policy: str = "write_back",
+) -> KvtierConfig:
+    """A configuration small enough that pools cost nothing: 2 KV heads of 8 elements,
+    4-token blocks, no storage tier, CPU device pools, no decode reserve."""
+    env = {
+        "KVTIER_DEPLOYMENT_ID": deployment_id or new_deployment_id(),
+        "KVTIER_MODEL__NUM_LAYERS": str(num_layers),
+        "KVTIER_MODEL__NUM_KV_HEADS": "2",
+        "KVTIER_MODEL__HEAD_DIM": "8",
+        "KVTIER_CACHE__BLOCK_SIZE": "4",
+        "KVTIER_CACHE__DEVICE_BLOCKS": str(device_blocks),
+        "KVTIER_CACHE__HOST_BLOCKS": str(host_blocks),
+        "KVTIER_CACHE__WRITE_POLICY": write_policy,
+        "KVTIER_CACHE__DECODE_RESERVE_BLOCKS": "0",
+        "KVTIER_STORAGE__BACKEND": "none",
+        "KVTIER_WORKERS__COUNT": str(workers),
+        "KVTIER_WORKERS__DEVICE": "cpu",
+    }
+    return load_config(None, env)
+
+
+def kv_shape(cfg: KvtierConfig) -> KVShape:
+    m = cfg.model
+    return KVShape(m.num_layers, m.num_kv_heads, m.head_dim, cfg.cache.block_size, m.dtype)
+
+
+# --------------------------------------------------------------------------- leftovers
+
+
+def shm_entries(deployment_id: str) -> list[str]:
+    """Entries of /dev/shm belonging to the deployment: segments (`kvtier_<id>_*`, host pools
+    included) and semaphores (`sem.kvtier_<id>_*`). Ids hold no '_', so the trailing '_'
+    keeps `t1x1` from matching `t1x10`."""
+    prefix = f"kvtier_{deployment_id}_"
+    return sorted(n for n in os.listdir(SHM_DIR)
+                  if n.startswith(prefix) or n.startswith("sem." + prefix))
+
+
+def queues_left(deployment_id: str, num_ranks: int) -> list[str]:
+    """The deployment's message queues that still exist (opened, since /dev/mqueue may not
+    be mounted)."""
+    left = []
+    for name in ipc_names(deployment_id, num_ranks).queues:
+        try:
+            posix_ipc.MessageQueue(name).close()
+        except posix_ipc.ExistentialError:
+            continue
+        left.append(name)
+    return left
+
+
+def leftovers(deployment_id: str, num_ranks: int, pids: Sequence[int] = ()) -> list[str]:
+    """Everything of the deployment still there: /dev/shm entries, IPC names (every kind,
+    any rank count), queues, and the worker pids in `pids` still running."""
+    found = [f"/dev/shm/{n}" for n in shm_entries(deployment_id)]
+    found += [n for n in existing_names(deployment_id) if f"/dev/shm{n}" not in found]
+    found += [q for q in queues_left(deployment_id, num_ranks) if q not in found]
+    found += [f"worker pid {p} alive" for p in pids if pid_alive(p)]
+    return found
+
+
+def wait_until(pred: Callable[[], object], timeout: float, what: str,
+               interval: float = 0.05) -> object:
+    """Poll `pred` until it returns something truthy; AssertionError naming `what` after
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.1f} s")
+        time.sleep(interval)
+
+
+def wait_nothing_left(deployment_id: str, num_ranks: int, pids: Sequence[int],
+                      timeout: float) -> None:
+    """Wait (bounded) until none of the deployment's names and worker pids remain."""
+    left: list[str] = []
+
+    def clean() -> bool:
+        nonlocal left
+        left = leftovers(deployment_id, num_ranks, pids)
+        return not left
+
+    try:
+        wait_until(clean, timeout, f"deployment {deployment_id} gone")
+    except AssertionError:
+        raise AssertionError(
+            f"deployment {deployment_id}: still there after {timeout:.0f} s: {left}") from None
+
+
+def worker_pids(stack: Stack) -> list[int]:
+    """Current worker pid of every rank."""
+    assert stack.supervisor is not None
+    return [w.proc.pid for w in stack.supervisor.workers if w.proc is not None]
+
+
+@contextlib.contextmanager
+def running_stack(cfg: KvtierConfig, *, log_dir: str | os.PathLike[str] | None = None,
+                  transfer_timeout_s: float = 20.0) -> Iterator[Stack]:
+    """A started Stack; on exit it is closed and the deployment must have left nothing: no
+    /dev/shm entry, no queue, no worker process (the pids of the first workers and of the
+    last ones, replacements included; tests that kill a worker check that one themselves),
+    and every worker must have exited cleanly (status 0) on the SIGTERM `close` sends.
+    On an error inside the block the stack is closed too, and what was left is added as a
+    note to the error instead of hiding it."""
+    stack = Stack(cfg, log_dir=None if log_dir is None else str(log_dir),
+                  transfer_timeout_s=transfer_timeout_s)
+    seen: list[int] = []
+    try:
+        stack.start()
+        seen.extend(worker_pids(stack))
+        yield stack
+    except BaseException as e:
+        with contextlib.suppress(Exception):
+            seen.extend(worker_pids(stack))
+        stack.close()
+        left = leftovers(cfg.deployment_id, cfg.workers.count, seen)
+        if left:
+            e.add_note(f"after close, deployment {cfg.deployment_id} left {left}")
+        raise
+    seen.extend(worker_pids(stack))
+    stack.close()
+    left = leftovers(cfg.deployment_id, cfg.workers.count, seen)
+    assert not left, f"after close, deployment {cfg.deployment_id} left {left}"
+    assert_clean_exits(stack)
+
+
+def assert_clean_exits(stack: Stack) -> None:
+    """Every worker the closed stack stopped (with SIGTERM) exited with status 0."""
+    assert stack.supervisor is not None
+    bad = {w.rank: w.proc.returncode for w in stack.supervisor.workers
+           if w.proc is not None and w.proc.returncode != 0}
+    assert not bad, (
+        f"workers did not exit cleanly on SIGTERM (rank: status) {bad}; last log lines:\n"
+        + "\n".join(stack.supervisor.last_log_lines(r, 8) for r in bad))
+
+
+@contextlib.contextmanager
+def attached_host_pools(cfg: KvtierConfig) -> Iterator[list[HostPool]]:
+    """Every rank's host pool segment, mapped into this process (read the pages the
+    workers wrote). Attached pools never unlink the segments."""
+    shape = kv_shape(cfg)
+    pools: list[HostPool] = []
+    try:
+        for r in range(cfg.workers.count):
+            pools.append(HostPool.attach(host_segment_name(cfg.deployment_id, r), shape))
+        yield pools
+    finally:
+        for p in pools:
+            p.close()
+
+
+# --------------------------------------------------------------------------- diagnostics
+
+
+@dataclass
+class Outcome:
+    """The merged outcome of a diagnostic task over every rank."""
+
+    ok: bool
+    result: int
+    detail: list[int]
+    error: str
+
+
+def submit(m: KVCacheManager, kind: TaskKind, ids: Sequence[int], keys: Sequence[int],
+           ) -> tuple[int, list[Outcome]]:
+    """Submit a FILL or CHECK of device blocks `ids` with the content of tree keys `keys`;
+    returns the task's seq and a list the outcome is appended to when every rank answered."""
+    got: list[Outcome] = []
+
+    def done(ok: bool, comp: Completion) -> None:
+        got.append(Outcome(ok, comp.result, list(comp.detail), comp.error))
+
+    seq = m.submit_diagnostic(kind, list(ids), [content_key(k) for k in keys], done)
+    return seq, got
+
+
+def diagnose(m: KVCacheManager, kind: TaskKind, ids: Sequence[int], keys: Sequence[int],
+             timeout: float = 20.0) -> Outcome:
+    """Run a FILL or CHECK and wait (bounded) until every rank answered."""
+    seq, got = submit(m, kind, ids, keys)
+    m.dispatcher.wait([seq], timeout)
+    assert len(got) == 1, f"diagnostic task {seq} reported {len(got)} times"
+    return got[0]
+
+
+def fill(m: KVCacheManager, ids: Sequence[int], keys: Sequence[int], timeout: float = 20.0,
+         ) -> None:
+    """Write the content of `keys` into device blocks `ids` on every rank (as the model
+    runner writes computed KV)."""
+    out = diagnose(m, TaskKind.FILL, ids, keys, timeout)
+    assert out.ok, f"FILL of {len(ids)} blocks failed: {out.error}"
+
+
+def check(m: KVCacheManager, ids: Sequence[int], keys: Sequence[int], timeout: float = 20.0,
+          ) -> list[int]:
+    """Indices `i` whose device block `ids[i]` does not hold the content of `keys[i]` on
+    some rank (every byte of K and V of every layer compared)."""
+    out = diagnose(m, TaskKind.CHECK, ids, keys, timeout)
+    assert out.ok, f"CHECK of {len(ids)} blocks failed: {out.error}"
+    assert out.result == len(out.detail), out
+    return out.detail
