@@ -182,8 +182,11 @@ def redis_server() -> Iterator[RedisServer]:
     """A redis-server shared by the tests of one module. Fails (does not skip) when
     redis-server is missing: the storage tier must be tested against real Redis."""
     try:
-        server = RedisServer()
+        server: RedisServer | None = RedisServer()
+        problem = ""
     except RuntimeError as exc:
-        pytest.fail(str(exc), pytrace=False)
+        server, problem = None, str(exc)
+    if server is None:
+        pytest.fail(problem, pytrace=False)
     with server:
         yield server

@@ -59,18 +59,21 @@ def backend_kind(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def open_backend(
-    backend_kind: str, tmp_path: Path, redis_server: RedisServer
+    backend_kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[OpenBackend]:
     """Opens backends of the parametrized kind on one store (one dir / the one server), the
     way several processes or instances would; closes them after the test."""
-    redis.Redis.from_url(redis_server.url).flushall()
+    url = ""
+    if backend_kind == "redis":
+        url = request.getfixturevalue("redis_server").url
+        redis.Redis.from_url(url).flushall()
     opened: list[StorageBackend] = []
 
     def _open(namespace: str = NS, **kwargs: object) -> StorageBackend:
         if backend_kind == "file":
             backend: StorageBackend = FileBackend(tmp_path / "store", namespace, **kwargs)
         else:
-            backend = RedisBackend(redis_server.url, namespace, **kwargs)
+            backend = RedisBackend(url, namespace, **kwargs)
         opened.append(backend)
         return backend
 
@@ -273,8 +276,7 @@ def test_page_format_statuses() -> None:
 
 # --- clear -------------------------------------------------------------------------------------
 
-def test_clear_only_clears_its_namespace(open_backend: OpenBackend, backend_kind: str,
-                                         redis_server: RedisServer) -> None:
+def test_clear_only_clears_its_namespace(open_backend: OpenBackend, backend_kind: str) -> None:
     keys, pages = make_keys(5, "clear"), make_pages(5, seed=4)
     mine = open_backend(NS, page_bytes=PAGE)
     neighbours = [
@@ -284,15 +286,23 @@ def test_clear_only_clears_its_namespace(open_backend: OpenBackend, backend_kind
     ]
     for backend in (mine, *neighbours):
         assert backend.set(keys, list(pages)) == 5
-    raw = redis.Redis.from_url(redis_server.url)
-    raw.set(b"other-app:key", b"v")
+    # Something that is not a kvtier page, in the same store.
+    if isinstance(mine, RedisBackend):
+        raw = redis.Redis.from_url(mine.url)
+        raw.set(b"other-app:key", b"v")
+    else:
+        assert isinstance(mine, FileBackend)
+        (mine.root / "notes.txt").write_text("operator notes")
 
     assert mine.clear() == 5
     assert mine.exists(keys) == [False] * 5
     for backend in neighbours:
         assert backend.exists(keys) == [True] * 5
         assert backend.get_into(keys, list(np.zeros_like(pages))) == [True] * 5
-    assert raw.get(b"other-app:key") == b"v"
+    if isinstance(mine, RedisBackend):
+        assert raw.get(b"other-app:key") == b"v"
+    else:
+        assert (mine.root / "notes.txt").read_text() == "operator notes"
     assert mine.set(keys[:1], [pages[0]]) == 1  # usable after clear
     if backend_kind == "file":
         assert mine.stats()["used_bytes"] == HEADER_BYTES + PAGE

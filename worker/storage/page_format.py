@@ -103,9 +103,11 @@ def _expected_prefix(key: bytes, payload_len: int) -> bytes:
 
 
 def _bad_header(header: bytes | bytearray | memoryview, key: bytes, payload_len: int) -> PageStatus:
-    """Name what is wrong with a header whose fixed fields did not match."""
+    """Name what is wrong with a header whose fixed fields did not match. `check_header`
+    compares the same fields one by one, so it names the first that differs (it cannot
+    accept the header; should it, the page is still refused)."""
     status = check_header(header, key, payload_len)
-    return PageStatus.BAD_KEY if status is PageStatus.OK else status
+    return PageStatus.BAD_VERSION if status is PageStatus.OK else status
 
 
 def verify_split(

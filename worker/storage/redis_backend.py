@@ -83,7 +83,7 @@ class RedisBackend(StorageBackend):
         backoff_s: float = 0.25,
         backoff_max_s: float = 4.0,
         log_interval_s: float = 30.0,
-        batch_bytes: int = 16 << 20,
+        batch_bytes: int = 8 << 20,
         batch_keys: int = 512,
     ) -> None:
         super().__init__(namespace, page_bytes)
