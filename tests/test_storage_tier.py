@@ -425,6 +425,9 @@ def test_redis_outage_during_replay_degrades_to_misses_and_recovers(
         assert end["prefetch_pages_completed"] == seen["killed"]["prefetch_pages_completed"]
         # Writes that could not land are counted as failed, not as backed up.
         assert end["backup_failed_pages"] > seen["paused"]["backup_failed_pages"]
+        # The manager counts the backend's errors by operation (they feed /metrics).
+        assert end["errors_query"] > seen["paused"]["errors_query"]
+        assert end["errors_backup"] > seen["paused"]["errors_backup"]
         stack.require_manager().check_invariants()
 
         server.restart()  # same port, empty

@@ -91,7 +91,20 @@ class TaskExecutor:
         raise ValueError(f"not a device task kind: {kind!r}")
 
     def storage_task(self, task: Task) -> int:
-        """Run one storage task; returns its result (see `worker.wire`)."""
+        """Run one storage task; returns its result (see `worker.wire`). A backend that
+        degrades to misses (Redis down, disk errors) answers anyway; the errors it counted
+        during the call fail the task, so the manager counts storage errors by operation."""
+        store = self.storage
+        before = _backend_errors(store)
+        result = self._storage_call(task)
+        errors = _backend_errors(store) - before
+        if errors:
+            raise StorageError(
+                f"storage {task.kind.name.lower()}: {errors} backend error(s) (see this rank's "
+                f"log); {result} of {len(task.keys)} pages went through")
+        return result
+
+    def _storage_call(self, task: Task) -> int:
         store = self.storage
         if store is None:
             if task.kind in (TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.CLEAR):
@@ -156,3 +169,14 @@ class RankResources:
         if self.host is not None:
             self.host.close()
             self.host = None
+
+
+class StorageError(RuntimeError):
+    """The storage backend reported errors during a task (it degraded to misses)."""
+
+
+def _backend_errors(store: StorageBackend | None) -> int:
+    if store is None:
+        return 0
+    return int(sum(v for k, v in store.stats().items()
+                   if k.startswith("errors_") or k == "fast_failed_calls"))
