@@ -12,6 +12,12 @@ together (a 64 KiB block is 32 KiB of K plus 32 KiB of V per layer), so with 32 
 block moves 32 x 64 KiB = 2 MiB. The KV shape used is 8 KV heads x 128 head_dim in float16
 (4 KiB of K+V per token), so block_size = block_kib / 4 tokens.
 
+Threads: the copies are torch ops parallelised with OpenMP over all cores, and so is the
+baseline. OpenMP threads spin-wait between parallel regions, which is fastest on an idle machine
+but collapses when another process wants the same cores (a worker shares the machine with its
+manager and, here, with whatever else runs). The run prints OMP_WAIT_POLICY and the load
+average; run with OMP_WAIT_POLICY=PASSIVE to see behaviour under contention.
+
 Working set: both pools are sized between `blocks` and `2 x blocks` blocks to stay under
 `--max-working-set-gib` (default 3). A configuration whose task alone does not fit (256 KiB x
 512 blocks x 32 layers is 4 GiB per pool) is reported as skipped rather than shrunk, because
@@ -187,11 +193,15 @@ def main(argv: list[str] | None = None) -> int:
             "strategy": args.strategy,
             "device": device,
             "torch_threads": torch.get_num_threads(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+            "load_average": os.getloadavg()[0],
         }
         print(json.dumps(out))
         return 0
     print(f"{args.layers} layers, random block ids, device={device}, strategy={args.strategy}, "
-          f"{args.reps} interleaved repetitions (medians)")
+          f"{args.reps} interleaved repetitions (medians), "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "
+          f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'block_kib':>9} {'blocks':>6} {'dir':>4} {'GB/s':>7} {'contig GB/s':>11} "
           f"{'ratio_vs_contiguous':>19}")
     for r in results:

@@ -246,6 +246,9 @@ class WorkerSupervisor:
         logf = w.log_path.open("ab")
         env = {k: v for k, v in os.environ.items()
                if not k.startswith("KVTIER_") or k in NON_CONFIG_ENV}
+        # torch's OpenMP threads spin while they wait; a worker shares its cores with the
+        # engine and the other ranks, and spinning threads stall everybody's short copies.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         w.proc = subprocess.Popen(
             [sys.executable, "-m", "worker.process", "--spec",
              self.spec_for_rank(w.rank).to_json()],

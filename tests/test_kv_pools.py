@@ -6,6 +6,7 @@ the segment by name, reads what this process wrote and writes bytes this process
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -166,11 +167,34 @@ def test_host_pool_segment_mode_layout_and_close(shm_name: str) -> None:
         pool.page_view(0)
 
 
+def test_host_pool_view_outliving_close_stays_valid(shm_name: str) -> None:
+    """close() unlinks at once; a view still held elsewhere keeps the mapping alive (never a
+    dangling pointer) and the mapping goes with the last view."""
+    pool = HostPool(SHAPE, 2, shm_name)
+    page = pool.page_tensor(1)
+    page.fill_(7)
+    pool.close()
+    assert not shm_path(shm_name).exists()
+    assert shm_name.lstrip("/") in Path("/proc/self/maps").read_text()
+    assert int(page.sum()) == 7 * SHAPE.page_bytes  # still readable
+    del page
+    assert shm_name.lstrip("/") not in Path("/proc/self/maps").read_text()
+
+
 def test_host_pool_context_manager_unlinks_on_exception(shm_name: str) -> None:
     with pytest.raises(ZeroDivisionError), HostPool(SHAPE, 2, shm_name):
         assert shm_path(shm_name).exists()
         raise ZeroDivisionError
     assert not shm_path(shm_name).exists()
+
+
+def test_host_pool_dropped_without_close_is_unlinked(shm_name: str) -> None:
+    pool = HostPool(SHAPE, 2, shm_name)
+    assert shm_path(shm_name).exists()
+    del pool
+    gc.collect()
+    assert not shm_path(shm_name).exists()
+    assert shm_name.lstrip("/") not in Path("/proc/self/maps").read_text()
 
 
 def test_host_pool_replaces_stale_segment(shm_name: str) -> None:

@@ -8,10 +8,12 @@ block served from any tier still holds exactly those bytes. So the bytes must
   K and V is compared, so a block copied only in part, or a layer or a half swapped, shows);
 * be cheap enough to write and compare for every block of a replay (> 1 GB/s).
 
-Construction: SHAKE-128 of (rank, key) gives 64 bytes per (layer, K/V). That short pattern is
-tiled over the row with `repeat` and XORed with a fixed position word sequence, so a chunk of
-the right pattern moved to the wrong offset inside a block does not match either. Everything
-after the one hash per block is vectorised torch work on the pool's own device.
+Construction: a row (one block of one layer's K or V) of key `k` on rank `r`, layer `l`, half
+`h` (K or V) is `base(k, r) XOR mask(l, h)`. `base` is one SHAKE-128 stream per key as long as
+a row; `mask` is a fixed SHAKE stream per pool shape (cached), different for every (layer,
+half) and position. So one hash call per block, then a single broadcast XOR per chunk with long
+contiguous inner loops, on the pool's own device. SHAKE (not a torch RNG) keeps the bytes
+identical across processes, machines and library versions.
 """
 
 from __future__ import annotations
@@ -19,76 +21,93 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from worker.kv_pools import BlockIdError, DevicePool, HostPool, as_block_ids
+from worker.kv_pools import BlockIdError, DevicePool, HostPool, KVShape, as_block_ids
 
-PATTERN_BYTES = 512  # long enough that the XOR pass runs on whole vector registers
-CHUNK_BYTES = 32 << 20  # bound on the temporary expected-content tensor per step
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-# (bytes, torch word dtype, numpy dtype of the same bits)
-_INT_DTYPES: tuple[tuple[int, torch.dtype, np.dtype], ...] = (
-    (8, torch.int64, np.dtype(np.int64)),
-    (4, torch.int32, np.dtype(np.int32)),
-    (2, torch.int16, np.dtype(np.int16)),
-    (1, torch.uint8, np.dtype(np.uint8)),
+CHUNK_BYTES = 8 << 20  # bound on the temporary tensors of one step (stays in cache)
+_WORDS: tuple[tuple[int, torch.dtype], ...] = (
+    (8, torch.int64),
+    (4, torch.int32),
+    (2, torch.int16),
+    (1, torch.uint8),
 )
-_positions: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+_masks: dict[tuple[KVShape, torch.dtype, torch.device], torch.Tensor] = {}
 
 Pool = DevicePool | HostPool
 
 
-def _word(row_bytes: int) -> tuple[int, torch.dtype, np.dtype]:
-    for entry in _INT_DTYPES:
-        if row_bytes % entry[0] == 0:
-            return entry
+def _word_dtype(row_bytes: int) -> torch.dtype:
+    """Widest integer dtype dividing a row: fewer, wider elements per XOR and compare."""
+    for size, dtype in _WORDS:
+        if row_bytes % size == 0:
+            return dtype
     raise AssertionError("unreachable: every size is a multiple of 1")
 
 
-def _layer_rows(pool: Pool) -> torch.Tensor:
-    """The pool as `[layers, 2, blocks, row_words]` in the widest integer dtype dividing a
-    row (one block of one layer's K or V). A view: writes go to the pool."""
-    shape = pool.shape
-    size, dtype, _ = _word(shape.k_bytes)
-    words = shape.k_bytes // size
-    if isinstance(pool, DevicePool):
-        flat = pool.data.view(shape.num_layers, 2, pool.num_blocks, -1)
-        return flat.view(dtype).view(shape.num_layers, 2, pool.num_blocks, words)
-    flat = pool.kv.view(pool.num_blocks, shape.num_layers, 2, -1)
-    return flat.view(dtype).view(pool.num_blocks, shape.num_layers, 2, words).permute(1, 2, 0, 3)
+def _mask(shape: KVShape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`[layers * 2, row_words]`: the fixed per-(layer, K/V, position) mask of a shape."""
+    key = (shape, dtype, device)
+    mask = _masks.get(key)
+    if mask is None:
+        seed = f"kvtier-mask:{shape.num_layers}:{shape.k_bytes}".encode()
+        raw = bytearray(hashlib.shake_128(seed).digest(shape.num_layers * 2 * shape.k_bytes))
+        mask = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
+        mask = mask.view(shape.num_layers * 2, -1).to(device)
+        _masks[key] = mask
+    return mask
 
 
-def _position_words(words: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Position words for a row, padded to a whole number of patterns."""
-    per_pattern = PATTERN_BYTES // torch.empty((), dtype=dtype).element_size()
-    words = -(-words // per_pattern) * per_pattern
-    key = (words, dtype, device)
-    pos = _positions.get(key)
-    if pos is None:
-        _, _, np_dtype = _word(torch.empty((), dtype=dtype).element_size())
-        # Odd multiplier: distinct words per position; truncation keeps the low bits.
-        full = np.arange(1, words + 1, dtype=np.uint64) * _GOLDEN
-        narrow = full.astype(f"u{np_dtype.itemsize}").view(np_dtype)
-        pos = torch.from_numpy(narrow).to(device)
-        _positions[key] = pos
-    return pos
-
-
-def _patterns(keys: Sequence[bytes], rank: int, layers: int, dtype: torch.dtype) -> torch.Tensor:
-    """`[layers, 2, n, PATTERN_BYTES / itemsize]` pattern words, one hash per key."""
-    per_block = layers * 2 * PATTERN_BYTES
+def _bases(keys: Sequence[bytes], rank: int, row_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """`[n, row_words]`: one SHAKE-128 stream of (rank, key) per key, a row long."""
     prefix = b"kvtier-content\0" + rank.to_bytes(4, "little")
     buf = bytearray()
     for key in keys:
         h = hashlib.shake_128(prefix)
         h.update(len(key).to_bytes(4, "little"))
         h.update(key)
-        buf += h.digest(per_block)
-    raw = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-    words = PATTERN_BYTES // torch.empty((), dtype=dtype).element_size()
-    return raw.view(dtype).view(len(keys), layers, 2, words).permute(1, 2, 0, 3).contiguous()
+        buf += h.digest(row_bytes)
+    if not buf:
+        return torch.empty(0, row_bytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(len(keys), -1)
+
+
+class _Rows:
+    """A pool seen as rows of words, in its own layout: the device pool as
+    `[layers * 2, blocks, words]` (blocks on dim 1), the host pool as `[blocks, layers * 2,
+    words]` (blocks on dim 0). Both are views: writes land in the pool."""
+
+    def __init__(self, pool: Pool) -> None:
+        shape = pool.shape
+        self.dtype = _word_dtype(shape.k_bytes)
+        rows = shape.num_layers * 2
+        if isinstance(pool, DevicePool):
+            flat = pool.data.view(rows, pool.num_blocks, -1)
+            self.dim = 1
+        else:
+            flat = pool.kv.view(pool.num_blocks, rows, -1)
+            self.dim = 0
+        self.t = flat.view(self.dtype)
+        self.device = self.t.device
+
+    def read(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The rows of blocks `ids`, copied into `out` (contiguous, `c * layers * 2 * words`
+        elements), returned as `[layers * 2, c, words]`."""
+        if self.dim == 1:
+            view = out.view(self.t.shape[0], ids.numel(), -1)
+            return torch.index_select(self.t, 1, ids, out=view)
+        view = out.view(ids.numel(), self.t.shape[1], -1)
+        return torch.index_select(self.t, 0, ids, out=view).transpose(0, 1)
+
+    def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store `[layers * 2, c, words]` into blocks `ids`."""
+        self.t.index_copy_(self.dim, ids, rows if self.dim == 1 else rows.transpose(0, 1))
+
+    def scratch(self, step: int) -> torch.Tensor:
+        """One reusable buffer for a call: a fresh large tensor per chunk would pay its page
+        faults every time, which costs more than the XOR itself."""
+        return torch.empty(self.t.numel() // self.t.shape[self.dim] * step, dtype=self.dtype,
+                           device=self.device)
 
 
 def _validate(
@@ -108,16 +127,6 @@ def _validate(
     return as_block_ids(dev_ids, pool.num_blocks, f"{op}: block ids", unique=op == "fill")
 
 
-def _expected(patterns: torch.Tensor, words: int, pos: torch.Tensor) -> torch.Tensor:
-    """Expected rows `[L, 2, c, words]` from patterns `[L, 2, c, P]`: the pattern tiled over
-    the row and XORed with the position words, in one broadcast pass (no repeat copy)."""
-    p = patterns.shape[-1]
-    reps = pos.numel() // p
-    tiled = patterns.unsqueeze(3) ^ pos.view(reps, p)  # [L, 2, c, reps, P]
-    tiled = tiled.view(*patterns.shape[:3], reps * p)
-    return tiled if reps * p == words else tiled[..., :words]
-
-
 def _step(pool: Pool) -> int:
     return max(1, CHUNK_BYTES // pool.shape.page_bytes)
 
@@ -126,17 +135,20 @@ def fill(
     pool: Pool, dev_ids: Sequence[int] | torch.Tensor, keys: Sequence[bytes], rank: int
 ) -> None:
     """Write the content derived from `keys[i]` (and `rank`) into block `dev_ids[i]`, every
-    layer, K and V. Ids are validated (range, no duplicates) before anything is written."""
+    layer, K and V. Ids are validated (range, no duplicates) before anything is written.
+    Works on a `DevicePool` or a `HostPool`."""
     ids = _validate("fill", pool, dev_ids, keys, rank)
-    rows = _layer_rows(pool)
-    words, dtype, device = rows.shape[-1], rows.dtype, rows.device
-    pos = _position_words(words, dtype, device)
-    pats = _patterns(keys, rank, pool.shape.num_layers, dtype).to(device)
-    ids = ids.to(device)
+    rows = _Rows(pool)
+    mask = _mask(pool.shape, rows.dtype, rows.device)
+    bases = _bases(keys, rank, pool.shape.k_bytes, rows.dtype).to(rows.device)
+    ids = ids.to(rows.device)
     step = _step(pool)
+    scratch = rows.scratch(min(step, max(1, len(keys))))
     for i in range(0, len(keys), step):
-        exp = _expected(pats[:, :, i : i + step], words, pos)
-        rows.index_copy_(2, ids[i : i + step], exp)
+        base = bases[i : i + step]
+        expected = scratch[: mask.numel() * base.shape[0]].view(mask.shape[0], base.shape[0], -1)
+        torch.bitwise_xor(mask.unsqueeze(1), base.unsqueeze(0), out=expected)
+        rows.write(ids[i : i + step], expected)
 
 
 def check(
@@ -145,16 +157,18 @@ def check(
     """Indices `i` for which block `dev_ids[i]` does not hold exactly the content of
     `keys[i]` (on this `rank`); empty when everything matches."""
     ids = _validate("check", pool, dev_ids, keys, rank)
-    rows = _layer_rows(pool)
-    words, dtype, device = rows.shape[-1], rows.dtype, rows.device
-    pos = _position_words(words, dtype, device)
-    pats = _patterns(keys, rank, pool.shape.num_layers, dtype).to(device)
-    ids = ids.to(device)
+    rows = _Rows(pool)
+    mask = _mask(pool.shape, rows.dtype, rows.device)
+    bases = _bases(keys, rank, pool.shape.k_bytes, rows.dtype).to(rows.device)
+    ids = ids.to(rows.device)
     bad: list[torch.Tensor] = []
     step = _step(pool)
+    scratch = rows.scratch(min(step, max(1, len(keys))))
     for i in range(0, len(keys), step):
-        exp = _expected(pats[:, :, i : i + step], words, pos)  # [L, 2, c, words]
-        actual = torch.index_select(rows, 2, ids[i : i + step])
-        differs = (actual != exp).any(3).any(1).any(0)
+        base = bases[i : i + step]
+        actual = rows.read(ids[i : i + step], scratch[: mask.numel() * base.shape[0]])
+        actual ^= mask.unsqueeze(1)
+        actual ^= base.unsqueeze(0)  # now all zero in every row where the block is intact
+        differs = torch.count_nonzero(actual, dim=2).any(0)
         bad.append(differs.nonzero().flatten().cpu() + i)
     return torch.cat(bad).tolist() if bad else []

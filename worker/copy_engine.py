@@ -10,8 +10,9 @@ overhead once blocks are small. So every transfer is first *planned*:
   slice copy (for D2H one copy covers every layer of the run, because the device pool keeps all
   layers in one allocation and a host page holds all layers of a block);
 * the remaining pairs go through a **gather**: rows are viewed as the widest integer/complex
-  dtype that divides a block, gathered with `index_select` (one `memcpy`-like copy per row)
-  into a staging buffer that stays in cache, and scattered with `index_copy_`.
+  dtype that divides a block, gathered with `index_select` (one `memcpy` per row) into a
+  staging buffer that stays in cache, and scattered with `index_put_` (one 16-byte element
+  at a time; the slower of the two passes, measured a little ahead of `index_copy_`).
 
 D2H (evict / backup) copies all layers at once. H2D (load) goes layer by layer and reports
 each finished layer through `on_layer_done(layer)`, so a model runner can start computing
@@ -39,11 +40,12 @@ BlockIds = Sequence[int] | torch.Tensor
 
 LAYER_DELAY_ENV = "KVTIER_TEST_LAYER_DELAY_MS"
 
-# Defaults measured with bench/transfer.py: on the build machine one slice copy per block
-# spanning all layers (D2H) beats the staged gather from 256 KiB pages on, while a per-layer
-# slice copy (H2D) needs ~1 MiB before its call overhead stops mattering.
+# Defaults measured with bench/transfer.py on the build machine: one slice copy per block
+# spanning all layers (D2H, a 512 KiB page and up) beats the staged gather; a per-layer slice
+# copy (H2D) only draws level with the gather at 256 KiB per block and layer, so single blocks
+# below 512 KiB go through the gather. A 4 MiB staging buffer stays in the L2/L3 caches.
 D2H_MIN_RUN_BYTES = 256 << 10
-H2D_MIN_RUN_BYTES = 1 << 20
+H2D_MIN_RUN_BYTES = 512 << 10
 STAGE_BYTES = 4 << 20
 
 _WIDE_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
@@ -242,15 +244,19 @@ class CopyEngine:
         g = int(plan.gather_src.numel())
         if not g:
             return
+        # Gather from the device pool as [layers * 2, blocks, row] along dim 1 (torch's
+        # memcpy-per-row path, which needs a contiguous source and output), then scatter
+        # whole pages into the host pool along dim 0.
+        rows = self.shape.num_layers * 2
+        dev3 = dev.view(rows, self.device_pool.num_blocks, self._row)
+        host3 = host.view(self.host_pool.num_blocks, rows, self._row)
         c = max(1, min(g, self.stage_bytes // self.shape.page_bytes))
-        L = self.shape.num_layers
-        stage = self._staging("d2h", (c, L, 2, self._row), host.device)
         for i in range(0, g, c):
             gs, gd = plan.gather_src[i : i + c], plan.gather_dst[i : i + c]
-            part = stage[: gs.numel()]
+            part = self._staging("d2h", (rows, gs.numel(), self._row), host.device)
             with self._lock:
-                torch.index_select(dev, 2, gs, out=part.permute(1, 2, 0, 3))
-                host.index_copy_(0, gd, part)
+                torch.index_select(dev3, 1, gs, out=part)
+                host3.index_put_((gd,), part.transpose(0, 1))
 
     def _d2h_cuda(self, plan: CopyPlan) -> None:
         dev, host = self._dev_w, self._host_w
@@ -302,19 +308,24 @@ class CopyEngine:
         dev, host = self._dev_w, self._host_w
         g = int(plan.gather_src.numel())
         c = max(1, min(max(g, 1), self.stage_bytes // self.shape.layer_bytes))
-        stage = self._staging("h2d", (c, 2, self._row), host.device) if g else None
         runs = list(zip(plan.run_src, plan.run_dst, plan.run_len, strict=True))
+        # Slices and staging views are the same for every layer: build them once.
+        chunks: list[tuple[torch.Tensor, tuple[torch.Tensor], torch.Tensor]] = []
+        if g:
+            stage = self._staging("h2d", (c, 2, self._row), host.device)
+            for i in range(0, g, c):
+                gs, gd = plan.gather_src[i : i + c], plan.gather_dst[i : i + c]
+                part = stage[: gs.numel()]
+                chunks.append((gs, (gd,), part))
         for layer in range(self.shape.num_layers):
             dev_l, host_l = dev[layer], host[:, layer]
+            by_block = dev_l.transpose(0, 1)  # [blocks, 2, row]: the block index on dim 0
             with self._lock:
                 for s0, d0, k in runs:
                     dev_l[:, d0 : d0 + k].copy_(host_l[s0 : s0 + k].transpose(0, 1))
-                if stage is not None:
-                    for i in range(0, g, c):
-                        gs, gd = plan.gather_src[i : i + c], plan.gather_dst[i : i + c]
-                        part = stage[: gs.numel()]
-                        torch.index_select(host_l, 0, gs, out=part)
-                        dev_l.index_copy_(1, gd, part.transpose(0, 1))
+                for gs, gd, part in chunks:
+                    torch.index_select(host_l, 0, gs, out=part)
+                    by_block.index_put_(gd, part)
             done(layer)
             if self.layer_delay_s:
                 time.sleep(self.layer_delay_s)

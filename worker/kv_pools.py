@@ -280,10 +280,7 @@ class HostPool:
                 posix_ipc.unlink_shared_memory(name)
             raise
         shm.close_fd()
-        # Last resort for an owner that is never closed (an exception path that skipped
-        # close()): unlink at garbage collection or interpreter exit, in this process only,
-        # so a forked child exiting never removes its parent's segment.
-        self._finalizer = weakref.finalize(self, _unlink_if_creator, name, os.getpid())
+        self._arm_finalizer()
 
     @classmethod
     def attach(cls, name: str, shape: KVShape) -> HostPool:
@@ -312,7 +309,20 @@ class HostPool:
             self._map(shm.fd)
         finally:
             shm.close_fd()
+        self._arm_finalizer()
         return self
+
+    def _arm_finalizer(self) -> None:
+        """Last resort for a pool that is never closed (an exception path that skipped
+        close()): at garbage collection or interpreter exit, unpin and (owner only) unlink, in
+        this process only, so a forked child exiting never removes its parent's segment."""
+        self._finalizer = weakref.finalize(
+            self,
+            _finalize,
+            self.name if self.owner else None,
+            os.getpid(),
+            self.data.data_ptr() if self.pinned else 0,
+        )
 
     def _map(self, fd: int) -> None:
         self._mm: mmap.mmap | None = mmap.mmap(fd, self.nbytes)
@@ -377,11 +387,13 @@ class HostPool:
 
     def close(self) -> None:
         """Unpin, unmap and (owner only) unlink the segment. Safe to call more than once."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
         if not self._closed:
             self._release_mapping()
         if self.owner:
-            self._finalizer.detach()
-            _unlink_if_creator(self.name, os.getpid())
+            _finalize(self.name, os.getpid(), 0)
             self.owner = False
 
     def __enter__(self) -> HostPool:
@@ -397,8 +409,12 @@ class HostPool:
         )
 
 
-def _unlink_if_creator(name: str, creator_pid: int) -> None:
-    if os.getpid() == creator_pid:
+def _finalize(name: str | None, creator_pid: int, pinned_ptr: int) -> None:
+    if os.getpid() != creator_pid:
+        return
+    if pinned_ptr:
+        torch.cuda.cudart().cudaHostUnregister(pinned_ptr)
+    if name is not None:
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(name)
 
