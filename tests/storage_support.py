@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import posix_ipc
+import serve_support
 
 from manager.config import KvtierConfig, load_config
 from manager.keys import chain_keys, storage_keys
@@ -27,7 +27,6 @@ from manager.replay import _Diagnostics
 from manager.scheduler import MatchResult
 from manager.stack import Stack
 from manager.workloads import WorkRequest
-from worker.ipc import ipc_names
 from worker.wire import TaskKind
 
 BS = 4
@@ -78,18 +77,9 @@ def stack_config(dep_id: str, storage_dir: Path, *, backend: str = "file",
 
 
 def leftovers(dep_id: str, num_ranks: int = RANKS) -> list[str]:
-    """The deployment's /dev/shm entries (segments, host pools, semaphores) and message
-    queues that still open: after `Stack.close()` this must be empty."""
-    prefixes = (f"kvtier_{dep_id}_", f"sem.kvtier_{dep_id}_")
-    found = sorted(e.name for e in Path("/dev/shm").iterdir() if e.name.startswith(prefixes))
-    for name in ipc_names(dep_id, num_ranks).queues:
-        try:
-            queue = posix_ipc.MessageQueue(name)
-        except posix_ipc.ExistentialError:
-            continue
-        queue.close()
-        found.append(f"queue {name}")
-    return found
+    """The deployment's /dev/shm entries and message queues still there: after
+    `Stack.close()` this must be empty."""
+    return serve_support.leftovers(dep_id, num_ranks)
 
 
 def prompt(tag: int, blocks: int, tail: int = 1) -> list[int]:

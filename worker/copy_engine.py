@@ -23,7 +23,6 @@ copy is synchronous and the callback follows it.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
@@ -33,12 +32,12 @@ from typing import Literal
 
 import torch
 
+from worker.delays import LAYER_DELAY_ENV, delay_from_env
 from worker.kv_pools import BlockIdError, DevicePool, HostPool, as_block_ids
 
 Strategy = Literal["auto", "runs", "gather"]
 BlockIds = Sequence[int] | torch.Tensor
 
-LAYER_DELAY_ENV = "KVTIER_TEST_LAYER_DELAY_MS"
 
 # Defaults measured with bench/transfer.py on the build machine: one slice copy per block
 # spanning all layers (D2H, a 512 KiB page and up) beats the staged gather; a per-layer slice
@@ -114,17 +113,6 @@ def plan_copy(
     )
 
 
-def _read_layer_delay() -> float:
-    raw = os.environ.get(LAYER_DELAY_ENV, "")
-    if not raw:
-        return 0.0
-    try:
-        ms = float(raw)
-    except ValueError:
-        raise ValueError(f"{LAYER_DELAY_ENV}: {raw!r} is not a number of milliseconds") from None
-    if not ms >= 0:
-        raise ValueError(f"{LAYER_DELAY_ENV}: must be >= 0, got {raw!r}")
-    return ms / 1000.0
 
 
 class CopyEngine:
@@ -166,7 +154,7 @@ class CopyEngine:
         self.stage_bytes = stage_bytes
         self.d2h_min_run_bytes = d2h_min_run_bytes
         self.h2d_min_run_bytes = h2d_min_run_bytes
-        self.layer_delay_s = _read_layer_delay()
+        self.layer_delay_s = delay_from_env(LAYER_DELAY_ENV)
         self.wide = wide_dtype(shape.k_bytes)
         row = shape.k_bytes // torch.empty((), dtype=self.wide).element_size()
         self._row = row

@@ -6,12 +6,12 @@ in its own process can run it directly (`worker.embedded`).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
 from worker import content
 from worker.copy_engine import CopyEngine
+from worker.delays import STORAGE_DELAY_ENV, delay_from_env
 from worker.kv_pools import DevicePool, HostPool
 from worker.spec import WorkerSpec
 from worker.storage.backend import StorageBackend, make_backend
@@ -23,22 +23,10 @@ DEVICE_KINDS = frozenset({TaskKind.D2H, TaskKind.H2D, TaskKind.FILL, TaskKind.CH
 STORAGE_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP, TaskKind.CLEAR})
 MERGEABLE = frozenset({TaskKind.D2H, TaskKind.H2D})
 
-STORAGE_DELAY_ENV = "KVTIER_TEST_STORAGE_DELAY_MS"
 """Test hook: milliseconds to sleep before every storage read (QUERY, PREFETCH) on this rank,
 so tests can show what each prefetch policy does with a slow store."""
 
 
-def _read_storage_delay() -> float:
-    raw = os.environ.get(STORAGE_DELAY_ENV, "")
-    if not raw:
-        return 0.0
-    try:
-        ms = float(raw)
-    except ValueError:
-        raise ValueError(f"{STORAGE_DELAY_ENV}: {raw!r} is not a number of milliseconds") from None
-    if not ms >= 0:
-        raise ValueError(f"{STORAGE_DELAY_ENV}: must be >= 0, got {raw!r}")
-    return ms / 1000.0
 
 
 class TaskExecutor:
@@ -58,7 +46,7 @@ class TaskExecutor:
         self.storage = storage
         self.backup_one_rank = backup_one_rank
         self.engine = CopyEngine(device, host) if host is not None else None
-        self.storage_delay_s = _read_storage_delay()
+        self.storage_delay_s = delay_from_env(STORAGE_DELAY_ENV)
 
     def device_batch(self, kind: TaskKind, batch: list[Task],
                      on_layer_done: Callable[[list[int], int], None] | None = None,
