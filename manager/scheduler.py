@@ -37,7 +37,7 @@ from manager.errors import (
     ResetBusyError,
     UnknownRequestError,
 )
-from manager.keys import TokenKeyError, chain_keys, key_bytes
+from manager.keys import TokenKeyError, chain_keys
 from manager.policies import WritePolicy, make_write_policy
 from manager.transfers import Dispatcher, ImmediateDispatcher, LoadHandle
 from manager.tree import (
@@ -466,7 +466,7 @@ class KVCacheManager:
             start = len(req.nodes)
             if (cap - start) * self.block_size < self.storage.threshold_tokens:
                 return False
-            self.storage.prefetch_for(req, token_ids, start, cap)
+            self.storage.query(req, token_ids, start, cap)
             self._flush()
             return True
 
@@ -1093,8 +1093,3 @@ class KVCacheManager:
             for n in self._map.values():
                 if n.flags & (LOADING | SAVING | EVICTING | PREFETCHING | BACKING):
                     assert id(n) in inflight_nodes, f"{n} flagged in flight but no task"
-
-
-def content_key(key: int) -> bytes:
-    """The bytes a diagnostic fill derives a block's content from."""
-    return key_bytes(key)

@@ -98,7 +98,7 @@ class StorageTier:
         # One budget for the query and the prefetch together: `timeout` bounds the whole wait.
         deadline = time.monotonic() + self._wait_budget(cap - start)
         if node is None:
-            seq = self._query(req, token_ids, start, cap)
+            seq = self.query(req, token_ids, start, cap)
             if self.policy == "best_effort":
                 return False  # it lands for later requests of the same prefix
             try:
@@ -128,11 +128,9 @@ class StorageTier:
 
     # ------------------------------------------------------------------ query and prefetch
 
-    def prefetch_for(self, req: _Request, token_ids: Any, start: int, cap: int) -> int:
-        """Start a query (and then a prefetch) for blocks start..cap; returns its seq."""
-        return self._query(req, token_ids, start, cap)
-
-    def _query(self, req: _Request, token_ids: Any, start: int, cap: int) -> int:
+    def query(self, req: _Request, token_ids: Any, start: int, cap: int) -> int:
+        """Ask storage how many of blocks start..cap it holds; the answer starts a prefetch
+        when it is worth one. Returns the query's seq."""
         skeys = self.request_skeys(req, token_ids, cap)[start:cap]
         keys = req.keys[start:cap]
         m = self.m
