@@ -19,7 +19,8 @@ from pathlib import Path
 import posix_ipc
 
 from manager.config import KvtierConfig, load_config
-from manager.scheduler import KVCacheManager, content_key
+from manager.keys import key_bytes
+from manager.scheduler import KVCacheManager
 from manager.stack import Stack
 from worker.ipc import existing_names, ipc_names, pid_alive
 from worker.kv_pools import HostPool, KVShape
@@ -218,7 +219,7 @@ def submit(m: KVCacheManager, kind: TaskKind, ids: Sequence[int], keys: Sequence
     def done(ok: bool, comp: Completion) -> None:
         got.append(Outcome(ok, comp.result, list(comp.detail), comp.error))
 
-    seq = m.submit_diagnostic(kind, list(ids), [content_key(k) for k in keys], done)
+    seq = m.submit_diagnostic(kind, list(ids), [key_bytes(k) for k in keys], done)
     return seq, got
 
 
