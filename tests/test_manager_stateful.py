@@ -95,10 +95,14 @@ class ManagerMachine(RuleBasedStateMachine):
             self.release_rid(rid)
             return
         r["alloc"] = True
-        if r["handle"].done:
+        if self.loads_done(r):
             self.read_rid(rid)
             self.commit_rid(rid, 1.0)
         self.release_rid(rid)
+
+    def loads_done(self, r: dict) -> bool:
+        """Whether the request's loads have landed (here: completed by a rule)."""
+        return bool(r["handle"].done)
 
     def _pick(self, data):  # type: ignore[no-untyped-def]
         return data.draw(st.sampled_from(sorted(self.reqs)))

@@ -27,57 +27,32 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis_server import RedisServer, ping, redis_server
+from storage_support import (
+    BS,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    RANKS,
+    THRESHOLD_TOKENS,
+    ModelRunner,
+    RequestOutcome,
+    deployment_id,
+    leftovers,
+    namespaces,
+    page_file,
+    page_keys,
+    prompt,
+    redis_key,
+    small_chat,
+    stack_config,
+    storage_counters,
+    wait_backups,
+    wait_until,
+)
 
 from manager.replay import ReplayReport, replay
 from manager.stack import Stack
 from worker.storage import HEADER_BYTES
-
-try:  # pytest puts tests/ on sys.path
-    from redis_server import RedisServer, ping, redis_server
-    from storage_support import (
-        BS,
-        NUM_KV_HEADS,
-        NUM_LAYERS,
-        RANKS,
-        THRESHOLD_TOKENS,
-        ModelRunner,
-        RequestOutcome,
-        deployment_id,
-        leftovers,
-        namespaces,
-        page_file,
-        page_keys,
-        prompt,
-        redis_key,
-        small_chat,
-        stack_config,
-        storage_counters,
-        wait_backups,
-        wait_until,
-    )
-except ImportError:  # tests/ imported as a package
-    from tests.redis_server import RedisServer, ping, redis_server
-    from tests.storage_support import (
-        BS,
-        NUM_KV_HEADS,
-        NUM_LAYERS,
-        RANKS,
-        THRESHOLD_TOKENS,
-        ModelRunner,
-        RequestOutcome,
-        deployment_id,
-        leftovers,
-        namespaces,
-        page_file,
-        page_keys,
-        prompt,
-        redis_key,
-        small_chat,
-        stack_config,
-        storage_counters,
-        wait_backups,
-        wait_until,
-    )
 
 __all__ = ["redis_server"]  # the module-scoped pytest fixture used below
 
