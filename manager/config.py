@@ -648,23 +648,29 @@ def mem_available_bytes(meminfo: Path = MEMINFO) -> int | None:
     return int(found.group(1)) * 1024 if found else None
 
 
-def shm_free_bytes(deployment_id: str, shm_dir: Path = SHM_DIR) -> int | None:
-    """Free bytes in /dev/shm, counting this deployment's stale segments as free (they are
-    removed at start), or None where there is no such directory."""
-    try:
-        stat = os.statvfs(shm_dir)
-    except OSError:
-        return None
-    free = stat.f_bavail * stat.f_frsize
+def stale_segment_bytes(deployment_id: str, shm_dir: Path = SHM_DIR) -> int:
+    """Bytes held in `shm_dir` by segments of this deployment: stale ones are removed at
+    start, so the memory check counts them as free."""
+    held = 0
     prefix = f"kvtier_{deployment_id}_"
     try:
         with os.scandir(shm_dir) as entries:
             for entry in entries:
                 if entry.name.startswith(prefix) and entry.is_file(follow_symlinks=False):
-                    free += entry.stat(follow_symlinks=False).st_blocks * 512
+                    held += entry.stat(follow_symlinks=False).st_blocks * 512
     except OSError:
         pass
-    return free
+    return held
+
+
+def shm_free_bytes(deployment_id: str, shm_dir: Path = SHM_DIR) -> int | None:
+    """Free bytes in /dev/shm, counting this deployment's stale segments as free, or None
+    where there is no such directory."""
+    try:
+        stat = os.statvfs(shm_dir)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize + stale_segment_bytes(deployment_id, shm_dir)
 
 
 def _too_big(key: str, value: int, what: str, need: int, where: str, have: int) -> ConfigError:
