@@ -86,6 +86,13 @@ class ModelConfig(BaseModel):
 
     model_config = _SECTION
 
+    name: str = Field(
+        "",
+        max_length=200,
+        description="the model's identity (name and revision or weights hash); part of the "
+        "storage namespace, so two models of the same KV shape never read each other's pages. "
+        "Empty: the shape alone names the namespace",
+    )
     num_layers: int = Field(8, ge=1, le=4096, description="transformer layers holding KV")
     num_kv_heads: int = Field(4, ge=1, le=4096, description="KV heads on one rank")
     head_dim: int = Field(64, ge=1, le=65536, description="elements per head")

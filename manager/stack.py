@@ -80,7 +80,7 @@ class Stack:
             device=resolve_device(c), storage_backend=s.backend, storage_path=s.path,
             storage_url=s.url, storage_capacity_bytes=s.capacity_bytes,
             storage_ttl_s=int(s.ttl_s), backup_one_rank=s.backup_one_rank,
-            manager_timeout_s=max(3.0, c.workers.heartbeat_timeout_s))
+            manager_timeout_s=max(3.0, c.workers.heartbeat_timeout_s), model_name=c.model.name)
 
     def start(self) -> Stack:
         c = self.cfg

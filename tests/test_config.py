@@ -38,7 +38,7 @@ from manager.config import (
 
 BRIEF_DEFAULTS = {
     "deployment_id": "default",
-    "model": {"num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16"},
+    "model": {"name": "", "num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16"},
     "cache": {
         "block_size": 64,
         "device_blocks": 2048,

@@ -246,6 +246,24 @@ def test_damaged_page_is_a_counted_miss(open_backend: OpenBackend, damage: str) 
     assert backend.exists(keys) == [True, False, True]
 
 
+@pytest.mark.parametrize("damage", ["truncated_payload", "truncated_header", "extended"])
+def test_file_page_of_the_wrong_size_is_deleted_by_the_query(tmp_path: Path, damage: str) -> None:
+    """A query (before any read) refuses a page file of the wrong size, counts it and deletes
+    it, so the next query does not meet it again."""
+    backend = FileBackend(tmp_path / "store", NS, page_bytes=PAGE)
+    keys, pages = make_keys(3, damage), make_pages(3, seed=4)
+    assert backend.set(keys, list(pages)) == 3
+    raw = read_raw(backend, keys[1])
+    assert raw is not None
+    write_raw(backend, keys[1], DAMAGES[damage](raw))
+    assert backend.leading_present(keys) == 1
+    assert backend.stats()["corrupt_pages"] == 1
+    assert read_raw(backend, keys[1]) is None
+    assert backend.exists(keys) == [True, False, True]
+    assert backend.stats()["corrupt_pages"] == 1  # counted once: the file is gone
+    backend.close()
+
+
 def test_page_stored_under_another_key_is_a_miss(open_backend: OpenBackend) -> None:
     backend = open_backend(page_bytes=PAGE)
     keys, pages = make_keys(2, "swap"), make_pages(2, seed=3)

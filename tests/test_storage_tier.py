@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -237,6 +238,33 @@ def test_second_instance_hits_prefixes_the_first_computed(
     b.require_manager().check_invariants()
 
 
+def test_models_of_one_shape_share_pages_only_under_one_name(
+        make_stack: StackFactory, redis_url: str, tmp_path: Path) -> None:
+    """`model.name` is part of the namespace: a second model with the same KV shape misses
+    what the first stored (same tokens, other weights: other bytes), while the same name on
+    another instance, or no name on either, shares pages."""
+    a = make_stack("name-a", backend="redis", url=redis_url, storage_dir=tmp_path / "a",
+                   extra={"KVTIER_MODEL__NAME": "model-a@rev1"})
+    b = make_stack("name-b", backend="redis", url=redis_url, storage_dir=tmp_path / "b",
+                   extra={"KVTIER_MODEL__NAME": "model-b@rev1"})
+    p = prompt(260, BLOCKS)
+    assert ModelRunner(a).run(p).match.num_tokens == 0
+    wait_backups(a, BLOCKS)
+    out = ModelRunner(b).run(p)
+    assert out.match.num_tokens == 0 and out.corrupt_blocks == []
+    assert storage_counters(b)["prefetch_pages_completed"] == 0
+
+    def namespaces(name: str) -> list[str]:
+        cfg = stack_config("name-x", tmp_path / "x", backend="redis", url=redis_url,
+                           extra={"KVTIER_MODEL__NAME": name} if name else None)
+        return [Stack(cfg).worker_spec(r).storage_namespace() for r in range(RANKS)]
+
+    assert namespaces("model-a@rev1") == [a.worker_spec(r).storage_namespace()
+                                          for r in range(RANKS)]
+    assert len({*namespaces("model-a@rev1"), *namespaces("model-b@rev1"),
+                *namespaces("")}) == 3 * RANKS
+
+
 # ---------------------------------------------------------------------- 3. corrupt pages
 
 
@@ -315,10 +343,12 @@ def test_corrupt_or_truncated_page_is_a_counted_miss_never_data(one: OneInstance
     rank1 = (log_dir / "worker-r1.log").read_text()
     assert (f"1 corrupt page(s) {verb} (first: key {page_keys(flipped)[flip_at].hex()[:16]}..., "
             "bad_checksum)") in rank1, rank1
+    rank0 = (log_dir / "worker-r0.log").read_text()
+    cut_key = page_keys(truncated)[cut_at].hex()[:16]
     if backend == "redis":
-        rank0 = (log_dir / "worker-r0.log").read_text()
-        assert (f"1 corrupt page(s) dropped (first: key "
-                f"{page_keys(truncated)[cut_at].hex()[:16]}..., truncated)") in rank0, rank0
+        assert (f"1 corrupt page(s) dropped (first: key {cut_key}..., truncated)") in rank0, rank0
+    else:  # refused and deleted by the query, before any prefetch could read it
+        assert re.search(rf"page {cut_key}\.\.\. has \d+ bytes; deleted as damaged", rank0), rank0
 
     # The recomputed blocks were backed up again: storage heals and serves every block.
     wait_backups(stack, c0["backup_pages"] + 3 * BLOCKS + (BLOCKS - flip_at) + (BLOCKS - cut_at))

@@ -43,6 +43,7 @@ class WorkerSpec:
     storage_timeout_s: float = 0.5
     backup_one_rank: bool = False
     manager_timeout_s: float = 3.0
+    model_name: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -62,6 +63,8 @@ class WorkerSpec:
         fields: dict[str, Any] = {"num_layers": self.num_layers,
                                   "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                                   "dtype": self.dtype, "block_size": self.block_size}
+        if self.model_name:  # unnamed models share by shape alone
+            fields["model_name"] = self.model_name
         if self.backup_one_rank:  # every rank holds the same KV: all share rank 0's pages
             return namespace_for(fields, 0, 1)
         return namespace_for(fields, self.rank, self.num_ranks)

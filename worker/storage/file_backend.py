@@ -399,19 +399,30 @@ class FileBackend(StorageBackend):
         return count
 
     def _present(self, hexkey: str) -> bool:
-        """A page file exists with a plausible size (a wrong size can only be a damaged page;
-        the checksum itself is verified on read)."""
+        """A page file exists with a plausible size; the checksum itself is verified on read.
+        Pages are renamed into place whole, so a wrong size can only be a damaged page: it is
+        counted and deleted here rather than offered to a prefetch."""
+        path = self._page_path(hexkey)
         try:
-            size = os.stat(self._page_path(hexkey)).st_size
+            st = os.stat(path)
         except FileNotFoundError:
             return False
         except OSError as exc:
             self._stats.add(errors_exists=1)
             self._warn.warning(f"file storage {self.namespace}: stat failed: {exc}")
             return False
-        if self.page_bytes is not None:
-            return size == HEADER_BYTES + self.page_bytes
-        return size >= HEADER_BYTES
+        if self.page_bytes is None:
+            plausible = st.st_size >= HEADER_BYTES
+        else:
+            plausible = st.st_size == HEADER_BYTES + self.page_bytes
+        if not plausible:
+            self._drop_corrupt(path, hexkey, st.st_ino)
+            self._stats.add(corrupt_pages=1)
+            self._warn.warning(
+                f"file storage {self.namespace}: page {hexkey[:16]}... has {st.st_size} bytes; "
+                "deleted as damaged"
+            )
+        return plausible
 
     # -- writes ----------------------------------------------------------------------------
     def _ensure_shard(self, shard: str) -> None:
