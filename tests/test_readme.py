@@ -3,8 +3,15 @@ reference must stay true to the project."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
+
+from serve_support import leftovers
 
 from manager.config import KvtierConfig
 
@@ -39,3 +46,48 @@ def test_every_configuration_key_is_documented() -> None:
             missing.append(f"[{name}]")
         missing += [f"{name}.{key}" for key in sub if not re.search(rf"\b{key} =", section)]
     assert not missing, f"configuration keys missing from the README: {missing}"
+
+
+def _run_recipe() -> list[str]:
+    """The `make run` recipe as an argument list, with the venv's console script."""
+    makefile = (REPO / "Makefile").read_text()
+    recipe = re.search(r"^run: .*\n\t(.+)$", makefile, re.M)
+    assert recipe, "the Makefile's run target must be one command"
+    argv = shlex.split(recipe.group(1))
+    assert argv[0] == "$(VENV)/bin/kvtier", argv
+    return [str(Path(sys.executable).parent / "kvtier"), *argv[1:]]
+
+
+def test_run_command_works_on_embedded_defaults(tmp_path: Path) -> None:
+    """`make run` in a fresh folder: no config file, no KVTIER_ variable but a private
+    deployment id (so a live `default` deployment on this machine is not in the way), fewer
+    requests. A second run in the same folder finds the first run's pages in storage."""
+    argv = _run_recipe()
+    assert argv[1:4] == ["replay", "--workload", "chat"] and "--config" not in argv
+    argv[argv.index("--limit") + 1] = "60"
+    dep = f"readme{os.getpid()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["KVTIER_DEPLOYMENT_ID"] = dep
+
+    first = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert leftovers(dep, 1) == []
+    assert "verified blocks" in first.stdout and "corrupt blocks 0" in first.stdout
+    config = json.loads(first.stdout.split("config: ", 1)[1].splitlines()[0])
+    defaults = KvtierConfig().model_dump(mode="json")
+    for section in ("model", "cache"):
+        assert config[section] == defaults[section], section
+    assert config["storage"]["backend"] == "file" and config["workers"]["count"] == 1
+    plot = tmp_path / ".kvtier" / "replay.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pages = [p for p in (tmp_path / ".kvtier" / "storage").rglob("*") if p.is_file()]
+    assert pages, "no page reached file storage"
+
+    second = subprocess.run([*argv, "--json"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=240)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert leftovers(dep, 1) == []
+    report = json.loads(second.stdout)
+    assert report["requests"] == 60 and report["corrupt_blocks"] == 0
+    assert report["verified_blocks"] > 0 and report["hit_tokens"]["storage"] > 0
