@@ -53,6 +53,22 @@ TRANSFER_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025
 
 STORAGE_ERROR_OPS = ("query", "prefetch", "backup", "clear")
 
+BACKEND_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
+    # (figure of worker.ipc.STORAGE_FIGURES, kvtier_storage_backend_<name>, type, help)
+    ("corrupt_pages", "corrupt_pages", "counter",
+     "Damaged pages (bad header, checksum or size) the rank's backend refused and deleted."),
+    ("evicted_pages", "evicted_pages", "counter",
+     "Pages the rank's backend deleted to stay under storage.capacity_bytes."),
+    ("misses", "missed_pages", "counter",
+     "Pages a prefetch read asked the rank's backend for and did not get."),
+    ("outages", "outages", "counter", "Times the rank's store became unreachable."),
+    ("available", "available", "gauge", "1 while the rank's store answers, 0 during an outage."),
+    ("used_bytes", "used_bytes", "gauge", "Bytes of pages the rank's backend holds."),
+    ("stored_pages", "stored_pages", "gauge", "Pages the rank's backend holds."),
+    ("capacity_bytes", "capacity_bytes", "gauge",
+     "The rank's byte limit for stored pages (0: none)."),
+)
+
 
 class StackCollector(Collector):
     """Metric families of one Stack, read from its lock-free snapshots at every scrape.
@@ -72,6 +88,7 @@ class StackCollector(Collector):
         if manager is not None:
             yield from self._manager_families(manager.stats())
         yield from self._storage_families()
+        yield from self._backend_families()
         yield from self._worker_families()
 
     # ------------------------------------------------------------------ families
@@ -216,6 +233,27 @@ class StackCollector(Collector):
         yield GaugeMetricFamily(
             "kvtier_storage_prefetching_blocks", "Host blocks held by prefetches in flight.",
             value=storage.prefetching_blocks if storage is not None else 0)
+
+    def _backend_families(self) -> Iterator[Metric]:
+        """What each rank's storage backend alone knows, as its worker last published it.
+        A family appears once some rank's backend reports it (Redis has no byte count, a
+        file store no outages); counters restart from zero when a worker is replaced."""
+        sup = self.stack.supervisor
+        if sup is None or self.stack.cfg.storage.backend == "none":
+            return
+        try:
+            figures = sup.storage_figures()
+        except Exception as e:  # the IPC closed under us (stack closing)
+            log.debug("storage figures unavailable: %s", e)
+            return
+        for figure, name, kind, text in BACKEND_FAMILIES:
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                f"kvtier_storage_backend_{name}", text, labels=["rank"])
+            reported = [(rank, f[figure]) for rank, f in enumerate(figures) if figure in f]
+            for rank, value in reported:
+                family.add_metric([str(rank)], value)
+            if reported:
+                yield family
 
     def _worker_families(self) -> Iterator[Metric]:
         sup = self.stack.supervisor

@@ -358,6 +358,11 @@ class WorkerSupervisor:
             })
         return out
 
+    def storage_figures(self) -> list[dict[str, int]]:
+        """Per rank, the storage backend figures its worker last published (lock-free reads
+        of the control segment; see `worker.ipc.STORAGE_FIGURES`)."""
+        return [self.ipc.storage_figures(w.rank) for w in self.workers]
+
     # ------------------------------------------------------------------ stop
 
     def stop(self, timeout: float = 10.0) -> None:

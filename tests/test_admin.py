@@ -41,6 +41,10 @@ REQUIRED_METRICS = (
     "kvtier_storage_backup_pages_total", "kvtier_storage_errors_total",
     "kvtier_storage_queries_total", "process_cpu_seconds_total",
     "process_resident_memory_bytes",
+    # what the file backend of rank 0 publishes (Redis reports outages instead of bytes)
+    "kvtier_storage_backend_corrupt_pages_total", "kvtier_storage_backend_evicted_pages_total",
+    "kvtier_storage_backend_missed_pages_total", "kvtier_storage_backend_used_bytes",
+    "kvtier_storage_backend_stored_pages", "kvtier_storage_backend_capacity_bytes",
 )
 
 
@@ -208,6 +212,9 @@ def test_metrics_parse_agree_with_the_stack_and_pass_promtool(stack: Stack,
     assert value(samples, "kvtier_blocks", tier="device", state="cached") == (
         st["device"]["cached"])
     assert value(samples, "kvtier_paused") == 0
+    assert value(samples, "kvtier_storage_backend_capacity_bytes", rank="0") == (
+        stack.cfg.storage.capacity_bytes)
+    assert "kvtier_storage_backend_outages_total" not in samples  # a file store has none
     assert {lab["state"] for lab, _ in samples["kvtier_blocks"]} == {
         "free", "cached", "in_use", "evictable"}
     assert {lab["direction"] for lab, _ in samples["kvtier_transfer_bytes_total"]} == {

@@ -51,6 +51,7 @@ from storage_support import (
     wait_until,
 )
 
+from admin.metrics import StackCollector
 from manager.replay import ReplayReport, replay
 from manager.stack import Stack
 from worker.storage import HEADER_BYTES
@@ -308,6 +309,9 @@ def test_corrupt_or_truncated_page_is_a_counted_miss_never_data(one: OneInstance
     stack.reset()
 
     flip_at, cut_at = 5, 9
+    sup = stack.supervisor
+    assert sup is not None
+    corrupt_before = [f["corrupt_pages"] for f in sup.storage_figures()]
     _flip_byte(stack, backend, url, 1, page_keys(flipped)[flip_at])
     _truncate(stack, backend, url, 0, page_keys(truncated)[cut_at])
 
@@ -336,8 +340,16 @@ def test_corrupt_or_truncated_page_is_a_counted_miss_never_data(one: OneInstance
     # Damage is local: an intact prompt is served whole.
     _assert_restored(runner.run(intact), BLOCKS)
 
-    # Counted by the backend of the rank that read it, and dropped from storage (a page the
-    # backend deleted because it failed verification, named in its log).
+    # Counted by the backend of the rank that met it, published to the admin's metrics...
+    corrupt = [f["corrupt_pages"] - b for f, b in zip(sup.storage_figures(), corrupt_before,
+                                                      strict=True)]
+    assert corrupt == [1, 1]  # the truncated page on rank 0, the flipped one on rank 1
+    samples = {s.labels["rank"]: s.value for fam in StackCollector(stack).collect()
+               if fam.name == "kvtier_storage_backend_corrupt_pages" for s in fam.samples
+               if s.name.endswith("_total")}
+    assert [samples["0"] - corrupt_before[0], samples["1"] - corrupt_before[1]] == [1, 1]
+    # ...and dropped from storage (a page the backend deleted because it failed
+    # verification, named in its log).
     log_dir = one.log_dir
     verb = "deleted" if backend == "file" else "dropped"
     rank1 = (log_dir / "worker-r1.log").read_text()
@@ -401,6 +413,9 @@ def test_redis_outage_during_replay_degrades_to_misses_and_recovers(
     server = RedisServer().start()  # its own server: this test stops and kills it
     try:
         stack = make_stack("outage", backend="redis", url=server.url, extra=OUTAGE_SIZES)
+        sup = stack.supervisor
+        assert sup is not None
+        assert [f["outages"] for f in sup.storage_figures()] == [0] * RANKS
         pause_at, kill_at, settle = 90, 150, 8
         seen: dict[str, dict[str, int]] = {}
 
@@ -409,6 +424,7 @@ def test_redis_outage_during_replay_degrades_to_misses_and_recovers(
                 server.pause()  # accepts connections, answers nothing
             elif done == pause_at + settle:
                 seen["paused"] = storage_counters(stack)
+                seen["paused_figures"] = dict(enumerate(sup.storage_figures()))
             elif done == kill_at:
                 seen["before_kill"] = storage_counters(stack)
                 server.kill()  # connections refused
@@ -434,6 +450,10 @@ def test_redis_outage_during_replay_degrades_to_misses_and_recovers(
         assert end["errors_query"] > seen["paused"]["errors_query"]
         assert end["errors_backup"] > seen["paused"]["errors_backup"]
         stack.require_manager().check_invariants()
+        # Each rank's backend saw the outage, and the metrics show it per rank.
+        assert all(f["available"] == 0 and f["outages"] >= 1
+                   for f in seen["paused_figures"].values()), seen["paused_figures"]
+        assert all(f["outages"] >= 1 for f in sup.storage_figures())
 
         server.restart()  # same port, empty
         assert ping(server.port)  # type: ignore[arg-type]
@@ -457,6 +477,7 @@ def test_redis_outage_during_replay_degrades_to_misses_and_recovers(
         assert again["backup_pages"] > end["backup_pages"]
         assert again["prefetch_pages_completed"] > end["prefetch_pages_completed"]
         assert redis.Redis.from_url(server.url).dbsize() > 0
+        assert [f["available"] for f in sup.storage_figures()] == [1] * RANKS
         stack.require_manager().check_invariants()
         # Every rank noticed the outage and the recovery, in a few log lines, not hundreds.
         log_dir = tmp_path / f"logs-{stack.cfg.deployment_id}"

@@ -34,7 +34,7 @@ Control segment layout (all fields int64, native little-endian, 8-byte aligned; 
 
     byte off  field
     0         magic  (b"KVTIERC1")
-    8         layout version (1)
+    8         layout version (2)
     16        num_ranks
     24        progress slots per rank (K)
     32        manager pid
@@ -45,16 +45,22 @@ Control segment layout (all fields int64, native little-endian, 8-byte aligned; 
     72        arena bytes
     80        queue message size
     88..127   reserved
-    128 + r * (64 + 8K)   rank r block:
+    128 + r * (128 + 8K)  rank r block:
         +0  ready (0/1)         +8  heartbeat ns       +16 pid          +24 tasks in flight
         +32 arena position consumed                    +40 tasks received
         +48 last seq received   +56 reserved
-        +64 progress ring: K words, slot seq % K holds (seq << 16) | layers_done
+        +64 storage backend figures: one word per name of STORAGE_FIGURES, -1 where the
+            rank's backend does not report that figure (or has not published yet)
+        +128 progress ring: K words, slot seq % K holds (seq << 16) | layers_done
 
 Layer progress: a worker loading task `seq` layer by layer stores one word per layer into its
 ring and posts the notify semaphore; the manager's watcher thread turns each post into a
 `threading.Condition` broadcast, so `ManagerIPC.wait_layer(seq, layer, timeout)` returns as
 soon as every rank has published that layer, with no message per layer. All waits are bounded.
+
+Storage figures: what only a rank's backend knows (damaged pages it refused and deleted,
+pages evicted for capacity, Redis outages, bytes held) is published by the worker after each
+storage task into its rank block, so the admin reads it with no message and no lock.
 
 Liveness: the manager's two threads refresh its heartbeat at least every
 `HEARTBEAT_INTERVAL_S`; a worker refreshes its own in every `recv_task` call and raises
@@ -76,7 +82,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -113,7 +119,7 @@ MAX_LAYERS = 0xFFFF
 
 _DEPLOYMENT_ID = re.compile(r"[A-Za-z0-9_-]{1,32}")
 _MAGIC = int.from_bytes(b"KVTIERC1", "little")
-_LAYOUT_VERSION = 1
+_LAYOUT_VERSION = 2
 
 # header words
 _W_MAGIC, _W_LAYOUT, _W_RANKS, _W_SLOTS = 0, 1, 2, 3
@@ -123,7 +129,19 @@ _HEADER_WORDS = 16
 # rank block words
 _R_READY, _R_BEAT, _R_PID, _R_INFLIGHT = 0, 1, 2, 3
 _R_CONSUMED, _R_RECEIVED, _R_LAST_SEQ = 4, 5, 6
-_RANK_FIXED_WORDS = 8
+_R_STORAGE = 8
+STORAGE_FIGURES = (
+    "corrupt_pages",  # damaged pages refused (a miss) and deleted; counter
+    "evicted_pages",  # pages deleted to stay under the capacity limit; counter
+    "misses",  # pages a read asked for and did not get; counter
+    "outages",  # times the store became unreachable; counter
+    "available",  # 1 while the store answers, 0 while it does not; gauge
+    "used_bytes",  # bytes of pages held; gauge
+    "stored_pages",  # pages held; gauge
+    "capacity_bytes",  # the byte limit (0: none); gauge
+)
+"""Backend figures a worker publishes (names as in `StorageBackend.stats()`)."""
+_RANK_FIXED_WORDS = _R_STORAGE + len(STORAGE_FIGURES)
 _LAYER_BITS = 16
 _LAYER_MASK = (1 << _LAYER_BITS) - 1
 
@@ -918,6 +936,16 @@ class ManagerIPC:
         """Snapshots of every rank's flags."""
         return [self.rank_state(r) for r in range(self.num_ranks)]
 
+    def storage_figures(self, rank: int) -> dict[str, int]:
+        """The storage figures rank `rank`'s worker last published (names of
+        `STORAGE_FIGURES`; figures its backend does not report are left out). Counters start
+        again from zero when a replacement worker takes the rank."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank {rank} out of range [0, {self.num_ranks})")
+        ctl = self._require_open()
+        values = (ctl.get(rank, _R_STORAGE + i) for i in range(len(STORAGE_FIGURES)))
+        return {name: v for name, v in zip(STORAGE_FIGURES, values, strict=True) if v >= 0}
+
     def stats(self) -> dict[str, int]:
         """Counters: tasks sent (and via the arena), completions received."""
         return dict(self._stats)
@@ -1098,6 +1126,8 @@ class WorkerIPC:
         ctl.put(self.rank, _R_INFLIGHT, 0)
         ctl.put(self.rank, _R_PID, os.getpid())
         ctl.put(self.rank, _R_BEAT, time.monotonic_ns())
+        for i in range(len(STORAGE_FIGURES)):
+            ctl.put(self.rank, _R_STORAGE + i, -1)
 
     # ------------------------------------------------------------------ tasks
 
@@ -1205,6 +1235,14 @@ class WorkerIPC:
         """Set this rank's ready flag (after its pools are allocated)."""
         self._require_open().put(self.rank, _R_READY, 1 if ready else 0)
         self._notify.release()
+
+    def publish_storage_figures(self, stats: Mapping[str, float]) -> None:
+        """Publish this rank's backend figures (a `StorageBackend.stats()` dict; names of
+        `STORAGE_FIGURES` it lacks read as not reported)."""
+        ctl = self._require_open()
+        for i, name in enumerate(STORAGE_FIGURES):
+            value = stats.get(name)
+            ctl.put(self.rank, _R_STORAGE + i, -1 if value is None else max(0, int(value)))
 
     def set_inflight(self, tasks: int) -> None:
         """Publish how many tasks this rank holds (received and not completed)."""

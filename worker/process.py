@@ -14,7 +14,8 @@ rank) and the storage backend, sets its ready flag, then loops:
 * storage tasks (QUERY, PREFETCH, BACKUP, CLEAR) run on a second thread, so a slow store never
   holds up a device transfer;
 * post one completion per task: ok, or failed with the error text — an exception in a task
-  fails that task, never the loop.
+  fails that task, never the loop; after a storage task, publish the backend's figures
+  (corrupt and evicted pages, outages, bytes held) into the rank's flags for the admin.
 
 It exits on SIGTERM/SIGINT, or by itself when the manager stops beating (no orphans), and
 always unlinks its host-pool segment on the way out.
@@ -87,6 +88,7 @@ class Worker:
         self._storage_thread.start()
         threading.Thread(target=self._beat_loop, daemon=True,
                          name=f"kvtier-beat-r{self.rank}").start()
+        self._publish_storage_figures()
         self.ipc.set_ready(True)
         log.info("rank %d ready (pid %d, device %s, %d device / %d host blocks, storage %s)",
                  self.rank, os.getpid(), self.res.device.device, self.spec.device_blocks,
@@ -157,10 +159,17 @@ class Worker:
             except Exception as e:
                 log.error("rank %d: storage %s task %d failed: %s", self.rank, task.kind.name,
                           task.seq, e)
+                self._publish_storage_figures()
                 self._answer(Completion(task.seq, self.rank, False,
                                         error=f"{type(e).__name__}: {e}"))
                 continue
+            self._publish_storage_figures()  # before the answer: a reader of it sees them
             self._answer(Completion(task.seq, self.rank, True, result))
+
+    def _publish_storage_figures(self) -> None:
+        store = self.res.storage
+        if store is not None:
+            self.ipc.publish_storage_figures(store.stats())
 
     # ------------------------------------------------------------------ exit
 
