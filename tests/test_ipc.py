@@ -577,3 +577,23 @@ if __name__ == "__main__":
     if role == "manager":
         sys.exit(_manager_main(deployment_id, int(arg)))
     sys.exit(_worker_main(deployment_id, int(arg), sys.argv[4], float(sys.argv[5])))
+
+
+def test_storage_figures_are_published_per_rank(dep: str) -> None:
+    """A rank's backend figures cross the control segment; a figure its backend does not
+    report (or a rank that never published) reads as absent, never as zero."""
+    with ManagerIPC(dep, 2) as mgr:
+        assert [mgr.storage_figures(r) for r in range(2)] == [{}, {}]
+        worker = WorkerIPC(dep, 1)
+        try:
+            worker.publish_storage_figures({"corrupt_pages": 3, "misses": 5.0, "outages": 1,
+                                            "available": 0, "pages_read": 99})
+            assert mgr.storage_figures(1) == {"corrupt_pages": 3, "misses": 5, "outages": 1,
+                                              "available": 0}
+            assert mgr.storage_figures(0) == {}
+            worker.publish_storage_figures({"used_bytes": 1 << 40})
+            assert mgr.storage_figures(1) == {"used_bytes": 1 << 40}
+        finally:
+            worker.close()
+        with pytest.raises(ValueError, match="rank 2 out of range"):
+            mgr.storage_figures(2)

@@ -396,9 +396,15 @@ class _Control:
         self.words[self.rank_word(rank, field)] = value
 
     def clear_rank(self, rank: int) -> None:
+        """Zero the rank's block; its storage figures read as not reported."""
         start = self.rank_word(rank, 0)
         for i in range(start, start + self.stride):
             self.words[i] = 0
+        self.forget_storage_figures(rank)
+
+    def forget_storage_figures(self, rank: int) -> None:
+        for i in range(len(STORAGE_FIGURES)):
+            self.put(rank, _R_STORAGE + i, -1)
 
     def close(self) -> None:
         self.words.release()
@@ -615,6 +621,8 @@ class ManagerIPC:
             w[_W_TREE] = TreeStatus.NORMAL
             w[_W_ARENA_BYTES] = arena_bytes
             w[_W_MSG_SIZE] = self.message_size
+            for rank in range(self.num_ranks):
+                self._ctl.forget_storage_figures(rank)
             w[_W_MAGIC] = _MAGIC  # last: a worker attaching early sees a complete header
         except BaseException:
             self._release_handles()
@@ -1126,8 +1134,7 @@ class WorkerIPC:
         ctl.put(self.rank, _R_INFLIGHT, 0)
         ctl.put(self.rank, _R_PID, os.getpid())
         ctl.put(self.rank, _R_BEAT, time.monotonic_ns())
-        for i in range(len(STORAGE_FIGURES)):
-            ctl.put(self.rank, _R_STORAGE + i, -1)
+        ctl.forget_storage_figures(self.rank)  # a replacement's counters start again
 
     # ------------------------------------------------------------------ tasks
 
