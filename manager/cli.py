@@ -239,6 +239,22 @@ def _bytes(n: object) -> str:
     return f"{value:.1f} TiB"
 
 
+def _backend_figures(f: dict[str, int]) -> str:
+    """One rank's storage backend figures as a phrase (only what its backend reports)."""
+    if not f:
+        return "no figures published yet"
+    parts = [f"{f.get('corrupt_pages', 0)} damaged pages refused",
+             f"{f.get('evicted_pages', 0)} evicted for capacity",
+             f"{f.get('misses', 0)} missed"]
+    if "stored_pages" in f:
+        cap = f.get("capacity_bytes", 0)
+        parts.append(f"{f['stored_pages']} pages held ({_bytes(f.get('used_bytes'))}"
+                     + (f" of {_bytes(cap)})" if cap else ")"))
+    if "available" in f:
+        parts.append(f"store {'up' if f['available'] else 'DOWN'}, {f.get('outages', 0)} outages")
+    return ", ".join(parts)
+
+
 def render_status(data: dict[str, Any]) -> None:
     """Print /status as a few small tables."""
     from rich import box
@@ -294,6 +310,8 @@ def render_status(data: dict[str, Any]) -> None:
             f"{c.get('backup_pages', 0)} backed up ({_bytes(storage.get('backup_bytes'))}), "
             f"errors: query {c.get('errors_query', 0)}, prefetch "
             f"{c.get('errors_prefetch', 0)}, backup {c.get('errors_backup', 0)}")
+        for rank, figures in enumerate(storage.get("ranks", [])):
+            console.print(f"  rank {rank}: {_backend_figures(figures)}")
     else:
         console.print("storage: none")
 

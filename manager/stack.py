@@ -217,10 +217,13 @@ class Stack:
         lookup = c["lookup_tokens"] or 0
         hits = {"device": c["hit_device_tokens"], "host": c["hit_host_tokens"],
                 "storage": c["hit_storage_tokens"]}
+        storage = self.storage.status() if self.storage is not None else None
+        if storage is not None and self.supervisor is not None:
+            storage["ranks"] = self.supervisor.storage_figures()
         return {
             "deployment_id": self.cfg.deployment_id,
             "tiers": tiers,
-            "storage": self.storage.status() if self.storage is not None else None,
+            "storage": storage,
             "workers": self.supervisor.status() if self.supervisor else [],
             "hit_rate": {k: (v / lookup if lookup else 0.0) for k, v in hits.items()}
             | {"total": (sum(hits.values()) / lookup if lookup else 0.0)},

@@ -178,6 +178,10 @@ def test_status_reports_tiers_workers_hit_rates_and_config(stack: Stack,
     assert st["hit_rate"]["device"] > 0 and set(st["hit_rate"]) == {
         "device", "host", "storage", "total"}
     assert st["paused"] is False and st["ready"]["ready"] is True
+    (figures,) = st["storage"]["ranks"]  # rank 0's file backend
+    assert figures["corrupt_pages"] == 0
+    assert figures["capacity_bytes"] == stack.cfg.storage.capacity_bytes
+    assert "outages" not in figures
     assert st["config"]["cache"]["block_size"] == 4
     assert st["config"]["admin"]["token_set"] is False and "token" not in st["config"]["admin"]
 

@@ -107,7 +107,8 @@ def test_serve_end_to_end(tmp_path: Path) -> None:
         shown = subprocess.run([str(kvtier_script()), "status", "--url", serve.url],
                                capture_output=True, text=True, timeout=30)
         assert shown.returncode == 0, shown.stderr
-        for text in (dep, "ready", "device", "host", "hit rate", *map(str, pids)):
+        for text in (dep, "ready", "device", "host", "hit rate", *map(str, pids),
+                     "rank 0: 0 damaged pages refused"):
             assert text in shown.stdout, (text, shown.stdout)
         as_json = subprocess.run([str(kvtier_script()), "status", "--url", serve.url, "--json"],
                                  capture_output=True, text=True, timeout=30)
