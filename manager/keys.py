@@ -32,6 +32,21 @@ import xxhash
 _MASK64 = (1 << 64) - 1
 _XXH128 = xxhash.xxh3_128_intdigest
 _PACKERS: dict[int, struct.Struct] = {}
+_SPLITTERS: dict[tuple[int, int, int], struct.Struct] = {}
+_CACHE_LIMIT = 4096
+_MIN_SPLIT_BLOCKS = 8
+"""From this many blocks on, a request's bytes are cut into per-block `bytes` by one
+`Struct.unpack` call (~20 ns a block) instead of a memoryview slice per block (~130 ns)."""
+
+
+def _cached_struct(cache: dict, key: object, fmt: str) -> struct.Struct:  # type: ignore[type-arg]
+    """A compiled Struct from a bounded cache (cleared when full: request lengths vary)."""
+    compiled = cache.get(key)
+    if compiled is None:
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        compiled = cache[key] = struct.Struct(fmt)
+    return compiled
 
 
 class TokenKeyError(ValueError):
@@ -82,12 +97,7 @@ class ExtraKey:
 
 def pack_tokens(token_ids: Sequence[int], count: int) -> bytes:
     """The first `count` token ids as little-endian int32 bytes (one C call for the lot)."""
-    packer = _PACKERS.get(count)
-    if packer is None:
-        packer = _PACKERS[count] = struct.Struct(f"<{count}i")
-        if len(_PACKERS) > 4096:
-            _PACKERS.clear()
-            _PACKERS[count] = packer
+    packer = _cached_struct(_PACKERS, count, f"<{count}i")
     try:
         if isinstance(token_ids, list | tuple):
             return packer.pack(*token_ids[:count])
@@ -159,6 +169,12 @@ def chain_keys(
     # One comprehension (no per-block method call): each key folds in the previous one. The
     # seed argument takes the low 64 bits of `p` by itself (xxhash parses it as an unsigned
     # long long without overflow check; the golden-key tests would catch a change).
+    count = end - start_block
+    if count >= _MIN_SPLIT_BLOCKS:
+        skip = start_block * step
+        split = _cached_struct(_SPLITTERS, (skip, count, step),
+                               (f"{skip}x" if skip else "") + f"{step}s" * count)
+        return [p := h(chunk, p) ^ (p >> 64) for chunk in split.unpack_from(buf)]
     return [p := h(buf[a : a + step], p) ^ (p >> 64)
             for a in range(start_block * step, end * step, step)]
 

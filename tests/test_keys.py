@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from manager.keys import ExtraKey, TokenKeyError, chain_keys, key_bytes, storage_keys
 
@@ -94,6 +95,30 @@ def test_extension_from_a_parent_equals_hashing_at_once(split: int) -> None:
         s_head = storage_keys(t, BS, num_blocks=split, **kw)
         s_rest = storage_keys(t, BS, parent=s_head[-1], start_block=split, **kw)
         assert s_head + s_rest == s_whole
+
+
+def _reference_tree_keys(tokens: list[int], block_size: int, parent: int,
+                         start_block: int, end_block: int) -> list[int]:
+    """The documented tree-key formula, one block at a time: xxh3-128 of the block's int32
+    little-endian tokens, seeded with the parent's low 64 bits, xor the parent's high 64."""
+    out = []
+    for b in range(start_block, end_block):
+        data = struct.pack(f"<{block_size}i", *tokens[b * block_size:(b + 1) * block_size])
+        parent = xxhash.xxh3_128_intdigest(data, parent & (2**64 - 1)) ^ (parent >> 64)
+        out.append(parent)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 64])
+def test_tree_keys_follow_the_formula_for_short_and_long_runs(block_size: int) -> None:
+    """Long runs of blocks are cut with one struct call, short ones by slicing: both must give
+    the formula's keys, from the root and from any parent."""
+    t = [random.Random(block_size).randrange(-2**31, 2**31) for _ in range(40 * block_size)]
+    for start in (0, 1, 5, 13):
+        for count in (1, 2, 7, 8, 9, 27):
+            parent = 0 if start == 0 else chain_keys(t, block_size, num_blocks=start)[-1]
+            got = chain_keys(t, block_size, parent=parent, start_block=start, num_blocks=count)
+            assert got == _reference_tree_keys(t, block_size, parent, start, start + count)
 
 
 # ---------------------------------------------------------------------- extra keys
