@@ -26,6 +26,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
@@ -39,7 +40,7 @@ _MIN_SPLIT_BLOCKS = 8
 `Struct.unpack` call (~20 ns a block) instead of a memoryview slice per block (~130 ns)."""
 
 
-def _cached_struct(cache: dict, key: object, fmt: str) -> struct.Struct:  # type: ignore[type-arg]
+def _cached_struct(cache: dict[Any, struct.Struct], key: Any, fmt: str) -> struct.Struct:
     """A compiled Struct from a bounded cache (cleared when full: request lengths vary)."""
     compiled = cache.get(key)
     if compiled is None:
