@@ -147,7 +147,11 @@ class StorageConfig(BaseModel):
         "file", description="where the storage tier lives"
     )
     path: str = Field(".kvtier/storage", min_length=1, description="directory of the file backend")
-    url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL of the redis backend")
+    url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis URL of the redis backend: redis:// or rediss:// for one server, "
+        "redis+cluster:// or rediss+cluster:// and any one node for a Redis Cluster",
+    )
     prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = Field(
         "best_effort",
         description="what match() waits for when prefetching from storage: nothing "
@@ -755,14 +759,16 @@ def _check_cuda_memory(cfg: KvtierConfig, per_rank: int) -> None:
 
 
 def redis_url_problem(url: str) -> str | None:
-    """Why `url` is not a usable redis:// or rediss:// URL, or None if it is."""
+    """Why `url` is not a usable Redis URL (redis://, rediss://, or a cluster node as
+    redis+cluster:// or rediss+cluster://), or None if it is."""
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:
         return f"not a valid URL ({exc})"
-    if parts.scheme not in ("redis", "rediss"):
-        return "expected a redis:// or rediss:// URL"
+    if parts.scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+        return ("expected a redis:// or rediss:// URL (redis+cluster:// or rediss+cluster:// "
+                "for a Redis Cluster)")
     if not parts.hostname:
         return "the URL names no host"
     if port == 0:
@@ -770,6 +776,8 @@ def redis_url_problem(url: str) -> str | None:
     database = parts.path.lstrip("/")
     if database and not database.isdigit():
         return f"the database {database!r} is not a number"
+    if database not in ("", "0") and parts.scheme.endswith("+cluster"):
+        return f"a Redis Cluster has only database 0, not {database}"
     return None
 
 
@@ -821,16 +829,13 @@ def check_storage_reachable(cfg: KvtierConfig, timeout: float = 2.0) -> None:
     outcome: list[BaseException | None] = []
 
     def ping() -> None:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
+        from worker.storage.redis_backend import open_client
 
-        client = redis.Redis.from_url(
-            cfg.storage.url,
-            socket_connect_timeout=timeout,
-            socket_timeout=timeout,
-            retry=Retry(NoBackoff(), 0),
-        )
+        try:  # a cluster client connects (and learns the slot map) when it is opened
+            client = open_client(cfg.storage.url, timeout_s=timeout, connect_timeout_s=timeout)
+        except BaseException as exc:
+            outcome.append(exc)
+            return
         try:
             client.ping()
             outcome.append(None)

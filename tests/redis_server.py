@@ -17,7 +17,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -190,3 +190,120 @@ def redis_server() -> Iterator[RedisServer]:
         pytest.fail(problem, pytrace=False)
     with server:
         yield server
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    for _ in range(50):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair (port, port + 10000) for a Redis Cluster node")
+
+
+class RedisClusterServers:
+    """A real Redis Cluster of `nodes` primaries (no replicas) on 127.0.0.1, each a
+    `redis-server --cluster-enabled yes` child, joined with `redis-cli --cluster create`.
+
+    State: `ports` (one per node), `procs`, `workdir` (node configs and logs; removed by
+    `stop`). Invariant: when `start` returns, every node reports `cluster_state:ok`.
+    """
+
+    def __init__(self, nodes: int = 3) -> None:
+        self.binary = redis_server_binary()
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RuntimeError("redis-cli is not installed (Debian: apt-get install -y "
+                               "redis-tools, which redis-server pulls in)")
+        self.cli = cli
+        self.nodes = nodes
+        self.ports: list[int] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvtier-redis-cluster-"))
+
+    @property
+    def url(self) -> str:
+        """What kvtier's storage.url takes: any one node, with the cluster scheme."""
+        return f"redis+cluster://127.0.0.1:{self.ports[0]}"
+
+    def start(self) -> RedisClusterServers:
+        try:
+            for i in range(self.nodes):
+                port = _cluster_port()
+                node_dir = self.workdir / f"node{i}"
+                node_dir.mkdir()
+                with open(node_dir / "stdout.log", "ab") as out:
+                    self.procs.append(subprocess.Popen(
+                        [self.binary, "--port", str(port), "--bind", "127.0.0.1",
+                         "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                         "--cluster-node-timeout", "2000", "--save", "", "--appendonly", "no",
+                         "--daemonize", "no", "--dir", str(node_dir),
+                         "--logfile", str(node_dir / "redis.log")],
+                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                self.ports.append(port)
+            for port, proc in zip(self.ports, self.procs, strict=True):
+                self._wait(lambda port=port: ping(port), f"node {port} to answer PING", proc)
+            created = subprocess.run(
+                [self.cli, "--cluster", "create",
+                 *(f"127.0.0.1:{p}" for p in self.ports),
+                 "--cluster-replicas", "0", "--cluster-yes"],
+                capture_output=True, text=True, timeout=START_TIMEOUT_S)
+            if created.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: "
+                                   f"{(created.stdout + created.stderr)[-500:]}")
+            for port in self.ports:
+                self._wait(lambda port=port: self._state_ok(port),
+                           f"node {port} to report cluster_state:ok")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _state_ok(self, port: int) -> bool:
+        info = subprocess.run([self.cli, "-p", str(port), "cluster", "info"],
+                              capture_output=True, text=True, timeout=2)
+        return "cluster_state:ok" in info.stdout
+
+    @staticmethod
+    def _wait(ready: Callable[[], bool], what: str,
+              proc: subprocess.Popen[bytes] | None = None) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {proc.returncode} waiting for "
+                                   f"{what}")
+            if ready():
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"timed out after {START_TIMEOUT_S}s waiting for {what}")
+
+    def stop(self) -> None:
+        """Terminate every node, reap it and remove the directory. Safe to call twice."""
+        for proc in self.procs:
+            RedisServer._reap(proc, signal.SIGTERM)
+        self.procs.clear()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> RedisClusterServers:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[RedisClusterServers]:
+    """A 3-node Redis Cluster shared by the tests of one module (fails when redis-server or
+    redis-cli is missing, like `redis_server`)."""
+    try:
+        cluster = RedisClusterServers()
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    with cluster:
+        yield cluster

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from pydantic import ValidationError
-from redis_server import RedisServer, free_port
+from redis_server import RedisClusterServers, RedisServer, free_port
+from redis_server import redis_cluster as redis_cluster
 from redis_server import redis_server as redis_server
 
 from manager.config import (
@@ -205,7 +206,12 @@ FILE_ERRORS = [
     ),
     (
         "[storage]\nurl = 'http://h:6379/0'\n",
-        "storage.url = 'http://h:6379/0': expected a redis:// or rediss:// URL",
+        "storage.url = 'http://h:6379/0': expected a redis:// or rediss:// URL "
+        "(redis+cluster:// or rediss+cluster:// for a Redis Cluster)",
+    ),
+    (
+        "[storage]\nurl = 'redis+cluster://h:7000/3'\n",
+        "storage.url = 'redis+cluster://h:7000/3': a Redis Cluster has only database 0, not 3",
     ),
     ("[storage]\nurl = 'redis:///0'\n", "storage.url = 'redis:///0': the URL names no host"),
     (
@@ -452,6 +458,19 @@ def _redis_cfg(url: str) -> KvtierConfig:
 
 def test_refused_redis_fails_within_the_timeout():
     url = f"redis://127.0.0.1:{free_port()}/0"
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as caught:
+        check_storage_reachable(_redis_cfg(url), timeout=1.0)
+    assert time.monotonic() - started < 1.5
+    message = str(caught.value)
+    assert message.startswith(f"storage.url = {url!r}: cannot reach Redis: ")
+    assert "\n" not in message
+
+
+def test_redis_cluster_url_is_checked_against_the_cluster(
+        redis_cluster: RedisClusterServers) -> None:
+    check_storage_reachable(_redis_cfg(redis_cluster.url), timeout=2.0)  # reachable: no error
+    url = f"redis+cluster://127.0.0.1:{free_port()}"
     started = time.monotonic()
     with pytest.raises(ConfigError) as caught:
         check_storage_reachable(_redis_cfg(url), timeout=1.0)

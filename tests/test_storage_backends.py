@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import re
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,11 +31,23 @@ from worker.storage.page_format import decode_into, encode_page
 from worker.storage.redis_backend import RedisBackend
 
 try:  # pytest puts tests/ on sys.path (rootdir-relative imports when tests/ is a package)
-    from redis_server import RedisServer, free_port, redis_server
+    from redis_server import (
+        RedisClusterServers,
+        RedisServer,
+        free_port,
+        redis_cluster,
+        redis_server,
+    )
 except ImportError:  # pragma: no cover
-    from tests.redis_server import RedisServer, free_port, redis_server
+    from tests.redis_server import (
+        RedisClusterServers,
+        RedisServer,
+        free_port,
+        redis_cluster,
+        redis_server,
+    )
 
-__all__ = ["redis_server"]  # the module-scoped pytest fixture used below
+__all__ = ["redis_cluster", "redis_server"]  # the module-scoped pytest fixtures used below
 
 PAGE = 64 * 1024
 SHAPE = {"num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16", "block_size": 64}
@@ -52,7 +65,7 @@ def make_pages(n: int, size: int = PAGE, seed: int = 0) -> np.ndarray:
 OpenBackend = Callable[..., StorageBackend]
 
 
-@pytest.fixture(params=["file", "redis"])
+@pytest.fixture(params=["file", "redis", "redis-cluster"])
 def backend_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -66,7 +79,12 @@ def open_backend(
     url = ""
     if backend_kind == "redis":
         url = request.getfixturevalue("redis_server").url
-        redis.Redis.from_url(url).flushall()
+    elif backend_kind == "redis-cluster":
+        url = request.getfixturevalue("redis_cluster").url
+    if url:
+        flusher = RedisBackend(url, NS)
+        flusher.client.flushall()  # a cluster client flushes every primary
+        flusher.close()
     opened: list[StorageBackend] = []
 
     def _open(namespace: str = NS, **kwargs: object) -> StorageBackend:
@@ -89,7 +107,7 @@ def read_raw(backend: StorageBackend, key: bytes) -> bytes | None:
         path = backend.root / key.hex()[:2] / key.hex()
         return path.read_bytes() if path.exists() else None
     assert isinstance(backend, RedisBackend)
-    return redis.Redis.from_url(backend.url).get(backend.redis_key(key))
+    return backend.client.get(backend.redis_key(key))  # type: ignore[no-any-return]
 
 
 def write_raw(backend: StorageBackend, key: bytes, raw: bytes) -> None:
@@ -99,7 +117,7 @@ def write_raw(backend: StorageBackend, key: bytes, raw: bytes) -> None:
         path.write_bytes(raw)
     else:
         assert isinstance(backend, RedisBackend)
-        redis.Redis.from_url(backend.url).set(backend.redis_key(key), raw)
+        backend.client.set(backend.redis_key(key), raw)
 
 
 # --- round trip --------------------------------------------------------------------------------
@@ -306,7 +324,7 @@ def test_clear_only_clears_its_namespace(open_backend: OpenBackend, backend_kind
         assert backend.set(keys, list(pages)) == 5
     # Something that is not a kvtier page, in the same store.
     if isinstance(mine, RedisBackend):
-        raw = redis.Redis.from_url(mine.url)
+        raw = mine.client
         raw.set(b"other-app:key", b"v")
     else:
         assert isinstance(mine, FileBackend)
@@ -538,3 +556,50 @@ def test_make_backend(tmp_path: Path, redis_server: RedisServer) -> None:
         make_backend("redis", namespace=NS, url="http://127.0.0.1:1")
     file_backend.close()
     redis_backend.close()
+
+
+def test_cluster_pages_spread_over_every_primary(redis_cluster: RedisClusterServers) -> None:
+    """No hash tag pins a namespace to one slot: one batch's pages land on every node, and a
+    batch read gathers them back in order."""
+    backend = RedisBackend(redis_cluster.url, NS, page_bytes=PAGE)
+    backend.client.flushall()
+    keys, pages = make_keys(60, "spread"), make_pages(60, seed=11)
+    assert backend.set(keys, list(pages)) == 60
+    per_node = [redis.Redis(port=port).dbsize() for port in redis_cluster.ports]
+    assert sum(per_node) == 60 and all(n > 0 for n in per_node), per_node
+    dest = np.zeros_like(pages)
+    assert backend.get_into(keys, list(dest)) == [True] * 60
+    assert np.array_equal(dest, pages)
+    assert backend.clear() == 60
+    assert [redis.Redis(port=port).dbsize() for port in redis_cluster.ports] == [0, 0, 0]
+    backend.close()
+
+
+def test_stalled_cluster_node_costs_one_timeout_and_recovers() -> None:
+    """A cluster node that accepts connections but answers nothing (SIGSTOP): each call
+    costs at most one socket timeout (not one per command, as redis-py's own cluster retries
+    would), the next ones fail fast, and the tier reads its pages again once the node is back.
+    A cluster of its own: stalling a node of the shared one would disturb other tests."""
+    with RedisClusterServers() as cluster:
+        backend = RedisBackend(cluster.url, NS, page_bytes=PAGE, timeout_s=0.3,
+                               backoff_s=0.1, backoff_max_s=0.2)
+        keys, pages = make_keys(30, "stall"), make_pages(30, seed=12)
+        assert backend.set(keys, list(pages)) == 30
+        stalled = cluster.procs[1]
+        os.kill(stalled.pid, signal.SIGSTOP)
+        try:
+            dest = np.zeros_like(pages)
+            got, elapsed = _timed(lambda: backend.get_into(keys, list(dest)))
+            assert got == [False] * 30 and elapsed < 0.9, elapsed
+            got, elapsed = _timed(lambda: backend.get_into(keys, list(dest)))
+            assert got == [False] * 30 and elapsed < 0.1, elapsed  # fail fast in the window
+            time.sleep(0.25)
+            written, elapsed = _timed(lambda: backend.set(keys, list(pages)))
+            assert written < 30 and elapsed < 0.9, elapsed
+            assert backend.stats()["outages"] == 1 and backend.stats()["available"] == 0
+        finally:
+            os.kill(stalled.pid, signal.SIGCONT)
+        assert _wait_until(lambda: backend.get_into(keys, list(dest)) == [True] * 30, 10.0)
+        assert np.array_equal(dest, pages)
+        assert backend.stats()["available"] == 1
+        backend.close()

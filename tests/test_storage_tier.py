@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from redis_server import RedisServer, ping, redis_server
+from redis_server import RedisServer, ping, redis_cluster, redis_server
 from storage_support import (
     BS,
     NUM_KV_HEADS,
@@ -55,8 +55,9 @@ from admin.metrics import StackCollector
 from manager.replay import ReplayReport, replay
 from manager.stack import Stack
 from worker.storage import HEADER_BYTES
+from worker.storage.redis_backend import RedisBackend
 
-__all__ = ["redis_server"]  # the module-scoped pytest fixture used below
+__all__ = ["redis_cluster", "redis_server"]  # the module-scoped pytest fixtures used below
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKS = 16  # blocks of a test prompt
@@ -74,6 +75,16 @@ def redis_url(redis_server: RedisServer) -> str:
     of this model shape shares one namespace, on purpose)."""
     redis.Redis.from_url(redis_server.url).flushall()
     return redis_server.url
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def shared_url(request: pytest.FixtureRequest) -> str:
+    """One Redis server, or a 3-node Redis Cluster, emptied: what several nodes share."""
+    if request.param == "redis":
+        return str(request.getfixturevalue("redis_url"))
+    cluster = request.getfixturevalue("redis_cluster")
+    RedisBackend(cluster.url, "flush").client.flushall()  # every primary
+    return str(cluster.url)
 
 
 @pytest.fixture
@@ -208,9 +219,9 @@ def test_round_trip_device_host_storage_and_back_is_byte_exact(one: OneInstance)
 
 
 def test_second_instance_hits_prefixes_the_first_computed(
-        make_stack: StackFactory, redis_url: str, tmp_path: Path) -> None:
-    a = make_stack("share-a", backend="redis", url=redis_url, storage_dir=tmp_path / "a")
-    b = make_stack("share-b", backend="redis", url=redis_url, storage_dir=tmp_path / "b")
+        make_stack: StackFactory, shared_url: str, tmp_path: Path) -> None:
+    a = make_stack("share-a", backend="redis", url=shared_url, storage_dir=tmp_path / "a")
+    b = make_stack("share-b", backend="redis", url=shared_url, storage_dir=tmp_path / "b")
     run_a, run_b = ModelRunner(a), ModelRunner(b)
     shared = [prompt(200 + i, BLOCKS) for i in range(2)]
     for p in shared:

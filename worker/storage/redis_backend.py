@@ -6,6 +6,12 @@ node. Keys are `kvtier:<namespace>:<64 hex digits of the page key>`; values are 
 + payload of `page_format`, so a value that was truncated, overwritten by another client or
 written by another format version is a miss.
 
+A Redis Cluster is named by a `redis+cluster://` (or `rediss+cluster://`) URL of any one of its
+nodes. Keys carry no hash tag, so the pages of one namespace spread over every primary; every
+batch is split by the node owning each key's slot and sent as one pipeline per node through
+that node's own connection (a stalled node costs one timeout), and `clear` scans every
+primary.
+
 A shared network store can be down or slow, and a storage lookup sits on the path of a
 scheduler call. So nothing here may block for long or raise for an outage:
 * every socket operation has a timeout (default 0.5 s) and redis-py's own retries are off, so
@@ -21,11 +27,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from worker.storage.backend import (
@@ -51,10 +58,36 @@ def _redact(url: str) -> str:
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
     return urlunsplit(parts._replace(netloc=netloc))
 
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+"""URL schemes that name a Redis Cluster, and the plain scheme redis-py is given instead."""
+
+RedisClient = redis.Redis | RedisCluster
+
+
+def is_cluster_url(url: str) -> bool:
+    return urlsplit(url).scheme in CLUSTER_SCHEMES
+
+
+def open_client(url: str, *, timeout_s: float, connect_timeout_s: float) -> RedisClient:
+    """A redis-py client for a `redis://` / `rediss://` server or a `redis+cluster://` /
+    `rediss+cluster://` cluster, with socket timeouts and without redis-py's own retries (one
+    batch must cost at most about one timeout). A cluster client connects here, to learn the
+    slot map: callers open it where a failure is handled as an outage."""
+    parts = urlsplit(url)
+    common = {"socket_timeout": timeout_s, "socket_connect_timeout": connect_timeout_s,
+              "retry": Retry(NoBackoff(), 0), "decode_responses": False}
+    if parts.scheme in CLUSTER_SCHEMES:
+        plain = urlunsplit(parts._replace(scheme=CLUSTER_SCHEMES[parts.scheme]))
+        return RedisCluster.from_url(plain, **common)
+    return redis.Redis.from_url(url, retry_on_timeout=False, health_check_interval=0, **common)
+
+
 # Errors that mean "the server is unreachable or too slow": they open the backoff window.
 _OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,
+    redis.exceptions.RedisClusterException,  # no reachable node, slots not covered
+    redis.exceptions.ClusterDownError,
     OSError,
 )
 
@@ -62,8 +95,9 @@ _OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
 class RedisBackend(StorageBackend):
     """Pages of one namespace in Redis, reached through one redis-py connection pool.
 
-    State: `_client` (thread-safe pool of connections, created lazily, so a backend can be
-    opened while Redis is down); `_retry_at` / `_backoff_s` (the fail-fast window and its next
+    State: `client` (redis-py's thread-safe pool of connections; a plain client connects
+    lazily and a cluster client is created on first use, so a backend can be opened while Redis
+    is down); `_retry_at` / `_backoff_s` (the fail-fast window and its next
     length) and `_failing` (an outage is in progress), all guarded by `_state_lock`. Batches
     are cut so that one request carries at most `batch_bytes` of page data (bounded memory and
     bounded time per round trip) or `batch_keys` keys.
@@ -106,18 +140,17 @@ class RedisBackend(StorageBackend):
         self._batch_bytes = batch_bytes
         self._batch_keys = batch_keys
         self._prefix = f"kvtier:{self.namespace}:".encode()
-        try:
-            self._client = redis.Redis.from_url(
-                url,
-                socket_timeout=self.timeout_s,
-                socket_connect_timeout=float(connect_timeout_s or timeout_s),
-                retry=Retry(NoBackoff(), 0),
-                retry_on_timeout=False,
-                health_check_interval=0,
-                decode_responses=False,
-            )
-        except ValueError as exc:
-            raise ValueError(f"storage url {url!r} is not a valid Redis URL: {exc}") from exc
+        self.cluster = is_cluster_url(url)
+        self._connect_timeout_s = float(connect_timeout_s or timeout_s)
+        self._client_obj: RedisClient | None = None
+        self._reload_slots = False
+        self._open_lock = threading.Lock()
+        if not self.cluster:  # a plain client connects lazily: open it now to check the URL
+            try:
+                self._client_obj = open_client(url, timeout_s=self.timeout_s,
+                                               connect_timeout_s=self._connect_timeout_s)
+            except ValueError as exc:
+                raise ValueError(f"storage url {url!r} is not a valid Redis URL: {exc}") from exc
         self._state_lock = threading.Lock()
         self._backoff_base_s = float(backoff_s)
         self._backoff_max_s = float(backoff_max_s)
@@ -127,6 +160,20 @@ class RedisBackend(StorageBackend):
         self._closed = False
         self._warn = RateLimitedLog(log, log_interval_s)
         self._stats.add(outages=0, fast_failed_calls=0)
+
+    @property
+    def client(self) -> RedisClient:
+        """The redis-py client (a cluster client is opened on first use, inside a call whose
+        failure counts as an outage, so a backend can be opened while its cluster is down)."""
+        client = self._client_obj
+        if client is None:
+            with self._open_lock:
+                client = self._client_obj
+                if client is None:
+                    client = self._client_obj = open_client(
+                        self.url, timeout_s=self.timeout_s,
+                        connect_timeout_s=self._connect_timeout_s)
+        return client
 
     # -- keys and batching -------------------------------------------------------------------
     def redis_key(self, key: bytes) -> bytes:
@@ -219,11 +266,51 @@ class RedisBackend(StorageBackend):
             lo, step = hi, min(step * 4, self._batch_keys)
         return count
 
+    def _pipelined(self, names: list[bytes], queue: Callable[[Any, int], object], *,
+                   raise_on_error: bool) -> list[Any]:
+        """Queue one command per name (`queue(pipe, index)`) and run them in one round trip
+        per node: the whole batch on a plain server; on a cluster, grouped by the node that
+        owns each key's slot and sent through that node's own client, so a stalled node costs
+        one socket timeout (redis-py's cluster pipeline re-sends each failed command on its
+        own, one timeout each). A MOVED or ASK answer (the cluster resharded) is an error for
+        that key and makes the next call reload the slot map."""
+        client = self.client
+        if not isinstance(client, RedisCluster):
+            pipe = client.pipeline(transaction=False)
+            for i in range(len(names)):
+                queue(pipe, i)
+            return pipe.execute(raise_on_error=raise_on_error)  # type: ignore[no-any-return]
+        if self._reload_slots:
+            client.nodes_manager.initialize()
+            self._reload_slots = False
+        groups: dict[str, tuple[redis.Redis, list[int]]] = {}
+        for i, name in enumerate(names):
+            node = client.get_node_from_key(name)
+            group = groups.get(node.name)
+            if group is None:
+                group = groups[node.name] = (node.redis_connection, [])
+            group[1].append(i)
+        out: list[Any] = [None] * len(names)
+        for node_client, indexes in groups.values():
+            pipe = node_client.pipeline(transaction=False)
+            for i in indexes:
+                queue(pipe, i)
+            for i, result in zip(indexes, pipe.execute(raise_on_error=False), strict=True):
+                if isinstance(result, redis.ResponseError) and str(result).startswith(
+                        ("MOVED", "ASK")):
+                    self._reload_slots = True
+                out[i] = result
+        if raise_on_error:
+            for result in out:
+                if isinstance(result, Exception):
+                    raise result
+        return out
+
     def _exists_batch(self, keys: list[bytes]) -> list[bool]:
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(self.redis_key(key))
-        return [bool(n) for n in pipe.execute()]
+        names = [self.redis_key(k) for k in keys]
+        found = self._pipelined(names, lambda pipe, i: pipe.exists(names[i]),
+                                raise_on_error=True)
+        return [bool(n) for n in found]
 
     def get_into(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> list[bool]:
         self._ensure_open()
@@ -235,7 +322,7 @@ class RedisBackend(StorageBackend):
             page_len = max(v.nbytes for v in views)
             for lo, hi in self.batch_bounds(len(keys_b), page_len):
                 names = [self.redis_key(k) for k in keys_b[lo:hi]]
-                ok, values = self._call("get", lambda names=names: self._client.mget(names))
+                ok, values = self._call("get", lambda names=names: self._read_batch(names))
                 if not ok or values is None:
                     break
                 for i, value in enumerate(values, start=lo):
@@ -264,12 +351,26 @@ class RedisBackend(StorageBackend):
             )
         return hits
 
+    def _read_batch(self, names: list[bytes]) -> list[bytes | None]:
+        client = self.client
+        if isinstance(client, RedisCluster):  # keys of many slots: no single MGET
+            return self._pipelined(names, lambda pipe, i: pipe.get(names[i]),
+                                   raise_on_error=True)
+        return client.mget(names)  # type: ignore[no-any-return]
+
+    def _unlink(self, names: list[bytes]) -> int:
+        if isinstance(self.client, RedisCluster):  # one UNLINK per key: keys of many slots
+            removed = self._pipelined(names, lambda pipe, i: pipe.unlink(names[i]),
+                                      raise_on_error=True)
+            return sum(int(n) for n in removed)
+        return int(self.client.unlink(*names))
+
     def _drop_corrupt(self, keys: list[bytes]) -> None:
         """Delete values that failed verification so `exists` stops reporting them. Best
         effort: if another instance rewrote a good page in the few milliseconds since the
         read, that page is lost too, which costs one later miss and never wrong data."""
         names = [self.redis_key(k) for k in keys]
-        self._call("delete", lambda: self._client.unlink(*names))
+        self._call("delete", lambda: self._unlink(names))
 
     def set(self, keys: Sequence[bytes], pages: Sequence[Buffer]) -> int:
         self._ensure_open()
@@ -301,11 +402,11 @@ class RedisBackend(StorageBackend):
         return written
 
     def _set_batch(self, keys: list[bytes], views: list[memoryview]) -> list[object]:
-        pipe = self._client.pipeline(transaction=False)
         ttl = self.ttl_s or None
-        for key, view in zip(keys, views, strict=True):
-            pipe.set(self.redis_key(key), encode_page(key, view), ex=ttl)
-        return pipe.execute(raise_on_error=False)
+        names = [self.redis_key(k) for k in keys]
+        return self._pipelined(
+            names, lambda pipe, i: pipe.set(names[i], encode_page(keys[i], views[i]), ex=ttl),
+            raise_on_error=False)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         self._ensure_open()
@@ -315,7 +416,7 @@ class RedisBackend(StorageBackend):
             return 0
         for lo in range(0, len(keys_b), self._batch_keys):
             names = [self.redis_key(k) for k in keys_b[lo : lo + self._batch_keys]]
-            ok, n = self._call("delete", lambda names=names: self._client.unlink(*names))
+            ok, n = self._call("delete", lambda names=names: self._unlink(names))
             if not ok:
                 break
             removed += int(n or 0)
@@ -337,20 +438,26 @@ class RedisBackend(StorageBackend):
 
     def _clear_all(self) -> int:
         pattern = self._prefix + b"*"
+        client = self.client
+        scanned = ([p.redis_connection for p in client.get_primaries()]
+                   if isinstance(client, RedisCluster) else [client])
         removed = 0
-        batch: list[bytes] = []
-        for name in self._client.scan_iter(match=pattern, count=1000):
-            batch.append(name)
-            if len(batch) >= 1000:
-                removed += self._client.unlink(*batch)
-                batch.clear()
-        if batch:
-            removed += self._client.unlink(*batch)
+        for server in scanned:  # every primary of a cluster holds some of the pages
+            batch: list[bytes] = []
+            for name in server.scan_iter(match=pattern, count=1000):
+                batch.append(name)
+                if len(batch) >= 1000:
+                    removed += self._unlink(batch)
+                    batch = []
+            if batch:
+                removed += self._unlink(batch)
         return removed
 
     def close(self) -> None:
         self._closed = True
-        self._client.close()
+        with self._open_lock:
+            if self._client_obj is not None:
+                self._client_obj.close()
 
     def stats(self) -> dict[str, float]:
         """Adds `outages` (transitions from reachable to unreachable), `fast_failed_calls`
