@@ -20,6 +20,7 @@ Why it looks the way it does:
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import math
 import os
@@ -624,9 +625,33 @@ def host_pool_bytes(cfg: KvtierConfig) -> int:
     return cfg.cache.host_blocks * page_bytes(cfg) * cfg.workers.count
 
 
+def torch_gpu_build(version_file: Path | None = None) -> bool:
+    """Whether the installed torch was built for a GPU (CUDA or ROCm), read from its
+    `version.py` without importing torch (2-3 s of a manager's start-up): a CPU build never
+    sees a GPU. True when it cannot tell, so the caller asks torch itself."""
+    if version_file is None:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.submodule_search_locations:
+            return True
+        version_file = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    try:
+        text = version_file.read_text()
+    except OSError:
+        return True
+    builds = re.findall(r"^(cuda|hip)\b[^=\n]*=\s*(\S+)", text, re.MULTILINE)
+    if {name for name, _ in builds} != {"cuda", "hip"}:
+        return True
+    return any(value != "None" for _, value in builds)
+
+
 def resolve_device(cfg: KvtierConfig) -> Literal["cpu", "cuda"]:
     """Where the device pools live. torch is imported only when CUDA is a possibility."""
     if cfg.workers.device == "cpu":
+        return "cpu"
+    if not torch_gpu_build():
+        if cfg.workers.device == "cuda":
+            raise ConfigError("workers.device = 'cuda': CUDA is not available on this machine "
+                              "(the installed torch is a CPU build)")
         return "cpu"
     import torch
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -35,7 +37,10 @@ from manager.config import (
     stale_segment_bytes,
     summary,
     to_toml,
+    torch_gpu_build,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 BRIEF_DEFAULTS = {
     "deployment_id": "default",
@@ -325,9 +330,37 @@ def test_file_problems_name_the_file(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available on this machine")
 def test_cuda_requested_without_cuda():
+    reason = "" if torch_gpu_build() else " (the installed torch is a CPU build)"
     assert _error(env={"KVTIER_WORKERS__DEVICE": "cuda"}) == (
-        "workers.device = 'cuda': CUDA is not available on this machine"
+        f"workers.device = 'cuda': CUDA is not available on this machine{reason}"
     )
+
+
+@pytest.mark.parametrize(("text", "gpu"), [
+    ("cuda: Optional[str] = None\nhip: Optional[str] = None\n", False),
+    ("cuda = None\nhip = None\n", False),
+    ("cuda: Optional[str] = '12.8'\nhip: Optional[str] = None\n", True),
+    ("cuda: Optional[str] = None\nhip: Optional[str] = '6.3.42131'\n", True),
+    ("__version__ = '2.13.0'\n", True),  # cannot tell: ask torch
+])
+def test_torch_build_is_read_without_importing_torch(tmp_path, text, gpu):
+    version = tmp_path / "version.py"
+    version.write_text(text)
+    assert torch_gpu_build(version) is gpu
+    assert torch_gpu_build(tmp_path / "missing.py") is True
+
+
+def test_auto_device_on_a_cpu_build_leaves_torch_unimported():
+    """The manager process resolves `auto` without paying for `import torch`."""
+    code = ("import sys; from manager.config import KvtierConfig, resolve_device, "
+            "torch_gpu_build; d = resolve_device(KvtierConfig()); "
+            "print(d, torch_gpu_build(), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        assert out == ["cpu", "False", "False"]
+    else:
+        assert out[2] == "True"  # a GPU build: torch itself is asked
 
 
 def test_a_failed_load_leaves_nothing_behind(tmp_path):
