@@ -8,7 +8,9 @@ the same run:
 * file:  `backend.get_into` vs `open(path, "rb", buffering=0).readinto(buffer)` of each page
          file (header included), both into a preallocated destination;
 * redis: `backend.get_into` vs `client.mget(names)` of the same keys in the same batches (the
-         plain side does not even copy the values out).
+         plain side does not even copy the values out);
+* redis-cluster (a 3-node Redis Cluster on loopback): `backend.get_into` vs redis-py's own
+         cluster batch read, `RedisCluster.mget_nonatomic(names)`, in the same batches.
 
 The destination is a real host pool (`worker.kv_pools.HostPool`, POSIX shared memory) of the
 right page size, or an anonymous shared `mmap` when the page size is not a KV shape; both
@@ -37,12 +39,13 @@ from pathlib import Path
 
 import numpy as np
 import redis
+from redis.cluster import RedisCluster
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.redis_server import RedisServer  # noqa: E402
+from tests.redis_server import RedisClusterServers, RedisServer  # noqa: E402
 from worker.storage.file_backend import FileBackend  # noqa: E402
 from worker.storage.page_format import HEADER_BYTES  # noqa: E402
 from worker.storage.redis_backend import RedisBackend  # noqa: E402
@@ -168,7 +171,10 @@ def bench_redis(url: str, keys: list[bytes], src: np.ndarray, reps: int) -> dict
     assert backend.set(keys, list(src)) == count
     host = HostPages(count, page, "redis")
     dests = host.views
-    plain_client = redis.Redis.from_url(url, socket_timeout=5.0)
+    cluster = backend.cluster
+    plain_client = (RedisCluster.from_url(url.replace("+cluster", ""), socket_timeout=5.0)
+                    if cluster else redis.Redis.from_url(url, socket_timeout=5.0))
+    read = plain_client.mget_nonatomic if cluster else plain_client.mget
     names = [backend.redis_key(k) for k in keys]
     batches = list(backend.batch_bounds(count, page))
 
@@ -178,7 +184,7 @@ def bench_redis(url: str, keys: list[bytes], src: np.ndarray, reps: int) -> dict
 
     def plain() -> None:
         for lo, hi in batches:
-            values = plain_client.mget(names[lo:hi])
+            values = read(names[lo:hi])
             if any(v is None for v in values):
                 raise RuntimeError("plain MGET missed a page")
             del values
@@ -191,6 +197,9 @@ def bench_redis(url: str, keys: list[bytes], src: np.ndarray, reps: int) -> dict
     plain_client.close()
     dest_kind = host.kind
     host.close()
+    if cluster:
+        return result("cluster", page, count, t_ours, t_plain, dest=dest_kind,
+                      plain=f"redis-py mget_nonatomic in the same {len(batches)} batches")
     return result("redis", page, count, t_ours, t_plain, dest=dest_kind,
                   plain=f"MGET in the same {len(batches)} batches")
 
@@ -203,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--total-mib", type=int, default=256,
                         help="bytes prefetched per measurement, in MiB (default 256)")
     parser.add_argument("--reps", type=int, default=11, help="timed repetitions per side")
-    parser.add_argument("--backends", default="file,redis", help="file,redis or one of them")
+    parser.add_argument("--backends", default="file,redis,redis-cluster",
+                        help="comma-separated subset of file, redis, redis-cluster")
     parser.add_argument("--file-threads", default="1,2",
                         help="comma-separated io_threads values for the file backend "
                              "(1 = calling thread only; default 1,2)")
@@ -214,13 +224,16 @@ def main(argv: list[str] | None = None) -> int:
     page_sizes = [int(x) * 1024 for x in args.page_kib.split(",") if x]
     backends = [b for b in args.backends.split(",") if b]
     threads = [int(x) for x in args.file_threads.split(",") if x]
-    if any(b not in ("file", "redis") for b in backends) or not page_sizes or args.reps < 1:
-        parser.error("--backends takes file and/or redis; --page-kib and --reps must be set")
+    if (any(b not in ("file", "redis", "redis-cluster") for b in backends) or not page_sizes
+            or args.reps < 1):
+        parser.error("--backends takes file, redis and/or redis-cluster; --page-kib and --reps "
+                     "must be set")
     if args.total_mib * 2 > 1536:
         parser.error("--total-mib above 768 would exceed the benchmark memory budget")
 
     workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvtier-bench-"))
     server = RedisServer().start() if "redis" in backends else None
+    cluster = RedisClusterServers().start() if "redis-cluster" in backends else None
     results: list[dict[str, object]] = []
     try:
         for page in page_sizes:
@@ -232,10 +245,14 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(bench_file(workdir, keys, src, args.reps, io_threads))
             if server is not None:
                 results.append(bench_redis(server.url, keys, src, args.reps))
+            if cluster is not None:
+                results.append(bench_redis(cluster.url, keys, src, args.reps))
             del src
     finally:
         if server is not None:
             server.stop()
+        if cluster is not None:
+            cluster.stop()
         if not args.dir:
             shutil.rmtree(workdir, ignore_errors=True)
 
