@@ -489,8 +489,9 @@ def _redis_cfg(url: str) -> KvtierConfig:
     return load_config(None, {"KVTIER_STORAGE__BACKEND": "redis", "KVTIER_STORAGE__URL": url})
 
 
-def test_refused_redis_fails_within_the_timeout():
-    url = f"redis://127.0.0.1:{free_port()}/0"
+@pytest.mark.parametrize("scheme", ["redis", "redis+cluster"])
+def test_refused_redis_fails_within_the_timeout(scheme: str) -> None:
+    url = f"{scheme}://127.0.0.1:{free_port()}/0"
     started = time.monotonic()
     with pytest.raises(ConfigError) as caught:
         check_storage_reachable(_redis_cfg(url), timeout=1.0)
@@ -500,17 +501,8 @@ def test_refused_redis_fails_within_the_timeout():
     assert "\n" not in message
 
 
-def test_redis_cluster_url_is_checked_against_the_cluster(
-        redis_cluster: RedisClusterServers) -> None:
-    check_storage_reachable(_redis_cfg(redis_cluster.url), timeout=2.0)  # reachable: no error
-    url = f"redis+cluster://127.0.0.1:{free_port()}"
-    started = time.monotonic()
-    with pytest.raises(ConfigError) as caught:
-        check_storage_reachable(_redis_cfg(url), timeout=1.0)
-    assert time.monotonic() - started < 1.5
-    message = str(caught.value)
-    assert message.startswith(f"storage.url = {url!r}: cannot reach Redis: ")
-    assert "\n" not in message
+def test_reachable_redis_cluster_passes_the_check(redis_cluster: RedisClusterServers) -> None:
+    check_storage_reachable(_redis_cfg(redis_cluster.url), timeout=2.0)
 
 
 def test_silent_redis_fails_within_the_timeout():
