@@ -1,7 +1,7 @@
 """The admin REST API of one kvtier deployment: health, status, metrics and cache operations.
 
-`create_app(stack)` returns a FastAPI app bound to a running `manager.stack.Stack`; it is
-served by uvicorn on a thread of the manager process (`admin.server.AdminServer`), so every
+`create_app(stack)` returns a FastAPI app bound to a running `kvtier.manager.stack.Stack`; it is
+served by uvicorn on a thread of the manager process (`kvtier.admin.server.AdminServer`), so every
 handler reads the manager's state directly:
 
 * GET handlers read lock-free snapshots only (`KVCacheManager.stats()`, the supervisor's worker
@@ -28,12 +28,11 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
+from kvtier.admin.metrics import build_registry
+from kvtier.manager.errors import InvalidRequestError, KvtierError, ResetBusyError
+from kvtier.manager.stack import Stack
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
-
-from admin.metrics import build_registry
-from manager.errors import InvalidRequestError, KvtierError, ResetBusyError
-from manager.stack import Stack
 
 TOKEN_ID_MIN = -(2**31)
 TOKEN_ID_MAX = 2**31 - 1

@@ -22,15 +22,14 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvtier.manager.config import resolve_device
+from kvtier.worker.wire import TaskKind
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from manager.config import resolve_device
-from worker.wire import TaskKind
-
 if TYPE_CHECKING:
-    from manager.stack import Stack
+    from kvtier.manager.stack import Stack
 
 log = logging.getLogger("kvtier.admin.metrics")
 

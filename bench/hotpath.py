@@ -30,10 +30,8 @@ import time
 import tracemalloc
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from manager.scheduler import KVCacheManager
-from manager.workloads import WARMUP_FRAC, capacity_blocks, make_chat_workload
+from kvtier.manager.scheduler import KVCacheManager
+from kvtier.manager.workloads import WARMUP_FRAC, capacity_blocks, make_chat_workload
 
 PEERS_DIR = Path(__file__).resolve().parents[2] / "shared" / "peers"
 

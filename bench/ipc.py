@@ -1,7 +1,7 @@
 """Round trip manager -> 2 workers -> manager: kvtier's IPC against two baselines, one run.
 
 Measured systems (each with its own 2 worker processes, started once):
-  * kvtier           `worker.ipc.ManagerIPC` / `WorkerIPC` (POSIX queues + id arena); the
+  * kvtier           `kvtier.worker.ipc.ManagerIPC` / `WorkerIPC` (POSIX queues + id arena); the
                      manager's completion callback wakes the waiting thread, as in the
                      manager; workers decode ids as int64 arrays (what a copy engine uses).
   * kvtier_list_ids  the same, workers decoding ids into Python lists (the default).
@@ -51,9 +51,8 @@ from multiprocessing.managers import SyncManager
 from typing import Any
 
 import posix_ipc
-
-from worker.ipc import ManagerGone, ManagerIPC, WorkerIPC, cleanup_stale
-from worker.wire import Completion, Task, TaskKind
+from kvtier.worker.ipc import ManagerGone, ManagerIPC, WorkerIPC, cleanup_stale
+from kvtier.worker.wire import Completion, Task, TaskKind
 
 SIZES = (64, 4096)
 TARGET_MEDIAN_US = 50.0

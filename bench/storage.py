@@ -12,7 +12,7 @@ the same run:
 * redis-cluster (a 3-node Redis Cluster on loopback): `backend.get_into` vs redis-py's own
          cluster batch read, `RedisCluster.mget_nonatomic(names)`, in the same batches.
 
-The destination is a real host pool (`worker.kv_pools.HostPool`, POSIX shared memory) of the
+The destination is a real host pool (`kvtier.worker.kv_pools.HostPool`, POSIX shared memory) of the
 right page size, or an anonymous shared `mmap` when the page size is not a KV shape; both
 pre-faulted before timing. The page cache is warm for both sides: one untimed
 pass of each runs first, so both read from memory. Repetitions alternate which side goes first;
@@ -45,10 +45,11 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from kvtier.worker.storage.file_backend import FileBackend  # noqa: E402
+from kvtier.worker.storage.page_format import HEADER_BYTES  # noqa: E402
+from kvtier.worker.storage.redis_backend import RedisBackend  # noqa: E402
+
 from tests.redis_server import RedisClusterServers, RedisServer  # noqa: E402
-from worker.storage.file_backend import FileBackend  # noqa: E402
-from worker.storage.page_format import HEADER_BYTES  # noqa: E402
-from worker.storage.redis_backend import RedisBackend  # noqa: E402
 
 NAMESPACE = "bench/r0"
 
@@ -63,7 +64,7 @@ class HostPages:
         self._pool = None
         unit = 8 * 2 * 64 * 64 * 2  # one KV head of the shape above
         try:
-            from worker.kv_pools import HostPool, KVShape
+            from kvtier.worker.kv_pools import HostPool, KVShape
         except ImportError:
             HostPool = None
         if HostPool is not None and page % unit == 0:

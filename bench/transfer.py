@@ -2,7 +2,7 @@
 
 What is measured: one task of `blocks` random block ids (random device ids and random host
 ids, drawn afresh for every repetition) copied device -> host (`d2h`, all layers at once) and
-host -> device (`h2d`, layer by layer, as loads run), through `worker.copy_engine.CopyEngine`
+host -> device (`h2d`, layer by layer, as loads run), through `kvtier.worker.copy_engine.CopyEngine`
 with a real `HostPool` in /dev/shm. The baseline, in the same run and interleaved with it, is
 one contiguous `copy_` of exactly as many bytes between the same two pools. The ratio of the
 two is what the copy strategy costs over the memory-bandwidth limit of the machine.
@@ -33,17 +33,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from worker.copy_engine import CopyEngine
-from worker.kv_pools import DevicePool, HostPool, KVShape
+from kvtier.worker.copy_engine import CopyEngine
+from kvtier.worker.kv_pools import DevicePool, HostPool, KVShape
 
 KV_HEADS, HEAD_DIM, DTYPE = 8, 128, "float16"
 TOKEN_KV_BYTES = 2 * KV_HEADS * HEAD_DIM * 2  # K and V, float16

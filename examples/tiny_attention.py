@@ -4,7 +4,7 @@ The model plays an engine's model runner. For each request it asks kvtier's sche
 which prefix is cached (`match`), gets device blocks for the rest (`allocate`), computes only
 the uncached tokens -- reading the cached prefix's K and V from the device pool blocks and
 writing the new tokens' K and V into their blocks -- then publishes the result (`commit`)
-and lets go (`release`). The worker side runs in this process (`worker.embedded`).
+and lets go (`release`). The worker side runs in this process (`kvtier.worker.embedded`).
 
 It checks that the logits computed with a prefix served from the device, the host and the
 storage tier equal those computed from scratch. Run it from the repository root:
@@ -21,12 +21,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-
-from manager.config import KvtierConfig
-from manager.errors import TransferFailedError
-from manager.scheduler import KVCacheManager, MatchResult
-from manager.storage_tier import StorageTier
-from worker.embedded import EmbeddedWorkers
+from kvtier.manager.config import KvtierConfig
+from kvtier.manager.errors import TransferFailedError
+from kvtier.manager.scheduler import KVCacheManager, MatchResult
+from kvtier.manager.storage_tier import StorageTier
+from kvtier.worker.embedded import EmbeddedWorkers
 
 VOCAB, D_MODEL, HEADS, HEAD_DIM, LAYERS, MAX_LEN = 64, 32, 4, 8, 2, 64
 BLOCK = 4  # tokens per KV block

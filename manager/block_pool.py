@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from manager.errors import BlockPoolError, OutOfBlocksError
+from kvtier.manager.errors import BlockPoolError, OutOfBlocksError
 
 
 class BlockPool:

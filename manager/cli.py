@@ -18,7 +18,7 @@ printed as one line naming the key and the value.
       POSTs refused (503), /readyz 503; transfers drained (bounded); admin stopped;
       stack closed: workers stopped, every segment and queue unlinked  -> "stopped", exit 0
 
-`replay` lives in `manager.replay`, imported only when that subcommand runs, so `serve` and
+`replay` lives in `kvtier.manager.replay`, imported only when that subcommand runs, so `serve` and
 `status` never pay for (or depend on) the replay machinery.
 """
 
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from manager.config import (
+from kvtier.manager.config import (
     ConfigError,
     KvtierConfig,
     check_storage_reachable,
@@ -49,7 +49,7 @@ from manager.config import (
 )
 
 if TYPE_CHECKING:
-    from manager.stack import Stack
+    from kvtier.manager.stack import Stack
 
 log = logging.getLogger("kvtier.serve")
 
@@ -133,7 +133,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
         return _fail("serve", e, EXIT_USAGE)
     if stop.is_set():
         return EXIT_OK
-    from admin.server import AdminBindError, AdminServer, AdminStartError, bind_socket
+    from kvtier.admin.server import AdminBindError, AdminServer, AdminStartError, bind_socket
 
     try:  # before any worker exists: a taken port is a configuration error
         sock = bind_socket(cfg.admin.host, cfg.admin.port)
@@ -143,10 +143,10 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
 
     # Imported only now: a bad configuration is reported without loading torch, and
     # `status` never loads FastAPI or uvicorn.
-    from admin.app import create_app
-    from manager.errors import KvtierError
-    from manager.stack import Stack
-    from worker.ipc import IPCError
+    from kvtier.admin.app import create_app
+    from kvtier.manager.errors import KvtierError
+    from kvtier.manager.stack import Stack
+    from kvtier.worker.ipc import IPCError
 
     stack = Stack(cfg)
     server = AdminServer(app := create_app(stack), cfg.admin.host, sock=sock)
@@ -332,7 +332,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from manager.replay import run_replay_command
+    from kvtier.manager.replay import run_replay_command
 
     return int(run_replay_command(args))
 
@@ -342,7 +342,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def build_parser(with_replay_arguments: bool = False) -> argparse.ArgumentParser:
     """The full parser. The replay subcommand's own arguments are added only when asked,
-    because they come from `manager.replay` (imported only for that subcommand)."""
+    because they come from `kvtier.manager.replay` (imported only for that subcommand)."""
     parser = argparse.ArgumentParser(
         prog="kvtier", description="kvtier: a hierarchical KV-cache manager for LLM inference.")
     parser.add_argument("--log-level", default=None,
@@ -376,7 +376,7 @@ def build_parser(with_replay_arguments: bool = False) -> argparse.ArgumentParser
         "stack and print per-tier hit rates and transfer figures.")
     replay.set_defaults(func=cmd_replay)
     if with_replay_arguments:
-        from manager.replay import add_replay_arguments
+        from kvtier.manager.replay import add_replay_arguments
 
         add_replay_arguments(replay)
     return parser

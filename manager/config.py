@@ -854,7 +854,7 @@ def check_storage_reachable(cfg: KvtierConfig, timeout: float = 2.0) -> None:
     outcome: list[BaseException | None] = []
 
     def ping() -> None:
-        from worker.storage.redis_backend import open_client
+        from kvtier.worker.storage.redis_backend import open_client
 
         try:  # a cluster client connects (and learns the slot map) when it is opened
             client = open_client(cfg.storage.url, timeout_s=timeout, connect_timeout_s=timeout)

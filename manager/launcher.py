@@ -1,7 +1,7 @@
 """Worker processes: start them, watch them, replace them, stop them; and the dispatcher that
 sends them tasks.
 
-`WorkerSupervisor` owns the deployment's IPC names (through `worker.ipc.ManagerIPC`) and one
+`WorkerSupervisor` owns the deployment's IPC names (through `kvtier.worker.ipc.ManagerIPC`) and one
 worker process per rank. A monitor thread checks every worker's process and heartbeat; a
 worker that died or stopped beating is killed, its in-flight tasks are failed, the manager is
 told every cached block is lost (the rank's pools went with it), and a replacement is
@@ -35,13 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import posix_ipc
-
-from manager.config import NON_CONFIG_ENV
-from manager.errors import KvtierError, TransferTimeoutError
-from manager.transfers import Dispatcher
-from worker.ipc import ManagerIPC, TaskAborted
-from worker.spec import WorkerSpec, host_segment_name
-from worker.wire import (
+from kvtier.manager.config import NON_CONFIG_ENV
+from kvtier.manager.errors import KvtierError, TransferTimeoutError
+from kvtier.manager.transfers import Dispatcher
+from kvtier.worker.ipc import ManagerIPC, TaskAborted
+from kvtier.worker.spec import WorkerSpec, host_segment_name
+from kvtier.worker.wire import (
     MIN_RESULT_KINDS,
     SUM_RESULT_KINDS,
     Completion,
@@ -250,7 +249,7 @@ class WorkerSupervisor:
         # engine and the other ranks, and spinning threads stall everybody's short copies.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         w.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.process", "--spec",
+            [sys.executable, "-m", "kvtier.worker.process", "--spec",
              self.spec_for_rank(w.rank).to_json()],
             # A session of its own: a terminal's Ctrl-C goes to the manager, which stops the
             # workers in order; orphans still exit by themselves (manager heartbeat).
@@ -360,7 +359,7 @@ class WorkerSupervisor:
 
     def storage_figures(self) -> list[dict[str, int]]:
         """Per rank, the storage backend figures its worker last published (lock-free reads
-        of the control segment; see `worker.ipc.STORAGE_FIGURES`)."""
+        of the control segment; see `kvtier.worker.ipc.STORAGE_FIGURES`)."""
         return [self.ipc.storage_figures(w.rank) for w in self.workers]
 
     # ------------------------------------------------------------------ stop

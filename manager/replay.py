@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from manager.config import ConfigError, check_storage_reachable, load_config, summary
-from manager.errors import KvtierError, TransferFailedError
-from manager.keys import key_bytes
-from manager.scheduler import KVCacheManager
-from manager.stack import Stack
-from manager.workloads import WORKLOADS, TraceError, WorkRequest, chat_requests, read_trace
-from worker.wire import Completion, TaskKind
+from kvtier.manager.config import ConfigError, check_storage_reachable, load_config, summary
+from kvtier.manager.errors import KvtierError, TransferFailedError
+from kvtier.manager.keys import key_bytes
+from kvtier.manager.scheduler import KVCacheManager
+from kvtier.manager.stack import Stack
+from kvtier.manager.workloads import WORKLOADS, TraceError, WorkRequest, chat_requests, read_trace
+from kvtier.worker.wire import Completion, TaskKind
 
 DIAG_TIMEOUT_S = 60.0
 

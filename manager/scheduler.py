@@ -30,17 +30,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from manager.block_pool import BlockPool
-from manager.errors import (
+from kvtier.manager.block_pool import BlockPool
+from kvtier.manager.errors import (
     InvalidRequestError,
     OutOfBlocksError,
     ResetBusyError,
     UnknownRequestError,
 )
-from manager.keys import TokenKeyError, chain_keys
-from manager.policies import WritePolicy, make_write_policy
-from manager.transfers import Dispatcher, ImmediateDispatcher, LoadHandle
-from manager.tree import (
+from kvtier.manager.keys import TokenKeyError, chain_keys
+from kvtier.manager.policies import WritePolicy, make_write_policy
+from kvtier.manager.transfers import Dispatcher, ImmediateDispatcher, LoadHandle
+from kvtier.manager.tree import (
     BACKING,
     CANCEL_EVICT,
     DEVICE_BUSY,
@@ -56,10 +56,10 @@ from manager.tree import (
     HostLRU,
     Node,
 )
-from worker.wire import Completion, Priority, Task, TaskKind
+from kvtier.worker.wire import Completion, Priority, Task, TaskKind
 
 if TYPE_CHECKING:
-    from manager.storage_tier import StorageTier
+    from kvtier.manager.storage_tier import StorageTier
 
 _monotonic = time.monotonic
 IN_FLIGHT = LOADING | SAVING | EVICTING | PREFETCHING | BACKING

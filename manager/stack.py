@@ -16,14 +16,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from manager.config import KvtierConfig, page_bytes, resolve_device, summary
-from manager.errors import KvtierError
-from manager.launcher import WorkerSupervisor
-from manager.scheduler import KVCacheManager
-from manager.storage_tier import StorageTier
-from worker.ipc import TreeStatus
-from worker.spec import WorkerSpec
-from worker.wire import TaskKind
+from kvtier.manager.config import KvtierConfig, page_bytes, resolve_device, summary
+from kvtier.manager.errors import KvtierError
+from kvtier.manager.launcher import WorkerSupervisor
+from kvtier.manager.scheduler import KVCacheManager
+from kvtier.manager.storage_tier import StorageTier
+from kvtier.worker.ipc import TreeStatus
+from kvtier.worker.spec import WorkerSpec
+from kvtier.worker.wire import TaskKind
 
 log = logging.getLogger("kvtier.stack")
 

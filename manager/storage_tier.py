@@ -1,7 +1,7 @@
 """The manager's side of the storage tier (L3): hit queries, prefetch into the host tier, and
 backup from the host tier.
 
-Pages are named by SHA-256 storage keys (`manager.keys.storage_keys`), so any manager
+Pages are named by SHA-256 storage keys (`kvtier.manager.keys.storage_keys`), so any manager
 instance serving the same model finds the pages another one wrote. Nothing here touches bytes:
 it emits QUERY, PREFETCH, BACKUP and CLEAR tasks and applies their outcomes under the
 manager's lock.
@@ -30,14 +30,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from manager.errors import TransferTimeoutError
-from manager.keys import storage_keys
-from manager.tree import BACKING, FROM_STORAGE, PREFETCHING, STORED, Node
-from worker.wire import Completion, Priority, Task, TaskKind
+from kvtier.manager.errors import TransferTimeoutError
+from kvtier.manager.keys import storage_keys
+from kvtier.manager.tree import BACKING, FROM_STORAGE, PREFETCHING, STORED, Node
+from kvtier.worker.wire import Completion, Priority, Task, TaskKind
 
 if TYPE_CHECKING:
-    from manager.config import KvtierConfig
-    from manager.scheduler import KVCacheManager, _Request
+    from kvtier.manager.config import KvtierConfig
+    from kvtier.manager.scheduler import KVCacheManager, _Request
 
 
 class StorageTier:

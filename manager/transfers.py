@@ -1,6 +1,6 @@
 """Transfers as data: how the manager hands tasks to workers and learns their outcome.
 
-The manager never copies bytes. It builds `worker.wire.Task`s, gives them to a `Dispatcher`,
+The manager never copies bytes. It builds `kvtier.worker.wire.Task`s, gives them to a `Dispatcher`,
 and applies each task's outcome when the dispatcher reports it (once per task, after every
 rank answered: ok only if every rank was ok; for storage queries the smallest count of any
 rank). Dispatchers:
@@ -9,7 +9,7 @@ rank). Dispatchers:
   embedding without workers).
 * `ManualDispatcher` keeps tasks pending until a test completes them, in any order, with any
   outcome.
-* `manager.launcher.ProcessDispatcher` sends them to worker processes.
+* `kvtier.manager.launcher.ProcessDispatcher` sends them to worker processes.
 
 `LoadHandle` is what `match` returns for the model runner: it waits for the loads a request
 depends on, per layer when the dispatcher can report layers.
@@ -22,8 +22,8 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 
-from manager.errors import TransferFailedError, TransferTimeoutError
-from worker.wire import Completion, Task
+from kvtier.manager.errors import TransferFailedError, TransferTimeoutError
+from kvtier.worker.wire import Completion, Task
 
 CompletionCallback = Callable[[Completion], None]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from manager.transfers import ManualDispatcher
-from worker.wire import Task, TaskKind
+from kvtier.manager.transfers import ManualDispatcher
+from kvtier.worker.wire import Task, TaskKind
 
 GARBAGE = -1
 

@@ -21,8 +21,7 @@ from typing import Any
 
 import httpx
 import posix_ipc
-
-from worker.ipc import cleanup_stale, ipc_names
+from kvtier.worker.ipc import cleanup_stale, ipc_names
 
 URL_LINE = re.compile(r"admin listening on (http://\S+)")
 START_TIMEOUT_S = 60.0
@@ -38,7 +37,7 @@ def kvtier_script() -> Path:
 
 
 def module_command() -> list[str]:
-    return [sys.executable, "-m", "manager.cli"]
+    return [sys.executable, "-m", "kvtier.manager.cli"]
 
 
 def tiny_config(path: Path, deployment_id: str, *, workers: int = 1, storage: str = "file",

@@ -17,15 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import posix_ipc
-
-from manager.config import KvtierConfig, load_config
-from manager.keys import key_bytes
-from manager.scheduler import KVCacheManager
-from manager.stack import Stack
-from worker.ipc import existing_names, ipc_names, pid_alive
-from worker.kv_pools import HostPool, KVShape
-from worker.process import host_segment_name
-from worker.wire import Completion, TaskKind
+from kvtier.manager.config import KvtierConfig, load_config
+from kvtier.manager.keys import key_bytes
+from kvtier.manager.scheduler import KVCacheManager
+from kvtier.manager.stack import Stack
+from kvtier.worker.ipc import existing_names, ipc_names, pid_alive
+from kvtier.worker.kv_pools import HostPool, KVShape
+from kvtier.worker.process import host_segment_name
+from kvtier.worker.wire import Completion, TaskKind
 
 SHM_DIR = Path("/dev/shm")
 _ids = itertools.count()

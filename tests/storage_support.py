@@ -4,8 +4,8 @@ block bytes, and the on-storage location of a page.
 A stack here is the real thing (worker processes, shared memory, a file directory or a real
 Redis) with a KV shape small enough that a page is 512 bytes, so a test can commit, back up,
 corrupt and restore dozens of blocks in well under a second. The model runner (`run_request`)
-does what `manager.replay` does per request, but returns the figures of that one request, so a
-test can assert on the tier each hit came from.
+does what `kvtier.manager.replay` does per request, but returns the figures of that one request,
+so a test can assert on the tier each hit came from.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import serve_support
-
-from manager.config import KvtierConfig, load_config
-from manager.keys import chain_keys, storage_keys
-from manager.replay import _Diagnostics
-from manager.scheduler import MatchResult
-from manager.stack import Stack
-from manager.workloads import WorkRequest
-from worker.wire import TaskKind
+from kvtier.manager.config import KvtierConfig, load_config
+from kvtier.manager.keys import chain_keys, storage_keys
+from kvtier.manager.replay import _Diagnostics
+from kvtier.manager.scheduler import MatchResult
+from kvtier.manager.stack import Stack
+from kvtier.manager.workloads import WorkRequest
+from kvtier.worker.wire import TaskKind
 
 BS = 4
 NUM_LAYERS = 2

@@ -1,7 +1,7 @@
 """The admin API in-process, over real HTTP, against a real Stack (one worker process, real
 shared memory, file storage in a temporary directory).
 
-The app is served by `admin.server.AdminServer` (uvicorn on a thread, port 0) exactly as
+The app is served by `kvtier.admin.server.AdminServer` (uvicorn on a thread, port 0) exactly as
 `kvtier serve` serves it; the test drives the scheduler API directly on the same stack, as an
 engine would, and checks what the admin reports and does.
 """
@@ -20,14 +20,13 @@ from typing import Any
 import httpx
 import pytest
 from compose_support import dashboard_metric_names
+from kvtier.admin.app import create_app
+from kvtier.admin.server import AdminServer
+from kvtier.manager.config import KvtierConfig, page_bytes
+from kvtier.manager.scheduler import KVCacheManager
+from kvtier.manager.stack import Stack
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-
-from admin.app import create_app
-from admin.server import AdminServer
-from manager.config import KvtierConfig, page_bytes
-from manager.scheduler import KVCacheManager
-from manager.stack import Stack
 
 TOKEN = "s3cret-admin-token"
 POSTS = ("/pause", "/resume", "/reset", "/pin", "/unpin")

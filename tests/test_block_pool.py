@@ -8,9 +8,8 @@ allocation must take nothing.
 from __future__ import annotations
 
 import pytest
-
-from manager.block_pool import BlockPool
-from manager.errors import BlockPoolError, OutOfBlocksError
+from kvtier.manager.block_pool import BlockPool
+from kvtier.manager.errors import BlockPoolError, OutOfBlocksError
 
 
 def snapshot(pool: BlockPool) -> tuple[list[int], int, list[bool]]:

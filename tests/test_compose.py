@@ -53,10 +53,9 @@ from compose_support import (
     prometheus_targets,
     promql_without_grafana_variables,
 )
+from kvtier.manager.config import host_pool_bytes, load_config, page_bytes
 from prometheus_client.parser import text_string_to_metric_families
 from serve_support import ServeProcess, kvtier_script, leftovers, tiny_config, wait_for
-
-from manager.config import host_pool_bytes, load_config, page_bytes
 
 CONTAINER_CONFIG = "/etc/kvtier/kvtier.toml"
 
@@ -307,8 +306,8 @@ def test_dockerfile_installs_the_pinned_cpu_torch():
 
 def test_dockerfile_copies_every_package_and_dockerignore_lets_them_through():
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = {p.rstrip("*") for p in include}
+    # every source folder the build maps into the kvtier namespace
+    packages = set(pyproject["tool"]["setuptools"]["package-dir"].values())
     copied: set[str] = set()
     for keyword, rest in dockerfile_instructions():
         if keyword == "COPY":

@@ -18,12 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pydantic import ValidationError
-from redis_server import RedisClusterServers, RedisServer, free_port
-from redis_server import redis_cluster as redis_cluster
-from redis_server import redis_server as redis_server
-
-from manager.config import (
+from kvtier.manager.config import (
     ConfigError,
     KvtierConfig,
     check_storage_reachable,
@@ -39,6 +34,10 @@ from manager.config import (
     to_toml,
     torch_gpu_build,
 )
+from pydantic import ValidationError
+from redis_server import RedisClusterServers, RedisServer, free_port
+from redis_server import redis_cluster as redis_cluster
+from redis_server import redis_server as redis_server
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -352,7 +351,7 @@ def test_torch_build_is_read_without_importing_torch(tmp_path, text, gpu):
 
 def test_auto_device_on_a_cpu_build_leaves_torch_unimported():
     """The manager process resolves `auto` without paying for `import torch`."""
-    code = ("import sys; from manager.config import KvtierConfig, resolve_device, "
+    code = ("import sys; from kvtier.manager.config import KvtierConfig, resolve_device, "
             "torch_gpu_build; d = resolve_device(KvtierConfig()); "
             "print(d, torch_gpu_build(), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,

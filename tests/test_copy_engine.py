@@ -20,10 +20,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from worker import content
-from worker.copy_engine import LAYER_DELAY_ENV, CopyEngine, plan_copy, wide_dtype
-from worker.kv_pools import BlockIdError, DevicePool, HostPool, KVShape
+from kvtier.worker import content
+from kvtier.worker.copy_engine import LAYER_DELAY_ENV, CopyEngine, plan_copy, wide_dtype
+from kvtier.worker.kv_pools import BlockIdError, DevicePool, HostPool, KVShape
 
 # 256-byte rows (complex128 path) and 6-byte rows (int16 path)
 SHAPES = {

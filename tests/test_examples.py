@@ -13,15 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from manager.config import KvtierConfig
-from manager.launcher import MIN_KINDS as LAUNCHER_MIN_KINDS
-from manager.launcher import SUM_KINDS as LAUNCHER_SUM_KINDS
-from manager.scheduler import KVCacheManager
-from worker import embedded
-from worker.embedded import EmbeddedWorkers, embedded_host_segment_name
-from worker.process import WorkerSpec
-from worker.wire import Completion, Task, TaskKind
+from kvtier.manager.config import KvtierConfig
+from kvtier.manager.launcher import MIN_KINDS as LAUNCHER_MIN_KINDS
+from kvtier.manager.launcher import SUM_KINDS as LAUNCHER_SUM_KINDS
+from kvtier.manager.scheduler import KVCacheManager
+from kvtier.worker import embedded
+from kvtier.worker.embedded import EmbeddedWorkers, embedded_host_segment_name
+from kvtier.worker.process import WorkerSpec
+from kvtier.worker.wire import Completion, Task, TaskKind
 
 ROOT = Path(__file__).resolve().parents[1]
 SHM = Path("/dev/shm")

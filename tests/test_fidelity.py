@@ -27,10 +27,9 @@ from itertools import islice
 from pathlib import Path
 
 import pytest
+from kvtier.manager.scheduler import KVCacheManager
+from kvtier.manager.transfers import ImmediateDispatcher
 from lru_reference import LRUResult, simulate
-
-from manager.scheduler import KVCacheManager
-from manager.transfers import ImmediateDispatcher
 
 TRACE = (Path(__file__).resolve().parents[2] / "shared" / "traces"
          / "mooncake_conversation_trace.jsonl")

@@ -22,8 +22,7 @@ import posix_ipc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from worker.ipc import (
+from kvtier.worker.ipc import (
     DeploymentInUse,
     IPCError,
     LayerWaitTimeout,
@@ -38,7 +37,7 @@ from worker.ipc import (
     ipc_names,
     validate_deployment_id,
 )
-from worker.wire import (
+from kvtier.worker.wire import (
     SEQ_LIMIT,
     ArenaRef,
     Completion,

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-
-from manager.keys import ExtraKey, TokenKeyError, chain_keys, key_bytes, storage_keys
+from kvtier.manager.keys import ExtraKey, TokenKeyError, chain_keys, key_bytes, storage_keys
 
 BS = 4
 REPO = Path(__file__).resolve().parents[1]
@@ -242,7 +241,7 @@ def test_storage_keys_are_a_different_family() -> None:
 
 _CHILD = """
 import json, sys
-from manager.keys import chain_keys, storage_keys
+from kvtier.manager.keys import chain_keys, storage_keys
 t = list(range(1000, 1000 + 40))
 extra = [(3, 9, b"img"), (30, 2, "clip")]
 print(json.dumps({

@@ -18,8 +18,7 @@ from pathlib import Path
 import posix_ipc
 import pytest
 import torch
-
-from worker.kv_pools import (
+from kvtier.worker.kv_pools import (
     BlockIdError,
     DevicePool,
     HostPool,
@@ -214,7 +213,7 @@ def test_host_pool_visible_from_second_process(shm_name: str) -> None:
         code = textwrap.dedent(
             f"""
             import torch
-            from worker.kv_pools import HostPool, KVShape
+            from kvtier.worker.kv_pools import HostPool, KVShape
             shape = KVShape(**{dict(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)!r},
                             dtype="float16")
             pool = HostPool.attach({shm_name!r}, shape)

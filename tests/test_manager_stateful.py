@@ -18,11 +18,10 @@ import hypothesis.strategies as st
 from content_model import GARBAGE, ContentModel, ModelDispatcher
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-from manager.errors import OutOfBlocksError, ResetBusyError, TransferFailedError
-from manager.scheduler import KVCacheManager
-from manager.tree import EVICTING, LOADING, PREFETCHING, SAVING
-from worker.wire import TaskKind
+from kvtier.manager.errors import OutOfBlocksError, ResetBusyError, TransferFailedError
+from kvtier.manager.scheduler import KVCacheManager
+from kvtier.manager.tree import EVICTING, LOADING, PREFETCHING, SAVING
+from kvtier.worker.wire import TaskKind
 
 BS = 4
 PREFIXES = [tuple(range(100 * p, 100 * p + 8)) for p in range(3)]

@@ -11,9 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvtier.manager.config import KvtierConfig
 from serve_support import leftovers
-
-from manager.config import KvtierConfig
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()

@@ -44,7 +44,7 @@ port = 0
 
 def kvtier_bin() -> list[str]:
     exe = Path(sys.executable).with_name("kvtier")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "manager.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "kvtier.manager.cli"]
 
 
 def test_replay_verify_first_3000_trace_requests(tmp_path: Path, trace) -> None:  # noqa: F811

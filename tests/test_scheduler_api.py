@@ -19,19 +19,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
-
-from manager.errors import (
+from kvtier.manager.errors import (
     InvalidRequestError,
     OutOfBlocksError,
     ResetBusyError,
     TransferFailedError,
     UnknownRequestError,
 )
-from manager.keys import chain_keys
-from manager.scheduler import KVCacheManager, MatchResult
-from manager.transfers import ImmediateDispatcher, ManualDispatcher
-from manager.tree import EVICTING, SAVING, Node
-from worker.wire import Priority, Task, TaskKind
+from kvtier.manager.keys import chain_keys
+from kvtier.manager.scheduler import KVCacheManager, MatchResult
+from kvtier.manager.transfers import ImmediateDispatcher, ManualDispatcher
+from kvtier.manager.tree import EVICTING, SAVING, Node
+from kvtier.worker.wire import Priority, Task, TaskKind
 
 BS = 4
 Factory = Callable[..., KVCacheManager]

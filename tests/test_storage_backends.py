@@ -23,12 +23,11 @@ import numpy as np
 import pytest
 import redis
 import torch
-
-from worker.storage import HEADER_BYTES, PageStatus, make_backend, namespace_for
-from worker.storage.backend import StorageBackend
-from worker.storage.file_backend import FileBackend
-from worker.storage.page_format import decode_into, encode_page
-from worker.storage.redis_backend import RedisBackend
+from kvtier.worker.storage import HEADER_BYTES, PageStatus, make_backend, namespace_for
+from kvtier.worker.storage.backend import StorageBackend
+from kvtier.worker.storage.file_backend import FileBackend
+from kvtier.worker.storage.page_format import decode_into, encode_page
+from kvtier.worker.storage.redis_backend import RedisBackend
 
 try:  # pytest puts tests/ on sys.path (rootdir-relative imports when tests/ is a package)
     from redis_server import (

@@ -28,6 +28,11 @@ from pathlib import Path
 
 import pytest
 import redis
+from kvtier.admin.metrics import StackCollector
+from kvtier.manager.replay import ReplayReport, replay
+from kvtier.manager.stack import Stack
+from kvtier.worker.storage import HEADER_BYTES
+from kvtier.worker.storage.redis_backend import RedisBackend
 from redis_server import RedisServer, ping, redis_cluster, redis_server
 from storage_support import (
     BS,
@@ -50,12 +55,6 @@ from storage_support import (
     wait_backups,
     wait_until,
 )
-
-from admin.metrics import StackCollector
-from manager.replay import ReplayReport, replay
-from manager.stack import Stack
-from worker.storage import HEADER_BYTES
-from worker.storage.redis_backend import RedisBackend
 
 __all__ = ["redis_cluster", "redis_server"]  # the module-scoped pytest fixtures used below
 
@@ -621,7 +620,7 @@ def test_replay_command_twice_second_run_restores_from_file_storage(tmp_path: Pa
     config = tmp_path / "kvtier.toml"
     _cli_config(config, dep, tmp_path / "storage")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    cmd = [sys.executable, "-m", "manager.cli", "replay", "--workload", "chat",
+    cmd = [sys.executable, "-m", "kvtier.manager.cli", "replay", "--workload", "chat",
            "--limit", str(CLI_LIMIT), "--verify", "--json", "--config", str(config)]
     reports = []
     for _ in range(2):  # each run is a fresh process: empty device and host tiers

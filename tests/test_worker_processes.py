@@ -32,6 +32,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import initialize, invariant, rule, run_state_machine_as_test
+from kvtier.manager.config import KvtierConfig
+from kvtier.manager.errors import TransferFailedError, TransferTimeoutError
+from kvtier.manager.stack import Stack
+from kvtier.manager.tree import EVICTING, LOADING, PREFETCHING, SAVING
+from kvtier.worker import content
+from kvtier.worker.copy_engine import LAYER_DELAY_ENV
+from kvtier.worker.ipc import MESSAGE_SIZE, QUEUE_DEPTH, cleanup_stale, pid_alive
+from kvtier.worker.kv_pools import DevicePool, HostPool
+from kvtier.worker.process import host_segment_name
+from kvtier.worker.wire import TaskKind
 from stack_support import (
     attached_host_pools,
     check,
@@ -46,17 +56,6 @@ from stack_support import (
     wait_until,
 )
 from test_manager_stateful import BS, PREFIXES, ManagerMachine
-
-from manager.config import KvtierConfig
-from manager.errors import TransferFailedError, TransferTimeoutError
-from manager.stack import Stack
-from manager.tree import EVICTING, LOADING, PREFETCHING, SAVING
-from worker import content
-from worker.copy_engine import LAYER_DELAY_ENV
-from worker.ipc import MESSAGE_SIZE, QUEUE_DEPTH, cleanup_stale, pid_alive
-from worker.kv_pools import DevicePool, HostPool
-from worker.process import host_segment_name
-from worker.wire import TaskKind
 
 TESTS_DIR = Path(__file__).resolve().parent
 _tokens = itertools.count(1)
@@ -578,7 +577,7 @@ DRIVER = """
 import json, signal, sys, time
 sys.path.insert(0, sys.argv[3])
 from stack_support import tiny_config
-from manager.stack import Stack
+from kvtier.manager.stack import Stack
 
 stack = Stack(tiny_config(deployment_id=sys.argv[1], device_blocks=8, host_blocks=8),
               log_dir=sys.argv[4]).start()

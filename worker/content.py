@@ -22,8 +22,7 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
-
-from worker.kv_pools import BlockIdError, DevicePool, HostPool, KVShape, as_block_ids
+from kvtier.worker.kv_pools import BlockIdError, DevicePool, HostPool, KVShape, as_block_ids
 
 CHUNK_BYTES = 8 << 20  # bound on the temporary tensors of one step (stays in cache)
 _WORDS: tuple[tuple[int, torch.dtype], ...] = (

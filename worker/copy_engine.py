@@ -31,9 +31,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-
-from worker.delays import LAYER_DELAY_ENV, delay_from_env
-from worker.kv_pools import BlockIdError, DevicePool, HostPool, as_block_ids
+from kvtier.worker.delays import LAYER_DELAY_ENV, delay_from_env
+from kvtier.worker.kv_pools import BlockIdError, DevicePool, HostPool, as_block_ids
 
 Strategy = Literal["auto", "runs", "gather"]
 BlockIds = Sequence[int] | torch.Tensor

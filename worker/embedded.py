@@ -1,7 +1,7 @@
 """kvtier's worker side inside the engine's own process: every rank's pools and executor,
 driven synchronously by the manager's dispatcher.
 
-When to use it instead of the worker processes (`manager.stack.Stack`):
+When to use it instead of the worker processes (`kvtier.manager.stack.Stack`):
 
 * the engine's model runner owns the KV memory and runs in one process (a single-process
   engine, a notebook, a test): its attention layers read `device_pool(rank).k_caches[layer]`
@@ -9,7 +9,7 @@ When to use it instead of the worker processes (`manager.stack.Stack`):
 * tests and examples that want real copies, real shared memory and real storage I/O without
   starting processes.
 
-It runs the same `worker.executor.TaskExecutor` the worker processes run, so the bytes moved
+It runs the same `kvtier.worker.executor.TaskExecutor` the worker processes run, so the bytes moved
 are the same; what is gone is the IPC (no queues, no heartbeats, no supervisor). Each task
 runs to completion on every rank inside `Dispatcher.submit`, before the scheduler call that
 emitted it returns, so a `LoadHandle` is already complete when `match` returns: per-layer
@@ -24,9 +24,9 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from worker.executor import DEVICE_KINDS, STORAGE_KINDS, RankResources
-from worker.spec import WorkerSpec
-from worker.wire import (
+from kvtier.worker.executor import DEVICE_KINDS, STORAGE_KINDS, RankResources
+from kvtier.worker.spec import WorkerSpec
+from kvtier.worker.wire import (
     MIN_RESULT_KINDS,
     SUM_RESULT_KINDS,
     Completion,
@@ -35,10 +35,10 @@ from worker.wire import (
 )
 
 if TYPE_CHECKING:
-    from manager.config import KvtierConfig
-    from manager.transfers import ImmediateDispatcher
-    from worker.kv_pools import DevicePool, HostPool
-    from worker.storage.backend import StorageBackend
+    from kvtier.manager.config import KvtierConfig
+    from kvtier.manager.transfers import ImmediateDispatcher
+    from kvtier.worker.kv_pools import DevicePool, HostPool
+    from kvtier.worker.storage.backend import StorageBackend
 
 log = logging.getLogger("kvtier.embedded")
 
@@ -123,7 +123,7 @@ class EmbeddedWorkers:
     def from_config(cls, cfg: KvtierConfig) -> EmbeddedWorkers:
         """One rank per `workers.count`, sized and placed as the configuration says (the same
         specs `kvtier serve` hands its worker processes)."""
-        from manager.stack import Stack  # the one place a config becomes worker specs
+        from kvtier.manager.stack import Stack  # the one place a config becomes worker specs
 
         stack = Stack(cfg)
         return cls([stack.worker_spec(r) for r in range(cfg.workers.count)])
@@ -170,7 +170,7 @@ class EmbeddedWorkers:
 
     def dispatcher(self) -> ImmediateDispatcher:
         """A dispatcher for `KVCacheManager(dispatcher=...)` that runs each task here."""
-        from manager.transfers import ImmediateDispatcher
+        from kvtier.manager.transfers import ImmediateDispatcher
 
         d = ImmediateDispatcher(executor=self.execute)
         d.num_ranks = self.num_ranks

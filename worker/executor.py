@@ -1,6 +1,6 @@
 """What a rank does with a task: the one place that turns tasks into copies, content checks
 and storage calls. The worker process runs it behind its queues; an engine that keeps its KV
-in its own process can run it directly (`worker.embedded`).
+in its own process can run it directly (`kvtier.worker.embedded`).
 """
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import logging
 import time
 from collections.abc import Callable
 
-from worker import content
-from worker.copy_engine import CopyEngine
-from worker.delays import STORAGE_DELAY_ENV, delay_from_env
-from worker.kv_pools import DevicePool, HostPool
-from worker.spec import WorkerSpec
-from worker.storage.backend import StorageBackend, make_backend
-from worker.wire import Task, TaskKind
+from kvtier.worker import content
+from kvtier.worker.copy_engine import CopyEngine
+from kvtier.worker.delays import STORAGE_DELAY_ENV, delay_from_env
+from kvtier.worker.kv_pools import DevicePool, HostPool
+from kvtier.worker.spec import WorkerSpec
+from kvtier.worker.storage.backend import StorageBackend, make_backend
+from kvtier.worker.wire import Task, TaskKind
 
 log = logging.getLogger("kvtier.worker")
 
@@ -79,7 +79,7 @@ class TaskExecutor:
         raise ValueError(f"not a device task kind: {kind!r}")
 
     def storage_task(self, task: Task) -> int:
-        """Run one storage task; returns its result (see `worker.wire`). A backend that
+        """Run one storage task; returns its result (see `kvtier.worker.wire`). A backend that
         degrades to misses (Redis down, disk errors) answers anyway; the errors it counted
         during the call fail the task, so the manager counts storage errors by operation."""
         store = self.storage

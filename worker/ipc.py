@@ -87,8 +87,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 import posix_ipc
-
-from worker.wire import (
+from kvtier.worker.wire import (
     ArenaRef,
     Completion,
     MessageType,

@@ -35,10 +35,10 @@ import threading
 import time
 import traceback
 
-from worker.executor import MERGEABLE, STORAGE_KINDS, RankResources
-from worker.ipc import ManagerGone, WorkerIPC
-from worker.spec import WorkerSpec, host_segment_name
-from worker.wire import Completion, Task
+from kvtier.worker.executor import MERGEABLE, STORAGE_KINDS, RankResources
+from kvtier.worker.ipc import ManagerGone, WorkerIPC
+from kvtier.worker.spec import WorkerSpec, host_segment_name
+from kvtier.worker.wire import Completion, Task
 
 __all__ = ["Worker", "WorkerSpec", "host_segment_name", "main"]
 

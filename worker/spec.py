@@ -9,10 +9,10 @@ import json
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from worker.storage.backend import namespace_for
+from kvtier.worker.storage.backend import namespace_for
 
 if TYPE_CHECKING:
-    from worker.kv_pools import KVShape
+    from kvtier.worker.kv_pools import KVShape
 
 
 def host_segment_name(deployment_id: str, rank: int) -> str:
@@ -54,7 +54,7 @@ class WorkerSpec:
 
     @property
     def shape(self) -> KVShape:
-        from worker.kv_pools import KVShape
+        from kvtier.worker.kv_pools import KVShape
 
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
                        self.dtype)  # type: ignore[arg-type]

@@ -3,7 +3,7 @@
 The manager never touches KV bytes; everything it needs done to them becomes a `Task` naming
 block ids. A task is broadcast to every worker (one per tensor-parallel rank) and is complete
 when every rank has answered it with a `Completion`. Nothing outside this module builds or
-parses messages, so the encoding can change in one place (`worker.ipc` only moves the bytes).
+parses messages, so the encoding can change in one place (`kvtier.worker.ipc` only moves the bytes).
 
 Task kinds and what their fields mean:
 
@@ -42,7 +42,7 @@ Every message starts with the version byte `WIRE_VERSION` and a `MessageType` by
 
 Ids are 64-bit so any pool size fits; the 32-byte head keeps the id arrays 8-byte aligned.
 Sequence numbers stay below `SEQ_LIMIT` (2**47) so that a (seq, layers_done) pair packs into
-one 64-bit shared-memory word (see `worker.ipc`). Decoding checks every length against the
+one 64-bit shared-memory word (see `kvtier.worker.ipc`). Decoding checks every length against the
 head and raises ValueError naming the message and the field that does not add up.
 """
 

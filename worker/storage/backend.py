@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from worker.storage.page_format import KEY_BYTES
+from kvtier.worker.storage.page_format import KEY_BYTES
 
 if TYPE_CHECKING:
     import mmap
@@ -348,7 +348,7 @@ def make_backend(
     if kind == "none":
         return None
     if kind == "file":
-        from worker.storage.file_backend import FileBackend
+        from kvtier.worker.storage.file_backend import FileBackend
 
         return FileBackend(
             path,
@@ -358,7 +358,7 @@ def make_backend(
             io_threads=io_threads,
         )
     if kind == "redis":
-        from worker.storage.redis_backend import RedisBackend
+        from kvtier.worker.storage.redis_backend import RedisBackend
 
         return RedisBackend(
             url, namespace, ttl_s=ttl_s, page_bytes=page_bytes, timeout_s=timeout_s

@@ -29,14 +29,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from worker.storage.backend import (
+from kvtier.worker.storage.backend import (
     Buffer,
     RateLimitedLog,
     StorageBackend,
     check_keys,
     log,
 )
-from worker.storage.page_format import (
+from kvtier.worker.storage.page_format import (
     HEADER_BYTES,
     PageStatus,
     encode_header,

@@ -31,18 +31,17 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
-from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
-from redis.retry import Retry
-
-from worker.storage.backend import (
+from kvtier.worker.storage.backend import (
     Buffer,
     RateLimitedLog,
     StorageBackend,
     check_keys,
     log,
 )
-from worker.storage.page_format import HEADER_BYTES, PageStatus, decode_into, encode_page
+from kvtier.worker.storage.page_format import HEADER_BYTES, PageStatus, decode_into, encode_page
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
 
 T = TypeVar("T")
 
