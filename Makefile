@@ -25,6 +25,8 @@ run: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 test: install system-deps lint
 	$(VENV)/bin/pytest -q

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hmac
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request, Security
@@ -142,7 +143,9 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
     post_security = [Security(bearer)]
 
     @app.middleware("http")
-    async def gate_posts(request: Request, call_next: Any) -> Response:
+    async def gate_posts(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
         if request.method == "POST":
             if not state.accepting:
                 return JSONResponse({"detail": state.refusal}, status_code=503)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Final
 
 from kvtier.manager.config import resolve_device
 from kvtier.worker.wire import TaskKind
@@ -29,11 +29,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from kvtier.manager.scheduler import SchedulerStats
     from kvtier.manager.stack import Stack
 
 log = logging.getLogger("kvtier.admin.metrics")
 
-TIERS = ("device", "host")
+TIERS: Final = ("device", "host")  # Final: literal keys of SchedulerStats
 BLOCK_STATES = ("free", "cached", "in_use", "evictable")
 HIT_TIERS = ("device", "host", "storage")
 DIRECTIONS = ("d2h", "h2d", "storage_read", "storage_write")
@@ -94,6 +95,7 @@ class StackCollector(Collector):
 
     def _info(self) -> Metric:
         cfg = self.stack.cfg
+        device: str
         try:
             device = resolve_device(cfg)
         except Exception:  # CUDA asked for but gone: the info line still names the request
@@ -105,7 +107,7 @@ class StackCollector(Collector):
                          cfg.cache.write_policy, str(cfg.workers.count)], 1)
         return info
 
-    def _manager_families(self, st: dict[str, Any]) -> Iterator[Metric]:
+    def _manager_families(self, st: SchedulerStats) -> Iterator[Metric]:
         cfg = self.stack.cfg
         ranks = cfg.workers.count
         block_bytes = self.stack.page_bytes * ranks
@@ -280,9 +282,9 @@ class StackCollector(Collector):
             rank = [str(w["rank"])]
             up.add_metric(rank, 1 if w["state"] == "ready" else 0)
             if w["heartbeat_age_s"] is not None:
-                age.add_metric(rank, float(w["heartbeat_age_s"]))  # type: ignore[arg-type]
-            inflight.add_metric(rank, int(w["tasks_inflight"]))  # type: ignore[call-overload]
-            restarts.add_metric(rank, int(w["restarts"]))  # type: ignore[call-overload]
+                age.add_metric(rank, float(w["heartbeat_age_s"]))
+            inflight.add_metric(rank, int(w["tasks_inflight"]))
+            restarts.add_metric(rank, int(w["restarts"]))
         yield up
         yield age
         yield inflight

@@ -20,15 +20,16 @@ import time
 
 import uvicorn
 from fastapi import FastAPI
+from kvtier.manager.errors import KvtierError
 
 log = logging.getLogger("kvtier.admin")
 
 
-class AdminBindError(OSError):
+class AdminBindError(KvtierError, OSError):
     """The admin address cannot be bound; the message names the address and the reason."""
 
 
-class AdminStartError(RuntimeError):
+class AdminStartError(KvtierError, RuntimeError):
     """uvicorn did not start serving the bound socket."""
 
 

@@ -57,7 +57,7 @@ class Runner:
         return hit // self.bs, len(toks) // self.bs
 
     def cached_blocks(self) -> int:
-        return self.m.stats()["device"]["cached"]  # type: ignore[index]
+        return self.m.stats()["device"]["cached"]
 
 
 def run_ours(block_size: int, reqs: list[list[int]]) -> dict[str, float]:

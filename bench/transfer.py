@@ -95,6 +95,11 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
         dev_bytes.fill_(0x5A)  # fault every page in before timing anything
         host_bytes.fill_(0xA5)
         engine = CopyEngine(dev, host, strategy=args.strategy)
+        cuda = dev.device.type == "cuda"
+        # On CUDA the staged path (CPU gather into pinned buffers) runs beside the default
+        # zero-copy one, so the choice between them is measured in the same run.
+        staged = CopyEngine(dev, host, cuda_path="staged") if cuda else None
+        layer0: list[float] = []
         page = shape.page_bytes
         nbytes = n * page
 
@@ -116,7 +121,13 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
 
         def engine_h2d() -> None:
             d, h = ids()
-            engine.h2d(h, d)
+            t0 = time.perf_counter()
+
+            def on_layer(layer: int) -> None:
+                if layer == 0:
+                    layer0.append(time.perf_counter() - t0)
+
+            engine.h2d(h, d, on_layer)
 
         def contig_d2h() -> None:
             a, b = offset()
@@ -132,9 +143,13 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
             "h2d": engine_h2d,
             "h2d_contig": contig_h2d,
         }
+        if staged is not None:
+            ops["d2h_staged"] = lambda: staged.d2h(*ids())
+            ops["h2d_staged"] = lambda: staged.h2d(*reversed(ids()))
         times: dict[str, list[float]] = {k: [] for k in ops}
         for fn in ops.values():  # warm-up: staging buffers, thread pools, first-touch
             fn()
+        layer0.clear()
         order = list(ops)
         for rep in range(args.reps):
             for key in order if rep % 2 == 0 else reversed(order):
@@ -146,16 +161,25 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
         for direction in ("d2h", "h2d"):
             ours = nbytes / statistics.median(times[direction]) / 1e9
             base = nbytes / statistics.median(times[direction + "_contig"]) / 1e9
-            results.append(
-                {
-                    "block_kib": case.block_kib,
-                    "blocks": n,
-                    "direction": direction,
-                    "gbps": round(ours, 2),
-                    "contiguous_gbps": round(base, 2),
-                    "ratio_vs_contiguous": round(ours / base, 3),
-                }
-            )
+            row: dict[str, object] = {
+                "block_kib": case.block_kib,
+                "blocks": n,
+                "direction": direction,
+                "path": engine.cuda_path,
+                "gbps": round(ours, 2),
+                "contiguous_gbps": round(base, 2),
+                "ratio_vs_contiguous": round(ours / base, 3),
+            }
+            if staged is not None:
+                other = nbytes / statistics.median(times[direction + "_staged"]) / 1e9
+                row["staged_gbps"] = round(other, 2)
+            if direction == "h2d":
+                # layer 0 ready, in units of one layer's share of the whole load: 1.0 means
+                # layer 0 was usable after exactly its own copy time
+                per_layer = statistics.median(times["h2d"]) / shape.num_layers
+                row["layer0_ms"] = round(statistics.median(layer0) * 1e3, 3)
+                row["layer0_in_layer_times"] = round(statistics.median(layer0) / per_layer, 2)
+            results.append(row)
     return results
 
 
@@ -198,11 +222,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.reps} interleaved repetitions (medians), "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(f"{'block_kib':>9} {'blocks':>6} {'dir':>4} {'GB/s':>7} {'contig GB/s':>11} "
-          f"{'ratio_vs_contiguous':>19}")
+    print(f"{'block_kib':>9} {'blocks':>6} {'dir':>4} {'path':>9} {'GB/s':>7} "
+          f"{'contig GB/s':>11} {'ratio_vs_contiguous':>19} {'staged GB/s':>11} "
+          f"{'layer0 (layer times)':>20}")
     for r in results:
-        print(f"{r['block_kib']:>9} {r['blocks']:>6} {r['direction']:>4} {r['gbps']:>7.2f} "
-              f"{r['contiguous_gbps']:>11.2f} {r['ratio_vs_contiguous']:>19.3f}")
+        staged_col = f"{r['staged_gbps']:>11.2f}" if "staged_gbps" in r else f"{'-':>11}"
+        l0 = f"{r['layer0_in_layer_times']:>20.2f}" if "layer0_ms" in r else f"{'-':>20}"
+        print(f"{r['block_kib']:>9} {r['blocks']:>6} {r['direction']:>4} {r['path']:>9} "
+              f"{r['gbps']:>7.2f} {r['contiguous_gbps']:>11.2f} "
+              f"{r['ratio_vs_contiguous']:>19.3f} {staged_col} {l0}")
     for s in skipped:
         print(f"skipped block_kib={s['block_kib']} blocks={s['blocks']}: {s['reason']}")
     return 0

@@ -4,7 +4,9 @@ The model plays an engine's model runner. For each request it asks kvtier's sche
 which prefix is cached (`match`), gets device blocks for the rest (`allocate`), computes only
 the uncached tokens -- reading the cached prefix's K and V from the device pool blocks and
 writing the new tokens' K and V into their blocks -- then publishes the result (`commit`)
-and lets go (`release`). The worker side runs in this process (`kvtier.worker.embedded`).
+and lets go (`release`). The worker side runs in this process: `Stack(cfg, embedded=True)`
+builds the manager, its storage tier and every rank's pools (`kvtier.worker.embedded`) from
+one configuration.
 
 It checks that the logits computed with a prefix served from the device, the host and the
 storage tier equal those computed from scratch. Run it from the repository root:
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from kvtier.manager.config import KvtierConfig
 from kvtier.manager.errors import TransferFailedError
 from kvtier.manager.scheduler import KVCacheManager, MatchResult
-from kvtier.manager.storage_tier import StorageTier
+from kvtier.manager.stack import Stack
 from kvtier.worker.embedded import EmbeddedWorkers
 
 VOCAB, D_MODEL, HEADS, HEAD_DIM, LAYERS, MAX_LEN = 64, 32, 4, 8, 2, 64
@@ -97,10 +99,10 @@ def serve(manager: KVCacheManager, workers: EmbeddedWorkers, model: TinyDecoder,
     return match, cached, logits
 
 
-def build(storage_dir: str) -> tuple[EmbeddedWorkers, KVCacheManager]:
+def config(storage_dir: str) -> KvtierConfig:
     """Pools with room for 8 blocks on the device and 32 on the host, file storage under
     `storage_dir`; write_through copies every committed block to host and storage."""
-    cfg = KvtierConfig(
+    return KvtierConfig(
         deployment_id=f"tinyattn-{os.getpid()}",
         model={"num_layers": LAYERS, "num_kv_heads": HEADS, "head_dim": HEAD_DIM,
                "dtype": "float32"},
@@ -109,15 +111,6 @@ def build(storage_dir: str) -> tuple[EmbeddedWorkers, KVCacheManager]:
         storage={"backend": "file", "path": storage_dir, "prefetch_policy": "wait_complete",
                  "prefetch_threshold": BLOCK},
         workers={"device": "cpu"})
-    workers = EmbeddedWorkers.from_config(cfg)
-    c = cfg.cache
-    manager = KVCacheManager(
-        block_size=c.block_size, device_blocks=c.device_blocks, host_blocks=c.host_blocks,
-        write_policy=c.write_policy, decode_reserve_blocks=c.decode_reserve_blocks,
-        dispatcher=workers.dispatcher(), page_bytes=workers.shape.page_bytes,
-        num_layers=LAYERS)
-    manager.storage = StorageTier(manager, cfg)
-    return workers, manager
 
 
 def report(label: str, tier: str | None, served: tuple[MatchResult, int, torch.Tensor],
@@ -144,27 +137,27 @@ def main() -> int:
     other = torch.randint(VOCAB, (30,), generator=g).tolist()  # needs all 8 device blocks
     reference = model.from_scratch(prompt)
     print(f"{'from scratch':<12}: {len(prompt)} tokens computed")
-    with tempfile.TemporaryDirectory(prefix="kvtier-example-") as tmp:
-        workers, manager = build(tmp)
-        with workers:
-            hits: dict[str, int] = {}
-            report("cold", None, serve(manager, workers, model, "r1", prompt), reference)
-            hits["device"] = report("device hit", "device",
-                                    serve(manager, workers, model, "r2", prompt), reference)
-            # Another prompt takes every device block, so the prefix leaves the device; the
-            # host keeps the copy write_through made at commit.
-            serve(manager, workers, model, "other", other)
-            hits["host"] = report("host hit", "host",
-                                  serve(manager, workers, model, "r3", prompt), reference)
-            # Forget what the device and host tiers hold, and wipe their bytes too: only the
-            # pages backed up to storage can serve the prefix now.
-            manager.reset()
-            workers.device_pool().data.zero_()
-            host = workers.host_pool()
-            if host is not None:
-                host.data.zero_()
-            hits["storage"] = report("storage hit", "storage",
-                                     serve(manager, workers, model, "r4", prompt), reference)
+    with (tempfile.TemporaryDirectory(prefix="kvtier-example-") as tmp,
+          Stack(config(tmp), embedded=True) as stack):  # manager + storage tier + pools
+        manager, workers = stack.require_manager(), stack.require_workers()
+        hits: dict[str, int] = {}
+        report("cold", None, serve(manager, workers, model, "r1", prompt), reference)
+        hits["device"] = report("device hit", "device",
+                                serve(manager, workers, model, "r2", prompt), reference)
+        # Another prompt takes every device block, so the prefix leaves the device; the
+        # host keeps the copy write_through made at commit.
+        serve(manager, workers, model, "other", other)
+        hits["host"] = report("host hit", "host",
+                              serve(manager, workers, model, "r3", prompt), reference)
+        # Forget what the device and host tiers hold, and wipe their bytes too: only the
+        # pages backed up to storage can serve the prefix now.
+        manager.reset()
+        workers.device_pool().data.zero_()
+        host = workers.host_pool()
+        if host is not None:
+            host.data.zero_()
+        hits["storage"] = report("storage hit", "storage",
+                                 serve(manager, workers, model, "r4", prompt), reference)
     print(f"ok: prefix served from device ({hits['device']} tokens), host ({hits['host']}) "
           f"and storage ({hits['storage']}); every output equals the from-scratch one")
     return 0

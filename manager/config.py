@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from kvtier.manager.errors import KvtierError
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -71,7 +72,7 @@ SHM_DIR = Path("/dev/shm")
 MEMINFO = Path("/proc/meminfo")
 
 
-class ConfigError(Exception):
+class ConfigError(KvtierError):
     """A configuration problem, as one line naming the key and the offending value."""
 
 
@@ -213,9 +214,25 @@ class WorkersConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the device pool lives; auto: cuda when available, else cpu"
     )
+    cuda_devices: str = Field(
+        "",
+        description="CUDA device index of each rank, comma-separated ('0,0': two ranks on one "
+        "GPU); empty: rank r uses cuda:r",
+    )
     ready_timeout_s: float = Field(
         60.0, gt=0, allow_inf_nan=False, description="seconds a starting worker has to get ready"
     )
+
+    @field_validator("cuda_devices")
+    @classmethod
+    def _indices(cls, value: str) -> str:
+        if value and not all(p.strip().isdigit() for p in value.split(",")):
+            raise ValueError("expected CUDA device indices separated by commas, such as '0,1'")
+        return ",".join(p.strip() for p in value.split(",")) if value else value
+
+    def rank_cuda_index(self, rank: int) -> int:
+        """The CUDA device index rank `rank` uses: `cuda_devices[rank]`, else `rank`."""
+        return int(self.cuda_devices.split(",")[rank]) if self.cuda_devices else rank
     heartbeat_timeout_s: float = Field(
         5.0, gt=0, allow_inf_nan=False, description="heartbeat age after which a worker is dead"
     )
@@ -321,6 +338,12 @@ class KvtierConfig(BaseSettings):
                 f"storage.prefetch_host_blocks_limit = {limit}: must be at most "
                 f"cache.host_blocks ({cache.host_blocks})"
             )
+        devices = self.workers.cuda_devices
+        if devices and len(devices.split(",")) != self.workers.count:
+            raise ValueError(
+                f"workers.cuda_devices = {devices!r}: names {len(devices.split(','))} "
+                f"device(s) but workers.count = {self.workers.count}; give one index per rank"
+            )
         if storage.backend != "none" and cache.host_blocks == 0:
             raise ValueError(
                 f"storage.backend = {storage.backend!r}: the storage tier moves pages through "
@@ -336,7 +359,7 @@ class KvtierConfig(BaseSettings):
 
 
 SECTIONS: dict[str, type[BaseModel]] = {
-    name: typing.cast(type[BaseModel], info.annotation)
+    name: info.annotation
     for name, info in KvtierConfig.model_fields.items()
     if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)
 }
@@ -661,6 +684,15 @@ def resolve_device(cfg: KvtierConfig) -> Literal["cpu", "cuda"]:
     return "cuda" if available else "cpu"
 
 
+def rank_device(cfg: KvtierConfig, rank: int) -> str:
+    """The device string rank `rank`'s worker builds its device pool on: "cpu", or
+    "cuda:<index>" from `workers.cuda_devices` (default: rank r on cuda:r). Explicit, so a
+    worker never lands on whatever CUDA device happens to be current in its process."""
+    if resolve_device(cfg) == "cpu":
+        return "cpu"
+    return f"cuda:{cfg.workers.rank_cuda_index(rank)}"
+
+
 def _human(n: int) -> str:
     """Bytes in binary units, for a reader comparing sizes at a glance."""
     if n < 1024:
@@ -761,21 +793,28 @@ def check_memory(
 
 
 def _check_cuda_memory(cfg: KvtierConfig, per_rank: int) -> None:
-    """Rank r uses cuda:r; each needs its device pool free on that GPU."""
+    """Each rank's device pool must fit on its GPU (`rank_device`); ranks sharing a GPU
+    need their pools there together."""
     import torch
 
     gpus = torch.cuda.device_count()
-    if cfg.workers.count > gpus:
-        raise ConfigError(
-            f"workers.count = {cfg.workers.count}: one GPU per rank is needed, {gpus} visible"
-        )
+    need: dict[int, list[int]] = {}
     for rank in range(cfg.workers.count):
-        free, _total = torch.cuda.mem_get_info(rank)
-        if per_rank > free:
-            what = f"the device pool of rank {rank}"
-            raise _too_big(
-                "cache.device_blocks", cfg.cache.device_blocks, what, per_rank, f"cuda:{rank}", free
+        need.setdefault(cfg.workers.rank_cuda_index(rank), []).append(rank)
+    for index, ranks in sorted(need.items()):
+        if index >= gpus:
+            key = ("workers.cuda_devices = " + repr(cfg.workers.cuda_devices)
+                   if cfg.workers.cuda_devices else f"workers.count = {cfg.workers.count}")
+            raise ConfigError(
+                f"{key}: rank {ranks[0]} would use cuda:{index} but {gpus} CUDA device(s) are "
+                "visible (set workers.cuda_devices to place several ranks on one GPU)"
             )
+        free, _total = torch.cuda.mem_get_info(index)
+        if per_rank * len(ranks) > free:
+            what = "the device pool" + (f"s of ranks {ranks}" if len(ranks) > 1
+                                        else f" of rank {ranks[0]}")
+            raise _too_big("cache.device_blocks", cfg.cache.device_blocks, what,
+                           per_rank * len(ranks), f"cuda:{index}", free)
 
 
 # --------------------------------------------------------------------------------------------

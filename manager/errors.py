@@ -1,10 +1,31 @@
-"""Errors the scheduler API raises. Each message names the request, field or count at fault."""
+"""The errors of the scheduler API, and `KvtierError`, the root of every error kvtier raises
+on purpose (re-exported from `kvtier.worker.errors`: the root lives in the bottom layer so
+that the worker's errors derive from it too). Each message names the request, field or count
+at fault.
+
+Errors defined elsewhere that also derive from `KvtierError`: `ConfigError`
+(`kvtier.manager.config`), `TokenKeyError` (`kvtier.manager.keys`), `TraceError`
+(`kvtier.manager.workloads`), `WorkerStartError` (`kvtier.manager.launcher`), `IPCError` and
+its subclasses, `SendTimeout`, `LayerWaitTimeout` (`kvtier.worker.ipc`), `StorageError`
+(`kvtier.worker.executor`), `PoolConfigError`, `BlockIdError` (`kvtier.worker.kv_pools`),
+`AdminBindError`, `AdminStartError` (`kvtier.admin.server`). Each keeps its built-in base
+(`ValueError`, `TimeoutError`, `OSError`, `RuntimeError`) where it has one.
+"""
 
 from __future__ import annotations
 
+from kvtier.worker.errors import KvtierError
 
-class KvtierError(Exception):
-    """Base of every error kvtier raises on purpose."""
+__all__ = [
+    "BlockPoolError",
+    "InvalidRequestError",
+    "KvtierError",
+    "OutOfBlocksError",
+    "ResetBusyError",
+    "TransferFailedError",
+    "TransferTimeoutError",
+    "UnknownRequestError",
+]
 
 
 class InvalidRequestError(KvtierError, ValueError):

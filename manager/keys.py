@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import xxhash
+from kvtier.manager.errors import KvtierError
 
 _MASK64 = (1 << 64) - 1
 _XXH128 = xxhash.xxh3_128_intdigest
@@ -50,7 +51,7 @@ def _cached_struct(cache: dict[Any, struct.Struct], key: Any, fmt: str) -> struc
     return compiled
 
 
-class TokenKeyError(ValueError):
+class TokenKeyError(KvtierError, ValueError):
     """Token ids or multimodal items that cannot be turned into keys."""
 
 
@@ -79,8 +80,9 @@ class ExtraKey:
         """Accept an ExtraKey or an (offset, length, hash) tuple; hash as bytes, hex str or int."""
         if isinstance(item, ExtraKey):
             return item
+        fields: Any = item  # any 3-item iterable; the fields are checked below and in __post_init__
         try:
-            offset, length, digest = item  # type: ignore[misc]
+            offset, length, digest = fields
         except (TypeError, ValueError):
             raise TokenKeyError(
                 f"extra_keys item {item!r}: expected (offset, length, content_hash)"
@@ -161,7 +163,7 @@ def chain_keys(
     if extra_keys:
         extra = _extra_bytes_per_block(extra_keys, block_size, start_block, end)
         for b in range(start_block, end):
-            data = buf[b * step : (b + 1) * step]
+            data: memoryview | bytes = buf[b * step : (b + 1) * step]
             if b in extra:
                 data = bytes(data) + b"\x00mm" + extra[b]
             p = h(data, p & _MASK64) ^ (p >> 64)

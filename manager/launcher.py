@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 import posix_ipc
 from kvtier.manager.config import NON_CONFIG_ENV
@@ -176,6 +177,17 @@ class ProcessDispatcher(Dispatcher):
         self._applier.join(timeout=5)
 
 
+class WorkerStatus(TypedDict):
+    """One rank's row of `WorkerSupervisor.status()` (the admin API's `workers`)."""
+
+    rank: int
+    pid: int | None
+    state: str
+    heartbeat_age_s: float | None
+    tasks_inflight: int
+    restarts: int
+
+
 @dataclass
 class WorkerHandle:
     rank: int
@@ -262,13 +274,15 @@ class WorkerSupervisor:
     def _wait_ready(self, workers: list[WorkerHandle], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for w in workers:
+            proc = w.proc
+            assert proc is not None  # _spawn started it
             while True:
                 st = self.ipc.rank_state(w.rank)
-                if st.ready and st.pid == w.proc.pid:  # type: ignore[union-attr]
+                if st.ready and st.pid == proc.pid:
                     w.state = "ready"
                     log.info("worker rank %d ready (pid %d)", w.rank, st.pid)
                     break
-                code = w.proc.poll()  # type: ignore[union-attr]
+                code = proc.poll()
                 if code is not None:
                     raise WorkerStartError(
                         f"worker rank {w.rank} exited with status {code} before it was ready; "
@@ -294,9 +308,9 @@ class WorkerSupervisor:
             for w in self.workers:
                 if self._stop.is_set():
                     return
-                if w.state != "ready":
+                if w.state != "ready" or w.proc is None:  # a ready worker has a process
                     continue
-                code = w.proc.poll()  # type: ignore[union-attr]
+                code = w.proc.poll()
                 if code is not None:
                     self._replace(w, f"exited with status {code}")
                     continue
@@ -345,8 +359,8 @@ class WorkerSupervisor:
             return True, "every worker is ready"
         return False, "; ".join(f"rank {w.rank} is {w.state}" for w in not_ready)
 
-    def status(self) -> list[dict[str, object]]:
-        out: list[dict[str, object]] = []
+    def status(self) -> list[WorkerStatus]:
+        out: list[WorkerStatus] = []
         for w in self.workers:
             st = self.ipc.rank_state(w.rank)
             age = st.heartbeat_age_s

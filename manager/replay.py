@@ -21,10 +21,10 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.manager.config import ConfigError, check_storage_reachable, load_config, summary
 from kvtier.manager.errors import KvtierError, TransferFailedError
@@ -33,6 +33,9 @@ from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.stack import Stack
 from kvtier.manager.workloads import WORKLOADS, TraceError, WorkRequest, chat_requests, read_trace
 from kvtier.worker.wire import Completion, TaskKind
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 DIAG_TIMEOUT_S = 60.0
 
@@ -94,8 +97,12 @@ class _Diagnostics:
         return self.result
 
 
+ProgressCallback = Callable[[int, int, ReplayReport], None]
+"""`progress(done, total, report)`, called after each replayed request."""
+
+
 def replay(stack: Stack, requests: Iterable[WorkRequest], *, verify: bool = False,
-           lookahead: int = 4, progress: Any = None) -> ReplayReport:
+           lookahead: int = 4, progress: ProgressCallback | None = None) -> ReplayReport:
     """Run every request through `stack`; returns the figures."""
     m = stack.require_manager()
     bs = m.block_size
@@ -157,7 +164,7 @@ def replay(stack: Stack, requests: Iterable[WorkRequest], *, verify: bool = Fals
 def transfer_bytes(stack: Stack) -> dict[str, int]:
     """Bytes moved so far, over every rank, by direction."""
     m = stack.require_manager()
-    c = m.stats()["counters"]  # type: ignore[index]
+    c = m.stats()["counters"]
     per_block = stack.page_bytes * stack.cfg.workers.count
     out = {"d2h": c["d2h_blocks"] * per_block, "h2d": c["h2d_blocks"] * per_block,
            "storage_read": 0, "storage_write": 0}
@@ -197,7 +204,7 @@ def _requests(args: argparse.Namespace) -> list[WorkRequest]:
     return chat_requests(args.limit)
 
 
-def _progress_printer(enabled: bool) -> tuple[Any, Any]:
+def _progress_printer(enabled: bool) -> tuple[Progress | None, ProgressCallback | None]:
     """A rich progress bar on a terminal; nothing otherwise."""
     if not enabled:
         return None, None

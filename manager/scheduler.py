@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TypedDict
 
 from kvtier.manager.block_pool import BlockPool
+from kvtier.manager.cache_state import OnDone, RequestState, StorageHooks
 from kvtier.manager.errors import (
     InvalidRequestError,
     OutOfBlocksError,
@@ -57,9 +58,6 @@ from kvtier.manager.tree import (
     Node,
 )
 from kvtier.worker.wire import Completion, Priority, Task, TaskKind
-
-if TYPE_CHECKING:
-    from kvtier.manager.storage_tier import StorageTier
 
 _monotonic = time.monotonic
 IN_FLIGHT = LOADING | SAVING | EVICTING | PREFETCHING | BACKING
@@ -102,21 +100,19 @@ class Counters:
     lost_all: int = 0
 
 
-class _Request:
-    """Per-request state. `nodes[i]` is the node block i is held through, or None when the
-    block is the request's own (a duplicate of a cached block); `blocks[i]` is block i's
-    device id; blocks past `len(nodes)` are owned by the request."""
+class SchedulerStats(TypedDict):
+    """`KVCacheManager.stats()`: per tier the block counts (capacity, free, cached,
+    evictable, in_use, owned_by_requests), tree and request figures, and `Counters`."""
 
-    __slots__ = ("blocks", "extra_keys", "handle", "keys", "length", "nodes", "skeys")
-
-    def __init__(self, keys: list[int], extra_keys: Sequence[object] | None) -> None:
-        self.keys = keys
-        self.extra_keys = extra_keys
-        self.nodes: list[Node | None] = []
-        self.blocks: list[int] = []
-        self.length = 0  # tokens the request has device slots for (counted from 0)
-        self.handle: LoadHandle | None = None
-        self.skeys: list[bytes] = []  # storage keys, computed only with a storage tier
+    device: dict[str, int]
+    host: dict[str, int]
+    nodes: int
+    requests_active: int
+    pinned_blocks: int
+    tasks_inflight: int
+    tree_status: int
+    paused: bool
+    counters: dict[str, int]
 
 
 @dataclass(slots=True)
@@ -127,7 +123,7 @@ class _Inflight:
     nodes: list[Node]
     first_block: int = 0
     handles: list[tuple[LoadHandle, int]] = field(default_factory=list)  # (waiter, block idx)
-    on_done: object = None  # callable(ok, completion) for diagnostic tasks
+    on_done: OnDone | None = None  # diagnostic and storage-tier tasks
 
 
 class KVCacheManager:
@@ -137,7 +133,7 @@ class KVCacheManager:
       * `_map`: dict tree key (int) -> Node; the whole prefix tree (keys are chained).
       * `_dev_pool` / `_host_pool`: BlockPool free lists of each tier.
       * `_dev_lru` / `_host_lru`: intrusive LRU lists of evictable nodes (see manager.tree).
-      * `_requests`: request id -> _Request.
+      * `_requests`: request id -> RequestState (`kvtier.manager.cache_state`).
       * `_inflight`: task seq -> _Inflight for every task not yet reported.
       * `_pins`: node -> pin count (admin pins; a pinned node is never evicted).
     """
@@ -175,11 +171,14 @@ class KVCacheManager:
         self._dev_pool = BlockPool("device", device_blocks)
         self._host_pool = BlockPool("host", host_blocks)
         self._dev_lru = DeviceLRU()
-        # Device-only deployments use the leaner node (no host links, no storage key).
+        # Device-only deployments use the leaner node (no host links, no storage key). The
+        # scheduler handles it as a Node (same attributes, host ones class constants). The
+        # narrow ignores on the hot paths below stand for what the types cannot say without
+        # a per-block check: a node linked in an LRU list has its `dev` (or `host`) and links.
         self._node_cls: type[Node] = Node if host_blocks else DeviceNode  # type: ignore[assignment]
         self._host_lru = HostLRU()
         self._map: dict[int, Node] = {}
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._inflight: dict[int, _Inflight] = {}
         self._pins: dict[Node, int] = {}
         # Nodes that left the tree (worker lost) while a transfer still used their blocks:
@@ -195,7 +194,9 @@ class KVCacheManager:
         self.paused = False
         self._dev_in_tree = 0
         self._host_in_tree = 0
-        self.storage: StorageTier | None = None  # set by the Stack when storage is configured
+        # The storage tier, handed in by whoever builds the manager (`kvtier.manager.stack`)
+        # when storage is configured; it sees the manager as a `CacheState`.
+        self.storage: StorageHooks | None = None
 
     # ------------------------------------------------------------------ scheduler API
 
@@ -214,7 +215,7 @@ class KVCacheManager:
             except TypeError:
                 raise InvalidRequestError(
                     f"request {request_id!r}: token_ids must be a sequence of ints") from None
-            req = _Request(keys, extra_keys)
+            req = RequestState(keys, extra_keys)
             n_tokens = len(token_ids)
             cap = (n_tokens - 1) // bs if n_tokens else 0
             now = _monotonic()
@@ -454,7 +455,7 @@ class KVCacheManager:
             return False
         with self._lock:
             keys = self._keys_or_error(token_ids, extra_keys)
-            req = _Request(keys, extra_keys)
+            req = RequestState(keys, extra_keys)
             n = len(token_ids)
             cap = min((n - 1) // self.block_size if n else 0, len(keys))
             get = self._map.get
@@ -494,8 +495,7 @@ class KVCacheManager:
                     self._make_room(1, "pin")
                     node.dev = self._dev_pool.allocate_one()
                     self._dev_in_tree += 1
-                    self._submit(TaskKind.H2D, [node.host], [node.dev], [node],  # type: ignore[list-item]
-                                 Priority.LOAD)
+                    self._submit(TaskKind.H2D, [node.host], [node.dev], [node], Priority.LOAD)
                     self.counters.h2d_blocks += 1
                 if node.flags & EVICTING:  # a demotion in flight must keep the device copy
                     node.flags |= CANCEL_EVICT
@@ -567,7 +567,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ diagnostics
 
     def submit_diagnostic(self, kind: TaskKind, dev_ids: list[int], keys: list[bytes],
-                          on_done: object = None) -> int:
+                          on_done: OnDone | None = None) -> int:
         """FILL or CHECK device blocks with content derived from `keys` (for --verify and
         tests). `on_done(ok, completion)` runs when every rank has answered."""
         if kind not in (TaskKind.FILL, TaskKind.CHECK):
@@ -594,7 +594,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ stats
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> SchedulerStats:
         """A lock-free snapshot of tier occupancy and counters (values may be a few
         operations apart from each other, never torn)."""
         dev_free = self._dev_pool.num_free
@@ -625,12 +625,59 @@ class KVCacheManager:
             "tasks_inflight": len(self._inflight),
             "tree_status": self.tree_status,
             "paused": self.paused,
-            "counters": {k: getattr(c, k) for k in c.__slots__},  # type: ignore[attr-defined]
+            "counters": {k: getattr(c, k) for k in c.__slots__},
         }
+
+    # ------------------------------------------------------------------ storage tier interface
+    # `kvtier.manager.cache_state.CacheState`: what the storage tier is handed instead of the
+    # manager's internals. Called with the lock held (except `lock`); none of it is on the
+    # match / allocate / commit / release path.
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self._lock
+
+    def lookup(self, key: int) -> Node | None:
+        return self._map.get(key)
+
+    def cached_nodes(self) -> Iterable[Node]:
+        return self._map.values()
+
+    def next_seq(self) -> int:
+        return self._next_seq()
+
+    def track(self, task: Task, nodes: list[Node], on_done: OnDone | None = None) -> None:
+        """Queue a task built elsewhere (storage tier); sent at the end of the API call."""
+        self._inflight[task.seq] = _Inflight(task, nodes, on_done=on_done)
+        self._outbox.append(task)
+
+    def wait_unlocked(self, seqs: list[int], timeout: float | None = None) -> None:
+        self._wait_unlocked(seqs, timeout)
+
+    def take_host_block(self) -> int | None:
+        return self._host_block()
+
+    def adopt_host_node(self, node: Node) -> None:
+        assert node.key is not None and node.host is not None and node.dev is None
+        self._map[node.key] = node
+        self._host_in_tree += 1
+
+    def free_host_copy(self, node: Node) -> None:
+        self._host_pool.free_one(node.host)  # type: ignore[arg-type]
+        node.host = None
+        self._host_in_tree -= node.key is not None
+
+    def relist(self, node: Node) -> None:
+        self._refresh(node)
+
+    def after_transfer(self, node: Node) -> None:
+        self._refresh(node)
+        self._forget(node)
+        self._settle(node)
 
     # ------------------------------------------------------------------ internals
 
-    def _get(self, request_id: str) -> _Request:
+    def _get(self, request_id: str) -> RequestState:
         req = self._requests.get(request_id)
         if req is None:
             raise UnknownRequestError(
@@ -656,11 +703,6 @@ class KVCacheManager:
         self._outbox.append(task)
         return seq
 
-    def _track(self, task: Task, nodes: list[Node], on_done: object = None) -> None:
-        """Queue a task built elsewhere (storage tier); sent at the end of the API call."""
-        self._inflight[task.seq] = _Inflight(task, nodes, on_done=on_done)
-        self._outbox.append(task)
-
     def _flush(self) -> None:
         """Hand queued tasks to the dispatcher once the state they describe is complete (an
         immediate dispatcher re-enters `_on_complete`)."""
@@ -678,7 +720,7 @@ class KVCacheManager:
     def _room_for(self, n: int) -> bool:
         return self._dev_pool.num_free + self._dev_lru.size >= n
 
-    def _load_host_hits(self, req: _Request, host_hits: list[int],
+    def _load_host_hits(self, req: RequestState, host_hits: list[int],
                         waits: list[tuple[int, int]]) -> int:
         """Give the host-only nodes of a match device blocks and one H2D task; truncate the
         match where the device cannot hold more. Returns the number of host hits kept."""
@@ -754,7 +796,7 @@ class KVCacheManager:
                 nxt = node.dnext  # type: ignore[union-attr]
                 freed.append(node.dev)  # type: ignore[union-attr,arg-type]
                 node.dev = node.dprev = node.dnext = None  # type: ignore[union-attr]
-                del m[node.key]  # type: ignore[union-attr]
+                del m[node.key]  # type: ignore[union-attr,arg-type]
                 node.key = None  # type: ignore[union-attr]
                 node = nxt
             head.dnext = node
@@ -907,7 +949,7 @@ class KVCacheManager:
             elif kind == TaskKind.D2H:
                 self._finish_d2h(rec, ok)
             if rec.on_done is not None:
-                rec.on_done(ok, comp)  # type: ignore[operator]
+                rec.on_done(ok, comp)
             self._flush()
 
     def _finish_load(self, rec: _Inflight, ok: bool) -> None:

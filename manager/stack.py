@@ -1,11 +1,26 @@
-"""One deployment's running parts, built from its configuration: worker processes, the
-dispatcher that feeds them, and the manager. `kvtier serve` and `kvtier replay` run a Stack;
-engine builders can too (`Stack(cfg).start()`, then `stack.manager` is the scheduler API).
+"""One deployment's running parts, built from its configuration: the workers, the dispatcher
+that feeds them, the manager and its storage tier. This is the one place a configuration
+becomes a manager plus workers; `kvtier serve` and `kvtier replay` run a Stack, and engine
+builders do too (`with Stack(cfg) as stack:`, then `stack.manager` is the scheduler API).
+
+Two kinds of workers, one wiring:
+
+* `Stack(cfg)`: one worker process per rank (`kvtier.manager.launcher.WorkerSupervisor`),
+  tasks over IPC, loads reported layer by layer, a crashed rank replaced.
+* `Stack(cfg, embedded=True)`: every rank's pools and executor in this process
+  (`kvtier.worker.embedded.EmbeddedWorkers`, reachable as `stack.workers`), each task run on
+  every rank inside the scheduler call that emitted it. For an engine whose model runner owns
+  the KV memory in one process, notebooks, tests and examples.
+
+Either way the workers get the same `WorkerSpec`s (`worker_specs(cfg)`), the manager is the
+same `KVCacheManager`, and a `StorageTier` is built and handed to it when a storage backend
+is configured.
 
 Start order: IPC names (stale ones of this deployment removed) -> worker processes (each
-builds its pools and reports ready) -> dispatcher -> manager. Stop order is the reverse, and
-`close()` is safe to call from any state: it always ends with every process stopped and every
-shared-memory segment and queue of the deployment unlinked.
+builds its pools and reports ready) -> dispatcher -> manager (-> storage tier). Stop order is
+the reverse, and `close()` is safe to call from any state: it always ends with every process
+stopped (or every embedded rank closed) and every shared-memory segment and queue of the
+deployment unlinked.
 """
 
 from __future__ import annotations
@@ -14,16 +29,20 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvtier.manager.config import KvtierConfig, page_bytes, resolve_device, summary
+from kvtier.manager.config import KvtierConfig, page_bytes, rank_device, summary
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.launcher import WorkerSupervisor
 from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.storage_tier import StorageTier
+from kvtier.manager.transfers import Dispatcher, ImmediateDispatcher
 from kvtier.worker.ipc import TreeStatus
 from kvtier.worker.spec import WorkerSpec
 from kvtier.worker.wire import TaskKind
+
+if TYPE_CHECKING:
+    from kvtier.worker.embedded import EmbeddedWorkers
 
 log = logging.getLogger("kvtier.stack")
 
@@ -31,7 +50,7 @@ TransferObserver = Callable[[TaskKind, int, float], None]
 """Called as `observer(kind, blocks, seconds)` once per finished task (every rank answered)."""
 
 
-class _ObservedTransferLog(collections.deque):  # type: ignore[type-arg]
+class _ObservedTransferLog(collections.deque[tuple[TaskKind, int, float]]):
     """The dispatcher's log of finished tasks (kind, blocks, seconds), which also hands every
     entry to the stack's observers as it is appended: a histogram fed here sees every task,
     where one drained from the bounded log at scrape time would miss those pushed out."""
@@ -49,18 +68,42 @@ class _ObservedTransferLog(collections.deque):  # type: ignore[type-arg]
                 log.exception("transfer observer %r failed", observe)
 
 
+def worker_spec(cfg: KvtierConfig, rank: int) -> WorkerSpec:
+    """What rank `rank` of the deployment `cfg` describes needs to build its pools, storage
+    backend and executor (in a worker process or embedded)."""
+    c = cfg
+    s = c.storage
+    return WorkerSpec(
+        deployment_id=c.deployment_id, rank=rank, num_ranks=c.workers.count,
+        num_layers=c.model.num_layers, num_kv_heads=c.model.num_kv_heads,
+        head_dim=c.model.head_dim, dtype=c.model.dtype, block_size=c.cache.block_size,
+        device_blocks=c.cache.device_blocks, host_blocks=c.cache.host_blocks,
+        device=rank_device(c, rank), storage_backend=s.backend, storage_path=s.path,
+        storage_url=s.url, storage_capacity_bytes=s.capacity_bytes,
+        storage_ttl_s=int(s.ttl_s), backup_one_rank=s.backup_one_rank,
+        manager_timeout_s=max(3.0, c.workers.heartbeat_timeout_s), model_name=c.model.name)
+
+
+def worker_specs(cfg: KvtierConfig) -> list[WorkerSpec]:
+    """One `WorkerSpec` per rank (`workers.count`)."""
+    return [worker_spec(cfg, r) for r in range(cfg.workers.count)]
+
+
 class Stack:
-    """Manager + workers (+ storage tier) of one deployment.
+    """Manager + workers (+ storage tier) of one deployment; `embedded=True` runs the workers
+    in this process (`workers`) instead of one process per rank (`supervisor`).
 
     Invariant: `manager` exists only while the workers it dispatches to are running.
     """
 
-    def __init__(self, cfg: KvtierConfig, *, log_dir: str | None = None,
-                 transfer_timeout_s: float = 30.0) -> None:
+    def __init__(self, cfg: KvtierConfig, *, embedded: bool = False,
+                 log_dir: str | None = None, transfer_timeout_s: float = 30.0) -> None:
         self.cfg = cfg
+        self.embedded = embedded
         self.log_dir = log_dir
         self.transfer_timeout_s = transfer_timeout_s
         self.supervisor: WorkerSupervisor | None = None
+        self.workers: EmbeddedWorkers | None = None
         self.manager: KVCacheManager | None = None
         self.storage: StorageTier | None = None
         self._closed = False
@@ -70,30 +113,31 @@ class Stack:
     # ------------------------------------------------------------------ life cycle
 
     def worker_spec(self, rank: int) -> WorkerSpec:
-        c = self.cfg
-        s = c.storage
-        return WorkerSpec(
-            deployment_id=c.deployment_id, rank=rank, num_ranks=c.workers.count,
-            num_layers=c.model.num_layers, num_kv_heads=c.model.num_kv_heads,
-            head_dim=c.model.head_dim, dtype=c.model.dtype, block_size=c.cache.block_size,
-            device_blocks=c.cache.device_blocks, host_blocks=c.cache.host_blocks,
-            device=resolve_device(c), storage_backend=s.backend, storage_path=s.path,
-            storage_url=s.url, storage_capacity_bytes=s.capacity_bytes,
-            storage_ttl_s=int(s.ttl_s), backup_one_rank=s.backup_one_rank,
-            manager_timeout_s=max(3.0, c.workers.heartbeat_timeout_s), model_name=c.model.name)
+        return worker_spec(self.cfg, rank)
 
     def start(self) -> Stack:
         c = self.cfg
         try:
-            self.supervisor = WorkerSupervisor(
-                self.worker_spec, c.workers.count, c.deployment_id,
-                ready_timeout_s=c.workers.ready_timeout_s,
-                heartbeat_timeout_s=c.workers.heartbeat_timeout_s, log_dir=self.log_dir,
-                on_worker_lost=self._on_worker_lost)
-            dispatcher = self.supervisor.make_dispatcher()
-            dispatcher.transfer_seconds = _ObservedTransferLog(
-                dispatcher.transfer_seconds.maxlen, self._transfer_observers)
-            self.supervisor.start()
+            dispatcher: Dispatcher
+            if self.embedded:
+                # Imported here: the pools load torch, which a manager of worker processes
+                # never needs (seconds of start-up).
+                from kvtier.worker.embedded import EmbeddedWorkers
+
+                self.workers = EmbeddedWorkers(worker_specs(c))
+                dispatcher = ImmediateDispatcher(executor=self.workers.execute)
+                dispatcher.num_ranks = self.workers.num_ranks
+            else:
+                self.supervisor = WorkerSupervisor(
+                    self.worker_spec, c.workers.count, c.deployment_id,
+                    ready_timeout_s=c.workers.ready_timeout_s,
+                    heartbeat_timeout_s=c.workers.heartbeat_timeout_s, log_dir=self.log_dir,
+                    on_worker_lost=self._on_worker_lost)
+                to_processes = self.supervisor.make_dispatcher()
+                to_processes.transfer_seconds = _ObservedTransferLog(
+                    to_processes.transfer_seconds.maxlen, self._transfer_observers)
+                self.supervisor.start()
+                dispatcher = to_processes
             self.manager = KVCacheManager(
                 block_size=c.cache.block_size, device_blocks=c.cache.device_blocks,
                 host_blocks=c.cache.host_blocks, write_policy=c.cache.write_policy,
@@ -130,6 +174,8 @@ class Stack:
             self.manager.dispatcher.drain(5.0)
         if self.supervisor is not None:
             self.supervisor.stop()
+        if self.workers is not None:
+            self.workers.close()
         self.manager = None
 
     def __enter__(self) -> Stack:
@@ -147,7 +193,8 @@ class Stack:
 
     def add_transfer_observer(self, observer: TransferObserver) -> None:
         """Call `observer(kind, blocks, seconds)` for every task that finishes from now on
-        (on the dispatcher's thread, under its lock: keep it to a counter update)."""
+        (on the dispatcher's thread, under its lock: keep it to a counter update). Worker
+        processes only: an embedded stack does not time its tasks."""
         self._transfer_observers.append(observer)
 
     def alive(self) -> tuple[bool, str]:
@@ -156,6 +203,10 @@ class Stack:
         manager stops hearing from its workers, whatever the workers' state."""
         if self._closed:
             return False, "stopped"
+        if self.embedded:  # no manager threads: every task runs in the caller's thread
+            if self.manager is None:
+                return False, "starting"
+            return True, "embedded workers (no manager threads)"
         sup = self.supervisor
         if sup is None or self.manager is None or sup.dispatcher is None:
             return False, "starting"
@@ -168,52 +219,66 @@ class Stack:
         return True, "manager threads running"
 
     def ready(self) -> tuple[bool, str]:
-        if self.supervisor is None or self.manager is None:
+        if self.manager is None:
             return False, "starting"
+        if self.supervisor is None:
+            return True, "embedded workers ready"
         return self.supervisor.ready()
+
+    def require_workers(self) -> EmbeddedWorkers:
+        """The in-process ranks of an embedded stack (`device_pool(rank)` is the KV memory
+        the model's attention reads and writes)."""
+        if not self.embedded:
+            raise KvtierError("the stack runs worker processes, not embedded workers")
+        if self.workers is None or self.manager is None:
+            raise KvtierError("the stack is not running")
+        return self.workers
 
     def pause(self) -> None:
         m = self.require_manager()
         m.paused = True
-        assert self.supervisor is not None
-        self.supervisor.ipc.paused = True
+        if self.supervisor is not None:
+            self.supervisor.ipc.paused = True
 
     def resume(self) -> None:
         m = self.require_manager()
         m.paused = False
-        assert self.supervisor is not None
-        self.supervisor.ipc.paused = False
+        if self.supervisor is not None:
+            self.supervisor.ipc.paused = False
 
     def reset(self, *, storage: bool = False, timeout: float = 10.0) -> dict[str, Any]:
         """Empty the tree and the device and host caches after in-flight transfers finish;
         with `storage`, also this deployment's storage namespace. Raises ResetBusyError
         (nothing cleared) when transfers do not finish in time."""
         m = self.require_manager()
-        assert self.supervisor is not None
-        ipc = self.supervisor.ipc
-        ipc.tree_status = TreeStatus.CLEARING
+        self._publish_tree_status(TreeStatus.CLEARING)
         try:
             cleared: dict[str, Any] = dict(m.reset(timeout))
             if storage:
                 cleared["storage_pages"] = (self.storage.clear(timeout)
                                             if self.storage is not None else 0)
-            ipc.tree_status = TreeStatus.CLEARED
+            self._publish_tree_status(TreeStatus.CLEARED)
             return cleared
         finally:
-            ipc.tree_status = TreeStatus.NORMAL
+            self._publish_tree_status(TreeStatus.NORMAL)
+
+    def _publish_tree_status(self, status: TreeStatus) -> None:
+        """Tell the worker processes (a shared-memory flag); embedded ranks need no telling."""
+        if self.supervisor is not None:
+            self.supervisor.ipc.tree_status = status
 
     def status(self) -> dict[str, Any]:
         m = self.require_manager()
         st = m.stats()
         pb = self.page_bytes
         tiers: dict[str, Any] = {}
-        for tier in ("device", "host"):
-            t = dict(st[tier])  # type: ignore[arg-type]
+        for tier, counts in (("device", st["device"]), ("host", st["host"])):
+            t = dict(counts)
             t["bytes_per_block"] = pb * self.cfg.workers.count
             for k in ("capacity", "free", "cached", "in_use"):
                 t[f"{k}_bytes"] = t[k] * pb * self.cfg.workers.count
             tiers[tier] = t
-        c = st["counters"]  # type: ignore[index]
+        c = st["counters"]
         lookup = c["lookup_tokens"] or 0
         hits = {"device": c["hit_device_tokens"], "host": c["hit_host_tokens"],
                 "storage": c["hit_storage_tokens"]}

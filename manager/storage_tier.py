@@ -6,6 +6,11 @@ instance serving the same model finds the pages another one wrote. Nothing here 
 it emits QUERY, PREFETCH, BACKUP and CLEAR tasks and applies their outcomes under the
 manager's lock.
 
+The tier never sees the manager's internals: it is handed a `CacheState`
+(`kvtier.manager.cache_state`), the few operations it needs on the tree, the host free list
+and the task queue, and the scheduler calls it through `StorageHooks`. This module does not
+import the scheduler, nor the scheduler this one; `kvtier.manager.stack` wires the two.
+
 Prefetch life cycle::
 
     match/prefetch misses >= prefetch_threshold tokens after the device and host tiers
@@ -30,6 +35,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvtier.manager.cache_state import CacheState, RequestState
 from kvtier.manager.errors import TransferTimeoutError
 from kvtier.manager.keys import storage_keys
 from kvtier.manager.tree import BACKING, FROM_STORAGE, PREFETCHING, STORED, Node
@@ -37,18 +43,17 @@ from kvtier.worker.wire import Completion, Priority, Task, TaskKind
 
 if TYPE_CHECKING:
     from kvtier.manager.config import KvtierConfig
-    from kvtier.manager.scheduler import KVCacheManager, _Request
 
 
 class StorageTier:
-    """Prefetch and backup decisions of one manager.
+    """Prefetch and backup decisions of one manager (implements `StorageHooks`).
 
     Data structures: `_prefetch_of` node -> seq of the PREFETCH task filling it;
     `_revoked` seqs of prefetches whose result must be thrown away; `prefetching_blocks`
     host blocks currently held by prefetches (bounded by `limit`).
     """
 
-    def __init__(self, manager: KVCacheManager, cfg: KvtierConfig) -> None:
+    def __init__(self, manager: CacheState, cfg: KvtierConfig) -> None:
         s = cfg.storage
         self.m = manager
         self.bs = cfg.cache.block_size
@@ -71,7 +76,7 @@ class StorageTier:
 
     # ------------------------------------------------------------------ keys
 
-    def request_skeys(self, req: _Request, token_ids: Any, upto: int) -> list[bytes]:
+    def request_skeys(self, req: RequestState, token_ids: Any, upto: int) -> list[bytes]:
         """The request's storage keys for its first `upto` blocks (computed once, chained
         from the matched nodes' keys where they have them)."""
         sk = req.skeys
@@ -88,13 +93,13 @@ class StorageTier:
 
     # ------------------------------------------------------------------ match hook
 
-    def on_miss(self, req: _Request, token_ids: Any, start: int, cap: int) -> bool:
+    def on_miss(self, req: RequestState, token_ids: Any, start: int, cap: int) -> bool:
         """Called by `match` (lock held) when the device and host tiers end at block
         `start` of `cap` matchable blocks. Issues a query/prefetch when none is under way
         and, per policy, waits for it. Returns True when the walk should look again."""
         if (cap - start) * self.bs < self.threshold_tokens:
             return False
-        node = self.m._map.get(req.keys[start])
+        node = self.m.lookup(req.keys[start])
         # One budget for the query and the prefetch together: `timeout` bounds the whole wait.
         deadline = time.monotonic() + self._wait_budget(cap - start)
         if node is None:
@@ -102,21 +107,21 @@ class StorageTier:
             if self.policy == "best_effort":
                 return False  # it lands for later requests of the same prefix
             try:
-                self.m._wait_unlocked([seq], max(0.0, deadline - time.monotonic()))
+                self.m.wait_unlocked([seq], max(0.0, deadline - time.monotonic()))
             except TransferTimeoutError:
                 return False
-            node = self.m._map.get(req.keys[start])
+            node = self.m.lookup(req.keys[start])
             if node is None:
                 return False
             if not node.flags & PREFETCHING:
                 return True  # the prefetch landed while we waited for the query: walk again
         if not node.flags & PREFETCHING or self.policy == "best_effort":
             return False
-        seq = self._prefetch_of.get(node)
-        if seq is None:
+        prefetch = self._prefetch_of.get(node)
+        if prefetch is None:
             return False
         try:
-            self.m._wait_unlocked([seq], max(0.0, deadline - time.monotonic()))
+            self.m.wait_unlocked([prefetch], max(0.0, deadline - time.monotonic()))
         except TransferTimeoutError:
             return False
         return True
@@ -128,20 +133,20 @@ class StorageTier:
 
     # ------------------------------------------------------------------ query and prefetch
 
-    def query(self, req: _Request, token_ids: Any, start: int, cap: int) -> int:
+    def query(self, req: RequestState, token_ids: Any, start: int, cap: int) -> int:
         """Ask storage how many of blocks start..cap it holds; the answer starts a prefetch
         when it is worth one. Returns the query's seq."""
         skeys = self.request_skeys(req, token_ids, cap)[start:cap]
         keys = req.keys[start:cap]
         m = self.m
-        seq = m._next_seq()
+        seq = m.next_seq()
         task = Task(seq, TaskKind.QUERY, [], [], list(skeys), Priority.PREFETCH)
         self.counters["queries"] += 1
 
         def done(ok: bool, comp: Completion) -> None:
             self._on_query(ok, comp, keys, skeys)
 
-        m._track(task, [], on_done=done)
+        m.track(task, [], on_done=done)
         return seq
 
     def _on_query(self, ok: bool, comp: Completion, keys: list[int],
@@ -161,29 +166,28 @@ class StorageTier:
         dst: list[int] = []
         fetch_keys: list[bytes] = []
         for key, skey in zip(keys[:n], skeys[:n], strict=True):
-            if key in m._map:
+            if m.lookup(key) is not None:
                 continue  # cached meanwhile
-            hb = m._host_block()
+            hb = m.take_host_block()
             if hb is None:
                 break
             node = Node(key, None, hb, now)
             node.flags = PREFETCHING
             node.skey = skey
-            m._map[key] = node
-            m._host_in_tree += 1
+            m.adopt_host_node(node)
             nodes.append(node)
             dst.append(hb)
             fetch_keys.append(skey)
         if not nodes:
             return
-        seq = m._next_seq()
+        seq = m.next_seq()
         task = Task(seq, TaskKind.PREFETCH, [], dst, fetch_keys, Priority.PREFETCH)
         for node in nodes:
             self._prefetch_of[node] = seq
         self.prefetching_blocks += len(nodes)
         self.counters["prefetch_tasks"] += 1
         self.counters["prefetch_pages_issued"] += len(nodes)
-        m._track(task, nodes, on_done=lambda ok, comp: self._on_prefetch(seq, nodes, ok, comp))
+        m.track(task, nodes, on_done=lambda ok, comp: self._on_prefetch(seq, nodes, ok, comp))
 
     def _on_prefetch(self, seq: int, nodes: list[Node], ok: bool, comp: Completion) -> None:
         m = self.m
@@ -200,17 +204,13 @@ class StorageTier:
             if i < good:
                 node.flags |= FROM_STORAGE | STORED
             elif node.host is not None:
-                m._host_pool.free_one(node.host)
-                node.host = None
-                m._host_in_tree -= node.key is not None
-            m._refresh(node)
-            m._forget(node)
-            m._settle(node)
+                m.free_host_copy(node)
+            m.after_transfer(node)
 
     def revoke(self) -> int:
         """Throw away the result of every prefetch in flight (their blocks become misses and
         are freed when they land). Returns how many prefetches were revoked."""
-        with self.m._lock:
+        with self.m.lock:
             seqs = set(self._prefetch_of.values()) - self._revoked
             self._revoked |= seqs
             return len(seqs)
@@ -227,17 +227,17 @@ class StorageTier:
                     or node.flags & (STORED | BACKING | PREFETCHING)):
                 continue
             node.flags |= BACKING
-            self.m._refresh(node)
+            self.m.relist(node)
             src.append(node.host)
             keys.append(node.skey)
             batch.append(node)
         if not batch:
             return
         m = self.m
-        seq = m._next_seq()
+        seq = m.next_seq()
         task = Task(seq, TaskKind.BACKUP, src, [], keys, Priority.BACKUP)
         self.counters["backup_tasks"] += 1
-        m._track(task, batch, on_done=lambda ok, comp: self._on_backup(batch, ok, comp))
+        m.track(task, batch, on_done=lambda ok, comp: self._on_backup(batch, ok, comp))
 
     def _on_backup(self, nodes: list[Node], ok: bool, comp: Completion) -> None:
         # A backend that cannot write (Redis down, disk full) still answers the task, with
@@ -253,9 +253,7 @@ class StorageTier:
             node.flags &= ~BACKING
             if stored:
                 node.flags |= STORED
-            self.m._refresh(node)
-            self.m._forget(node)
-            self.m._settle(node)
+            self.m.after_transfer(node)
 
     # ------------------------------------------------------------------ admin
 
@@ -272,16 +270,14 @@ class StorageTier:
             out.append(comp.result)
 
         raise_later: list[str] = []
-        with m._lock:
-            seq = m._next_seq()
+        with m.lock:
+            seq = m.next_seq()
             task = Task(seq, TaskKind.CLEAR, [], [], [], Priority.CONTROL)
-            m._track(task, [], on_done=done)
-            m._flush()
-        m.dispatcher.wait([seq], timeout)
-        if raise_later:
-            raise RuntimeError(f"clearing storage failed: {raise_later[0]}")
-        with m._lock:  # every node's storage copy is gone now
-            for node in m._map.values():
+            m.track(task, [], on_done=done)
+            m.wait_unlocked([seq], timeout)  # sends it; the lock is free while it runs
+            if raise_later:
+                raise RuntimeError(f"clearing storage failed: {raise_later[0]}")
+            for node in m.cached_nodes():  # every node's storage copy is gone now
                 node.flags &= ~STORED
         return out[0] if out else 0
 

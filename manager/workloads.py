@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.manager.errors import KvtierError
+
 SEED = 20240611
 VOCAB = 32000
 N_CONV = 200
@@ -41,7 +43,7 @@ class WorkRequest:
     timestamp_ms: int = 0
 
 
-class TraceError(ValueError):
+class TraceError(KvtierError, ValueError):
     """A trace file that cannot be read; the message names the file and line."""
 
 

@@ -13,37 +13,22 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
-import posix_ipc
-from kvtier.worker.ipc import cleanup_stale, ipc_names
+from support import clean_env, pid_exists, remove_leftovers, wait_until
 
 URL_LINE = re.compile(r"admin listening on (http://\S+)")
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 
 
-def kvtier_script() -> Path:
-    """The `kvtier` console script of the environment running the tests."""
-    path = Path(sys.executable).parent / "kvtier"
-    if not path.exists():
-        raise RuntimeError(f"{path} not found: install the project (pip install -e .)")
-    return path
-
-
-def module_command() -> list[str]:
-    return [sys.executable, "-m", "kvtier.manager.cli"]
-
-
-def tiny_config(path: Path, deployment_id: str, *, workers: int = 1, storage: str = "file",
-                storage_dir: Path | None = None, extra: str = "") -> Path:
-    """A TOML file for a small deployment: 2 layers x 2 heads x 8, 4-token blocks, 64 device
-    and 64 host blocks per rank, admin on a free loopback port."""
+def tiny_toml(path: Path, deployment_id: str, *, workers: int = 1, storage: str = "file",
+              storage_dir: Path | None = None, extra: str = "") -> Path:
+    """A TOML file, as an operator writes one, for a small deployment: 2 layers x 2 heads x
+    8, 4-token blocks, 64 device and 64 host blocks per rank, admin on a free loopback port.
+    (`support.tiny_config` is the in-process counterpart: a loaded KvtierConfig.)"""
     storage_lines = f'backend = "{storage}"\n'
     if storage == "file":
         storage_lines += f'path = "{storage_dir or path.parent / "storage"}"\n'
@@ -56,14 +41,6 @@ def tiny_config(path: Path, deployment_id: str, *, workers: int = 1, storage: st
         f'[workers]\ncount = {workers}\ndevice = "cpu"\n'
         '[admin]\nhost = "127.0.0.1"\nport = 0\n' + extra)
     return path
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The test's environment without any KVTIER_ variable (they would override the file),
-    plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("KVTIER_")}
-    env.update(extra)
-    return env
 
 
 def child_pids(pid: int) -> list[int]:
@@ -82,55 +59,9 @@ def child_pids(pid: int) -> list[int]:
     return found
 
 
-def leftovers(deployment_id: str, num_ranks: int) -> list[str]:
-    """What the deployment left behind: /dev/shm entries (segments, host pools, semaphores)
-    of its name prefix, and message queues that still open (no /dev/mqueue mount needed)."""
-    prefixes = (f"kvtier_{deployment_id}_", f"sem.kvtier_{deployment_id}_")
-    found = sorted(e.name for e in Path("/dev/shm").iterdir() if e.name.startswith(prefixes))
-    for name in ipc_names(deployment_id, num_ranks).queues:
-        try:
-            queue = posix_ipc.MessageQueue(name)
-        except posix_ipc.ExistentialError:
-            continue
-        queue.close()
-        found.append(f"queue {name}")
-    return found
-
-
-def remove_leftovers(deployment_id: str) -> None:
-    """Unlink every IPC name of the deployment (after a failed test)."""
-    cleanup_stale(deployment_id)
-    for entry in Path("/dev/shm").iterdir():
-        if entry.name.startswith(f"kvtier_{deployment_id}_"):
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                posix_ipc.unlink_shared_memory("/" + entry.name)
-
-
-def pid_exists(pid: int) -> bool:
-    """True while `pid` is a live process (a zombie counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll `predicate` until it returns something truthy; AssertionError naming `what` after
-    `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
-
-
 class ServeProcess:
-    """One `kvtier serve` child. `command` is the program part (`kvtier` or `python -m
-    manager.cli`); `args` follow it (`serve --config FILE`)."""
+    """One `kvtier serve` child. `command` is the program part (`support.kvtier_script()` or
+    `support.module_command()`); `args` follow it (`serve --config FILE`)."""
 
     def __init__(self, command: Sequence[str], args: Sequence[str], *, deployment_id: str,
                  log_path: Path, env: dict[str, str] | None = None) -> None:
@@ -158,7 +89,7 @@ class ServeProcess:
             return found.group(1) if found else None
 
         try:
-            self.url = wait_for(started, timeout, "the admin URL in the serve log")
+            self.url = wait_until(started, timeout, "the admin URL in the serve log")
         except BaseException:
             self.close()
             raise

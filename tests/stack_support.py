@@ -1,5 +1,6 @@
-"""Helpers for tests that run a real Stack: tiny configurations, a context manager that checks
-a stopped deployment left nothing behind, synchronous diagnostics and bounded waits.
+"""Helpers for tests that run a real Stack: a context manager that checks a stopped deployment
+left nothing behind, synchronous diagnostics and the workers' host pools seen from the test.
+Tiny configurations, bounded waits and leftover checks come from `support`.
 
 Worker processes import torch, so starting a Stack costs seconds: tests share stacks where
 they do not break them, and everything here is bounded so a stuck worker fails a test
@@ -9,129 +10,23 @@ instead of hanging it.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-import posix_ipc
-from kvtier.manager.config import KvtierConfig, load_config
+from kvtier.manager.config import KvtierConfig
 from kvtier.manager.keys import key_bytes
 from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.stack import Stack
-from kvtier.worker.ipc import existing_names, ipc_names, pid_alive
 from kvtier.worker.kv_pools import HostPool, KVShape
 from kvtier.worker.process import host_segment_name
 from kvtier.worker.wire import Completion, TaskKind
-
-SHM_DIR = Path("/dev/shm")
-_ids = itertools.count()
-
-
-def new_deployment_id() -> str:
-    """An id no other test (or test run on this machine) uses: names stay apart."""
-    return f"t{os.getpid()}x{next(_ids)}"
-
-
-def tiny_config(
-    *,
-    deployment_id: str | None = None,
-    workers: int = 2,
-    num_layers: int = 2,
-    device_blocks: int = 16,
-    host_blocks: int = 32,
-    write_policy: str = "write_back",
-) -> KvtierConfig:
-    """A configuration small enough that pools cost nothing: 2 KV heads of 8 elements,
-    4-token blocks, no storage tier, CPU device pools, no decode reserve."""
-    env = {
-        "KVTIER_DEPLOYMENT_ID": deployment_id or new_deployment_id(),
-        "KVTIER_MODEL__NUM_LAYERS": str(num_layers),
-        "KVTIER_MODEL__NUM_KV_HEADS": "2",
-        "KVTIER_MODEL__HEAD_DIM": "8",
-        "KVTIER_CACHE__BLOCK_SIZE": "4",
-        "KVTIER_CACHE__DEVICE_BLOCKS": str(device_blocks),
-        "KVTIER_CACHE__HOST_BLOCKS": str(host_blocks),
-        "KVTIER_CACHE__WRITE_POLICY": write_policy,
-        "KVTIER_CACHE__DECODE_RESERVE_BLOCKS": "0",
-        "KVTIER_STORAGE__BACKEND": "none",
-        "KVTIER_WORKERS__COUNT": str(workers),
-        "KVTIER_WORKERS__DEVICE": "cpu",
-    }
-    return load_config(None, env)
+from support import leftovers
 
 
 def kv_shape(cfg: KvtierConfig) -> KVShape:
     m = cfg.model
     return KVShape(m.num_layers, m.num_kv_heads, m.head_dim, cfg.cache.block_size, m.dtype)
-
-
-# --------------------------------------------------------------------------- leftovers
-
-
-def shm_entries(deployment_id: str) -> list[str]:
-    """Entries of /dev/shm belonging to the deployment: segments (`kvtier_<id>_*`, host pools
-    included) and semaphores (`sem.kvtier_<id>_*`). Ids hold no '_', so the trailing '_'
-    keeps `t1x1` from matching `t1x10`."""
-    prefix = f"kvtier_{deployment_id}_"
-    return sorted(n for n in os.listdir(SHM_DIR)
-                  if n.startswith(prefix) or n.startswith("sem." + prefix))
-
-
-def queues_left(deployment_id: str, num_ranks: int) -> list[str]:
-    """The deployment's message queues that still exist (opened, since /dev/mqueue may not
-    be mounted)."""
-    left = []
-    for name in ipc_names(deployment_id, num_ranks).queues:
-        try:
-            posix_ipc.MessageQueue(name).close()
-        except posix_ipc.ExistentialError:
-            continue
-        left.append(name)
-    return left
-
-
-def leftovers(deployment_id: str, num_ranks: int, pids: Sequence[int] = ()) -> list[str]:
-    """Everything of the deployment still there: /dev/shm entries, IPC names (every kind,
-    any rank count), queues, and the worker pids in `pids` still running."""
-    found = [f"/dev/shm/{n}" for n in shm_entries(deployment_id)]
-    found += [n for n in existing_names(deployment_id) if f"/dev/shm{n}" not in found]
-    found += [q for q in queues_left(deployment_id, num_ranks) if q not in found]
-    found += [f"worker pid {p} alive" for p in pids if pid_alive(p)]
-    return found
-
-
-def wait_until(pred: Callable[[], object], timeout: float, what: str,
-               interval: float = 0.05) -> object:
-    """Poll `pred` until it returns something truthy; AssertionError naming `what` after
-    `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.1f} s")
-        time.sleep(interval)
-
-
-def wait_nothing_left(deployment_id: str, num_ranks: int, pids: Sequence[int],
-                      timeout: float) -> None:
-    """Wait (bounded) until none of the deployment's names and worker pids remain."""
-    left: list[str] = []
-
-    def clean() -> bool:
-        nonlocal left
-        left = leftovers(deployment_id, num_ranks, pids)
-        return not left
-
-    try:
-        wait_until(clean, timeout, f"deployment {deployment_id} gone")
-    except AssertionError:
-        raise AssertionError(
-            f"deployment {deployment_id}: still there after {timeout:.0f} s: {left}") from None
 
 
 def worker_pids(stack: Stack) -> list[int]:

@@ -11,22 +11,20 @@ so a test can assert on the tier each hit came from.
 from __future__ import annotations
 
 import itertools
-import os
 import random
 import time
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import serve_support
-from kvtier.manager.config import KvtierConfig, load_config
+from kvtier.manager.config import KvtierConfig
 from kvtier.manager.keys import chain_keys, storage_keys
 from kvtier.manager.replay import _Diagnostics
 from kvtier.manager.scheduler import MatchResult
 from kvtier.manager.stack import Stack
 from kvtier.manager.workloads import WorkRequest
 from kvtier.worker.wire import TaskKind
+from support import tiny_config, wait_until
 
 BS = 4
 NUM_LAYERS = 2
@@ -36,65 +34,29 @@ RANKS = 2
 THRESHOLD_TOKENS = 8
 WAIT_S = 20.0  # bound on every wait for a background task (backups, prefetches)
 
-_ids = itertools.count()
-
-
-def deployment_id(tag: str) -> str:
-    """A deployment id no other test (or concurrent test run) uses: `<tag>-<pid><n><rand>`,
-    at most 32 characters of letters, digits and '-'."""
-    suffix = f"{os.getpid() % 100000}{next(_ids)}{uuid.uuid4().hex[:4]}"
-    return f"{tag[:32 - len(suffix) - 1]}-{suffix}"
-
 
 def stack_config(dep_id: str, storage_dir: Path, *, backend: str = "file",
                  url: str | None = None, policy: str = "wait_complete",
                  extra: Mapping[str, str] | None = None) -> KvtierConfig:
-    """A 2-rank config with the tiny KV shape, write_through (every committed block goes to
-    host and then to storage) and the given storage backend and prefetch policy."""
+    """A 2-rank `support.tiny_config` (its KV shape is the one above) with room for a few
+    hundred prompts, write_through (every committed block goes to host and then to storage)
+    and the given storage backend and prefetch policy."""
     env = {
-        "KVTIER_DEPLOYMENT_ID": dep_id,
-        "KVTIER_MODEL__NUM_LAYERS": str(NUM_LAYERS),
-        "KVTIER_MODEL__NUM_KV_HEADS": str(NUM_KV_HEADS),
-        "KVTIER_MODEL__HEAD_DIM": str(HEAD_DIM),
-        "KVTIER_MODEL__DTYPE": "float16",
-        "KVTIER_CACHE__BLOCK_SIZE": str(BS),
-        "KVTIER_CACHE__DEVICE_BLOCKS": "512",
-        "KVTIER_CACHE__HOST_BLOCKS": "1024",
-        "KVTIER_CACHE__WRITE_POLICY": "write_through",
-        "KVTIER_CACHE__DECODE_RESERVE_BLOCKS": "0",
-        "KVTIER_STORAGE__BACKEND": backend,
-        "KVTIER_STORAGE__PATH": str(storage_dir),
         "KVTIER_STORAGE__PREFETCH_POLICY": policy,
         "KVTIER_STORAGE__PREFETCH_THRESHOLD": str(THRESHOLD_TOKENS),
-        "KVTIER_WORKERS__COUNT": str(RANKS),
-        "KVTIER_WORKERS__DEVICE": "cpu",
     }
     if url is not None:
         env["KVTIER_STORAGE__URL"] = url
     env.update(extra or {})
-    return load_config(None, env)
-
-
-def leftovers(dep_id: str, num_ranks: int = RANKS) -> list[str]:
-    """The deployment's /dev/shm entries and message queues still there: after
-    `Stack.close()` this must be empty."""
-    return serve_support.leftovers(dep_id, num_ranks)
+    return tiny_config(deployment_id=dep_id, workers=RANKS, num_layers=NUM_LAYERS,
+                       device_blocks=512, host_blocks=1024, write_policy="write_through",
+                       storage=backend, storage_dir=storage_dir, extra=env)
 
 
 def prompt(tag: int, blocks: int, tail: int = 1) -> list[int]:
     """`blocks` full blocks no other tag shares, plus `tail` more tokens (a match covers at
     most len-1 tokens, so one extra token lets every full block be a hit)."""
     return [tag * 10_000 + i for i in range(blocks * BS + tail)]
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = WAIT_S, what: str = "") -> float:
-    """Poll `cond` every 10 ms; returns the seconds waited or fails naming `what`."""
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"not reached within {timeout:.0f} s: {what}")
-        time.sleep(0.01)
-    return time.monotonic() - t0
 
 
 def storage_counters(stack: Stack) -> dict[str, int]:
@@ -107,8 +69,8 @@ def wait_backups(stack: Stack, pages: int) -> None:
     """Wait until at least `pages` pages were written to storage by this manager and nothing
     is in flight (a BACKUP task counts its pages when every rank has written them)."""
     m = stack.require_manager()
-    wait_until(lambda: storage_counters(stack)["backup_pages"] >= pages,
-               what=f"{pages} pages backed up (counters {storage_counters(stack)})")
+    wait_until(lambda: storage_counters(stack)["backup_pages"] >= pages, WAIT_S,
+               f"{pages} pages backed up (counters {storage_counters(stack)})", interval=0.01)
     assert m.dispatcher.drain(WAIT_S), "transfers still in flight"
     assert storage_counters(stack)["errors_backup"] == 0
 

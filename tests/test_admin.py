@@ -8,8 +8,6 @@ engine would, and checks what the admin reports and does.
 
 from __future__ import annotations
 
-import os
-import shutil
 import statistics
 import subprocess
 import time
@@ -27,6 +25,7 @@ from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.stack import Stack
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from support import new_deployment_id, promtool, tiny_config, wait_until
 
 TOKEN = "s3cret-admin-token"
 POSTS = ("/pause", "/resume", "/reset", "/pin", "/unpin")
@@ -48,20 +47,17 @@ REQUIRED_METRICS = (
 
 
 def tiny_cfg(deployment_id: str, storage_dir: Path) -> KvtierConfig:
-    return KvtierConfig.model_validate({
-        "deployment_id": deployment_id,
-        "model": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8},
-        "cache": {"block_size": 4, "device_blocks": 64, "host_blocks": 64,
-                  "write_policy": "write_through"},
-        "storage": {"backend": "file", "path": str(storage_dir)},
-        "workers": {"count": 1, "device": "cpu"},
-    })
+    """One worker, 64 device and 64 host blocks, write_through to file storage, the default
+    decode reserve (1 block)."""
+    return tiny_config(deployment_id=deployment_id, workers=1, device_blocks=64,
+                       host_blocks=64, write_policy="write_through", decode_reserve_blocks=1,
+                       storage="file", storage_dir=storage_dir)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("admin")
-    s = Stack(tiny_cfg(f"adm{os.getpid()}", root / "storage"), log_dir=str(root / "logs"))
+    s = Stack(tiny_cfg(new_deployment_id("adm"), root / "storage"), log_dir=str(root / "logs"))
     s.start()
     try:
         yield s
@@ -135,11 +131,7 @@ def value(samples: dict[str, list[tuple[dict[str, str], float]]], name: str,
 
 
 def promtool_check(text: str) -> subprocess.CompletedProcess[str]:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.fail("promtool not found: install the Debian package prometheus")
-    return subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
-                          text=True, timeout=30)
+    return promtool("check", "metrics", input=text)
 
 
 # ---------------------------------------------------------------------------- probes, reads
@@ -193,13 +185,12 @@ def test_metrics_parse_agree_with_the_stack_and_pass_promtool(stack: Stack,
     pb = page_bytes(stack.cfg)
     # write_through: every committed block is copied to host; wait until a copy finished
     # and was observed by the transfer histogram.
-    deadline = time.monotonic() + 10
-    while True:
+    def d2h_observed() -> dict[str, list[tuple[dict[str, str], float]]] | None:
         samples = scrape(http)
-        if value(samples, "kvtier_transfer_seconds_count", direction="d2h") > 0:
-            break
-        assert time.monotonic() < deadline, "no d2h transfer observed"
-        time.sleep(0.05)
+        observed = value(samples, "kvtier_transfer_seconds_count", direction="d2h")
+        return samples if observed > 0 else None
+
+    samples = wait_until(d2h_observed, 10, "a d2h transfer observed")
     missing = [n for n in (*REQUIRED_METRICS, *dashboard_metric_names()) if n not in samples]
     assert not missing
     st = m.stats()
@@ -350,10 +341,8 @@ def test_reset_with_storage_clears_the_stored_pages(stack: Stack, http: httpx.Cl
     m, storage = stack.manager, stack.storage
     assert m is not None and storage is not None
     serve_request(m, list(range(6000, 6032)))
-    deadline = time.monotonic() + 10
-    while storage.counters["backup_pages"] == 0:  # write_through: host copies go to storage
-        assert time.monotonic() < deadline, "no page was backed up to storage"
-        time.sleep(0.05)
+    # write_through: host copies go to storage
+    wait_until(lambda: storage.counters["backup_pages"], 10, "a page backed up to storage")
     assert m.dispatcher.drain(10.0)
     answer = http.post("/reset", params={"storage": "true"})
     assert answer.status_code == 200, answer.text
@@ -435,13 +424,14 @@ def test_a_shutting_down_admin_refuses_posts_and_is_not_ready(stack: Stack) -> N
 # ---------------------------------------------------------------------------- scale
 
 
+@pytest.mark.slow  # a stack of its own, and a million blocks committed
 def test_metrics_take_under_20ms_with_a_million_cached_blocks(tmp_path: Path) -> None:
     """A real stack whose manager caches 1,000,000 blocks (block_size 1, one long sequence
     committed in four steps; 4-byte pages keep the worker's pool at 4 MB): a scrape reads
     O(1) snapshots, so it stays far under 20 ms, in the collector and over HTTP."""
     n = 1_000_000
     cfg = KvtierConfig.model_validate({
-        "deployment_id": f"adm{os.getpid()}m",
+        "deployment_id": new_deployment_id("adm"),
         "model": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1},
         "cache": {"block_size": 1, "device_blocks": n + 16, "host_blocks": 0,
                   "decode_reserve_blocks": 0},

@@ -15,8 +15,6 @@ dashboard queries.
 from __future__ import annotations
 
 import ast
-import os
-import shutil
 import signal
 import subprocess
 import tomllib
@@ -55,21 +53,22 @@ from compose_support import (
 )
 from kvtier.manager.config import host_pool_bytes, load_config, page_bytes
 from prometheus_client.parser import text_string_to_metric_families
-from serve_support import ServeProcess, kvtier_script, leftovers, tiny_config, wait_for
+from serve_support import ServeProcess, tiny_toml
+from support import (
+    kvtier_script,
+    leftovers,
+    new_deployment_id,
+    promtool,
+    require_tool,
+    wait_until,
+)
 
 CONTAINER_CONFIG = "/etc/kvtier/kvtier.toml"
 
 
-def _tool(name: str, package: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} not found: install the Debian package {package}")
-    return path
-
-
 def _compose_config(path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [_tool("docker-compose", "docker-compose"), "-f", str(path), "config"],
+        [require_tool("docker-compose", "docker-compose"), "-f", str(path), "config"],
         cwd=path.parent,
         capture_output=True,
         text=True,
@@ -175,12 +174,7 @@ def test_prometheus_scrapes_the_admin_port(kvtier_cfg):
 
 
 def test_prometheus_config_passes_promtool():
-    result = subprocess.run(
-        [_tool("promtool", "prometheus"), "check", "config", str(PROMETHEUS_YML)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = promtool("check", "config", str(PROMETHEUS_YML))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -254,19 +248,12 @@ def test_dashboard_queries_are_valid_promql(tmp_path):
     rules = {"groups": [{"name": "dashboard", "rules": records}]}
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump(rules))
-    result = subprocess.run(
-        [_tool("promtool", "prometheus"), "check", "rules", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = promtool("check", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
     broken = tmp_path / "broken.yml"
     rules["groups"][0]["rules"][0]["expr"] = "sum(rate(kvtier_blocks[1m])"
     broken.write_text(yaml.safe_dump(rules))
-    refused = subprocess.run(
-        ["promtool", "check", "rules", str(broken)], capture_output=True, text=True, timeout=60
-    )
+    refused = promtool("check", "rules", str(broken))
     assert refused.returncode != 0
 
 
@@ -327,6 +314,7 @@ def test_dockerfile_copies_every_package_and_dockerignore_lets_them_through():
 # --- the commands compose runs, run here ------------------------------------------------------
 
 
+@pytest.mark.slow  # runs `kvtier serve` with its worker
 def test_compose_command_runs_and_serves_every_dashboard_metric(tmp_path):
     """The only service built from this repository runs ENTRYPOINT + command; this runs that
     exact command line (the console script, its config path moved to a small local file),
@@ -337,18 +325,17 @@ def test_compose_command_runs_and_serves_every_dashboard_metric(tmp_path):
     command = list(compose_commands()["kvtier"])
     at = command.index("--config") + 1
     assert command[at] == CONTAINER_CONFIG
-    dep = f"cmp{os.getpid()}"
-    command[at] = str(tiny_config(tmp_path / "kvtier.toml", dep))
+    dep = new_deployment_id("cmp")
+    command[at] = str(tiny_toml(tmp_path / "kvtier.toml", dep))
     with ServeProcess([str(kvtier_script())], command, deployment_id=dep,
                       log_path=tmp_path / "serve.log") as serve:
         with httpx.Client(base_url=serve.url, timeout=10.0) as client:
-            wait_for(lambda: client.get("/readyz").status_code == 200, 30, "/readyz 200")
+            wait_until(lambda: client.get("/readyz").status_code == 200, 30, "/readyz 200")
             text = client.get("/metrics").text
         names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
         missing = sorted(set(dashboard_metric_names()) - names)
         assert not missing, f"the dashboard queries metrics /metrics lacks: {missing}"
-        linted = subprocess.run([_tool("promtool", "prometheus"), "check", "metrics"],
-                                input=text, capture_output=True, text=True, timeout=60)
+        linted = promtool("check", "metrics", input=text)
         assert linted.returncode == 0, linted.stdout + linted.stderr
         assert serve.stop(signal.SIGINT) == 0
     assert leftovers(dep, 1) == []

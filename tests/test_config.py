@@ -35,9 +35,8 @@ from kvtier.manager.config import (
     torch_gpu_build,
 )
 from pydantic import ValidationError
-from redis_server import RedisClusterServers, RedisServer, free_port
-from redis_server import redis_cluster as redis_cluster
-from redis_server import redis_server as redis_server
+from redis_server import RedisClusterServers, RedisServer
+from support import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,7 +64,8 @@ BRIEF_DEFAULTS = {
         "prefetch_host_blocks_limit": None,
         "backup_one_rank": False,
     },
-    "workers": {"count": 1, "device": "auto", "ready_timeout_s": 60, "heartbeat_timeout_s": 5},
+    "workers": {"count": 1, "device": "auto", "cuda_devices": "", "ready_timeout_s": 60,
+                "heartbeat_timeout_s": 5},
     "admin": {"host": "127.0.0.1", "port": 8080, "token": ""},
 }
 
@@ -500,6 +500,7 @@ def test_refused_redis_fails_within_the_timeout(scheme: str) -> None:
     assert "\n" not in message
 
 
+@pytest.mark.slow  # starts a 3-node Redis Cluster
 def test_reachable_redis_cluster_passes_the_check(redis_cluster: RedisClusterServers) -> None:
     check_storage_reachable(_redis_cfg(redis_cluster.url), timeout=2.0)
 

@@ -12,7 +12,6 @@ import itertools
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 
 import posix_ipc
@@ -23,6 +22,7 @@ from hypothesis import strategies as st
 from kvtier.worker import content
 from kvtier.worker.copy_engine import LAYER_DELAY_ENV, CopyEngine, plan_copy, wide_dtype
 from kvtier.worker.kv_pools import BlockIdError, DevicePool, HostPool, KVShape
+from support import new_segment_name
 
 # 256-byte rows (complex128 path) and 6-byte rows (int16 path)
 SHAPES = {
@@ -30,10 +30,12 @@ SHAPES = {
     "narrow": KVShape(num_layers=3, num_kv_heads=1, head_dim=3, block_size=1, dtype="float16"),
 }
 DEV_BLOCKS, HOST_BLOCKS = 40, 48
+SEGMENT_TAG = "ce"  # every host segment of this module is /kvtier_ce-<pid>x...
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
+    """The bytes of `t` on the CPU (a copy for a CUDA tensor: compare with it, never write)."""
+    return t.contiguous().view(torch.uint8).cpu()
 
 
 def randomize(t: torch.Tensor, gen: torch.Generator) -> None:
@@ -42,12 +44,12 @@ def randomize(t: torch.Tensor, gen: torch.Generator) -> None:
 
 
 class Rig:
-    """A device pool, a host pool in /dev/shm and an engine over them."""
+    """A device pool (on `device`), a host pool in /dev/shm and an engine over them."""
 
-    def __init__(self, shape: KVShape, **engine_kwargs: object) -> None:
+    def __init__(self, shape: KVShape, device: str = "cpu", **engine_kwargs: object) -> None:
         self.shape = shape
-        self.name = f"/kvtier_t{os.getpid()}{uuid.uuid4().hex[:8]}_host_r0"
-        self.dev = DevicePool(shape, DEV_BLOCKS, "cpu")
+        self.name = new_segment_name(SEGMENT_TAG)
+        self.dev = DevicePool(shape, DEV_BLOCKS, device)
         self.host = HostPool(shape, HOST_BLOCKS, self.name)
         self.engine = CopyEngine(self.dev, self.host, **engine_kwargs)  # type: ignore[arg-type]
 
@@ -63,9 +65,21 @@ class Rig:
         return as_bytes(self.host.kv[h])
 
 
-@pytest.fixture(params=sorted(SHAPES))
+# Every rig test runs on the CPU, and on a GPU through both CUDA copy paths (zero-copy
+# through the mapped host pool, and staged through pinned buffers).
+RIG_PARAMS = [
+    *((name, "cpu", "auto") for name in sorted(SHAPES)),
+    *(pytest.param((name, "cuda", path), marks=pytest.mark.cuda)
+      for name in sorted(SHAPES) for path in ("zero_copy", "staged")),
+]
+
+
+@pytest.fixture(params=RIG_PARAMS, ids=lambda p: "-".join(p) if isinstance(p, tuple) else p)
 def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
-    r = Rig(SHAPES[request.param])
+    name, device, path = request.param
+    r = Rig(SHAPES[name], device, **({"cuda_path": path} if device == "cuda" else {}))
+    if device == "cuda":
+        assert r.engine.cuda_path == path
     yield r
     r.close()
 
@@ -240,6 +254,9 @@ def test_tensor_ids_and_full_pool(rig: Rig) -> None:
     src = torch.randperm(DEV_BLOCKS)
     dst = torch.randperm(HOST_BLOCKS)[:DEV_BLOCKS].to(torch.int32)
     check_d2h(rig, src.tolist(), dst.tolist())
+    # New device bytes, so the copy with tensor ids has to move them (after the list copy
+    # above the host already held the old ones: comparing those proved nothing).
+    randomize(rig.dev.data, torch.Generator().manual_seed(99))
     rig.engine.d2h(src, dst)  # tensors accepted as well as lists
     for s, d in zip(src.tolist(), dst.tolist(), strict=True):
         assert torch.equal(rig.host_block(d), rig.dev_block(s))
@@ -313,9 +330,8 @@ def test_layer_delay_hook_separates_first_and_last_layer(
 
 def test_layer_delay_env_must_be_a_number(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(LAYER_DELAY_ENV, "soon")
-    name = f"/kvtier_t{os.getpid()}{uuid.uuid4().hex[:8]}_host_r0"
     with (
-        HostPool(SHAPES["wide"], 2, name) as host,
+        HostPool(SHAPES["wide"], 2, new_segment_name(SEGMENT_TAG)) as host,
         pytest.raises(ValueError, match=f"{LAYER_DELAY_ENV}: 'soon'"),
     ):
         CopyEngine(DevicePool(SHAPES["wide"], 2, "cpu"), host)
@@ -356,8 +372,7 @@ def test_bad_ids_are_rejected_before_any_copy(
 
 
 def test_engine_rejects_mismatched_pools_and_strategy() -> None:
-    name = f"/kvtier_t{os.getpid()}{uuid.uuid4().hex[:8]}_host_r0"
-    with HostPool(SHAPES["wide"], 2, name) as host:
+    with HostPool(SHAPES["wide"], 2, new_segment_name(SEGMENT_TAG)) as host:
         with pytest.raises(ValueError, match="differs from host pool shape"):
             CopyEngine(DevicePool(SHAPES["narrow"], 2, "cpu"), host)
         with pytest.raises(ValueError, match="strategy: 'fast'"):
@@ -394,7 +409,7 @@ def test_content_detects_a_single_flipped_byte(rig: Rig, where: str) -> None:
     content.fill(rig.dev, ids, keys, rank=0)
     L = rig.shape.num_layers
     if where == "first K byte":
-        target = as_bytes(rig.dev.data[0, 0, 12]).view(-1)[:1]
+        target = rig.dev.data[0, 0, 12].reshape(-1).view(torch.uint8)[:1]
     elif where == "last V byte":
         target = rig.dev.data[L - 1, 1, 12].view(-1)[-1:].view(torch.uint8)[-1:]
     else:
@@ -480,7 +495,8 @@ def test_content_is_fast_enough() -> None:
 
 
 def test_no_segment_leaks_from_this_module() -> None:
-    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"kvtier_t{os.getpid()}")]
+    prefix = f"kvtier_{SEGMENT_TAG}-{os.getpid()}x"
+    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
     for n in leftovers:
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory("/" + n)

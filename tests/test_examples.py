@@ -1,41 +1,42 @@
 """The embedding example runs and proves what it claims; `EmbeddedWorkers` moves real bytes
-through real pools, shared memory and storage, and merges ranks like the worker processes."""
+through real pools, shared memory and storage, and merges ranks like the worker processes;
+`Stack(cfg, embedded=True)` puts a manager on them."""
 
 from __future__ import annotations
 
-import itertools
-import os
 import re
 import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from kvtier.manager.config import KvtierConfig
-from kvtier.manager.launcher import MIN_KINDS as LAUNCHER_MIN_KINDS
-from kvtier.manager.launcher import SUM_KINDS as LAUNCHER_SUM_KINDS
-from kvtier.manager.scheduler import KVCacheManager
-from kvtier.worker import embedded
+from kvtier.manager.errors import KvtierError
+from kvtier.manager.stack import Stack, worker_specs
 from kvtier.worker.embedded import EmbeddedWorkers, embedded_host_segment_name
 from kvtier.worker.process import WorkerSpec
 from kvtier.worker.wire import Completion, Task, TaskKind
+from support import new_deployment_id, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SHM = Path("/dev/shm")
-_ids = itertools.count()
 
 
-def config(ranks: int = 2, storage_dir: Path | None = None, **cache: object) -> KvtierConfig:
-    cache_cfg = {"block_size": 4, "device_blocks": 16, "host_blocks": 16,
-                 "decode_reserve_blocks": 0, **cache}
-    storage = ({"backend": "file", "path": str(storage_dir)} if storage_dir is not None
-               else {"backend": "none"})
-    return KvtierConfig(
-        deployment_id=f"embt-{os.getpid()}-{next(_ids)}",
-        model={"num_layers": 3, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16"},
-        cache=cache_cfg, storage=storage, workers={"count": ranks, "device": "cpu"})
+def config(ranks: int = 2, storage_dir: Path | None = None, **cache: Any) -> KvtierConfig:
+    """The tiny shape with 3 layers, 16 device and 16 host blocks per rank (`cache` overrides
+    the sizes and the write policy), file storage under `storage_dir` when one is given."""
+    sizes: dict[str, Any] = {"device_blocks": 16, "host_blocks": 16, **cache}
+    return tiny_config(deployment_id=new_deployment_id("embt"), workers=ranks, num_layers=3,
+                       storage="none" if storage_dir is None else "file",
+                       storage_dir=storage_dir, **sizes)
+
+
+def embedded_workers(cfg: KvtierConfig) -> EmbeddedWorkers:
+    """Every rank of `cfg`, in this process, from the specs the stack hands any worker."""
+    return EmbeddedWorkers(worker_specs(cfg))
 
 
 def segment(cfg: KvtierConfig, rank: int) -> Path:
@@ -45,6 +46,7 @@ def segment(cfg: KvtierConfig, rank: int) -> Path:
 # ---------------------------------------------------------------------------- the example
 
 
+@pytest.mark.slow  # runs the example: a Python process that imports torch
 def test_example_runs_and_serves_every_tier_exactly() -> None:
     proc = subprocess.Popen([sys.executable, "examples/tiny_attention.py"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -70,7 +72,7 @@ def test_example_runs_and_serves_every_tier_exactly() -> None:
 
 
 def test_fill_then_check_round_trip_over_two_ranks() -> None:
-    with EmbeddedWorkers.from_config(config(ranks=2)) as w:
+    with embedded_workers(config(ranks=2)) as w:
         ids, keys = [0, 5, 9], [b"alpha", b"beta", b"gamma"]
         done = w.execute(Task(1, TaskKind.FILL, [], ids, keys))
         assert done.ok and done.seq == 1, done.error
@@ -87,7 +89,7 @@ def test_fill_then_check_round_trip_over_two_ranks() -> None:
 
 
 def test_d2h_then_h2d_is_byte_exact_on_every_rank() -> None:
-    with EmbeddedWorkers.from_config(config(ranks=2)) as w:
+    with embedded_workers(config(ranks=2)) as w:
         g = torch.Generator().manual_seed(7)
         originals = []
         for r in range(2):
@@ -115,7 +117,7 @@ def test_d2h_then_h2d_is_byte_exact_on_every_rank() -> None:
 
 def test_segments_exist_while_open_and_are_unlinked_after_close() -> None:
     cfg = config(ranks=2)
-    w = EmbeddedWorkers.from_config(cfg)
+    w = embedded_workers(cfg)
     for r in range(2):
         st = segment(cfg, r).stat()
         assert stat.S_IMODE(st.st_mode) == 0o600
@@ -129,7 +131,7 @@ def test_segments_exist_while_open_and_are_unlinked_after_close() -> None:
         w.device_pool(0)
 
     cfg = config(ranks=1)
-    with pytest.raises(KeyError), EmbeddedWorkers.from_config(cfg):
+    with pytest.raises(KeyError), embedded_workers(cfg):
         assert segment(cfg, 0).exists()
         raise KeyError("an engine error inside the with block")
     assert not segment(cfg, 0).exists()
@@ -140,7 +142,7 @@ def test_a_stale_segment_of_the_same_deployment_is_replaced() -> None:
     stale = segment(cfg, 0)
     stale.write_bytes(b"left by a crashed run")
     try:
-        with EmbeddedWorkers.from_config(cfg) as w:
+        with embedded_workers(cfg) as w:
             assert stale.stat().st_size == 16 * w.shape.page_bytes
     finally:
         stale.unlink(missing_ok=True)
@@ -148,7 +150,7 @@ def test_a_stale_segment_of_the_same_deployment_is_replaced() -> None:
 
 
 def test_failures_become_failed_completions_naming_the_rank() -> None:
-    with EmbeddedWorkers.from_config(config(ranks=2)) as w:
+    with embedded_workers(config(ranks=2)) as w:
         comp = w.execute(Task(5, TaskKind.H2D, [0], [99]))  # device id out of range
         assert isinstance(comp, Completion) and not comp.ok
         assert "rank 0:" in comp.error and "rank 1:" in comp.error and "99" in comp.error
@@ -158,8 +160,7 @@ def test_failures_become_failed_completions_naming_the_rank() -> None:
 
 
 def test_storage_results_merge_like_the_worker_processes(tmp_path: Path) -> None:
-    assert (embedded.MIN_KINDS, embedded.SUM_KINDS) == (LAUNCHER_MIN_KINDS, LAUNCHER_SUM_KINDS)
-    with EmbeddedWorkers.from_config(config(ranks=2, storage_dir=tmp_path)) as w:
+    with embedded_workers(config(ranks=2, storage_dir=tmp_path)) as w:
         keys = [bytes([i]) * 32 for i in range(3)]
         assert w.execute(Task(1, TaskKind.FILL, [], [0, 1, 2], keys)).ok
         assert w.execute(Task(2, TaskKind.D2H, [0, 1, 2], [0, 1, 2])).ok
@@ -182,10 +183,9 @@ def test_storage_results_merge_like_the_worker_processes(tmp_path: Path) -> None
 
 def test_manager_on_embedded_workers_serves_verified_host_hits() -> None:
     cfg = config(ranks=2, device_blocks=4, write_policy="write_back")
-    with EmbeddedWorkers.from_config(cfg) as w:
-        m = KVCacheManager(block_size=4, device_blocks=4, host_blocks=16,
-                           write_policy="write_back", dispatcher=w.dispatcher(),
-                           page_bytes=w.shape.page_bytes, num_layers=3)
+    with Stack(cfg, embedded=True) as stack:
+        m = stack.require_manager()
+        assert stack.storage is None and stack.require_workers().num_ranks == 2
         prompt = list(range(100, 113))  # 3 full blocks + 1 token
         m.match("a", prompt)
         blocks = m.allocate("a", len(prompt))
@@ -205,6 +205,30 @@ def test_manager_on_embedded_workers_serves_verified_host_hits() -> None:
         assert outcome and outcome[0].ok and outcome[0].detail == []
         m.release("c")
         m.check_invariants()
+
+
+def test_embedded_stack_wires_the_storage_tier_and_clears_it(tmp_path: Path) -> None:
+    cfg = config(ranks=2, storage_dir=tmp_path, write_policy="write_through")
+    with Stack(cfg, embedded=True) as stack:
+        assert stack.alive()[0] and stack.ready()[0]
+        m = stack.require_manager()
+        assert stack.storage is not None and m.storage is stack.storage
+        prompt = list(range(9))  # 2 full blocks + 1 token
+        m.match("a", prompt)
+        m.allocate("a", len(prompt))
+        m.commit("a", prompt, len(prompt))  # device -> host -> storage, synchronously
+        m.release("a")
+        assert stack.storage.counters["backup_pages"] == 2
+        cleared = stack.reset(storage=True)
+        assert cleared["storage_pages"] == 4  # 2 pages on each of 2 ranks
+        assert m.match("b", prompt).num_tokens == 0
+        m.release("b")
+        m.check_invariants()
+    assert not segment(cfg, 0).exists() and not segment(cfg, 1).exists()
+    with pytest.raises(KvtierError, match="not running"):
+        stack.require_manager()
+    with pytest.raises(KvtierError, match="not embedded"):
+        Stack(cfg).require_workers()
 
 
 def test_specs_must_form_one_deployment() -> None:

@@ -8,7 +8,6 @@ default limits, and real shared memory. Every wait is bounded.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import signal
 import subprocess
@@ -55,10 +54,10 @@ from kvtier.worker.wire import (
     encode_task,
     message_type,
 )
+from support import new_deployment_id
 
 HERE = os.path.abspath(__file__)
 I64 = st.integers(-(2**63), 2**63 - 1)
-_ids = itertools.count()
 
 
 # --------------------------------------------------------------------------- worker processes
@@ -140,7 +139,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
 @pytest.fixture
 def dep() -> Iterator[str]:
     """A fresh deployment id; nothing of it may be left afterwards."""
-    deployment_id = f"t{os.getpid()}x{next(_ids)}"
+    deployment_id = new_deployment_id("ipc")
     yield deployment_id
     left = existing_names(deployment_id, 8)
     cleanup_stale(deployment_id, 8)
@@ -413,6 +412,7 @@ def test_flags_and_large_completions_cross_processes(dep: str) -> None:
             stop(procs)
 
 
+@pytest.mark.slow  # 24 tasks of 10,000 ids and keys each, through two worker processes
 def test_ten_thousand_ids_and_keys_under_default_queue_limits(dep: str) -> None:
     rng = np.random.default_rng(7)
     # a 1 MiB arena holds two 480 KB tasks: 12 of them in a row wrap it and reuse it
@@ -444,6 +444,7 @@ def test_ten_thousand_ids_and_keys_under_default_queue_limits(dep: str) -> None:
             stop(procs)
 
 
+@pytest.mark.slow  # four 0.3 s layers, waited out on purpose
 def test_layer_waiter_is_released_layer_by_layer(dep: str) -> None:
     with ManagerIPC(dep, 2) as mgr:
         procs = spawn_workers(dep, range(2), mode="layers:4:0.3")
@@ -467,6 +468,7 @@ def test_layer_waiter_is_released_layer_by_layer(dep: str) -> None:
             stop(procs)
 
 
+@pytest.mark.slow  # waits out a layer timeout and a full queue's send timeout
 def test_layer_wait_and_send_name_a_killed_rank(dep: str) -> None:
     with ManagerIPC(dep, 2, send_timeout=0.5) as mgr:
         procs = spawn_workers(dep, range(2), mode="layers:2:0")
@@ -533,6 +535,7 @@ def _await_workers(manager: subprocess.Popen) -> None:
     assert manager.stdout is not None and manager.stdout.readline().strip() == "workers-ready"
 
 
+@pytest.mark.slow  # waits out two heartbeat timeouts
 def test_workers_exit_when_the_manager_heartbeat_stops(dep: str) -> None:
     manager = _start_manager(dep, 2)
     procs = spawn_workers(dep, range(2), manager_timeout=1.5)
@@ -554,6 +557,7 @@ def test_workers_exit_when_the_manager_heartbeat_stops(dep: str) -> None:
         cleanup_stale(dep, 8)
 
 
+@pytest.mark.slow  # a manager process and two workers, waited out until they notice
 def test_workers_exit_and_clean_up_when_the_manager_is_killed(dep: str) -> None:
     manager = _start_manager(dep, 2)
     procs = spawn_workers(dep, range(2))

@@ -11,8 +11,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import posix_ipc
@@ -34,18 +32,6 @@ SHAPE = KVShape(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="f
 
 def shm_path(name: str) -> Path:
     return Path("/dev/shm") / name.lstrip("/")
-
-
-@pytest.fixture
-def shm_name() -> Iterator[str]:
-    name = f"/kvtier_t{os.getpid()}{uuid.uuid4().hex[:8]}_host_r0"
-    yield name
-    try:
-        posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        pass
-    else:
-        pytest.fail(f"segment {name} was left behind")
 
 
 # ---------------------------------------------------------------- KVShape
@@ -105,10 +91,32 @@ def test_device_pool_validation() -> None:
         DevicePool(SHAPE, 1, "tpu")
     with pytest.raises(PoolConfigError, match=r"device_blocks: .* available"):
         DevicePool(SHAPE, 1 << 50, "cpu")
-    if not torch.cuda.is_available():
-        with pytest.raises(PoolConfigError, match="CUDA is not available"):
-            DevicePool(SHAPE, 1, "cuda")
-        assert DevicePool(SHAPE, 1, "auto").device.type == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available on this machine")
+def test_device_pool_without_cuda() -> None:
+    """No GPU: asking for CUDA is an error, never a silent CPU pool; `auto` means the CPU."""
+    with pytest.raises(PoolConfigError, match="CUDA is not available"):
+        DevicePool(SHAPE, 1, "cuda")
+    assert DevicePool(SHAPE, 1, "auto").device.type == "cpu"
+
+
+@pytest.mark.cuda
+def test_device_pool_on_a_cuda_gpu() -> None:
+    """`cuda` and `auto` give a pool on the current GPU, with an explicit index, in the same
+    per-layer K/V layout as on the CPU; a pool larger than the GPU's free memory is refused."""
+    current = torch.cuda.current_device()
+    for device in ("cuda", "auto", f"cuda:{current}"):
+        pool = DevicePool(SHAPE, 5, device)
+        assert pool.device == torch.device("cuda", current), device
+        assert pool.data.is_cuda and pool.nbytes == 5 * SHAPE.page_bytes
+        assert all(k.is_cuda and k.is_contiguous() for k in pool.k_caches)
+        pool.k_caches[1][2].fill_(3.0)
+        assert bool((pool.data[1, 0, 2] == 3).all()) and not pool.data[1, 1].any()
+    with pytest.raises(PoolConfigError, match=r"device_blocks: .* the GPU has"):
+        DevicePool(SHAPE, 1 << 50, "cuda")
+    with pytest.raises(PoolConfigError, match="CUDA device"):
+        DevicePool(SHAPE, 1, f"cuda:{torch.cuda.device_count()}")
 
 
 def test_block_id_validation() -> None:
@@ -207,6 +215,7 @@ def test_host_pool_replaces_stale_segment(shm_name: str) -> None:
         assert int(pool.data.count_nonzero()) == 0  # a fresh segment, not the stale bytes
 
 
+@pytest.mark.slow  # a second Python process that imports torch
 def test_host_pool_visible_from_second_process(shm_name: str) -> None:
     with HostPool(SHAPE, 4, shm_name) as pool:
         pool.data[1].copy_(torch.arange(SHAPE.page_bytes, dtype=torch.int64).remainder(251))

@@ -10,8 +10,6 @@ every rank, and every query of the Grafana dashboard evaluates against the live 
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -23,8 +21,10 @@ import httpx
 import pytest
 import yaml
 from compose_support import compose, dashboard_queries, promql_without_grafana_variables
-from redis_server import free_port
-from serve_support import ServeProcess, module_command, tiny_config, wait_for
+from serve_support import ServeProcess, tiny_toml
+from support import free_port, module_command, new_deployment_id, require_tool, wait_until
+
+pytestmark = pytest.mark.slow  # a prometheus server scraping `kvtier serve` with two workers
 
 RANKS = 2
 
@@ -45,8 +45,8 @@ def prometheus_flags(config: Path, data: Path, port: int) -> list[str]:
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[ServeProcess]:
-    dep = f"prom{os.getpid()}"
-    config = tiny_config(tmp_path / "kvtier.toml", dep, workers=RANKS)
+    dep = new_deployment_id("prom")
+    config = tiny_toml(tmp_path / "kvtier.toml", dep, workers=RANKS)
     with ServeProcess(module_command(), ["serve", "--config", str(config)],
                       deployment_id=dep, log_path=tmp_path / "serve.log") as serve:
         yield serve
@@ -55,9 +55,7 @@ def served(tmp_path: Path) -> Iterator[ServeProcess]:
 
 @pytest.fixture
 def prometheus(tmp_path: Path, served: ServeProcess) -> Iterator[httpx.Client]:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.fail("prometheus not found: install the Debian package prometheus")
+    binary = require_tool("prometheus", "prometheus")
     target = urlsplit(served.url).netloc
     config = tmp_path / "prometheus.yml"
     config.write_text(yaml.safe_dump({
@@ -81,7 +79,7 @@ def prometheus(tmp_path: Path, served: ServeProcess) -> Iterator[httpx.Client]:
         return False
 
     try:
-        wait_for(ready, 30, "prometheus to be ready", 0.1)
+        wait_until(ready, 30, "prometheus to be ready", 0.1)
         yield client
     finally:
         client.close()
@@ -106,7 +104,7 @@ def test_prometheus_sees_every_rank_up(prometheus: httpx.Client) -> None:
         found = {r["metric"]["rank"]: r["value"][1] for r in query(prometheus, "kvtier_worker_up")}
         return found if found == {str(r): "1" for r in range(RANKS)} else None
 
-    wait_for(every_rank_up, 30, "kvtier_worker_up == 1 for every rank", 0.25)
+    wait_until(every_rank_up, 30, "kvtier_worker_up == 1 for every rank", 0.25)
     targets = prometheus.get("/api/v1/targets").json()["data"]["activeTargets"]
     assert [(t["health"], t["lastError"]) for t in targets] == [("up", "")]
     (up,) = query(prometheus, 'up{job="kvtier"}')

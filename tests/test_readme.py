@@ -4,15 +4,14 @@ reference must stay true to the project."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 from kvtier.manager.config import KvtierConfig
-from serve_support import leftovers
+from support import clean_env, kvtier_script, leftovers, new_deployment_id
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -54,9 +53,10 @@ def _run_recipe() -> list[str]:
     assert recipe, "the Makefile's run target must be one command"
     argv = shlex.split(recipe.group(1))
     assert argv[0] == "$(VENV)/bin/kvtier", argv
-    return [str(Path(sys.executable).parent / "kvtier"), *argv[1:]]
+    return [str(kvtier_script()), *argv[1:]]
 
 
+@pytest.mark.slow  # `make run`'s replay, twice, as child processes
 def test_run_command_works_on_embedded_defaults(tmp_path: Path) -> None:
     """`make run` in a fresh folder: no config file, no KVTIER_ variable but a private
     deployment id (so a live `default` deployment on this machine is not in the way), fewer
@@ -64,9 +64,8 @@ def test_run_command_works_on_embedded_defaults(tmp_path: Path) -> None:
     argv = _run_recipe()
     assert argv[1:4] == ["replay", "--workload", "chat"] and "--config" not in argv
     argv[argv.index("--limit") + 1] = "60"
-    dep = f"readme{os.getpid()}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env["KVTIER_DEPLOYMENT_ID"] = dep
+    dep = new_deployment_id("readme")
+    env = clean_env(KVTIER_DEPLOYMENT_ID=dep)
 
     first = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=240)

@@ -9,13 +9,15 @@ tiers, and a total hit rate within a point of the plain LRU simulation of the sa
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 from lru_reference import simulate
+from support import clean_env, kvtier_script, leftovers, new_deployment_id
 from test_fidelity import TRACE, block_identities, trace  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow  # 3,000 trace requests through two worker processes
 
 REPO = Path(__file__).resolve().parents[1]
 LIMIT = 3000
@@ -42,19 +44,13 @@ port = 0
 """
 
 
-def kvtier_bin() -> list[str]:
-    exe = Path(sys.executable).with_name("kvtier")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "kvtier.manager.cli"]
-
-
 def test_replay_verify_first_3000_trace_requests(tmp_path: Path, trace) -> None:  # noqa: F811
     cfg = tmp_path / "kvtier.toml"
-    dep = f"trace{os.getpid()}"
+    dep = new_deployment_id("trace")
     cfg.write_text(CONFIG.format(dep=dep))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env["TMPDIR"] = str(tmp_path)
+    env = clean_env(TMPDIR=str(tmp_path))
     proc = subprocess.run(
-        [*kvtier_bin(), "replay", "--trace", str(TRACE), "--limit", str(LIMIT), "--verify",
+        [str(kvtier_script()), "replay", "--trace", str(TRACE), "--limit", str(LIMIT), "--verify",
          "--json", "--config", str(cfg)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, f"replay failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
@@ -74,5 +70,5 @@ def test_replay_verify_first_3000_trace_requests(tmp_path: Path, trace) -> None:
     assert report["lookup_tokens"] == sim.lookup_tokens
     assert abs(report["hit_rate"] - sim.total_rate) < 0.01, (report["hit_rate"], sim.total_rate)
 
-    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"kvtier_{dep}_")]
-    assert not leftovers, f"segments left behind: {leftovers}"
+    left = leftovers(dep, 2)
+    assert not left, f"deployment {dep} left behind: {left}"

@@ -625,6 +625,7 @@ def test_pin_during_demotion_keeps_the_prefix_on_device(make: Factory) -> None:
     box.append(m)
     m.match("b", prompt(3, 12))
     m.allocate("b", 12)
+    assert not box, "the demotion never ran: nothing was pinned during it"
     assert where(m, a)[1] in ("dev", "both"), "a pinned block lost its device copy"
     m.release("b")
 

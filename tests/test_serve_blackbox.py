@@ -21,17 +21,19 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from redis_server import free_port
-from serve_support import (
-    ServeProcess,
+from serve_support import ServeProcess, tiny_toml
+from support import (
     clean_env,
+    free_port,
     kvtier_script,
     leftovers,
     module_command,
+    new_deployment_id,
     pid_exists,
-    tiny_config,
-    wait_for,
+    wait_until,
 )
+
+pytestmark = pytest.mark.slow  # `kvtier serve` and `kvtier status` as child processes
 
 TOKEN = "blackbox-token-1"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -48,8 +50,8 @@ def worker_samples(client: httpx.Client, name: str) -> dict[str, float]:
 
 
 def test_serve_end_to_end(tmp_path: Path) -> None:
-    dep = f"bb{os.getpid()}"
-    config = tiny_config(tmp_path / "kvtier.toml", dep, workers=2)
+    dep = new_deployment_id("bb")
+    config = tiny_toml(tmp_path / "kvtier.toml", dep, workers=2)
     serve = ServeProcess(module_command(), ["serve", "--config", str(config)],
                          deployment_id=dep, log_path=tmp_path / "serve.log",
                          env=clean_env(KVTIER_ADMIN_TOKEN=TOKEN))
@@ -122,9 +124,9 @@ def test_serve_end_to_end(tmp_path: Path) -> None:
             answer = client.get("/readyz")
             return answer.json() if answer.status_code == 503 else None
 
-        down = wait_for(not_ready, 10, "/readyz to turn 503", 0.01)
+        down = wait_until(not_ready, 10, "/readyz to turn 503", 0.01)
         assert down["ready"] is False and "rank 0 is" in str(down["reason"])
-        wait_for(lambda: client.get("/readyz").status_code == 200, 60, "/readyz back to 200")
+        wait_until(lambda: client.get("/readyz").status_code == 200, 60, "/readyz back to 200")
         after = client.get("/status").json()["workers"]
         assert after[0]["pid"] != victim and pid_exists(after[0]["pid"])
         assert after[0]["restarts"] == 1 and after[0]["state"] == "ready"
@@ -139,7 +141,7 @@ def test_serve_end_to_end(tmp_path: Path) -> None:
         all_pids = {serve.proc.pid, *serve.seen_pids}  # type: ignore[union-attr]
         assert after[0]["pid"] in all_pids and victim in all_pids
         assert serve.stop(signal.SIGTERM) == 0
-        wait_for(lambda: not any(pid_exists(p) for p in all_pids), 10,
+        wait_until(lambda: not any(pid_exists(p) for p in all_pids), 10,
                  "every kvtier process to be gone")
         assert leftovers(dep, 2) == []
         assert "stopped: workers gone" in serve.log()
@@ -162,7 +164,7 @@ def _serve_once(tmp_path: Path, config: Path | None, env: dict[str, str],
 ])
 def test_bad_configuration_exits_2_with_one_line_naming_the_key(
         tmp_path: Path, toml: str, env: dict[str, str], expected: str) -> None:
-    dep = f"bad{os.getpid()}"
+    dep = new_deployment_id("bad")
     config = tmp_path / "bad.toml"
     config.write_text(f'deployment_id = "{dep}"\n{toml}')
     result = _serve_once(tmp_path, config, clean_env(**env))
@@ -175,9 +177,9 @@ def test_bad_configuration_exits_2_with_one_line_naming_the_key(
 
 
 def test_unreachable_redis_and_a_taken_port_exit_2_before_any_worker(tmp_path: Path) -> None:
-    dep = f"bad{os.getpid()}r"
+    dep = new_deployment_id("bad")
     port = free_port()
-    config = tiny_config(tmp_path / "redis.toml", dep, storage="redis")
+    config = tiny_toml(tmp_path / "redis.toml", dep, storage="redis")
     config.write_text(config.read_text().replace(
         'backend = "redis"\n', f'backend = "redis"\nurl = "redis://127.0.0.1:{port}/0"\n'))
     result = _serve_once(tmp_path, config, clean_env())
@@ -189,7 +191,7 @@ def test_unreachable_redis_and_a_taken_port_exit_2_before_any_worker(tmp_path: P
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         busy = taken.getsockname()[1]
-        config = tiny_config(tmp_path / "port.toml", dep, storage="none")
+        config = tiny_toml(tmp_path / "port.toml", dep, storage="none")
         config.write_text(config.read_text().replace("port = 0", f"port = {busy}"))
         result = _serve_once(tmp_path, config, clean_env())
     assert result.returncode == 2
@@ -220,21 +222,21 @@ def test_status_of_an_admin_nobody_runs_is_one_line_and_exit_1() -> None:
 
 
 def test_sigterm_while_workers_start_stops_cleanly(tmp_path: Path) -> None:
-    dep = f"bb{os.getpid()}s"
-    config = tiny_config(tmp_path / "kvtier.toml", dep, storage="none")
+    dep = new_deployment_id("bb")
+    config = tiny_toml(tmp_path / "kvtier.toml", dep, storage="none")
     serve = ServeProcess(module_command(), ["serve", "--config", str(config)],
                          deployment_id=dep, log_path=tmp_path / "serve.log")
     try:
         with (tmp_path / "serve.log").open("wb") as log:
             serve.proc = subprocess.Popen(serve.argv, stdout=log, stderr=subprocess.STDOUT,
                                           env=serve.env, cwd=tmp_path)
-        wait_for(lambda: "worker rank 0 starting" in serve.log(), 30, "a worker to start")
+        wait_until(lambda: "worker rank 0 starting" in serve.log(), 30, "a worker to start")
         serve.remember_children()
         workers = set(serve.seen_pids)
         assert workers, serve.log()
         assert serve.stop(signal.SIGTERM) == 0, serve.log()
         assert "stopped while starting" in serve.log()
-        wait_for(lambda: not any(pid_exists(p) for p in workers), 10, "the worker to be gone")
+        wait_until(lambda: not any(pid_exists(p) for p in workers), 10, "the worker to be gone")
         assert leftovers(dep, 1) == []
     finally:
         serve.close()

@@ -28,25 +28,8 @@ from kvtier.worker.storage.backend import StorageBackend
 from kvtier.worker.storage.file_backend import FileBackend
 from kvtier.worker.storage.page_format import decode_into, encode_page
 from kvtier.worker.storage.redis_backend import RedisBackend
-
-try:  # pytest puts tests/ on sys.path (rootdir-relative imports when tests/ is a package)
-    from redis_server import (
-        RedisClusterServers,
-        RedisServer,
-        free_port,
-        redis_cluster,
-        redis_server,
-    )
-except ImportError:  # pragma: no cover
-    from tests.redis_server import (
-        RedisClusterServers,
-        RedisServer,
-        free_port,
-        redis_cluster,
-        redis_server,
-    )
-
-__all__ = ["redis_cluster", "redis_server"]  # the module-scoped pytest fixtures used below
+from redis_server import RedisClusterServers, RedisServer
+from support import free_port, wait_until
 
 PAGE = 64 * 1024
 SHAPE = {"num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16", "block_size": 64}
@@ -64,7 +47,8 @@ def make_pages(n: int, size: int = PAGE, seed: int = 0) -> np.ndarray:
 OpenBackend = Callable[..., StorageBackend]
 
 
-@pytest.fixture(params=["file", "redis", "redis-cluster"])
+@pytest.fixture(params=["file", "redis",
+                        pytest.param("redis-cluster", marks=pytest.mark.slow)])
 def backend_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -448,15 +432,6 @@ def _timed(fn: Callable[[], object]) -> tuple[object, float]:
     return result, time.monotonic() - start
 
 
-def _wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_redis_outage_degrades_then_recovers_by_itself(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="kvtier.storage")
     keys, pages = make_keys(8, "outage"), make_pages(8, seed=8)
@@ -494,7 +469,8 @@ def test_redis_outage_degrades_then_recovers_by_itself(caplog: pytest.LogCapture
 
         server.restart()  # same port, empty (nothing persisted)
         assert server.url == backend.url
-        assert _wait_until(lambda: backend.set(keys, list(pages)) == 8, 5.0)
+        wait_until(lambda: backend.set(keys, list(pages)) == 8, 5.0,
+                   "writes to the restarted Redis")
         assert backend.get_into(keys, list(dest)) == [True] * 8
         assert np.array_equal(dest, pages)
         assert backend.stats()["available"] == 1
@@ -519,7 +495,8 @@ def test_redis_frozen_server_times_out_instead_of_hanging() -> None:
             assert backend.stats()["errors_get"] >= 1
         finally:
             server.resume()
-        assert _wait_until(lambda: backend.get_into(keys, list(dest)) == [True] * 4, 5.0)
+        wait_until(lambda: backend.get_into(keys, list(dest)) == [True] * 4, 5.0,
+                   "reads from the resumed Redis")
         assert np.array_equal(dest, pages)
         backend.close()
 
@@ -557,6 +534,7 @@ def test_make_backend(tmp_path: Path, redis_server: RedisServer) -> None:
     redis_backend.close()
 
 
+@pytest.mark.slow  # starts a 3-node Redis Cluster
 def test_cluster_pages_spread_over_every_primary(redis_cluster: RedisClusterServers) -> None:
     """No hash tag pins a namespace to one slot: one batch's pages land on every node, and a
     batch read gathers them back in order."""
@@ -574,6 +552,7 @@ def test_cluster_pages_spread_over_every_primary(redis_cluster: RedisClusterServ
     backend.close()
 
 
+@pytest.mark.slow  # a 3-node Redis Cluster of its own, and timeouts waited out
 def test_stalled_cluster_node_costs_one_timeout_and_recovers() -> None:
     """A cluster node that accepts connections but answers nothing (SIGSTOP): each call
     costs at most one socket timeout (not one per command, as redis-py's own cluster retries
@@ -598,7 +577,8 @@ def test_stalled_cluster_node_costs_one_timeout_and_recovers() -> None:
             assert backend.stats()["outages"] == 1 and backend.stats()["available"] == 0
         finally:
             os.kill(stalled.pid, signal.SIGCONT)
-        assert _wait_until(lambda: backend.get_into(keys, list(dest)) == [True] * 30, 10.0)
+        wait_until(lambda: backend.get_into(keys, list(dest)) == [True] * 30, 10.0,
+                   "reads from the resumed cluster node")
         assert np.array_equal(dest, pages)
         assert backend.stats()["available"] == 1
         backend.close()

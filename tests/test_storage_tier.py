@@ -19,7 +19,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,17 +32,16 @@ from kvtier.manager.replay import ReplayReport, replay
 from kvtier.manager.stack import Stack
 from kvtier.worker.storage import HEADER_BYTES
 from kvtier.worker.storage.redis_backend import RedisBackend
-from redis_server import RedisServer, ping, redis_cluster, redis_server
+from redis_server import RedisServer, ping
 from storage_support import (
     BS,
     NUM_KV_HEADS,
     NUM_LAYERS,
     RANKS,
     THRESHOLD_TOKENS,
+    WAIT_S,
     ModelRunner,
     RequestOutcome,
-    deployment_id,
-    leftovers,
     namespaces,
     page_file,
     page_keys,
@@ -53,10 +51,10 @@ from storage_support import (
     stack_config,
     storage_counters,
     wait_backups,
-    wait_until,
 )
+from support import clean_env, leftovers, module_command, new_deployment_id, wait_until
 
-__all__ = ["redis_cluster", "redis_server"]  # the module-scoped pytest fixtures used below
+pytestmark = pytest.mark.slow  # real worker processes, redis-server and a Redis Cluster
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKS = 16  # blocks of a test prompt
@@ -93,7 +91,7 @@ def make_stack(tmp_path: Path) -> Iterator[StackFactory]:
     made: list[tuple[Stack, str]] = []
 
     def factory(tag: str, *, storage_dir: Path | None = None, **kw: object) -> Stack:
-        dep = deployment_id(tag)
+        dep = new_deployment_id(tag)
         cfg = stack_config(dep, storage_dir or tmp_path / "storage", **kw)  # type: ignore[arg-type]
         stack = Stack(cfg, log_dir=str(tmp_path / f"logs-{dep}"), transfer_timeout_s=20.0)
         made.append((stack, dep))
@@ -103,7 +101,7 @@ def make_stack(tmp_path: Path) -> Iterator[StackFactory]:
     for stack, _ in made:
         stack.close()
     for _, dep in made:
-        assert leftovers(dep) == [], f"deployment {dep} left IPC objects behind"
+        assert leftovers(dep, RANKS) == [], f"deployment {dep} left IPC objects behind"
 
 
 @dataclass
@@ -123,14 +121,14 @@ def one_instance_stack(request: pytest.FixtureRequest,
     backend: str = request.param
     url = request.getfixturevalue("redis_server").url if backend == "redis" else None
     root = tmp_path_factory.mktemp(f"one-{backend}")
-    dep = deployment_id(f"one-{backend}")
+    dep = new_deployment_id(f"one-{backend}")
     stack = Stack(stack_config(dep, root / "storage", backend=backend, url=url),
                   log_dir=str(root / "logs"), transfer_timeout_s=20.0)
     try:
         yield OneInstance(backend, stack.start(), url, root / "logs")
     finally:
         stack.close()
-    assert leftovers(dep) == [], f"deployment {dep} left IPC objects behind"
+    assert leftovers(dep, RANKS) == [], f"deployment {dep} left IPC objects behind"
 
 
 @pytest.fixture
@@ -146,7 +144,7 @@ def one(one_instance_stack: OneInstance) -> OneInstance:
 def _close_and_check(stack: Stack) -> None:
     dep = stack.cfg.deployment_id
     stack.close()
-    assert leftovers(dep) == []
+    assert leftovers(dep, RANKS) == []
 
 
 def _assert_restored(outcome: RequestOutcome, blocks: int) -> None:
@@ -477,7 +475,9 @@ def test_redis_outage_during_replay_degrades_to_misses_and_recovers(
             return all(next(raw.scan_iter(match=f"kvtier:{ns}:*", count=1000), None)
                        for ns in namespaces(stack))
 
-        resume_s = wait_until(resumed, RESUME_BOUND_S, "backups reaching the restarted Redis")
+        restarted = time.monotonic()
+        wait_until(resumed, RESUME_BOUND_S, "backups reaching the restarted Redis", interval=0.01)
+        resume_s = time.monotonic() - restarted
         second, gaps = _replay_bounded(stack, lambda _done: None)
         assert second.requests == n
         assert second.corrupt_blocks == 0 and second.failed_loads == 0
@@ -519,8 +519,8 @@ def _populate(stack: Stack, runner: ModelRunner, prompts: list[list[int]]) -> No
 
 
 def _wait_prefetched(stack: Stack, pages: int) -> None:
-    wait_until(lambda: storage_counters(stack)["prefetch_pages_completed"] >= pages,
-               what=f"{pages} pages prefetched")
+    wait_until(lambda: storage_counters(stack)["prefetch_pages_completed"] >= pages, WAIT_S,
+               f"{pages} pages prefetched", interval=0.01)
 
 
 @pytest.mark.parametrize("policy", ["wait_complete", "best_effort", "timeout"])
@@ -616,11 +616,11 @@ device = "cpu"
 
 
 def test_replay_command_twice_second_run_restores_from_file_storage(tmp_path: Path) -> None:
-    dep = deployment_id("cli")
+    dep = new_deployment_id("cli")
     config = tmp_path / "kvtier.toml"
     _cli_config(config, dep, tmp_path / "storage")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    cmd = [sys.executable, "-m", "kvtier.manager.cli", "replay", "--workload", "chat",
+    env = clean_env()
+    cmd = [*module_command(), "replay", "--workload", "chat",
            "--limit", str(CLI_LIMIT), "--verify", "--json", "--config", str(config)]
     reports = []
     for _ in range(2):  # each run is a fresh process: empty device and host tiers
@@ -629,7 +629,7 @@ def test_replay_command_twice_second_run_restores_from_file_storage(tmp_path: Pa
         assert proc.returncode == 0, proc.stderr[-2000:]
         report = json.loads(proc.stdout)  # one JSON object, nothing else on stdout
         reports.append(report)
-        assert leftovers(dep) == []
+        assert leftovers(dep, RANKS) == []
         assert report["elapsed_s"] < 30
     first, second = reports
     for r in reports:

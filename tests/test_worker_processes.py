@@ -27,7 +27,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import hypothesis.strategies as st
-import posix_ipc
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -38,24 +37,29 @@ from kvtier.manager.stack import Stack
 from kvtier.manager.tree import EVICTING, LOADING, PREFETCHING, SAVING
 from kvtier.worker import content
 from kvtier.worker.copy_engine import LAYER_DELAY_ENV
-from kvtier.worker.ipc import MESSAGE_SIZE, QUEUE_DEPTH, cleanup_stale, pid_alive
+from kvtier.worker.ipc import MESSAGE_SIZE, QUEUE_DEPTH, pid_alive
 from kvtier.worker.kv_pools import DevicePool, HostPool
-from kvtier.worker.process import host_segment_name
 from kvtier.worker.wire import TaskKind
 from stack_support import (
     attached_host_pools,
     check,
     fill,
     kv_shape,
-    leftovers,
-    new_deployment_id,
     running_stack,
     submit,
+)
+from support import (
+    clean_env,
+    leftovers,
+    new_deployment_id,
+    remove_leftovers,
     tiny_config,
     wait_nothing_left,
     wait_until,
 )
 from test_manager_stateful import BS, PREFIXES, ManagerMachine
+
+pytestmark = pytest.mark.slow  # real Stacks: worker processes that import torch
 
 TESTS_DIR = Path(__file__).resolve().parent
 _tokens = itertools.count(1)
@@ -128,19 +132,9 @@ class RealWorkersMachine(ManagerMachine):
         """Real workers complete loads by themselves; read_rid waits for them."""
         return True
 
-    def commit_rid(self, rid: str, frac: float) -> None:
-        r = self.reqs[rid]
-        tokens = r["tokens"]
-        upto = r.get("committed", r["valid"]) + int(frac * (len(tokens) - r["valid"]))
-        upto = min(len(tokens), max(upto, r.get("committed", 0)))
-        blocks = self.m.request_blocks(rid)
-        keys = r["keys"]
-        first = r.get("computed_blocks", r["valid"] // BS)
-        if upto // BS > first:  # the model runner writes every full block it computes
-            fill(self.m, blocks[first:upto // BS], keys[first:upto // BS])
-        r["computed_blocks"] = max(first, upto // BS)
-        self.m.commit(rid, list(tokens), upto)
-        r["committed"] = upto
+    def write_computed(self, blocks: list[int], keys: list[int]) -> None:
+        """The model runner writes computed KV: a FILL of the blocks on every rank."""
+        fill(self.m, blocks, keys)
 
     def read_rid(self, rid: str) -> None:
         r = self.reqs[rid]
@@ -576,7 +570,7 @@ class TestSlowLoads:
 DRIVER = """
 import json, signal, sys, time
 sys.path.insert(0, sys.argv[3])
-from stack_support import tiny_config
+from support import tiny_config
 from kvtier.manager.stack import Stack
 
 stack = Stack(tiny_config(deployment_id=sys.argv[1], device_blocks=8, host_blocks=8),
@@ -600,7 +594,7 @@ def driver(deployment_id: str, mode: str, tmp: Path,
     SIGTERM handler that closes it) in a session of its own; yields it, the queue of its
     stdout lines and its workers' pids. Whatever a failed test left running of it is
     killed on exit, and the deployment's names removed."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env = clean_env()
     err_path = tmp / "driver.err"
     with err_path.open("w") as err:
         proc = subprocess.Popen(
@@ -632,10 +626,7 @@ def driver(deployment_id: str, mode: str, tmp: Path,
                 os.kill(p, signal.SIGKILL)
         if any(pid_alive(p) for p in pids):
             time.sleep(0.5)
-        cleanup_stale(deployment_id, 2)
-        for r in range(2):
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                posix_ipc.unlink_shared_memory(host_segment_name(deployment_id, r))
+        remove_leftovers(deployment_id)
 
 
 def assert_stack_works(cfg: KvtierConfig, tmp: Path) -> None:

@@ -1,7 +1,13 @@
 """kvtier's worker side inside the engine's own process: every rank's pools and executor,
 driven synchronously by the manager's dispatcher.
 
-When to use it instead of the worker processes (`kvtier.manager.stack.Stack`):
+This module is the worker-level half of an embedded deployment: ranks built from
+`WorkerSpec`s, tasks run on every rank, answers merged. It knows nothing of the manager
+(the worker layer never imports it); the manager's `Stack(cfg, embedded=True)` is the one
+place that turns a configuration into worker specs, builds these ranks, and puts the
+manager on a dispatcher that calls `EmbeddedWorkers.execute`.
+
+When to use it instead of the worker processes (the manager's default `Stack(cfg)`):
 
 * the engine's model runner owns the KV memory and runs in one process (a single-process
   engine, a notebook, a test): its attention layers read `device_pool(rank).k_caches[layer]`
@@ -35,8 +41,6 @@ from kvtier.worker.wire import (
 )
 
 if TYPE_CHECKING:
-    from kvtier.manager.config import KvtierConfig
-    from kvtier.manager.transfers import ImmediateDispatcher
     from kvtier.worker.kv_pools import DevicePool, HostPool
     from kvtier.worker.storage.backend import StorageBackend
 
@@ -119,15 +123,6 @@ class EmbeddedWorkers:
             self.close()
             raise
 
-    @classmethod
-    def from_config(cls, cfg: KvtierConfig) -> EmbeddedWorkers:
-        """One rank per `workers.count`, sized and placed as the configuration says (the same
-        specs `kvtier serve` hands its worker processes)."""
-        from kvtier.manager.stack import Stack  # the one place a config becomes worker specs
-
-        stack = Stack(cfg)
-        return cls([stack.worker_spec(r) for r in range(cfg.workers.count)])
-
     # ------------------------------------------------------------------ access
 
     @property
@@ -167,14 +162,6 @@ class EmbeddedWorkers:
         detail = sorted({d for a in answers for d in a.detail})
         errors = "; ".join(f"rank {a.rank}: {a.error}" for a in answers if not a.ok)
         return Completion(task.seq, -1, all(a.ok for a in answers), result, detail, errors)
-
-    def dispatcher(self) -> ImmediateDispatcher:
-        """A dispatcher for `KVCacheManager(dispatcher=...)` that runs each task here."""
-        from kvtier.manager.transfers import ImmediateDispatcher
-
-        d = ImmediateDispatcher(executor=self.execute)
-        d.num_ranks = self.num_ranks
-        return d
 
     # ------------------------------------------------------------------ life cycle
 

@@ -12,9 +12,11 @@ from collections.abc import Callable
 from kvtier.worker import content
 from kvtier.worker.copy_engine import CopyEngine
 from kvtier.worker.delays import STORAGE_DELAY_ENV, delay_from_env
+from kvtier.worker.errors import KvtierError
 from kvtier.worker.kv_pools import DevicePool, HostPool
 from kvtier.worker.spec import WorkerSpec
-from kvtier.worker.storage.backend import StorageBackend, make_backend
+from kvtier.worker.storage.backend import StorageBackend
+from kvtier.worker.storage.factory import make_backend
 from kvtier.worker.wire import Task, TaskKind
 
 log = logging.getLogger("kvtier.worker")
@@ -159,7 +161,7 @@ class RankResources:
             self.host = None
 
 
-class StorageError(RuntimeError):
+class StorageError(KvtierError, RuntimeError):
     """The storage backend reported errors during a task (it degraded to misses)."""
 
 

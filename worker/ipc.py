@@ -87,6 +87,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 import posix_ipc
+from kvtier.worker.errors import KvtierError
 from kvtier.worker.wire import (
     ArenaRef,
     Completion,
@@ -156,7 +157,7 @@ class TreeStatus(IntEnum):
 # --------------------------------------------------------------------------- errors
 
 
-class IPCError(RuntimeError):
+class IPCError(KvtierError, RuntimeError):
     """The transport cannot do what was asked (missing deployment, kernel limit, ...)."""
 
 
@@ -183,7 +184,7 @@ class TaskAborted(IPCError):
         self.reason = reason
 
 
-class SendTimeout(TimeoutError):
+class SendTimeout(KvtierError, TimeoutError):
     """A bounded send gave up. `rank` is the rank whose queue stayed full (None for the
     completion queue or the arena); `delivered` lists the ranks that did get the task."""
 
@@ -193,7 +194,7 @@ class SendTimeout(TimeoutError):
         self.delivered = delivered
 
 
-class LayerWaitTimeout(TimeoutError):
+class LayerWaitTimeout(KvtierError, TimeoutError):
     """`wait_layer` timed out; `ranks` are the ranks that had not published the layer."""
 
     def __init__(self, message: str, *, seq: int, layer: int, ranks: list[int]) -> None:
@@ -706,6 +707,8 @@ class ManagerIPC:
                 f"({self._arena_size} bytes); split the task or raise arena_bytes"
             )
         size = self._arena_size
+        ctl, arena = self._ctl, self._arena
+        assert ctl is not None and arena is not None  # send_task checked that the IPC is open
         with self._cond:
             while True:
                 self._reclaim()
@@ -720,7 +723,7 @@ class ManagerIPC:
                 if remaining <= 0:
                     oldest = self._outstanding[0]
                     lagging = sorted(
-                        r for r in oldest.ranks if self._ctl.get(r, _R_CONSUMED) < oldest.end
+                        r for r in oldest.ranks if ctl.get(r, _R_CONSUMED) < oldest.end
                     )
                     states = "; ".join(self.rank_state(r).describe() for r in lagging)
                     raise SendTimeout(
@@ -731,7 +734,7 @@ class ManagerIPC:
                     )
                 self._cond.wait(remaining)
         phys = start % size
-        self._arena[phys : phys + n] = msg
+        arena[phys : phys + n] = msg
         self._arena_head = end
         alloc = _Allocation(start=start, end=end, seq=seq, ranks=set(range(self.num_ranks)))
         self._outstanding.append(alloc)
@@ -739,9 +742,12 @@ class ManagerIPC:
 
     def _reclaim(self) -> None:
         out = self._outstanding
+        if not out:
+            return
+        ctl = self._require_open()
         while out:
             a = out[0]
-            if any(self._ctl.get(r, _R_CONSUMED) < a.end for r in a.ranks):
+            if any(ctl.get(r, _R_CONSUMED) < a.end for r in a.ranks):
                 return
             out.popleft()
 
@@ -756,8 +762,8 @@ class ManagerIPC:
     # ------------------------------------------------------------------ completions
 
     def _read_completions(self) -> None:
-        q = self._completion_queue
-        ctl = self._ctl
+        q, ctl = self._completion_queue, self._ctl
+        assert q is not None and ctl is not None  # opened by _create, before the threads start
         while not self._stopping:
             ctl.words[_W_MANAGER_BEAT] = time.monotonic_ns()
             try:
@@ -814,8 +820,8 @@ class ManagerIPC:
     # ------------------------------------------------------------------ notify / waits
 
     def _watch_notify(self) -> None:
-        sem = self._notify
-        ctl = self._ctl
+        sem, ctl = self._notify, self._ctl
+        assert sem is not None and ctl is not None  # opened by _create, before the threads start
         while not self._stopping:
             ctl.words[_W_MANAGER_BEAT] = time.monotonic_ns()
             try:
@@ -884,8 +890,8 @@ class ManagerIPC:
                     return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    now = time.monotonic_ns()
-                    states = "; ".join(_rank_state(self._ctl, r, now).describe() for r in missing)
+                    ctl, now = self._require_open(), time.monotonic_ns()
+                    states = "; ".join(_rank_state(ctl, r, now).describe() for r in missing)
                     raise LayerWaitTimeout(
                         f"task seq={seq}: layer {layer} not loaded after {timeout:.1f}s on "
                         f"ranks {missing} ({states})",
@@ -1006,15 +1012,18 @@ class ManagerIPC:
                     q.close()
         self._task_queues = []
         self._completion_queue = None
-        if getattr(self, "_notify", None) is not None:
+        notify = getattr(self, "_notify", None)
+        if notify is not None:
             with contextlib.suppress(posix_ipc.Error):
-                self._notify.close()
+                notify.close()
             self._notify = None
-        if getattr(self, "_ctl", None) is not None:
-            self._ctl.close()
+        ctl = getattr(self, "_ctl", None)
+        if ctl is not None:
+            ctl.close()
             self._ctl = None
-        if getattr(self, "_arena", None) is not None:
-            self._arena.close()
+        arena = getattr(self, "_arena", None)
+        if arena is not None:
+            arena.close()
             self._arena = None
 
     def close(self) -> None:
@@ -1027,10 +1036,12 @@ class ManagerIPC:
             self._release_handles()
             return
         self._stopping = True
-        with contextlib.suppress(posix_ipc.Error):
-            self._completion_queue.send(b"", 0)
-        with contextlib.suppress(posix_ipc.Error):
-            self._notify.release()
+        if self._completion_queue is not None:
+            with contextlib.suppress(posix_ipc.Error):
+                self._completion_queue.send(b"", 0)
+        if self._notify is not None:
+            with contextlib.suppress(posix_ipc.Error):
+                self._notify.release()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=2 * HEARTBEAT_INTERVAL_S + 1.0)
@@ -1148,9 +1159,11 @@ class WorkerIPC:
         if timeout is None or not timeout >= 0:
             raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
         ctl = self._require_open()
+        tasks = self._tasks
+        assert tasks is not None  # opened with the control segment (_attach)
         ctl.put(self.rank, _R_BEAT, time.monotonic_ns())
         try:
-            msg, _ = self._tasks.receive(timeout)
+            msg, _ = tasks.receive(timeout)
         except (posix_ipc.BusyError, posix_ipc.SignalError):
             self.check_manager()
             return None
@@ -1174,9 +1187,11 @@ class WorkerIPC:
                 f"[{ref.offset}, {ref.offset + ref.length}) beyond the "
                 f"{self._arena_size}-byte arena"
             )
-        raw = self._arena[ref.offset : ref.offset + ref.length]
-        self._ctl.put(self.rank, _R_CONSUMED, ref.end)
-        self._notify.release()
+        ctl, arena, notify = self._require_open(), self._arena, self._notify
+        assert arena is not None and notify is not None  # opened with the control segment
+        raw = arena[ref.offset : ref.offset + ref.length]
+        ctl.put(self.rank, _R_CONSUMED, ref.end)
+        notify.release()
         task = decode_task(raw, ids_as_arrays=self.ids_as_arrays)
         if task.seq != ref.seq:
             raise ValueError(
@@ -1202,10 +1217,12 @@ class WorkerIPC:
             )
         with self._send_lock:
             self._require_open()
+            completions = self._completions
+            assert completions is not None  # opened with the control segment (_attach)
             deadline = time.monotonic() + timeout
             for part in parts:
                 try:
-                    self._completions.send(part, 0)
+                    completions.send(part, 0)
                     continue
                 except posix_ipc.BusyError:
                     pass
@@ -1213,7 +1230,7 @@ class WorkerIPC:
                 try:
                     if remaining <= 0:
                         raise posix_ipc.BusyError("timed out")
-                    self._completions.send(part, remaining)
+                    completions.send(part, remaining)
                 except posix_ipc.BusyError:
                     self.check_manager()
                     raise SendTimeout(
@@ -1234,13 +1251,17 @@ class WorkerIPC:
         if not 0 <= layers_done < MAX_LAYERS:
             raise ValueError(f"layers_done {layers_done} out of range [0, {MAX_LAYERS})")
         ctl = self._require_open()
+        notify = self._notify
+        assert notify is not None  # opened with the control segment (_attach)
         ctl.words[ctl.slot_word(self.rank, seq)] = (seq << _LAYER_BITS) | layers_done
-        self._notify.release()
+        notify.release()
 
     def set_ready(self, ready: bool = True) -> None:
         """Set this rank's ready flag (after its pools are allocated)."""
         self._require_open().put(self.rank, _R_READY, 1 if ready else 0)
-        self._notify.release()
+        notify = self._notify
+        assert notify is not None  # opened with the control segment (_attach)
+        notify.release()
 
     def publish_storage_figures(self, stats: Mapping[str, float]) -> None:
         """Publish this rank's backend figures (a `StorageBackend.stats()` dict; names of

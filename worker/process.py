@@ -187,6 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("KVTIER_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s rank{spec.rank} %(levelname)s %(message)s",
                         stream=sys.stderr)
+    if spec.device.startswith("cuda:"):
+        # The whole process works for one GPU: make it the current device before anything
+        # touches CUDA, so streams, events and the pinned host pool all belong to it.
+        import torch
+
+        index = int(spec.device[5:])
+        if torch.cuda.is_available() and index < torch.cuda.device_count():
+            torch.cuda.set_device(index)  # else the device pool refuses it in one line
     worker = Worker(spec)
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -54,10 +54,10 @@ class WorkerSpec:
 
     @property
     def shape(self) -> KVShape:
-        from kvtier.worker.kv_pools import KVShape
+        from kvtier.worker.kv_pools import KVShape, parse_dtype
 
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                       self.dtype)  # type: ignore[arg-type]
+                       parse_dtype(self.dtype))
 
     def storage_namespace(self) -> str:
         fields: dict[str, Any] = {"num_layers": self.num_layers,

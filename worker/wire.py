@@ -262,7 +262,9 @@ def _raw(buf: bytes | bytearray | memoryview) -> bytes:
     return buf if isinstance(buf, bytes) else bytes(buf)
 
 
-def _check_head(buf: bytes, what: str, head: struct.Struct, mtype: MessageType) -> tuple:
+def _check_head(
+    buf: bytes, what: str, head: struct.Struct, mtype: MessageType
+) -> tuple[Any, ...]:
     if len(buf) < head.size:
         raise ValueError(
             f"{what} message: {len(buf)} bytes, shorter than its {head.size}-byte head"

@@ -5,7 +5,8 @@
 layout of a stored page (header + checksum) is in `page_format`.
 """
 
-from kvtier.worker.storage.backend import StorageBackend, make_backend, namespace_for
+from kvtier.worker.storage.backend import StorageBackend, namespace_for
+from kvtier.worker.storage.factory import make_backend
 from kvtier.worker.storage.page_format import HEADER_BYTES, KEY_BYTES, PageStatus
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""The storage-tier interface every backend implements, its shared bookkeeping, and the factory.
+"""The storage-tier interface every backend implements and its shared bookkeeping (the
+factory that opens a backend by name is `kvtier.worker.storage.factory`).
 
 The storage tier holds *pages*: one block of one rank, all layers, a fixed number of bytes for a
 given model shape. A worker moves pages between its host pool and a backend in batches (a
@@ -41,8 +42,6 @@ log = logging.getLogger("kvtier.storage")
 # A page buffer: anything exposing the buffer protocol as contiguous bytes (a torch tensor is
 # passed as `tensor.numpy()`; a host-pool page as its memoryview).
 Buffer: TypeAlias = "bytes | bytearray | memoryview | mmap.mmap | numpy.ndarray"
-
-BACKEND_KINDS = ("none", "file", "redis")
 
 # Upper bounds (seconds) of the latency histogram buckets; the last bucket is +Inf.
 LATENCY_BUCKETS_S: tuple[float, ...] = (
@@ -121,6 +120,7 @@ def as_page_view(obj: Buffer, index: int, *, writable: bool, page_bytes: int | N
     `.numpy()`, mmap slice). Raises naming the page index when it is not contiguous, not
     writable where it must be, or not `page_bytes` long."""
     try:
+        # numpy's stubs give ndarray `__buffer__` only for Python >= 3.12 (PEP 688).
         view = memoryview(obj)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(
@@ -322,47 +322,3 @@ class StorageBackend(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(namespace={self.namespace!r})"
-
-
-def make_backend(
-    kind: str,
-    *,
-    namespace: str,
-    path: str = ".kvtier/storage",
-    url: str = "redis://127.0.0.1:6379/0",
-    capacity_bytes: int = 0,
-    ttl_s: int = 0,
-    page_bytes: int | None = None,
-    timeout_s: float = 0.5,
-    io_threads: int = 2,
-) -> StorageBackend | None:
-    """Open the storage tier named by `[storage] backend`.
-
-    * "none" returns None: there is no storage tier, and callers skip every storage step
-      (queries, prefetches, backups) instead of talking to a store that always misses.
-    * "file": `FileBackend` under `path`, at most `capacity_bytes` (0 = unlimited), each
-      batch spread over `io_threads` threads, the calling one included (1 = no pool).
-    * "redis": `RedisBackend` on `url`, values expiring after `ttl_s` seconds (0 = never),
-      every network call bounded by `timeout_s`.
-    """
-    if kind == "none":
-        return None
-    if kind == "file":
-        from kvtier.worker.storage.file_backend import FileBackend
-
-        return FileBackend(
-            path,
-            namespace,
-            capacity_bytes=capacity_bytes,
-            page_bytes=page_bytes,
-            io_threads=io_threads,
-        )
-    if kind == "redis":
-        from kvtier.worker.storage.redis_backend import RedisBackend
-
-        return RedisBackend(
-            url, namespace, ttl_s=ttl_s, page_bytes=page_bytes, timeout_s=timeout_s
-        )
-    raise ValueError(
-        f"storage backend {kind!r} is unknown; choose one of {', '.join(BACKEND_KINDS)}"
-    )

@@ -27,7 +27,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -40,6 +41,7 @@ from kvtier.worker.storage.backend import (
 )
 from kvtier.worker.storage.page_format import HEADER_BYTES, PageStatus, decode_into, encode_page
 from redis.backoff import NoBackoff
+from redis.client import Pipeline
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
@@ -77,7 +79,8 @@ def open_client(url: str, *, timeout_s: float, connect_timeout_s: float) -> Redi
               "retry": Retry(NoBackoff(), 0), "decode_responses": False}
     if parts.scheme in CLUSTER_SCHEMES:
         plain = urlunsplit(parts._replace(scheme=CLUSTER_SCHEMES[parts.scheme]))
-        return RedisCluster.from_url(plain, **common)
+        cluster: RedisCluster = RedisCluster.from_url(plain, **common)  # untyped classmethod
+        return cluster
     return redis.Redis.from_url(url, retry_on_timeout=False, health_check_interval=0, **common)
 
 
@@ -239,8 +242,8 @@ class RedisBackend(StorageBackend):
         if not keys_b or self._in_backoff("exists"):
             return out
         for lo, hi in self.batch_bounds(len(keys_b), 0):
-            ok, found = self._call("exists", lambda lo=lo, hi=hi: self._exists_batch(keys_b[lo:hi]))
-            if not ok:
+            ok, found = self._call("exists", partial(self._exists_batch, keys_b[lo:hi]))
+            if not ok or found is None:
                 break
             out[lo:hi] = found
         return out
@@ -255,8 +258,8 @@ class RedisBackend(StorageBackend):
         count, lo, step = 0, 0, 32
         while lo < len(keys_b):
             hi = min(len(keys_b), lo + step)
-            ok, found = self._call("exists", lambda lo=lo, hi=hi: self._exists_batch(keys_b[lo:hi]))
-            if not ok:
+            ok, found = self._call("exists", partial(self._exists_batch, keys_b[lo:hi]))
+            if not ok or found is None:
                 return count
             for present in found:
                 if not present:
@@ -265,7 +268,7 @@ class RedisBackend(StorageBackend):
             lo, step = hi, min(step * 4, self._batch_keys)
         return count
 
-    def _pipelined(self, names: list[bytes], queue: Callable[[Any, int], object], *,
+    def _pipelined(self, names: list[bytes], queue: Callable[[Pipeline, int], object], *,
                    raise_on_error: bool) -> list[Any]:
         """Queue one command per name (`queue(pipe, index)`) and run them in one round trip
         per node: the whole batch on a plain server; on a cluster, grouped by the node that
@@ -278,7 +281,7 @@ class RedisBackend(StorageBackend):
             pipe = client.pipeline(transaction=False)
             for i in range(len(names)):
                 queue(pipe, i)
-            return pipe.execute(raise_on_error=raise_on_error)  # type: ignore[no-any-return]
+            return pipe.execute(raise_on_error=raise_on_error)
         if self._reload_slots:
             client.nodes_manager.initialize()
             self._reload_slots = False
@@ -321,7 +324,7 @@ class RedisBackend(StorageBackend):
             page_len = max(v.nbytes for v in views)
             for lo, hi in self.batch_bounds(len(keys_b), page_len):
                 names = [self.redis_key(k) for k in keys_b[lo:hi]]
-                ok, values = self._call("get", lambda names=names: self._read_batch(names))
+                ok, values = self._call("get", partial(self._read_batch, names))
                 if not ok or values is None:
                     break
                 for i, value in enumerate(values, start=lo):
@@ -355,14 +358,16 @@ class RedisBackend(StorageBackend):
         if isinstance(client, RedisCluster):  # keys of many slots: no single MGET
             return self._pipelined(names, lambda pipe, i: pipe.get(names[i]),
                                    raise_on_error=True)
-        return client.mget(names)  # type: ignore[no-any-return]
+        # redis-py annotates its commands for the sync and asyncio clients at once
+        # (`Awaitable[Any] | Any`); the sync client's MGET answers a list.
+        return cast(list[bytes | None], client.mget(names))
 
     def _unlink(self, names: list[bytes]) -> int:
         if isinstance(self.client, RedisCluster):  # one UNLINK per key: keys of many slots
             removed = self._pipelined(names, lambda pipe, i: pipe.unlink(names[i]),
                                       raise_on_error=True)
             return sum(int(n) for n in removed)
-        return int(self.client.unlink(*names))
+        return int(cast(int, self.client.unlink(*names)))  # sync client: an int, see _read_batch
 
     def _drop_corrupt(self, keys: list[bytes]) -> None:
         """Delete values that failed verification so `exists` stops reporting them. Best
@@ -381,8 +386,7 @@ class RedisBackend(StorageBackend):
             page_len = max(v.nbytes for v in views)
             for lo, hi in self.batch_bounds(len(keys_b), page_len):
                 ok, results = self._call(
-                    "set", lambda lo=lo, hi=hi: self._set_batch(keys_b[lo:hi], views[lo:hi])
-                )
+                    "set", partial(self._set_batch, keys_b[lo:hi], views[lo:hi]))
                 if not ok or results is None:
                     break
                 for i, result in enumerate(results, start=lo):
@@ -415,7 +419,7 @@ class RedisBackend(StorageBackend):
             return 0
         for lo in range(0, len(keys_b), self._batch_keys):
             names = [self.redis_key(k) for k in keys_b[lo : lo + self._batch_keys]]
-            ok, n = self._call("delete", lambda names=names: self._unlink(names))
+            ok, n = self._call("delete", partial(self._unlink, names))
             if not ok:
                 break
             removed += int(n or 0)

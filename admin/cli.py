@@ -20,6 +20,10 @@ printed as one line naming the key and the value.
 
 `replay` lives in `kvtier.manager.replay`, imported only when that subcommand runs, so `serve` and
 `status` never pay for (or depend on) the replay machinery.
+
+The command sits in the top layer, next to the admin it serves: it imports the manager (the
+`Stack`, the configuration) and the admin; neither imports it. Run it as `kvtier` (the console
+script) or `python -m kvtier.admin.cli`.
 """
 
 from __future__ import annotations
@@ -146,7 +150,6 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
     from kvtier.admin.app import create_app
     from kvtier.manager.errors import KvtierError
     from kvtier.manager.stack import Stack
-    from kvtier.worker.ipc import IPCError
 
     stack = Stack(cfg)
     server = AdminServer(app := create_app(stack), cfg.admin.host, sock=sock)
@@ -161,7 +164,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
         except _StopDuringStart:
             log.info("stopped while starting; every worker, segment and queue removed")
             return EXIT_OK
-        except (KvtierError, IPCError) as e:
+        except KvtierError as e:  # IPC errors included
             print(f"kvtier serve: cannot start: {e}", file=sys.stderr, flush=True)
             return EXIT_FAILURE
         try:
@@ -212,7 +215,8 @@ def fetch_status(url: str, timeout: float) -> dict[str, Any]:
     target = url.rstrip("/") + "/status"
     try:
         with urllib.request.urlopen(target, timeout=timeout) as response:
-            return json.loads(response.read())
+            status: dict[str, Any] = json.loads(response.read())  # the admin API's object
+            return status
     except urllib.error.HTTPError as e:
         try:
             detail = json.loads(e.read()).get("detail", "")
@@ -388,7 +392,8 @@ def _command_of(argv: Sequence[str]) -> str | None:
     pre.add_argument("--log-level")
     pre.add_argument("command", nargs="?")
     known, _ = pre.parse_known_args(argv)
-    return known.command
+    command: str | None = known.command
+    return command
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,48 @@
+"""Fixtures and hooks every test module gets (helpers to import are in support.py).
+
+- `redis_server`, `redis_cluster`: a real redis-server / 3-node Redis Cluster, one per module
+  that asks for it (defined in redis_server.py, which bench/ imports too).
+- `shm_name`: a fresh host-pool segment name; the test fails if the segment is left behind.
+- Tests marked `cuda` are skipped, with the reason shown, where torch sees no CUDA GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import posix_ipc
+import pytest
+from redis_server import redis_cluster, redis_server
+from support import new_segment_name
+
+__all__ = ["redis_cluster", "redis_server"]  # module-scoped fixtures, shared by every module
+
+NO_CUDA = "needs a CUDA GPU: torch.cuda.is_available() is false"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the `cuda` tests on a machine without a GPU. torch is imported only when such a
+    test was collected (it costs seconds, and most runs select none)."""
+    cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not cuda_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    for item in cuda_items:
+        item.add_marker(pytest.mark.skip(reason=NO_CUDA))
+
+
+@pytest.fixture
+def shm_name() -> Iterator[str]:
+    """A fresh name for a host pool's shared-memory segment (`/kvtier_<id>_host_r0`); the
+    test must leave no segment of that name behind."""
+    name = new_segment_name()
+    yield name
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
+    else:
+        pytest.fail(f"segment {name} was left behind")

@@ -1,0 +1,57 @@
+"""Open the storage backend named by the `[storage]` config section.
+
+This module sits above the backends: it imports `file_backend` and `redis_backend`, which
+import `backend` (the interface); `backend` imports neither, so no module imports its
+importer. Each backend module is imported only when its kind is opened, so a deployment
+without Redis never pays for loading the Redis client.
+"""
+
+from __future__ import annotations
+
+from kvtier.worker.storage.backend import StorageBackend
+
+BACKEND_KINDS = ("none", "file", "redis")
+
+
+def make_backend(
+    kind: str,
+    *,
+    namespace: str,
+    path: str = ".kvtier/storage",
+    url: str = "redis://127.0.0.1:6379/0",
+    capacity_bytes: int = 0,
+    ttl_s: int = 0,
+    page_bytes: int | None = None,
+    timeout_s: float = 0.5,
+    io_threads: int = 2,
+) -> StorageBackend | None:
+    """Open the storage tier named by `[storage] backend`.
+
+    * "none" returns None: there is no storage tier, and callers skip every storage step
+      (queries, prefetches, backups) instead of talking to a store that always misses.
+    * "file": `FileBackend` under `path`, at most `capacity_bytes` (0 = unlimited), each
+      batch spread over `io_threads` threads, the calling one included (1 = no pool).
+    * "redis": `RedisBackend` on `url`, values expiring after `ttl_s` seconds (0 = never),
+      every network call bounded by `timeout_s`.
+    """
+    if kind == "none":
+        return None
+    if kind == "file":
+        from kvtier.worker.storage.file_backend import FileBackend
+
+        return FileBackend(
+            path,
+            namespace,
+            capacity_bytes=capacity_bytes,
+            page_bytes=page_bytes,
+            io_threads=io_threads,
+        )
+    if kind == "redis":
+        from kvtier.worker.storage.redis_backend import RedisBackend
+
+        return RedisBackend(
+            url, namespace, ttl_s=ttl_s, page_bytes=page_bytes, timeout_s=timeout_s
+        )
+    raise ValueError(
+        f"storage backend {kind!r} is unknown; choose one of {', '.join(BACKEND_KINDS)}"
+    )
