@@ -62,9 +62,11 @@ mapfile -t cuda_files < <(grep -l "mark.cuda" tests/test_*.py)
 run_pytest cuda -m cuda "${cuda_files[@]}"
 # 2. the worker-process tests with every device pool on the GPU: round trips device -> host
 #    -> storage -> device byte for byte on every rank and layer, layer-by-layer loads, kill -9
-#    of a worker mid-load (Redis cases need redis-server and are left to the CPU suite)
+#    of a worker mid-load (the Redis cases run only where redis-server is installed)
+skip_redis=()
+command -v redis-server >/dev/null || skip_redis=(-k "not redis and not cluster and not share_pages")
 KVTIER_TEST_DEVICE=cuda run_pytest workers_on_cuda tests/test_worker_processes.py \
-  tests/test_storage_tier.py -k "not redis and not cluster"
+  tests/test_storage_tier.py "${skip_redis[@]}"
 # 3. the transfer benchmark on the GPU, against one pinned copy of the same bytes
 log "bench/transfer.py on cuda"
 if ! "$PY" bench/transfer.py --device cuda --json --max-working-set-gib 12 \
