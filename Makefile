@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 
 .PHONY: run test install system-deps lint bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py manager/_native.c
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[dev]'

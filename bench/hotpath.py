@@ -14,6 +14,16 @@ RadixCache) as subprocesses when its venv exists, interleaving repetitions with 
 prints kvtier/peer ratios from that one run.
 
     python bench/hotpath.py [--json] [--peers] [--reps N] [--block-sizes 16,64]
+    python bench/hotpath.py --scale [--scale-blocks 100000,10000000] [--block-sizes 16]
+
+`--scale` asks what a big tree costs instead: a manager of N device blocks is filled with N
+distinct cached blocks (prompts of 256 blocks, each starting with its own token), its memory
+read from the process's resident set (growth per cached block, and with the manager's
+preallocated free list), then the chat workload runs on top of it (evicting filler) and its
+us/block is timed as above. 10M blocks of 16 tokens take about 4 GiB.
+
+The hot loops run compiled (`kvtier.manager._native`) when the extension is built;
+KVTIER_NATIVE=0 runs the pure-Python ones (the first output line says which).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from kvtier.manager import native
 from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.workloads import WARMUP_FRAC, capacity_blocks, make_chat_workload
 
@@ -109,6 +120,59 @@ def memory_per_block(block_size: int, reqs: list[list[int]]) -> dict[str, float]
             "total_bytes_per_cached_block": (m2 - m0) / nb}
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_scale(block_size: int, n_blocks: int, reqs: list[list[int]]) -> dict[str, float]:
+    """Fill a manager of `n_blocks` device blocks with as many cached blocks, then time the
+    chat workload on it (see the module doc)."""
+    gc.collect()
+    rss0 = _rss_bytes()
+    runner = Runner(block_size, n_blocks)
+    gc.collect()
+    rss1 = _rss_bytes()
+    per_prompt = 256
+    tail = list(range(1, per_prompt * block_size))  # shared tail; the first token differs
+    t0 = time.perf_counter()
+    gc.disable()
+    try:
+        i = 0
+        while runner.cached_blocks() + per_prompt <= n_blocks:
+            runner.step([-1 - i, *tail])
+            i += 1
+        left = n_blocks - runner.cached_blocks()
+        if left:
+            runner.step([-1 - i, *tail[: left * block_size - 1]])
+    finally:
+        gc.enable()
+    fill_s = time.perf_counter() - t0
+    gc.collect()
+    rss2 = _rss_bytes()
+    cached = runner.cached_blocks()
+    timed = Runner.__new__(Runner)  # the filled manager, timed on the chat workload
+    timed.bs, timed.m, timed.n = block_size, runner.m, runner.n
+    n_warm = int(len(reqs) * WARMUP_FRAC)
+    tot_ns = tot_blk = 0
+    gc.disable()
+    try:
+        for j, toks in enumerate(reqs):
+            t = time.perf_counter_ns()
+            _, b = timed.step(toks)
+            dt = time.perf_counter_ns() - t
+            if j >= n_warm:
+                tot_ns += dt
+                tot_blk += b
+    finally:
+        gc.enable()
+    return {"cached_blocks": cached, "fill_s": fill_s,
+            "fill_us_per_block": fill_s * 1e6 / cached,
+            "rss_growth_bytes_per_cached_block": (rss2 - rss1) / cached,
+            "rss_total_bytes_per_cached_block": (rss2 - rss0) / cached,
+            "us_per_block": tot_ns / 1e3 / tot_blk}
+
+
 def peers_venv() -> Path | None:
     env = os.environ.get("PEERS_VENV")
     candidates = [Path(env)] if env else []
@@ -162,9 +226,32 @@ def main() -> int:
     ap.add_argument("--peers", action="store_true", help="also run the peer harness")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--block-sizes", default="16,64")
+    ap.add_argument("--scale", action="store_true",
+                    help="time and measure big trees instead (see --scale-blocks)")
+    ap.add_argument("--scale-blocks", default="100000,10000000",
+                    help="cached blocks per --scale run, comma-separated")
     args = ap.parse_args()
     sizes = [int(x) for x in args.block_sizes.split(",")]
     reqs = make_chat_workload()
+    loops = "compiled" if native.active() else f"pure Python ({native.UNAVAILABLE})"
+    if args.scale:
+        rows = [(b, n, run_scale(b, n, reqs)) for b in sizes
+                for n in (int(x) for x in args.scale_blocks.split(","))]
+        if args.json:
+            print(json.dumps({"loops": loops, "scale": [
+                {"block_size": b, "blocks": n, **r} for b, n, r in rows]}))
+            return 0
+        print(f"hot loops: {loops}")
+        print(f"{'block':>6}{'cached':>11}{'fill s':>8}{'fill us/blk':>12}{'us/block':>10}"
+              f"{'RSS B/blk':>11}{'w/ pool':>9}")
+        for b, _, r in rows:
+            print(f"{b:>6}{int(r['cached_blocks']):>11}{r['fill_s']:>8.1f}"
+                  f"{r['fill_us_per_block']:>12.3f}{r['us_per_block']:>10.3f}"
+                  f"{r['rss_growth_bytes_per_cached_block']:>11.0f}"
+                  f"{r['rss_total_bytes_per_cached_block']:>9.0f}")
+        print("us/block: the chat workload on the filled manager; RSS B/blk: resident growth "
+              "per cached block while filling (w/ pool: including the manager's free list)")
+        return 0
     venv = peers_venv() if args.peers else None
     if args.peers and venv is None:
         print("peer venv not found: run `bash ../shared/peers/setup.sh` first", file=sys.stderr)
@@ -216,8 +303,9 @@ def main() -> int:
                 }
         out["peers"] = peer_out
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps({"loops": loops, **out}))
         return 0
+    print(f"hot loops: {loops}")
     print(f"{'impl':<14}{'block':>6}{'us/block':>10}{'us/1k tok':>11}{'median us':>11}"
           f"{'p99 us':>9}{'hit rate':>10}{'B/block':>9}{'speedup':>9}")
     for b in sizes:

@@ -18,6 +18,11 @@ Two key families, because they serve different readers:
 
 Both encode tokens canonically as little-endian int32, never Python `hash()` or pickle, so any
 process on any machine computes the same keys. Token ids must fit in int32.
+
+Tree keys of plain int token lists are computed by the compiled `kvtier.manager._native` when
+it is built (`kvtier.manager.native`), with the xxhash package's own xxh3-128: the same keys as
+the Python code below, which handles everything else (multimodal blocks, other sequences, and
+the errors).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import xxhash
+from kvtier.manager import native
 from kvtier.manager.errors import KvtierError
 
 _MASK64 = (1 << 64) - 1
@@ -154,6 +160,10 @@ def chain_keys(
         extra_keys = [ExtraKey.coerce(e) for e in extra_keys]
     if end <= start_block:
         return []
+    if native.chain_keys is not None and not extra_keys:
+        keys = native.chain_keys(token_ids, block_size, parent, start_block, end)
+        if keys is not None:  # None: input only the Python path below handles (or rejects)
+            return keys
     step = block_size * 4
     buf = memoryview(pack_tokens(token_ids, end * block_size))
     out: list[int] = []

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypedDict
 
+from kvtier.manager import native
 from kvtier.manager.block_pool import BlockPool
 from kvtier.manager.cache_state import OnDone, RequestState, StorageHooks
 from kvtier.manager.errors import (
@@ -219,7 +220,6 @@ class KVCacheManager:
             n_tokens = len(token_ids)
             cap = (n_tokens - 1) // bs if n_tokens else 0
             now = _monotonic()
-            get = self._map.get
             nodes = req.nodes
             add = nodes.append
             host_hits: list[int] = []  # indexes into nodes
@@ -230,11 +230,17 @@ class KVCacheManager:
             n_storage = 0
             limit = min(cap, len(keys))
             storage = self.storage
+            tree = self._map
             while True:
-                for key in keys[len(nodes):limit]:
-                    node = get(key)
-                    if node is None:
+                while True:
+                    # Plain device hits in one call (compiled or not, see manager.native);
+                    # it stops at a miss, at the limit, or at a node handled here.
+                    stop, n_unlinked = native.walk_hits(tree, keys, nodes, limit, now,
+                                                        hit_threshold, backups)
+                    unlinked += n_unlinked
+                    if stop != 2:
                         break
+                    node = tree[keys[len(nodes)]]
                     if node.dev is None:
                         if node.host is None or node.flags & PREFETCHING:
                             break
@@ -418,33 +424,19 @@ class KVCacheManager:
             n = len(nodes)
             if len(blocks) > n:
                 pool.free(blocks[n:])
-            # Tail first, so a request's leaves are older than its inner blocks. Evictable
-            # nodes are chained onto the LRU's tail in one pass (inlined DeviceLRU.append).
+            # Tail first, so a request's leaves are older than its inner blocks: evictable
+            # nodes join the device LRU's tail in one pass (compiled or not, see
+            # manager.native), which leaves the request's own blocks to free here.
             lru = self._dev_lru
-            head = lru.head
-            tail = head.dprev
-            appended = 0
-            for i in range(n - 1, -1, -1):
+            rest, appended = native.release_walk(nodes, lru.head, now, DEVICE_BUSY)
+            lru.size += appended
+            for i in rest:
                 node = nodes[i]
                 if node is None:
                     pool.free_one(blocks[i])
-                    continue
-                ref = node.ref - 1
-                node.ref = ref
-                if ref == 0:
-                    if node.key is None:  # detached: the block was the requests' own
-                        if node.dev is not None and not node.flags & IN_FLIGHT:
-                            pool.free_one(node.dev)
-                            node.dev = None
-                    elif not node.flags & DEVICE_BUSY:
-                        node.last = now
-                        node.dprev = tail
-                        tail.dnext = node  # type: ignore[union-attr]
-                        tail = node
-                        appended += 1
-            tail.dnext = head  # type: ignore[union-attr]
-            head.dprev = tail
-            lru.size += appended
+                elif node.dev is not None and not node.flags & IN_FLIGHT:
+                    pool.free_one(node.dev)  # detached: the block was the requests' own
+                    node.dev = None
 
     def prefetch(self, token_ids: Sequence[int],
                  extra_keys: Sequence[object] | None = None) -> bool:

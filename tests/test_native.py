@@ -1,0 +1,210 @@
+"""The compiled hot path (`kvtier.manager._native`) against its pure-Python twin.
+
+`kvtier.manager.native` picks the compiled loops when the extension imports, else pure Python
+(KVTIER_NATIVE=0 forces that). Both must give identical tree keys, identical hits and
+identical manager states: here both run on the same randomized inputs, and the stateful
+machines of test_manager_stateful run again with the pure-Python loops (the file itself runs
+them with whatever is selected, i.e. the compiled ones on a built tree).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import struct
+from collections.abc import Iterator
+
+import hypothesis.strategies as st
+import pytest
+import xxhash
+from hypothesis import given, settings
+from kvtier.manager import native
+from kvtier.manager.keys import chain_keys
+from kvtier.manager.scheduler import KVCacheManager
+from kvtier.manager.transfers import ManualDispatcher
+from test_manager_stateful import SETTINGS, ManagerMachine
+
+needs_native = pytest.mark.skipif(not native.available(),
+                                  reason=f"native extension not in use: {native.UNAVAILABLE}")
+
+
+@pytest.fixture(autouse=True)
+def _restore_selection() -> Iterator[None]:
+    before = native.active()
+    yield
+    native.use(before)
+
+
+def test_extension_is_built_unless_turned_off() -> None:
+    """`make install` builds the extension; only KVTIER_NATIVE=0 may leave it out."""
+    if os.environ.get("KVTIER_NATIVE") == "0":
+        assert not native.available() and not native.active()
+    else:
+        assert native.available(), native.UNAVAILABLE
+        assert native.active()
+
+
+def test_use_refuses_a_missing_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_ext", None)
+    with pytest.raises(RuntimeError, match="not available"):
+        native.use(True)
+
+
+def both(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """`fn` run with the compiled loops and with the pure-Python ones."""
+    native.use(True)
+    a = fn(*args, **kwargs)
+    native.use(False)
+    b = fn(*args, **kwargs)
+    return a, b
+
+
+# ---------------------------------------------------------------------- keys
+
+int32 = st.integers(-(2**31), 2**31 - 1)
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(int32 | st.integers(0, 40), max_size=300),
+       block_size=st.integers(1, 70), parent=st.integers(0, 2**128 - 1),
+       start=st.integers(0, 8), count=st.none() | st.integers(0, 12))
+def test_tree_keys_are_identical(tokens: list[int], block_size: int, parent: int, start: int,
+                                 count: int | None) -> None:
+    kw = {"parent": parent, "start_block": start, "num_blocks": count}
+    a, b = both(chain_keys, tokens, block_size, **kw)
+    assert a == b
+    assert both(chain_keys, tuple(tokens), block_size, **kw) == (a, a)
+    end = len(tokens) // block_size if count is None else min(len(tokens) // block_size,
+                                                               start + count)
+    want, p = [], parent
+    for blk in range(start, end):  # the documented formula, straight from xxhash
+        data = struct.pack(f"<{block_size}i", *tokens[blk * block_size:(blk + 1) * block_size])
+        p = xxhash.xxh3_128_intdigest(data, p & (2**64 - 1)) ^ (p >> 64)
+        want.append(p)
+    assert a == want
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=1500), seed=st.integers(0, 2**64 - 1))
+def test_resolved_xxh3_is_the_packages(data: bytes, seed: int) -> None:
+    from kvtier.manager import _native
+    assert _native.xxh3_128_intdigest(data, seed) == xxhash.xxh3_128_intdigest(data, seed)
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [2**31, -(2**31) - 1, 2**70, 2.0, "7", None, True])
+def test_inputs_the_compiled_path_does_not_take_behave_as_in_python(bad: object) -> None:
+    """Anything but exact int32 ints goes to the Python path: the same keys (bool) or the
+    same error, naming the token."""
+    tokens: list[object] = [1, 2, 3, 4, 5, 6, 7, 8]
+    tokens[5] = bad
+
+    def run() -> object:
+        try:
+            return chain_keys(tokens, 4)  # type: ignore[arg-type]
+        except Exception as e:
+            return type(e), str(e)
+
+    a, b = both(run)
+    assert a == b
+
+
+@needs_native
+def test_parent_outside_128_bits_behaves_as_in_python() -> None:
+    tokens = list(range(16))
+    for parent in (2**128, 2**130 + 5):
+        a, b = both(chain_keys, tokens, 4, parent=parent)
+        assert a == b
+
+
+@needs_native
+def test_extra_keys_and_sequences_take_the_python_path() -> None:
+    tokens = list(range(32))
+    extra = [(3, 9, b"img")]
+    assert both(chain_keys, tokens, 8, extra_keys=extra)[0] == both(
+        chain_keys, tokens, 8, extra_keys=extra)[1]
+    a, b = both(chain_keys, range(32), 8)
+    assert a == b == chain_keys(tokens, 8)
+
+
+# ---------------------------------------------------------------------- managers
+
+
+def _drive(seed: int, host_blocks: int, policy: str) -> list[object]:
+    """A random multi-turn workload through a fresh manager: every observable result, then
+    the final tree, LRU orders and free lists."""
+    rng = random.Random(seed)
+    disp = ManualDispatcher()
+    m = KVCacheManager(block_size=4, device_blocks=40, host_blocks=host_blocks,
+                       write_policy=policy, hit_threshold=2, dispatcher=disp)
+    prefixes = [[rng.randrange(0, 50) for _ in range(rng.randrange(0, 24))] for _ in range(4)]
+    trace: list[object] = []
+    live: list[str] = []
+    for i in range(200):
+        action = rng.random()
+        if action < 0.6 or not live:
+            rid = f"r{i}"
+            toks = rng.choice(prefixes) + [rng.randrange(0, 5) for _ in range(rng.randrange(30))]
+            r = m.match(rid, toks)
+            trace.append(("match", r.block_ids, r.device_tokens, r.host_tokens))
+            try:
+                trace.append(("alloc", m.allocate(rid, len(toks) - r.num_tokens, 0)))
+                trace.append(("commit", m.commit(rid, toks, rng.randrange(len(toks) + 1))))
+            except Exception as e:
+                trace.append(("error", type(e).__name__))
+            live.append(rid)
+        elif action < 0.9:
+            m.release(live.pop(rng.randrange(len(live))))
+        else:
+            for seq in sorted(disp.tasks)[: rng.randrange(4)]:
+                disp.complete(seq, rng.random() < 0.8)
+        m.check_invariants()
+        trace.append(m.stats())
+    trace.append(sorted((k, n.dev, n.host, n.ref, n.hits, n.flags) for k, n in m._map.items()))
+    trace.append([n.key for n in m._dev_lru])
+    trace.append([n.key for n in m._host_lru])
+    trace.append(m._dev_pool.free_ids())
+    trace.append(m._host_pool.free_ids())
+    return trace
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(("host_blocks", "policy"),
+                         [(0, "write_through_selective"), (20, "write_through_selective"),
+                          (20, "write_through"), (20, "write_back")])
+def test_managers_reach_identical_states(seed: int, host_blocks: int, policy: str) -> None:
+    a, b = both(_drive, seed, host_blocks, policy)
+    assert a == b
+
+
+# ---------------------------------------------------------------------- stateful, pure Python
+
+
+class PurePythonMachine(ManagerMachine):
+    """test_manager_stateful's machine with the pure-Python loops."""
+
+    def __init__(self) -> None:
+        native.use(False)
+        super().__init__()
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            native.use(native.available())
+
+
+def _pure(policy: str, host_blocks: int) -> type[ManagerMachine]:
+    return type(f"Pure_{policy}_{host_blocks}", (PurePythonMachine,),
+                {"policy": policy, "host_blocks": host_blocks})
+
+
+TestPureWriteThroughSelective = _pure("write_through_selective", 10).TestCase
+TestPureWriteThroughSelective.settings = SETTINGS
+TestPureWriteBack = _pure("write_back", 10).TestCase
+TestPureWriteBack.settings = SETTINGS
+TestPureNoHostTier = _pure("write_through_selective", 0).TestCase
+TestPureNoHostTier.settings = settings(SETTINGS, max_examples=15)
