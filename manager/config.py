@@ -222,6 +222,11 @@ class WorkersConfig(BaseModel):
     ready_timeout_s: float = Field(
         60.0, gt=0, allow_inf_nan=False, description="seconds a starting worker has to get ready"
     )
+    engine_kv: bool = Field(
+        False,
+        description="the engine's model runner owns the device KV and registers it "
+        "(kvtier.worker.engine_kv); workers attach to it instead of allocating a device pool",
+    )
 
     @field_validator("cuda_devices")
     @classmethod
@@ -762,7 +767,8 @@ def check_memory(
     page = page_bytes(cfg)
     count = cfg.workers.count
     mem = mem_available_bytes(meminfo)
-    device = device_pool_bytes(cfg)
+    # With engine_kv the device KV is the engine's, allocated (and counted) already.
+    device = 0 if cfg.workers.engine_kv else device_pool_bytes(cfg)
     host = host_pool_bytes(cfg)
     per_ranks = f"x {page} bytes per block x {count} worker{'s' if count != 1 else ''}"
     on_cpu = resolve_device(cfg) == "cpu"
@@ -789,7 +795,7 @@ def check_memory(
             f"({_human(device + host)}) together but MemAvailable is {mem} bytes ({_human(mem)})"
         )
     if not on_cpu:
-        _check_cuda_memory(cfg, device // count)
+        _check_cuda_memory(cfg, device // count)  # with engine_kv: only that the GPUs exist
 
 
 def _check_cuda_memory(cfg: KvtierConfig, per_rank: int) -> None:

@@ -40,6 +40,7 @@ from kvtier.manager.config import NON_CONFIG_ENV
 from kvtier.manager.errors import KvtierError, TransferTimeoutError
 from kvtier.manager.transfers import Dispatcher
 from kvtier.worker.ipc import ManagerIPC, TaskAborted
+from kvtier.worker.kvreg import read_record, remove_dead_registrations
 from kvtier.worker.spec import WorkerSpec, host_segment_name
 from kvtier.worker.wire import (
     MIN_RESULT_KINDS,
@@ -218,12 +219,19 @@ class WorkerSupervisor:
         self._log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvtier-{deployment_id}-"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self.workers = [WorkerHandle(r) for r in range(num_ranks)]
+        # workers.engine_kv: the registration nonce each rank's device blocks were cached
+        # under; a different one (or none) means the model runner's KV memory was replaced and
+        # every device block the manager lists is gone with it (see _check_engine_kv)
+        self._engine_kv = spec_for_rank(0).engine_kv
+        self._kv_nonce: dict[int, str | None] = {}
+        self._kv_checked = 0.0
         self.restarts_total = 0
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.dispatcher: ProcessDispatcher | None = None
         self.ipc = ManagerIPC(deployment_id, num_ranks,
                               on_completion=self._on_completion)
+        self._remove_dead_registrations()
         self._monitor: threading.Thread | None = None
 
     def _on_completion(self, comp: Completion) -> None:
@@ -247,6 +255,9 @@ class WorkerSupervisor:
             self._keep_logs = True
             self.stop()
             raise
+        if self._engine_kv:  # the registrations the ready workers attached
+            self._kv_checked = 0.0
+            self._check_engine_kv()
         self._monitor = threading.Thread(target=self._watch, daemon=True,
                                          name="kvtier-supervisor")
         self._monitor.start()
@@ -303,8 +314,35 @@ class WorkerSupervisor:
 
     # ------------------------------------------------------------------ watch
 
+    def _check_engine_kv(self) -> None:
+        """A safety net under the engine's own duty (a restarted model runner means a new
+        scheduler side, or `manager.lose_all()`): when a rank's registration disappears or is
+        replaced, the manager forgets every cached block, so a block id is never served over
+        memory that no longer holds its KV. Checked twice a second."""
+        now = time.monotonic()
+        if now - self._kv_checked < 0.5:
+            return
+        self._kv_checked = now
+        for rank in range(self.num_ranks):
+            rec = read_record(self.deployment_id, rank)
+            nonce = rec.nonce if rec is not None else None
+            seen = self._kv_nonce.get(rank)
+            self._kv_nonce[rank] = nonce
+            if seen is None or nonce == seen:
+                continue
+            reason = ("the model runner's KV registration was replaced" if nonce is not None
+                      else "the model runner's KV registration is gone")
+            log.error("rank %d: %s; every cached block is dropped", rank, reason)
+            if self.on_worker_lost is not None:
+                try:
+                    self.on_worker_lost(rank, reason)
+                except Exception:
+                    log.exception("handling the lost KV memory of rank %d failed", rank)
+
     def _watch(self) -> None:
         while not self._stop.wait(0.1):
+            if self._engine_kv:
+                self._check_engine_kv()
             for w in self.workers:
                 if self._stop.is_set():
                     return
@@ -399,6 +437,7 @@ class WorkerSupervisor:
         for w in self.workers:
             w.state = "stopped"
             self._unlink_host_segment(w.rank)
+        self._remove_dead_registrations()
         if self.dispatcher is not None:
             self.dispatcher.close()
         self.ipc.close()
@@ -406,6 +445,18 @@ class WorkerSupervisor:
             shutil.rmtree(self._log_dir, ignore_errors=True)
         elif self._keep_logs:
             log.info("worker logs kept in %s", self._log_dir)
+
+    def _remove_dead_registrations(self) -> None:
+        """Engine KV registrations (and KV segments) of this deployment whose model runner
+        died without closing them: no worker may attach them, and nobody else unlinks them.
+        A live runner's registration is left alone."""
+        try:
+            removed = remove_dead_registrations(self.deployment_id)
+        except (OSError, KvtierError) as e:
+            log.warning("could not remove dead engine KV registrations: %s", e)
+            return
+        if removed:
+            log.info("removed engine KV names of dead model runners: %s", removed)
 
     def _unlink_host_segment(self, rank: int) -> None:
         with contextlib.suppress(posix_ipc.ExistentialError):

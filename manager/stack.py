@@ -6,11 +6,17 @@ builders do too (`with Stack(cfg) as stack:`, then `stack.manager` is the schedu
 Two kinds of workers, one wiring:
 
 * `Stack(cfg)`: one worker process per rank (`kvtier.manager.launcher.WorkerSupervisor`),
-  tasks over IPC, loads reported layer by layer, a crashed rank replaced.
+  tasks over IPC, loads reported layer by layer, a crashed rank replaced. With
+  `workers.engine_kv` each worker attaches to the KV its rank's model runner registered
+  (`kvtier.worker.engine_kv`) instead of allocating a device pool; the runner registers
+  before the stack starts.
 * `Stack(cfg, embedded=True)`: every rank's pools and executor in this process
   (`kvtier.worker.embedded.EmbeddedWorkers`, reachable as `stack.workers`), each task run on
   every rank inside the scheduler call that emitted it. For an engine whose model runner owns
-  the KV memory in one process, notebooks, tests and examples.
+  the KV memory in one process, notebooks, tests and examples. Since every transfer is
+  complete when the call returns, a storage tier must use `storage.prefetch_policy =
+  "wait_complete"`: `best_effort` and `timeout` cannot be honoured and are refused
+  (`ConfigError`) at start.
 
 Either way the workers get the same `WorkerSpec`s (`worker_specs(cfg)`), the manager is the
 same `KVCacheManager`, and a `StorageTier` is built and handed to it when a storage backend
@@ -31,7 +37,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvtier.manager.config import KvtierConfig, page_bytes, rank_device, summary
+from kvtier.manager.config import ConfigError, KvtierConfig, page_bytes, rank_device, summary
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.launcher import WorkerSupervisor
 from kvtier.manager.scheduler import KVCacheManager
@@ -81,12 +87,28 @@ def worker_spec(cfg: KvtierConfig, rank: int) -> WorkerSpec:
         device=rank_device(c, rank), storage_backend=s.backend, storage_path=s.path,
         storage_url=s.url, storage_capacity_bytes=s.capacity_bytes,
         storage_ttl_s=int(s.ttl_s), backup_one_rank=s.backup_one_rank,
-        manager_timeout_s=max(3.0, c.workers.heartbeat_timeout_s), model_name=c.model.name)
+        manager_timeout_s=max(3.0, c.workers.heartbeat_timeout_s), model_name=c.model.name,
+        # the wait for the model runner's registration ends inside the supervisor's
+        # ready timeout, so the worker's own error (what is missing) is the one reported
+        engine_kv=c.workers.engine_kv, engine_kv_timeout_s=0.8 * c.workers.ready_timeout_s)
 
 
 def worker_specs(cfg: KvtierConfig) -> list[WorkerSpec]:
     """One `WorkerSpec` per rank (`workers.count`)."""
     return [worker_spec(cfg, r) for r in range(cfg.workers.count)]
+
+
+def _check_embedded(cfg: KvtierConfig) -> None:
+    """Refuse what embedded workers cannot honour: they run every task synchronously inside
+    the scheduler call that emitted it, so a storage prefetch is always complete when `match`
+    returns and `best_effort` / `timeout` would silently mean `wait_complete`."""
+    s = cfg.storage
+    if s.backend != "none" and s.prefetch_policy != "wait_complete":
+        raise ConfigError(
+            f"storage.prefetch_policy = {s.prefetch_policy!r}: embedded workers "
+            f"(Stack(cfg, embedded=True)) run every transfer inside the scheduler call, so a "
+            f"prefetch cannot be left running or cut short; set storage.prefetch_policy = "
+            f"'wait_complete' (or run worker processes: Stack(cfg))")
 
 
 class Stack:
@@ -119,7 +141,13 @@ class Stack:
         c = self.cfg
         try:
             dispatcher: Dispatcher
+            if self.embedded and c.workers.engine_kv:
+                raise KvtierError(
+                    "workers.engine_kv = true needs worker processes: an embedded stack's "
+                    "ranks live in the engine's process, whose model runner uses "
+                    "stack.require_workers().device_pool(rank) directly")
             if self.embedded:
+                _check_embedded(c)
                 # Imported here: the pools load torch, which a manager of worker processes
                 # never needs (seconds of start-up).
                 from kvtier.worker.embedded import EmbeddedWorkers

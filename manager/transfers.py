@@ -177,6 +177,25 @@ class LoadHandle:
         return bool(self._loads)
 
     @property
+    def seqs(self) -> list[int]:
+        """Task seqs of the loads the prefix depends on (the load this match started, and
+        loads of other requests' blocks it shares), for a model runner that waits per layer
+        without the manager (`kvtier.worker.engine_kv.LayerWaiter.wait(seq, layer, ...)`)."""
+        return list(dict.fromkeys(s for s, _ in self._loads))
+
+    @property
+    def seq(self) -> int | None:
+        """The task seq of the one load the prefix depends on; None when nothing loads
+        (every block was on the device). ValueError when it depends on several (a load of
+        another request's blocks too): wait for each of `seqs` then."""
+        seqs = self.seqs
+        if not seqs:
+            return None
+        if len(seqs) > 1:
+            raise ValueError(f"the prefix depends on {len(seqs)} loads {seqs}: use `seqs`")
+        return seqs[0]
+
+    @property
     def done(self) -> bool:
         d = self._dispatcher
         return d is None or not any(d.is_pending(s) for s, _ in self._loads)

@@ -65,7 +65,7 @@ BRIEF_DEFAULTS = {
         "backup_one_rank": False,
     },
     "workers": {"count": 1, "device": "auto", "cuda_devices": "", "ready_timeout_s": 60,
-                "heartbeat_timeout_s": 5},
+                "engine_kv": False, "heartbeat_timeout_s": 5},
     "admin": {"host": "127.0.0.1", "port": 8080, "token": ""},
 }
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from kvtier.manager.config import KvtierConfig
+from kvtier.manager.config import ConfigError, KvtierConfig
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.stack import Stack, worker_specs
 from kvtier.worker.embedded import EmbeddedWorkers, embedded_host_segment_name
@@ -27,11 +27,13 @@ SHM = Path("/dev/shm")
 
 def config(ranks: int = 2, storage_dir: Path | None = None, **cache: Any) -> KvtierConfig:
     """The tiny shape with 3 layers, 16 device and 16 host blocks per rank (`cache` overrides
-    the sizes and the write policy), file storage under `storage_dir` when one is given."""
+    the sizes and the write policy), file storage under `storage_dir` when one is given
+    (prefetch `wait_complete`, the one policy embedded workers honour)."""
     sizes: dict[str, Any] = {"device_blocks": 16, "host_blocks": 16, **cache}
     return tiny_config(deployment_id=new_deployment_id("embt"), workers=ranks, num_layers=3,
                        storage="none" if storage_dir is None else "file",
-                       storage_dir=storage_dir, **sizes)
+                       storage_dir=storage_dir,
+                       extra={"KVTIER_STORAGE__PREFETCH_POLICY": "wait_complete"}, **sizes)
 
 
 def embedded_workers(cfg: KvtierConfig) -> EmbeddedWorkers:
@@ -229,6 +231,28 @@ def test_embedded_stack_wires_the_storage_tier_and_clears_it(tmp_path: Path) -> 
         stack.require_manager()
     with pytest.raises(KvtierError, match="not embedded"):
         Stack(cfg).require_workers()
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "timeout"])
+def test_embedded_stack_refuses_a_prefetch_policy_it_cannot_honour(
+        tmp_path: Path, policy: str) -> None:
+    cfg = config(ranks=1, storage_dir=tmp_path)
+    cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(
+        update={"prefetch_policy": policy})})
+    stack = Stack(cfg, embedded=True)
+    with pytest.raises(ConfigError) as refused:
+        stack.start()
+    message = str(refused.value)
+    assert "\n" not in message
+    assert f"storage.prefetch_policy = {policy!r}" in message
+    assert "embedded" in message and "'wait_complete'" in message
+    assert stack.manager is None and not segment(cfg, 0).exists()
+    # Without a storage tier there is no prefetch: any policy is fine.
+    bare = config(ranks=1)
+    bare = bare.model_copy(update={"storage": bare.storage.model_copy(
+        update={"prefetch_policy": policy})})
+    with Stack(bare, embedded=True) as ok:
+        assert ok.storage is None
 
 
 def test_specs_must_form_one_deployment() -> None:

@@ -22,7 +22,14 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
-from kvtier.worker.kv_pools import BlockIdError, DevicePool, HostPool, KVShape, as_block_ids
+from kvtier.worker.kv_pools import (
+    BlockIdError,
+    DevicePool,
+    HostPool,
+    KVShape,
+    PlanePool,
+    as_block_ids,
+)
 
 CHUNK_BYTES = 8 << 20  # bound on the temporary tensors of one step (stays in cache)
 _WORDS: tuple[tuple[int, torch.dtype], ...] = (
@@ -33,7 +40,7 @@ _WORDS: tuple[tuple[int, torch.dtype], ...] = (
 )
 _masks: dict[tuple[KVShape, torch.dtype, torch.device], torch.Tensor] = {}
 
-Pool = DevicePool | HostPool
+Pool = DevicePool | HostPool | PlanePool
 
 
 def _word_dtype(row_bytes: int) -> torch.dtype:
@@ -71,12 +78,48 @@ def _bases(keys: Sequence[bytes], rank: int, row_bytes: int, dtype: torch.dtype)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(len(keys), -1)
 
 
+class _PlaneRows:
+    """A `PlanePool` (an engine's KV) seen as rows of words: one view `[blocks, words]` per
+    plane, read and written plane by plane. Same interface as `_Rows`."""
+
+    def __init__(self, pool: PlanePool) -> None:
+        self.dtype, self.planes = _plane_words(pool)
+        self.device = pool.device
+        self.words = pool.shape.k_bytes // torch.empty((), dtype=self.dtype).element_size()
+
+    def read(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        view = out.view(len(self.planes), ids.numel(), -1)
+        for p, plane in enumerate(self.planes):
+            torch.index_select(plane, 0, ids, out=view[p])
+        return view
+
+    def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        for p, plane in enumerate(self.planes):
+            plane.index_copy_(0, ids, rows[p])
+
+    def scratch(self, step: int) -> torch.Tensor:
+        return torch.empty(len(self.planes) * self.words * step, dtype=self.dtype,
+                           device=self.device)
+
+
+def _plane_words(pool: PlanePool) -> tuple[torch.dtype, list[torch.Tensor]]:
+    """The widest word dtype dividing a row that every plane can be viewed as."""
+    for size, dtype in _WORDS:
+        if pool.shape.k_bytes % size:
+            continue
+        try:
+            return dtype, [p.view(dtype) for p in pool.planes]
+        except RuntimeError:
+            continue
+    raise AssertionError("unreachable: every plane can be viewed as bytes")
+
+
 class _Rows:
     """A pool seen as rows of words, in its own layout: the device pool as
     `[layers * 2, blocks, words]` (blocks on dim 1), the host pool as `[blocks, layers * 2,
     words]` (blocks on dim 0). Both are views: writes land in the pool."""
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: DevicePool | HostPool) -> None:
         shape = pool.shape
         self.dtype = _word_dtype(shape.k_bytes)
         rows = shape.num_layers * 2
@@ -109,6 +152,10 @@ class _Rows:
                            device=self.device)
 
 
+def _rows(pool: Pool) -> _Rows | _PlaneRows:
+    return _PlaneRows(pool) if isinstance(pool, PlanePool) else _Rows(pool)
+
+
 def _validate(
     op: str, pool: Pool, dev_ids: Sequence[int] | torch.Tensor, keys: Sequence[bytes], rank: int
 ) -> torch.Tensor:
@@ -135,9 +182,9 @@ def fill(
 ) -> None:
     """Write the content derived from `keys[i]` (and `rank`) into block `dev_ids[i]`, every
     layer, K and V. Ids are validated (range, no duplicates) before anything is written.
-    Works on a `DevicePool` or a `HostPool`."""
+    Works on a `DevicePool`, a `HostPool` or a `PlanePool` (an engine's KV)."""
     ids = _validate("fill", pool, dev_ids, keys, rank)
-    rows = _Rows(pool)
+    rows = _rows(pool)
     mask = _mask(pool.shape, rows.dtype, rows.device)
     bases = _bases(keys, rank, pool.shape.k_bytes, rows.dtype).to(rows.device)
     ids = ids.to(rows.device)
@@ -156,7 +203,7 @@ def check(
     """Indices `i` for which block `dev_ids[i]` does not hold exactly the content of
     `keys[i]` (on this `rank`); empty when everything matches."""
     ids = _validate("check", pool, dev_ids, keys, rank)
-    rows = _Rows(pool)
+    rows = _rows(pool)
     mask = _mask(pool.shape, rows.dtype, rows.device)
     bases = _bases(keys, rank, pool.shape.k_bytes, rows.dtype).to(rows.device)
     ids = ids.to(rows.device)

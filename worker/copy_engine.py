@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 from kvtier.worker.delays import LAYER_DELAY_ENV, delay_from_env
-from kvtier.worker.kv_pools import BlockIdError, DevicePool, HostPool, as_block_ids
+from kvtier.worker.kv_pools import BlockIdError, DeviceKV, DevicePool, HostPool, as_block_ids
 
 Strategy = Literal["auto", "runs", "gather"]
 BlockIds = Sequence[int] | torch.Tensor
@@ -66,6 +66,21 @@ def wide_dtype(row_bytes: int) -> torch.dtype:
         if row_bytes % size == 0:
             return dtype
     raise AssertionError("unreachable: every size is a multiple of 1")
+
+
+def plane_views(planes: Sequence[torch.Tensor], row_bytes: int, candidates: Sequence[
+        tuple[int, torch.dtype]] = _WIDE_DTYPES) -> tuple[torch.dtype, list[torch.Tensor]]:
+    """The widest of `candidates` that divides `row_bytes` and that every plane can be viewed
+    as (an engine's planes may start or stride at addresses a wide type cannot), and the
+    planes viewed as it."""
+    for size, dtype in candidates:
+        if row_bytes % size:
+            continue
+        try:
+            return dtype, [p.view(dtype) for p in planes]
+        except RuntimeError:
+            continue
+    raise AssertionError("unreachable: every plane can be viewed as bytes")
 
 
 @dataclass(frozen=True)
@@ -119,7 +134,8 @@ def plan_copy(
 
 
 class CopyEngine:
-    """D2H and H2D block copies between one rank's `DevicePool` and `HostPool`.
+    """D2H and H2D block copies between one rank's device tier and `HostPool`: kvtier's own
+    `DevicePool` (the fast paths below) or any `PlanePool` (an engine's KV, `_PlaneCopier`).
 
     Data structures: `_dev_w` is the device pool as `[layers, 2, device_blocks, row]` and
     `_host_w` the host pool as `[host_blocks, layers, 2, row]`, both in the wide dtype (a row
@@ -133,7 +149,7 @@ class CopyEngine:
 
     def __init__(
         self,
-        device_pool: DevicePool,
+        device_pool: DeviceKV,
         host_pool: HostPool,
         *,
         strategy: Strategy = "auto",
@@ -159,16 +175,25 @@ class CopyEngine:
         self.d2h_min_run_bytes = d2h_min_run_bytes
         self.h2d_min_run_bytes = h2d_min_run_bytes
         self.layer_delay_s = delay_from_env(LAYER_DELAY_ENV)
-        self.wide = wide_dtype(shape.k_bytes)
+        # kvtier's own pool is one allocation: the fast paths below move a block of every
+        # layer with one strided copy. Any other device tier (an engine's KV) is moved plane
+        # by plane (`_PlaneCopier`).
+        planes: list[torch.Tensor] | None = None
+        if isinstance(device_pool, DevicePool):
+            self.wide = wide_dtype(shape.k_bytes)
+        else:
+            self.wide, planes = plane_views(device_pool.planes, shape.k_bytes)
         row = shape.k_bytes // torch.empty((), dtype=self.wide).element_size()
         self._row = row
-        self._dev_w = device_pool.data.view(
-            shape.num_layers, 2, device_pool.num_blocks, -1
-        ).view(self.wide)
+        if isinstance(device_pool, DevicePool):
+            self._dev_w = device_pool.data.view(
+                shape.num_layers, 2, device_pool.num_blocks, -1
+            ).view(self.wide)
+            assert self._dev_w.shape[-1] == row
         self._host_w = host_pool.kv.view(host_pool.num_blocks, shape.num_layers, 2, -1).view(
             self.wide
         )
-        assert self._dev_w.shape[-1] == row and self._host_w.shape[-1] == row
+        assert self._host_w.shape[-1] == row
         self._cuda = device_pool.device.type == "cuda"
         self._lock = threading.Lock()
         self._stage: dict[str, torch.Tensor] = {}
@@ -197,6 +222,9 @@ class CopyEngine:
             "staged" if self._cuda else "cpu")
         self.bytes_d2h = 0
         self.bytes_h2d = 0
+        self._planes: _PlaneCopier | None = None
+        if planes is not None:
+            self._planes = _PlaneCopier(self, planes)
 
     # ---------------------------------------------------------------- validation / planning
 
@@ -240,6 +268,10 @@ class CopyEngine:
         Returns when the bytes are in the host pool."""
         src, dst = self._pairs("d2h", dev_ids, host_ids, "device")
         if src.numel() == 0:
+            return
+        if self._planes is not None:
+            self._planes.d2h(src, dst)
+            self.bytes_d2h += int(src.numel()) * self.shape.page_bytes
             return
         if self._host_dev is not None:
             self._d2h_zero_copy(src, dst)
@@ -309,6 +341,10 @@ class CopyEngine:
         empty task, so nobody waits on a layer that will never come)."""
         src, dst = self._pairs("h2d", host_ids, dev_ids, "host")
         done = on_layer_done if on_layer_done is not None else _ignore_layer
+        if self._planes is not None:
+            self._planes.h2d(src, dst, done)
+            self.bytes_h2d += int(src.numel()) * self.shape.page_bytes
+            return
         if self._host_dev is not None:
             self._h2d_zero_copy(src, dst, done)
             self.bytes_h2d += int(src.numel()) * self.shape.page_bytes
@@ -426,6 +462,122 @@ class CopyEngine:
                     done(pending.popleft()[0])
                 if self.layer_delay_s:
                     time.sleep(self.layer_delay_s)
+        while pending:
+            layer, event = pending.popleft()
+            event.synchronize()
+            done(layer)
+
+
+class _PlaneCopier:
+    """D2H and H2D for a device tier known only by its planes (`PlanePool`: an engine's KV
+    in its own layout), for one `CopyEngine` (its host views, lock, staging, streams and
+    layer delay).
+
+    CPU: per chunk of blocks, each plane's rows are gathered with `index_select` into one
+    staging buffer `[planes, blocks, row]` and scattered as whole host pages (D2H); per layer,
+    the layer's rows of the pages are gathered and `index_copy_`d into its K and V planes
+    (H2D). CUDA: the same per plane on the GPU, through the host pool aliased on the device
+    (zero-copy) when it can be, else staged through host memory; each H2D layer records an
+    event and its callback fires once the event completed, as on the fast paths."""
+
+    def __init__(self, engine: CopyEngine, planes: list[torch.Tensor]) -> None:
+        self.e = engine
+        self.planes = planes
+        self.device = planes[0].device
+
+    def d2h(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        e, planes = self.e, self.planes
+        rows, row = len(planes), e._row
+        n = int(src.numel())
+        if e._cuda:
+            self._d2h_cuda(src, dst)
+            return
+        host3 = e._host_w.view(e.host_pool.num_blocks, rows, row)
+        c = max(1, min(n, e.stage_bytes // e.shape.page_bytes))
+        for i in range(0, n, c):
+            gs, gd = src[i : i + c], dst[i : i + c]
+            part = e._staging("d2h", (rows, gs.numel(), row), host3.device)
+            with e._lock:
+                for p, plane in enumerate(planes):
+                    torch.index_select(plane, 0, gs, out=part[p])
+                host3.index_put_((gd,), part.transpose(0, 1))
+
+    def h2d(self, src: torch.Tensor, dst: torch.Tensor, done: Callable[[int], None]) -> None:
+        e, planes = self.e, self.planes
+        if e._cuda:
+            self._h2d_cuda(src, dst, done)
+            return
+        n = int(src.numel())
+        c = max(1, min(max(n, 1), e.stage_bytes // e.shape.layer_bytes))
+        stage = e._staging("h2d", (c, 2, e._row), e._host_w.device)
+        for layer in range(e.shape.num_layers):
+            host_l = e._host_w[:, layer]  # [pages, 2, row]
+            k, v = planes[2 * layer], planes[2 * layer + 1]
+            with e._lock:
+                for i in range(0, n, c):
+                    gs, gd = src[i : i + c], dst[i : i + c]
+                    part = stage[: gs.numel()]
+                    torch.index_select(host_l, 0, gs, out=part)
+                    k.index_copy_(0, gd, part[:, 0])
+                    v.index_copy_(0, gd, part[:, 1])
+            done(layer)
+            if e.layer_delay_s:
+                time.sleep(e.layer_delay_s)
+
+    def _host(self) -> torch.Tensor:
+        """The host pool as [pages, layers, 2, row]: aliased on the device, else the CPU's."""
+        e = self.e
+        return e._host_dev if e._host_dev is not None else e._host_w
+
+    def _d2h_cuda(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        e, planes, dev = self.e, self.planes, self.device
+        host = self._host()
+        host3 = host.view(host.shape[0], len(planes), e._row)
+        stream = e._d2h_stream
+        stream.wait_stream(torch.cuda.current_stream(dev))  # KV written by compute
+        n = int(src.numel())
+        c = max(1, ZERO_COPY_CHUNK_BYTES // e.shape.page_bytes)
+        with torch.cuda.stream(stream):
+            s_all, d_all = src.to(dev), dst.to(host.device)
+            for i in range(0, n, c):
+                s = s_all[i : i + c]
+                part = torch.empty((len(planes), s.numel(), e._row), dtype=e.wide, device=dev)
+                for p, plane in enumerate(planes):
+                    torch.index_select(plane, 0, s, out=part[p])
+                pages = part.transpose(0, 1)
+                if host.device != dev:  # staged: through host memory
+                    pages = pages.to("cpu")
+                host3.index_copy_(0, d_all[i : i + c], pages)
+        stream.synchronize()
+
+    def _h2d_cuda(self, src: torch.Tensor, dst: torch.Tensor,
+                  done: Callable[[int], None]) -> None:
+        e, planes, dev = self.e, self.planes, self.device
+        host = self._host()
+        stream = e._h2d_stream
+        n = int(src.numel())
+        c = max(1, ZERO_COPY_CHUNK_BYTES // e.shape.layer_bytes)
+        pending: deque[tuple[int, torch.cuda.Event]] = deque()
+        stream.wait_stream(torch.cuda.current_stream(dev))  # readers of old content
+        with torch.cuda.stream(stream):
+            s_all, d_all = src.to(host.device), dst.to(dev)
+            for layer in range(e.shape.num_layers):
+                host_l = host[:, layer]  # [pages, 2, row]
+                k, v = planes[2 * layer], planes[2 * layer + 1]
+                for i in range(0, n, c):
+                    rows = torch.index_select(host_l, 0, s_all[i : i + c])
+                    if rows.device != dev:  # staged: through host memory
+                        rows = rows.to(dev)
+                    d = d_all[i : i + c]
+                    k.index_copy_(0, d, rows[:, 0])
+                    v.index_copy_(0, d, rows[:, 1])
+                event = torch.cuda.Event()
+                event.record(stream)
+                pending.append((layer, event))
+                while pending and pending[0][1].query():
+                    done(pending.popleft()[0])
+                if e.layer_delay_s:
+                    time.sleep(e.layer_delay_s)
         while pending:
             layer, event = pending.popleft()
             event.synchronize()

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.worker.executor import DEVICE_KINDS, STORAGE_KINDS, RankResources
+from kvtier.worker.kv_pools import DevicePool
 from kvtier.worker.spec import WorkerSpec
 from kvtier.worker.wire import (
     MIN_RESULT_KINDS,
@@ -41,7 +42,7 @@ from kvtier.worker.wire import (
 )
 
 if TYPE_CHECKING:
-    from kvtier.worker.kv_pools import DevicePool, HostPool
+    from kvtier.worker.kv_pools import HostPool
     from kvtier.worker.storage.backend import StorageBackend
 
 log = logging.getLogger("kvtier.embedded")
@@ -62,8 +63,14 @@ class _Rank:
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
+        if spec.engine_kv:
+            raise ValueError(
+                f"rank {spec.rank}: engine_kv needs worker processes; embedded ranks allocate "
+                "the device pools the engine's model runner uses")
         self.res = RankResources(spec, embedded_host_segment_name(spec.deployment_id, spec.rank))
-        self.device = self.res.device
+        device = self.res.device
+        assert isinstance(device, DevicePool)  # engine_kv (PlanePool) is refused above
+        self.device = device
         self.host = self.res.host
         self.storage = self.res.storage
         self.executor = self.res.executor

@@ -12,8 +12,9 @@ from collections.abc import Callable
 from kvtier.worker import content
 from kvtier.worker.copy_engine import CopyEngine
 from kvtier.worker.delays import STORAGE_DELAY_ENV, delay_from_env
+from kvtier.worker.engine_pool import EngineKVGone, EnginePool
 from kvtier.worker.errors import KvtierError
-from kvtier.worker.kv_pools import DevicePool, HostPool
+from kvtier.worker.kv_pools import DeviceKV, DevicePool, HostPool
 from kvtier.worker.spec import WorkerSpec
 from kvtier.worker.storage.backend import StorageBackend
 from kvtier.worker.storage.factory import make_backend
@@ -40,7 +41,7 @@ class TaskExecutor:
     (from `KVTIER_TEST_STORAGE_DELAY_MS`, read once) slows every storage read, for tests.
     """
 
-    def __init__(self, rank: int, device: DevicePool, host: HostPool | None,
+    def __init__(self, rank: int, device: DeviceKV, host: HostPool | None,
                  storage: StorageBackend | None, *, backup_one_rank: bool = False) -> None:
         self.rank = rank
         self.device = device
@@ -49,6 +50,12 @@ class TaskExecutor:
         self.backup_one_rank = backup_one_rank
         self.engine = CopyEngine(device, host) if host is not None else None
         self.storage_delay_s = delay_from_env(STORAGE_DELAY_ENV)
+
+    def set_device(self, device: DeviceKV) -> None:
+        """Work on another device tier from the next task on (an engine's KV attached
+        again after its model runner registered anew). Storage tasks never touch it."""
+        self.device = device
+        self.engine = CopyEngine(device, self.host) if self.host is not None else None
 
     def device_batch(self, kind: TaskKind, batch: list[Task],
                      on_layer_done: Callable[[list[int], int], None] | None = None,
@@ -127,7 +134,11 @@ class TaskExecutor:
 class RankResources:
     """One rank's device pool, host pool (the shared-memory segment `host_segment`), storage
     backend and executor, built from its spec; `close()` releases them all (idempotent) and
-    unlinks the segment. Shared by the worker process and the embedded workers."""
+    unlinks the segment. Shared by the worker process and the embedded workers.
+
+    With `spec.engine_kv` the device tier is the model runner's registered KV
+    (`EnginePool`, waited for at most `spec.engine_kv_timeout_s`) instead of a `DevicePool`;
+    `ensure_device()` checks it is still current before each device task."""
 
     def __init__(self, spec: WorkerSpec, host_segment: str) -> None:
         self.spec = spec
@@ -135,11 +146,17 @@ class RankResources:
         self.storage: StorageBackend | None = None
         try:
             shape = spec.shape
-            self.device = DevicePool(shape, spec.device_blocks, spec.device)
+            layout = None
+            self.device: DeviceKV
+            if spec.engine_kv:
+                attached = EnginePool.attach(spec, spec.engine_kv_timeout_s)
+                self.device, layout = attached, attached.layout
+            else:
+                self.device = DevicePool(shape, spec.device_blocks, spec.device)
             if spec.host_blocks:
                 self.host = HostPool(shape, spec.host_blocks, host_segment)
             self.storage = make_backend(
-                spec.storage_backend, namespace=spec.storage_namespace(),
+                spec.storage_backend, namespace=spec.storage_namespace(layout),
                 path=spec.storage_path, url=spec.storage_url,
                 capacity_bytes=spec.storage_capacity_bytes, ttl_s=spec.storage_ttl_s,
                 page_bytes=shape.page_bytes, timeout_s=spec.storage_timeout_s)
@@ -149,7 +166,34 @@ class RankResources:
             self.close()
             raise
 
+    def ensure_device(self) -> None:
+        """Before a device task: with engine KV, make sure the registration attached is the
+        current one. A replaced registration (the model runner restarted) is attached in
+        its place; one that is gone with none in its place raises EngineKVGone (the task
+        fails with that reason; the next task looks again)."""
+        dev = self.device
+        if not isinstance(dev, EnginePool):
+            return
+        reason = dev.problem()
+        if reason is None:
+            return
+        fresh = EnginePool.try_attach(self.spec)
+        if fresh is not None and fresh.layout != dev.layout:
+            raise EngineKVGone(
+                f"{reason}; the new registration has layout {fresh.layout!r} but this rank's "
+                f"host and storage pages are in layout {dev.layout!r}: restart the stack")
+        dev.close()
+        if fresh is None:
+            self.executor.engine = None  # drop every view of the runner's memory
+            raise EngineKVGone(reason)
+        log.warning("rank %d: %s; attached the new registration of pid %d", self.spec.rank,
+                    reason, fresh.record.owner_pid)
+        self.device = fresh
+        self.executor.set_device(fresh)
+
     def close(self) -> None:
+        if isinstance(self.device, EnginePool):
+            self.device.close()
         if self.storage is not None:
             try:
                 self.storage.close()

@@ -57,6 +57,8 @@ Layer progress: a worker loading task `seq` layer by layer stores one word per l
 ring and posts the notify semaphore; the manager's watcher thread turns each post into a
 `threading.Condition` broadcast, so `ManagerIPC.wait_layer(seq, layer, timeout)` returns as
 soon as every rank has published that layer, with no message per layer. All waits are bounded.
+A load that fails on a rank is published as `LAYERS_FAILED`; `LayerProgress` reads the rings
+read-only for a model runner that waits per layer without a manager object.
 
 Storage figures: what only a rank's backend knows (damaged pages it refused and deleted,
 pages evicted for capacity, Redis outages, bytes held) is published by the worker after each
@@ -144,6 +146,9 @@ STORAGE_FIGURES = (
 _RANK_FIXED_WORDS = _R_STORAGE + len(STORAGE_FIGURES)
 _LAYER_BITS = 16
 _LAYER_MASK = (1 << _LAYER_BITS) - 1
+LAYERS_FAILED = _LAYER_MASK
+"""Layer count a worker publishes for a load that failed on its rank (no real count reaches
+it: `MAX_LAYERS` bounds them), so layer waiters outside the manager learn it at once."""
 
 
 class TreeStatus(IntEnum):
@@ -451,6 +456,41 @@ def _rank_state(ctl: _Control, rank: int, now_ns: int) -> RankState:
         tasks_received=ctl.get(rank, _R_RECEIVED),
         last_seq=ctl.get(rank, _R_LAST_SEQ),
     )
+
+
+def _layers_done(ctl: _Control, seq: int) -> list[int | None]:
+    out: list[int | None] = []
+    for r in range(ctl.num_ranks):
+        word = ctl.words[ctl.slot_word(r, seq)]
+        done = word & _LAYER_MASK
+        out.append(done if word >> _LAYER_BITS == seq and done != LAYERS_FAILED else None)
+    return out
+
+
+def _missing_ranks(ctl: _Control, seq: int, layer: int) -> tuple[list[int], list[int]]:
+    """(ranks that have not published layer `layer` of load `seq`, ranks where it failed);
+    failed ranks are in both lists. IPCError when a rank's slot was overwritten by a newer
+    task (the ring is too short for how far apart the tasks are)."""
+    missing: list[int] = []
+    failed: list[int] = []
+    for r in range(ctl.num_ranks):
+        word = ctl.words[ctl.slot_word(r, seq)]
+        slot_seq = word >> _LAYER_BITS
+        if slot_seq == seq:
+            done = word & _LAYER_MASK
+            if done == LAYERS_FAILED:
+                failed.append(r)
+                missing.append(r)
+            elif done <= layer:
+                missing.append(r)
+        elif slot_seq > seq:
+            raise IPCError(
+                f"layer progress of task seq={seq} on rank {r} was overwritten by task "
+                f"seq={slot_seq}: more than {ctl.slots} load tasks apart"
+            )
+        else:
+            missing.append(r)
+    return missing, failed
 
 
 @dataclass(slots=True)
@@ -844,31 +884,13 @@ class ManagerIPC:
 
     def layers_done(self, seq: int) -> list[int | None]:
         """Per rank, how many layers of H2D task `seq` are loaded (None: the rank's slot
-        holds another task -- not started yet, or overwritten by a much newer one)."""
-        ctl = self._require_open()
-        out: list[int | None] = []
-        for r in range(self.num_ranks):
-            word = ctl.words[ctl.slot_word(r, seq)]
-            out.append(word & _LAYER_MASK if word >> _LAYER_BITS == seq else None)
-        return out
+        holds another task -- not started yet, or overwritten by a much newer one -- or the
+        load failed there)."""
+        return _layers_done(self._require_open(), seq)
 
     def _missing(self, seq: int, layer: int) -> list[int]:
-        ctl = self._require_open()
-        missing = []
-        for r in range(self.num_ranks):
-            word = ctl.words[ctl.slot_word(r, seq)]
-            slot_seq = word >> _LAYER_BITS
-            if slot_seq == seq:
-                if (word & _LAYER_MASK) <= layer:
-                    missing.append(r)
-            elif slot_seq > seq:
-                raise IPCError(
-                    f"layer progress of task seq={seq} on rank {r} was overwritten by task "
-                    f"seq={slot_seq}: more than {ctl.slots} load tasks apart"
-                )
-            else:
-                missing.append(r)
-        return missing
+        # A failed load counts as missing here: its failed completion aborts the waiters.
+        return _missing_ranks(self._require_open(), seq, layer)[0]
 
     def wait_layer(self, seq: int, layer: int, timeout: float) -> None:
         """Return once every rank has loaded layer `layer` (0-based) of H2D task `seq`.
@@ -1256,6 +1278,17 @@ class WorkerIPC:
         ctl.words[ctl.slot_word(self.rank, seq)] = (seq << _LAYER_BITS) | layers_done
         notify.release()
 
+    def publish_load_failed(self, seq: int) -> None:
+        """Record that H2D task `seq` failed on this rank: layer waiters that read the ring
+        (`LayerProgress`) give up at once instead of waiting out their timeout."""
+        if not 0 <= seq < 1 << 47:
+            raise ValueError(f"seq {seq} out of range [0, 2**47)")
+        ctl = self._require_open()
+        notify = self._notify
+        assert notify is not None  # opened with the control segment (_attach)
+        ctl.words[ctl.slot_word(self.rank, seq)] = (seq << _LAYER_BITS) | LAYERS_FAILED
+        notify.release()
+
     def set_ready(self, ready: bool = True) -> None:
         """Set this rank's ready flag (after its pools are allocated)."""
         self._require_open().put(self.rank, _R_READY, 1 if ready else 0)
@@ -1373,6 +1406,110 @@ class WorkerIPC:
                 log.info("rank %d: manager gone, removed %s", self.rank, removed)
 
     def __enter__(self) -> WorkerIPC:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- read-only
+
+
+class LayerProgress:
+    """A read-only view of a deployment's layer-progress rings, for a model runner that waits
+    for a load per layer without a manager object (`kvtier.worker.engine_kv.LayerWaiter`).
+
+    It maps the control segment read-only and never posts or takes the notify semaphore (its
+    posts belong to the manager's watcher), so waits poll the ring with short sleeps (50 us
+    growing to 1 ms), bounded by their timeout. A rank whose worker died or was replaced
+    while the load was missing there fails the wait at once, as does a rank that published
+    the load as failed, and a manager that is gone."""
+
+    def __init__(self, deployment_id: str, num_ranks: int) -> None:
+        validate_deployment_id(deployment_id)
+        self.deployment_id = deployment_id
+        control = f"/kvtier_{deployment_id}_ctl"
+        try:
+            mm = _open_segment(control, 0, create=False, read_only=True)
+        except posix_ipc.ExistentialError:
+            raise IPCError(
+                f"deployment {deployment_id!r}: no manager is running ({control} does not exist)"
+            ) from None
+        try:
+            if len(mm) < 8 * _HEADER_WORDS:
+                raise IPCError(f"{control}: {len(mm)} bytes, too small for a control segment")
+            head = memoryview(mm).cast("q")
+            try:
+                magic, layout = head[_W_MAGIC], head[_W_LAYOUT]
+                ranks, slots = head[_W_RANKS], head[_W_SLOTS]
+                self._manager_pid = head[_W_MANAGER_PID]
+            finally:
+                head.release()
+            if magic != _MAGIC or layout != _LAYOUT_VERSION:
+                raise IPCError(f"{control}: not a kvtier control segment of layout "
+                               f"{_LAYOUT_VERSION}")
+            if ranks != num_ranks:
+                raise IPCError(f"deployment {deployment_id!r} has {ranks} ranks, not {num_ranks}")
+        except BaseException:
+            mm.close()
+            raise
+        self.num_ranks = num_ranks
+        self._ctl: _Control | None = _Control(mm, ranks, slots)
+
+    def _require_open(self) -> _Control:
+        if self._ctl is None:
+            raise IPCError(f"deployment {self.deployment_id!r}: the layer progress is closed")
+        return self._ctl
+
+    def layers_done(self, seq: int) -> list[int | None]:
+        """Per rank, how many layers of load `seq` are on the device (None: not started, or
+        failed there)."""
+        return _layers_done(self._require_open(), seq)
+
+    def wait_layer(self, seq: int, layer: int, timeout: float) -> None:
+        """Return once every rank has loaded layer `layer` (0-based) of H2D task `seq`."""
+        if layer < 0 or layer >= MAX_LAYERS:
+            raise ValueError(f"layer {layer} out of range [0, {MAX_LAYERS})")
+        ctl = self._require_open()
+        pids = [ctl.get(r, _R_PID) for r in range(self.num_ranks)]
+        deadline = time.monotonic() + timeout
+        pause = 50e-6
+        checked = 0.0
+        while True:
+            missing, failed = _missing_ranks(ctl, seq, layer)
+            if not missing:
+                return
+            if failed:
+                raise TaskAborted(seq, f"the load failed on ranks {failed}")
+            now = time.monotonic()
+            if now - checked > 0.05:  # a few syscalls: not on every poll
+                checked = now
+                self._check_alive(ctl, seq, missing, pids)
+            if now > deadline:
+                states = "; ".join(_rank_state(ctl, r, time.monotonic_ns()).describe()
+                                   for r in missing)
+                raise LayerWaitTimeout(
+                    f"task seq={seq}: layer {layer} not loaded after {timeout:.1f}s on ranks "
+                    f"{missing} ({states})", seq=seq, layer=layer, ranks=missing)
+            time.sleep(min(pause, max(0.0, deadline - now)))
+            pause = min(pause * 2, 1e-3)
+
+    def _check_alive(self, ctl: _Control, seq: int, missing: list[int],
+                     pids: list[int]) -> None:
+        if not pid_alive(self._manager_pid):
+            raise IPCError(f"deployment {self.deployment_id!r}: manager pid "
+                           f"{self._manager_pid} is gone")
+        for r in missing:
+            pid = ctl.get(r, _R_PID)
+            if pids[r] and (pid != pids[r] or not pid_alive(pid)):
+                raise TaskAborted(seq, f"rank {r}'s worker pid {pids[r]} died during the load")
+
+    def close(self) -> None:
+        if self._ctl is not None:
+            self._ctl.close()
+            self._ctl = None
+
+    def __enter__(self) -> LayerProgress:
         return self
 
     def __exit__(self, *exc: object) -> None:

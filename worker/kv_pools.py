@@ -248,12 +248,62 @@ class DevicePool:
         layers = range(shape.num_layers)
         self.k_caches: list[torch.Tensor] = [self.data[layer, 0] for layer in layers]
         self.v_caches: list[torch.Tensor] = [self.data[layer, 1] for layer in layers]
+        # The same memory as every other pool shows it (see PlanePool); the copy engine and
+        # the content checker keep their single-allocation fast paths for this class.
+        self.planes: list[torch.Tensor] = [
+            self.data[layer, kv].view(num_blocks, -1) for layer in layers for kv in (0, 1)]
 
     def __repr__(self) -> str:
         return (
             f"DevicePool(blocks={self.num_blocks}, device={self.device}, "
             f"bytes={self.nbytes}, shape={self.shape})"
         )
+
+
+class PlanePool:
+    """A device pool kvtier did not allocate (an engine's KV, attached by
+    `kvtier.worker.engine_pool`): only its **planes** are known, `2 * num_layers` views
+    `[num_blocks, row]` (layer 0 K, layer 0 V, layer 1 K, ...), row = one block of one
+    layer's K or V, contiguous, in the engine's element order. Planes may live anywhere
+    (one allocation, one per layer, one per half) and rows may be strided apart.
+
+    Invariants (checked here): every plane has shape [num_blocks, row elements] with the
+    row contiguous, the pool's dtype and device; the row holds `shape.k_bytes` bytes."""
+
+    def __init__(self, shape: KVShape, planes: Sequence[torch.Tensor], *,
+                 layout: str = "planes") -> None:
+        planes = list(planes)
+        if len(planes) != 2 * shape.num_layers:
+            raise PoolConfigError(
+                f"{len(planes)} planes for {shape.num_layers} layers (expected "
+                f"{2 * shape.num_layers}: K and V of every layer)")
+        row = shape.k_bytes // shape.itemsize
+        first = planes[0]
+        for i, p in enumerate(planes):
+            where = f"plane {i} (layer {i // 2} {'KV'[i % 2]})"
+            if p.dtype != shape.dtype:
+                raise PoolConfigError(f"{where}: dtype {p.dtype}, expected {shape.dtype}")
+            if p.device != first.device:
+                raise PoolConfigError(f"{where}: on {p.device}, plane 0 is on {first.device}")
+            if p.dim() != 2 or p.shape[1] != row or p.shape[0] != first.shape[0]:
+                raise PoolConfigError(
+                    f"{where}: shape {tuple(p.shape)}, expected [{first.shape[0]}, {row}]")
+            if row > 1 and p.stride(1) != 1:
+                raise PoolConfigError(f"{where}: a row is not contiguous (strides {p.stride()})")
+        self.shape = shape
+        self.planes = planes
+        self.num_blocks = int(first.shape[0])
+        self.device = first.device
+        self.layout = layout
+        self.nbytes = self.num_blocks * shape.page_bytes
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(layout={self.layout!r}, blocks={self.num_blocks}, "
+                f"device={self.device}, shape={self.shape})")
+
+
+DeviceKV = DevicePool | PlanePool
+"""What a device tier is to the copy engine, the content checker and the executor."""
 
 
 class HostPool:

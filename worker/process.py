@@ -17,6 +17,11 @@ rank) and the storage backend, sets its ready flag, then loops:
   fails that task, never the loop; after a storage task, publish the backend's figures
   (corrupt and evicted pages, outages, bytes held) into the rank's flags for the admin.
 
+With `workers.engine_kv` the device tier is the model runner's KV: the worker waits for the
+rank's registration before it reports ready, and checks before every device task that the
+registration is still current (a task fails with "engine KV registration of rank r is gone
+(model runner pid N exited)" otherwise, and a new registration is attached when it appears).
+
 It exits on SIGTERM/SIGINT, or by itself when the manager stops beating (no orphans), and
 always unlinks its host-pool segment on the way out.
 """
@@ -38,7 +43,7 @@ import traceback
 from kvtier.worker.executor import MERGEABLE, STORAGE_KINDS, RankResources
 from kvtier.worker.ipc import ManagerGone, WorkerIPC
 from kvtier.worker.spec import WorkerSpec, host_segment_name
-from kvtier.worker.wire import Completion, Task
+from kvtier.worker.wire import Completion, Task, TaskKind
 
 __all__ = ["Worker", "WorkerSpec", "host_segment_name", "main"]
 
@@ -133,11 +138,14 @@ class Worker:
                    and self._heap[0][2].priority == first.priority):
                 batch.append(heapq.heappop(self._heap)[2])
         try:
+            self.res.ensure_device()  # engine KV: the model runner's registration still holds
             results = self.executor.device_batch(first.kind, batch, self._layer_done)
         except Exception as e:  # a task fails; the loop goes on
             log.error("rank %d: %s task(s) %s failed: %s\n%s", self.rank, first.kind.name,
                       [t.seq for t in batch], e, traceback.format_exc())
             for t in batch:
+                if t.kind == TaskKind.H2D:  # layer waiters outside the manager give up now
+                    self.ipc.publish_load_failed(t.seq)
                 self._answer(Completion(t.seq, self.rank, False, error=f"{type(e).__name__}: {e}"))
             return
         for t, (result, detail) in zip(batch, results, strict=True):

@@ -44,6 +44,10 @@ class WorkerSpec:
     backup_one_rank: bool = False
     manager_timeout_s: float = 3.0
     model_name: str = ""
+    # workers.engine_kv: attach the model runner's registered KV instead of allocating a
+    # device pool (kvtier.worker.engine_pool), waiting at most engine_kv_timeout_s for it
+    engine_kv: bool = False
+    engine_kv_timeout_s: float = 60.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -59,12 +63,23 @@ class WorkerSpec:
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
                        parse_dtype(self.dtype))
 
-    def storage_namespace(self) -> str:
+    def storage_namespace(self, layout: str | None = None) -> str:
+        """The rank's storage namespace. With `engine_kv` the bytes of a row are in the
+        engine's element order, so the registration's `layout` name is part of it (pages of
+        different layouts never mix) and must be given."""
         fields: dict[str, Any] = {"num_layers": self.num_layers,
                                   "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                                   "dtype": self.dtype, "block_size": self.block_size}
         if self.model_name:  # unnamed models share by shape alone
             fields["model_name"] = self.model_name
+        if self.engine_kv:
+            if not layout:
+                raise ValueError(
+                    f"rank {self.rank}: with engine_kv the storage namespace needs the "
+                    "registration's layout name")
+            fields["layout"] = layout
+        elif layout not in (None, "kvtier"):
+            raise ValueError(f"rank {self.rank}: layout {layout!r} without engine_kv")
         if self.backup_one_rank:  # every rank holds the same KV: all share rank 0's pages
             return namespace_for(fields, 0, 1)
         return namespace_for(fields, self.rank, self.num_ranks)

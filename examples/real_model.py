@@ -1,0 +1,448 @@
+"""A Hugging Face Llama whose paged KV cache kvtier serves from every tier, bit for bit.
+
+This process plays both sides of an engine. The model-runner side runs a `LlamaForCausalLM`
+(built from a `LlamaConfig` with seeded random weights: no hub access); its paged KV lives in
+tensors it allocates itself in vLLM's layout (per layer `[2, num_blocks, block_size, kv_heads,
+head_dim]`, in shared memory: `kvtier.worker.engine_kv.shared_kv_tensor`) and registers
+(`KVRegistration`). The scheduler side embeds kvtier's manager (`kvtier.manager.stack.Stack`
+with `workers.engine_kv = true`): kvtier's worker process attaches to the registered KV and
+does every copy (device <-> host, host <-> storage). For each request:
+
+1. `match(request_id, tokens)`: the cached prefix's block ids (a host or storage hit is loaded
+   onto those blocks by the worker), then `allocate` blocks for the rest;
+2. per layer, wait until the layer is loaded (`LayerWaiter.wait(seq, layer, timeout)`, which
+   reads the workers' progress, no manager needed), then gather its K and V from the block
+   table into the model's own cache (`DynamicCache().update(k, v, layer)`): the keys were
+   stored with RoPE applied, so they go back at the positions they were computed at;
+3. run the model on the remaining tokens with that cache (`position_ids` / `cache_position`
+   continue after the prefix), and write the K and V of the newly computed full blocks from
+   the cache into their blocks;
+4. `commit`, `release`.
+
+The logits of every request served with a kvtier prefix must be bitwise equal to those of the
+same request whose prefix KV is computed fresh in this process (a forward over the prefix,
+then over the rest with that cache), in float32 and bfloat16. The prefix is served from the
+device, from the host (evicted from the device by another request, loaded back), from file
+storage after a restart of everything (new stack, new registration, fresh KV tensors, same
+storage folder), and from Redis when a `redis-server` binary is on PATH (the example runs its
+own on a free port). Everything lives under one temp folder and is stopped and removed at the
+end. Run it from the repository root:
+
+    python examples/real_model.py [--json] [--dtypes float32,bfloat16]
+                                  [--negative-control wrong-block-table|foreign-block]
+
+Exit status 0 when every difference is 0.0, 1 otherwise (what a negative control must give).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from kvtier.manager.config import KvtierConfig
+from kvtier.manager.errors import TransferFailedError
+from kvtier.manager.scheduler import KVCacheManager, MatchResult
+from kvtier.manager.stack import Stack
+from kvtier.worker.engine_kv import KVRegistration, LayerWaiter, shared_kv_tensor
+from kvtier.worker.ipc import TaskAborted
+from kvtier.worker.wire import TaskKind
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 2, 128, 4, 2, 512
+HEAD_DIM = HIDDEN // HEADS
+BLOCK = 8  # tokens per KV block
+DEVICE_BLOCKS, HOST_BLOCKS = 16, 64
+PREFIX = 4 * BLOCK  # the shared prompt prefix kvtier serves: 4 full blocks
+SUFFIX = BLOCK + 4  # each request's own tail: one more full block and a partial one
+LOAD_TIMEOUT_S = 30.0
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+COPY_KINDS = (TaskKind.D2H, TaskKind.H2D, TaskKind.BACKUP, TaskKind.PREFETCH)
+# Where the model and its paged KV live (--device): "cpu" (the KV in POSIX shared memory the
+# worker maps by name) or "cuda" (the KV allocated by torch on cuda:0; the worker process opens
+# it through CUDA IPC handles).
+DEVICE = torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------- the model
+
+
+def build_model(dtype: torch.dtype) -> LlamaForCausalLM:
+    """A 2-layer Llama (4 query heads, 2 KV heads) with weights drawn from a fixed seed."""
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        max_position_embeddings=4 * DEVICE_BLOCKS * BLOCK, attn_implementation="sdpa")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype).to(DEVICE).eval()
+
+
+@torch.no_grad()
+def forward(model: LlamaForCausalLM, tokens: list[int], start: int,
+            cache: DynamicCache) -> torch.Tensor:
+    """Logits of `tokens[start:]`, with `cache` holding the K/V of `tokens[:start]` (it is
+    extended with the new tokens' K/V)."""
+    positions = torch.arange(start, len(tokens), device=DEVICE)
+    out = model(input_ids=torch.tensor([tokens[start:]], device=DEVICE), past_key_values=cache,
+                position_ids=positions[None], cache_position=positions, use_cache=True)
+    return out.logits[0].float().cpu()
+
+
+def reference(model: LlamaForCausalLM, tokens: list[int], prefix: int) -> torch.Tensor:
+    """Logits of `tokens[prefix:]` with the prefix's KV computed fresh in this process."""
+    cache = DynamicCache()
+    if prefix:
+        forward(model, tokens[:prefix], 0, cache)
+    return forward(model, tokens, prefix, cache)
+
+
+# ------------------------------------------------------------------------------- paged KV
+
+
+class PagedKV:
+    """The model runner's paged KV memory: per layer, K and V blocks viewed as
+    [num_blocks, block_size, kv_heads, head_dim]."""
+
+    def __init__(self, k_blocks: list[torch.Tensor], v_blocks: list[torch.Tensor]) -> None:
+        self.k, self.v = k_blocks, v_blocks
+
+    def gather(self, layer: int, block_ids: list[int], num_tokens: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `num_tokens` tokens of the blocks, as the cache wants them:
+        [1, kv_heads, num_tokens, head_dim]."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=DEVICE)
+
+        def one(blocks: torch.Tensor) -> torch.Tensor:
+            rows = blocks[ids].flatten(0, 1)[:num_tokens]  # [T, kv_heads, head_dim]
+            return rows.permute(1, 0, 2).unsqueeze(0).contiguous()
+
+        return one(self.k[layer]), one(self.v[layer])
+
+    def scatter(self, layer: int, block_ids: list[int], first_block: int,
+                keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write tokens [first_block * BLOCK, len(block_ids) * BLOCK) of a layer's cache
+        tensors ([1, kv_heads, T, head_dim]) into their blocks."""
+        ids = torch.tensor(block_ids[first_block:], dtype=torch.long, device=DEVICE)
+        if not len(ids):
+            return
+        a, b = first_block * BLOCK, len(block_ids) * BLOCK
+
+        def blocks_of(t: torch.Tensor) -> torch.Tensor:
+            return t[0, :, a:b].permute(1, 0, 2).reshape(len(ids), BLOCK, KV_HEADS, HEAD_DIM)
+
+        self.k[layer][ids] = blocks_of(keys)
+        self.v[layer][ids] = blocks_of(values)
+
+
+@dataclass
+class Runner:
+    """The scheduler API, the paged KV memory and the model of one life of the deployment."""
+
+    manager: KVCacheManager
+    kv: PagedKV
+    model: LlamaForCausalLM
+    wait_layer: Callable[[MatchResult, int], None]
+    settle: Callable[[], None]  # returns once no transfer is in flight
+    control: str | None = None  # a negative control: how to read the prefix wrongly
+
+
+@dataclass
+class Served:
+    hit: MatchResult
+    prefix: int  # tokens served by kvtier and used
+    logits: torch.Tensor  # of tokens[prefix:]
+
+
+def serve(r: Runner, request_id: str, tokens: list[int]) -> Served:
+    """One request through the scheduler API, the model computing only what is not cached."""
+    m = r.manager
+    hit = m.match(request_id, tokens)
+    try:
+        new_blocks = m.allocate(request_id, len(tokens) - hit.num_tokens)
+        blocks = hit.block_ids + new_blocks  # the request's block table
+        table = list(hit.block_ids)  # where the runner reads the served prefix from
+        if r.control == "wrong-block-table" and len(table) >= 2:
+            table[0], table[1] = table[1], table[0]
+        elif r.control == "foreign-block" and table and new_blocks:
+            table[-1] = new_blocks[0]  # a block that does not hold this prefix's KV
+        # Rebuild the model's cache from the blocks, layer by layer as each one lands.
+        prefix, cache = hit.num_tokens, DynamicCache()
+        for layer in range(LAYERS):
+            if not prefix:
+                break
+            try:
+                r.wait_layer(hit, layer)
+            except TransferFailedError as e:  # keep what is still good, recompute the rest
+                if layer and e.valid_tokens:
+                    cache.crop(e.valid_tokens - prefix)  # negative: drops that many tokens
+                prefix = e.valid_tokens
+                if not prefix:
+                    cache = DynamicCache()
+                    break
+            cache.update(*r.kv.gather(layer, table, prefix), layer)
+        logits = forward(r.model, tokens, prefix, cache)
+        # The newly computed full blocks' K/V, from the cache into their blocks.
+        full = len(tokens) // BLOCK
+        for layer in range(LAYERS):
+            lc = cache.layers[layer]
+            r.kv.scatter(layer, blocks[:full], prefix // BLOCK, lc.keys, lc.values)
+        m.commit(request_id, tokens, len(tokens))
+    finally:
+        m.release(request_id)
+    return Served(hit, prefix, logits)
+
+
+# ------------------------------------------------------------------------------- a deployment
+
+
+def kvtier_config(tag: str, dtype: str, storage: dict[str, Any]) -> KvtierConfig:
+    return KvtierConfig(
+        deployment_id=f"realmodel-{os.getpid()}-{tag}",
+        model={"name": "real-model-example", "num_layers": LAYERS, "num_kv_heads": KV_HEADS,
+               "head_dim": HEAD_DIM, "dtype": dtype},
+        cache={"block_size": BLOCK, "device_blocks": DEVICE_BLOCKS, "host_blocks": HOST_BLOCKS,
+               "write_policy": "write_through", "decode_reserve_blocks": 0},
+        storage={"prefetch_policy": "wait_complete", "prefetch_threshold": BLOCK, **storage},
+        workers={"device": DEVICE.type, "count": 1, "engine_kv": True,
+                 **({"cuda_devices": "0"} if DEVICE.type == "cuda" else {})})
+
+
+@contextlib.contextmanager
+def deployment(cfg: KvtierConfig, model: LlamaForCausalLM, control: str | None,
+               report: Report) -> Iterator[Runner]:
+    """One life of the deployment: the model runner's KV memory, allocated here in vLLM's
+    layout and registered; the stack (manager + one worker process per rank, which attaches
+    to that memory); a layer waiter reading the workers' per-layer progress."""
+    dep, rank, ranks = cfg.deployment_id, 0, cfg.workers.count
+    dtype = DTYPES[cfg.model.dtype]
+    # Model-runner side: per layer one [2, num_blocks, block_size, kv_heads, head_dim]
+    # tensor (K then V), in shared memory so the rank's worker process can map it.
+    shape = (2, DEVICE_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+    if DEVICE.type == "cuda":  # torch's own allocation; the worker opens it via CUDA IPC
+        kv = [torch.zeros(shape, dtype=dtype, device=DEVICE) for _ in range(LAYERS)]
+    else:
+        kv = [shared_kv_tensor(dep, rank, shape, dtype, tag=f"l{layer}")
+              for layer in range(LAYERS)]
+    with (KVRegistration(dep, rank, kv, "vllm", block_size=BLOCK, num_kv_heads=KV_HEADS,
+                         head_dim=HEAD_DIM),
+          Stack(cfg) as stack,  # scheduler side: the manager, its workers attach to `kv`
+          LayerWaiter(dep, ranks) as waiter):
+        copies: list[TaskKind] = []  # copy tasks every rank's worker process finished
+
+        def observe(kind: TaskKind, blocks: int, seconds: float) -> None:
+            if kind in COPY_KINDS:
+                copies.append(kind)
+
+        stack.add_transfer_observer(observe)
+
+        def wait_layer(hit: MatchResult, layer: int) -> None:
+            try:
+                for seq in hit.handle.seqs:  # the loads this prefix depends on
+                    waiter.wait(seq, layer, LOAD_TIMEOUT_S)
+                    report.layer_waits += 1
+            except TaskAborted:  # a load failed: the scheduler side knows what is still good
+                hit.handle.wait(LOAD_TIMEOUT_S)  # raises TransferFailedError(valid_tokens)
+                raise
+
+        runner = Runner(stack.require_manager(), PagedKV([t[0] for t in kv], [t[1] for t in kv]),
+                        model, wait_layer, lambda: wait_backups(stack), control)
+        yield runner
+        wait_backups(stack)
+        if copies:  # the worker processes (not this one) moved the blocks
+            for kind in copies:
+                report.copies[kind.name.lower()] = report.copies.get(kind.name.lower(), 0) + 1
+            report.worker_pids.update(
+                w["pid"] for w in stack.status()["workers"]
+                if w["pid"] is not None and w["pid"] != os.getpid())
+
+
+def wait_backups(stack: Stack, timeout: float = LOAD_TIMEOUT_S) -> None:
+    """Bounded wait until no transfer is in flight: copies to the host, and the storage
+    backups they start, are done."""
+    if not stack.require_manager().dispatcher.drain(timeout):
+        raise TimeoutError(f"transfers still in flight after {timeout:.0f} s")
+
+
+# ------------------------------------------------------------------------------- redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def redis_server(binary: str, workdir: Path) -> Iterator[str]:
+    """A throwaway redis-server on a free 127.0.0.1 port (nothing persisted); its URL."""
+    port = free_port()
+    with open(workdir / "redis.log", "wb") as log:
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(workdir)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not _pong(port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start on port {port} (see "
+                                   f"{workdir / 'redis.log'})")
+            time.sleep(0.02)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def _pong(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Report:
+    diffs: dict[str, dict[str, float]] = field(default_factory=dict)  # tier -> dtype -> diff
+    served: dict[str, dict[str, int]] = field(default_factory=dict)  # tier -> dtype -> tokens
+    worker_pids: set[int] = field(default_factory=set)
+    copies: dict[str, int] = field(default_factory=dict)  # copy tasks done, by kind
+    layer_waits: int = 0  # LayerWaiter.wait calls (loads of host and storage hits)
+
+    def check(self, tier: str, dtype: str, model: LlamaForCausalLM, tokens: list[int],
+              got: Served) -> None:
+        """Compare a served request with its reference; note the difference and the tokens
+        `tier` served."""
+        tokens_from_tier = {"device": got.hit.device_tokens, "host": got.hit.host_tokens,
+                            "storage_file": got.hit.storage_tokens,
+                            "storage_redis": got.hit.storage_tokens}[tier]
+        if tokens_from_tier < PREFIX or got.prefix != PREFIX:
+            raise AssertionError(f"{dtype} {tier}: the prefix was not served by {tier} "
+                                 f"({got.hit}, {got.prefix} tokens used)")
+        want = reference(model, tokens, got.prefix)
+        diff = (got.logits - want).abs().max().item()
+        self.diffs.setdefault(tier, {})[dtype] = diff
+        self.served.setdefault(tier, {})[dtype] = tokens_from_tier
+        print(f"{dtype:<9} {tier:<14}: {got.prefix} tokens served, "
+              f"{len(tokens) - got.prefix} computed, max |logit diff| {diff:.3g}")
+
+
+def run_dtype(dtype: str, tmp: Path, redis_url: str | None, control: str | None,
+              report: Report) -> None:
+    model = build_model(DTYPES[dtype])
+    g = torch.Generator().manual_seed(1)
+
+    def draw(n: int) -> list[int]:
+        return torch.randint(VOCAB, (n,), generator=g).tolist()
+
+    prefix = draw(PREFIX)
+    prompts = {name: prefix + draw(SUFFIX) for name in ("a", "b", "c", "d", "e")}
+    filler = draw(DEVICE_BLOCKS * BLOCK)  # takes every device block
+    file_storage = {"backend": "file", "path": str(tmp / f"storage-{dtype}")}
+    with deployment(kvtier_config(f"{dtype[:4]}1", dtype, file_storage), model, control,
+                    report) as r:
+        cold = serve(r, "cold", prompts["a"])
+        if cold.hit.num_tokens:
+            raise AssertionError(f"{dtype}: a fresh deployment had a hit: {cold.hit}")
+        report.check("device", dtype, model, prompts["b"], serve(r, "device", prompts["b"]))
+        # Another prompt takes every device block, so the prefix leaves the device (the host
+        # keeps the copy write_through made). A block is evictable once its copy to the host
+        # is done: let the copies in flight finish before and after.
+        r.settle()
+        serve(r, "filler", filler)
+        r.settle()
+        report.check("host", dtype, model, prompts["c"], serve(r, "host", prompts["c"]))
+    # A restart of everything: new stack, new KV memory, the same storage folder.
+    with deployment(kvtier_config(f"{dtype[:4]}2", dtype, file_storage), model, control,
+                    report) as r:
+        report.check("storage_file", dtype, model, prompts["d"],
+                     serve(r, "storage", prompts["d"]))
+    if redis_url is None:
+        return
+    redis_storage = {"backend": "redis", "url": redis_url}
+    with deployment(kvtier_config(f"{dtype[:4]}3", dtype, redis_storage), model, control,
+                    report) as r:
+        serve(r, "cold", prompts["a"])
+    with deployment(kvtier_config(f"{dtype[:4]}4", dtype, redis_storage), model, control,
+                    report) as r:
+        report.check("storage_redis", dtype, model, prompts["e"],
+                     serve(r, "storage", prompts["e"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--negative-control", choices=["wrong-block-table", "foreign-block"],
+                   help="read every served prefix wrongly, so the logits must differ and the "
+                   "exit status be 1: wrong-block-table swaps its first two block ids, "
+                   "foreign-block reads its last block from a block that holds other KV")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model and its paged KV live (cuda: cuda:0, the KV reaches "
+                   "kvtier's worker process through CUDA IPC)")
+    p.add_argument("--dtypes", default=",".join(DTYPES),
+                   help="comma-separated model dtypes (default: %(default)s)")
+    args = p.parse_args(argv)
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if not dtypes or any(d not in DTYPES for d in dtypes):
+        p.error(f"--dtypes {args.dtypes!r}: a comma-separated subset of {', '.join(DTYPES)}")
+    global DEVICE
+    DEVICE = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    report = Report()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kvtier-real-model-") as tmp_name:
+        tmp = Path(tmp_name)
+        with contextlib.ExitStack() as running:
+            redis_url, binary = None, shutil.which("redis-server")
+            if binary is not None:
+                redis_url = running.enter_context(redis_server(binary, tmp))
+            for dtype in dtypes:
+                run_dtype(dtype, tmp, redis_url, args.negative_control, report)
+    worst = {tier: max(by_dtype.values()) for tier, by_dtype in report.diffs.items()}
+    exact = all(d == 0.0 for d in worst.values())
+    result = {
+        "max_abs_logit_diff": worst,
+        "max_abs_logit_diff_by_dtype": report.diffs,
+        "served_tokens": report.served,
+        "worker_processes": len(report.worker_pids),
+        "worker_pids": sorted(report.worker_pids),
+        "worker_copy_tasks": report.copies,
+        "layer_waits": report.layer_waits,
+        "dtypes": dtypes,
+        "device": args.device,
+        "negative_control": args.negative_control,
+        "exact": exact,
+        "elapsed_s": round(time.monotonic() - started, 2),
+    }
+    if not args.json:
+        print(("ok: " if exact else "MISMATCH: ") + ", ".join(
+            f"{t} {d:.3g}" for t, d in worst.items()))
+    else:
+        print(json.dumps(result))
+    return 0 if exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

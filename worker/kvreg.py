@@ -1,0 +1,392 @@
+"""Engine KV registrations: the record a model runner publishes so that its rank's worker can
+map the runner's own KV memory. Torch-free, so the manager can clean up after a dead runner
+without importing torch.
+
+Names (every one under the deployment's `/kvtier_<id>_` prefix, mode 0600):
+
+    /kvtier_<id>_kvreg_r<rank>          shared memory  the registration record of rank r (JSON)
+    /kvtier_<id>_kvmem_r<rank>_<tag>    shared memory  KV memory of a CPU model runner
+                                                       (`engine_kv.shared_kv_tensor`)
+
+Record: UTF-8 JSON, the whole segment (no pickle, nothing executable). Fields:
+
+    format, version       "kvtier-engine-kv", RECORD_VERSION
+    deployment_id, rank   whose KV this is
+    owner_pid             the model runner's pid (a record whose owner is dead is stale)
+    nonce                 32 random hex digits, new for every registration
+    device                "cpu" or "cuda:<index>" (the index in the runner's process)
+    device_uuid           the GPU's UUID (CUDA only; "" elsewhere)
+    dtype, layout         torch dtype name ("float16"), "kvtier" | "vllm" | "fastdeploy"
+    num_layers, num_blocks, block_size, num_kv_heads, head_dim, row_bytes
+    planes                2 * num_layers entries, layer 0 K, layer 0 V, layer 1 K, ...; each
+                          a view [num_blocks, row] of the runner's memory:
+        CPU:  {"segment": name, "offset_bytes": int, "shape": [n, row], "strides": [s, 1]}
+        CUDA: {"cuda": {the 8 fields of `UntypedStorage._share_cuda_()`, bytes hex-encoded:
+                        device, handle, size_bytes, offset_bytes, ref_counter_handle,
+                        ref_counter_offset, event_handle, event_sync_required},
+               "storage_offset": elements, "shape": [n, row], "strides": [s, 1]}
+
+A KV segment starts with a `SEGMENT_HEADER_BYTES` header (magic, version, owner pid, data
+bytes; little-endian int64 words) so a stale one can be told from a live one even when no
+record names it; the tensor data starts at that page-aligned offset.
+
+The record is written right after the segment is created: a reader that finds it empty or
+half-written treats it as not there yet (`read_record` returns None) and looks again.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import posix_ipc
+from kvtier.worker.errors import KvtierError
+from kvtier.worker.ipc import pid_alive, validate_deployment_id
+
+Layout = Literal["kvtier", "vllm", "fastdeploy"]
+LAYOUTS: tuple[str, ...] = ("kvtier", "vllm", "fastdeploy")
+RECORD_FORMAT = "kvtier-engine-kv"
+RECORD_VERSION = 1
+MAX_RECORD_BYTES = 16 << 20
+SEGMENT_HEADER_BYTES = 4096
+SEGMENT_MAGIC = int.from_bytes(b"KVTIERM1", "little")
+SEGMENT_VERSION = 1
+CUDA_FIELDS = ("device", "handle", "size_bytes", "offset_bytes", "ref_counter_handle",
+               "ref_counter_offset", "event_handle", "event_sync_required")
+_HEX_FIELDS = frozenset({"handle", "ref_counter_handle", "event_handle"})
+_TAG = re.compile(r"[A-Za-z0-9-]{1,32}")
+_HEADER = struct.Struct("<4q")  # magic, version, owner pid, data bytes
+_SHM_DIR = "/dev/shm"
+
+
+class EngineKVError(KvtierError, ValueError):
+    """An engine KV registration is malformed, does not match the deployment, or is gone."""
+
+
+def registration_name(deployment_id: str, rank: int) -> str:
+    """The shared-memory name of rank `rank`'s registration record."""
+    validate_deployment_id(deployment_id)
+    _check_rank(rank)
+    return f"/kvtier_{deployment_id}_kvreg_r{rank}"
+
+
+def kv_segment_name(deployment_id: str, rank: int, tag: str) -> str:
+    """The shared-memory name of a CPU model runner's KV segment (`shared_kv_tensor`)."""
+    validate_deployment_id(deployment_id)
+    _check_rank(rank)
+    if not isinstance(tag, str) or not _TAG.fullmatch(tag):
+        raise EngineKVError(f"tag {tag!r} is invalid: use 1-32 characters of A-Z a-z 0-9 -")
+    return f"/kvtier_{deployment_id}_kvmem_r{rank}_{tag}"
+
+
+def _check_rank(rank: int) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 1 << 16:
+        raise EngineKVError(f"rank must be an integer in [0, 65536), got {rank!r}")
+
+
+# --------------------------------------------------------------------------- the record
+
+
+@dataclass(frozen=True)
+class Record:
+    """A decoded registration record (see the module docstring)."""
+
+    deployment_id: str
+    rank: int
+    owner_pid: int
+    nonce: str
+    device: str
+    device_uuid: str
+    dtype: str
+    layout: str
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    row_bytes: int
+    planes: tuple[dict[str, Any], ...]
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def segments(self) -> list[str]:
+        """The distinct CPU segment names the planes live in, in first-use order."""
+        names: list[str] = []
+        for p in self.planes:
+            name = p.get("segment")
+            if isinstance(name, str) and name not in names:
+                names.append(name)
+        return names
+
+    def owner_alive(self) -> bool:
+        return pid_alive(self.owner_pid)
+
+
+def encode_record(rec: Record) -> bytes:
+    """The record as the bytes of its segment."""
+    body: dict[str, Any] = {"format": RECORD_FORMAT, "version": RECORD_VERSION}
+    for name in Record.__dataclass_fields__:
+        value = getattr(rec, name)
+        body[name] = list(value) if name == "planes" else value
+    return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _field(body: dict[str, Any], name: str, kind: type, where: str) -> Any:
+    value = body.get(name)
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise EngineKVError(f"{where}: field {name!r} must be an integer, got {value!r}")
+    if kind is not int and not isinstance(value, kind):
+        raise EngineKVError(
+            f"{where}: field {name!r} must be a {kind.__name__}, got {value!r:.60}")
+    return value
+
+
+def _ints(value: Any, what: str, where: str) -> list[int]:
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        raise EngineKVError(f"{where}: {what} must be a list of two integers, got {value!r:.60}")
+    return value
+
+
+def decode_record(raw: bytes, where: str = "engine KV record") -> Record:
+    """Parse and check a record's bytes; EngineKVError naming the field otherwise."""
+    try:
+        body = json.loads(raw.rstrip(b"\0").decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise EngineKVError(f"{where}: not a JSON registration record ({e})") from None
+    if not isinstance(body, dict) or body.get("format") != RECORD_FORMAT:
+        raise EngineKVError(f"{where}: not a kvtier engine KV record")
+    if body.get("version") != RECORD_VERSION:
+        raise EngineKVError(
+            f"{where}: record version {body.get('version')!r}, this kvtier reads version "
+            f"{RECORD_VERSION} (model runner and workers run different kvtier versions)")
+    ints = ("rank", "owner_pid", "num_layers", "num_blocks", "block_size", "num_kv_heads",
+            "head_dim", "row_bytes")
+    strs = ("deployment_id", "nonce", "device", "device_uuid", "dtype", "layout")
+    values: dict[str, Any] = {n: _field(body, n, int, where) for n in ints}
+    values |= {n: _field(body, n, str, where) for n in strs}
+    if values["layout"] not in LAYOUTS:
+        raise EngineKVError(f"{where}: layout {values['layout']!r} is not one of {LAYOUTS}")
+    for n in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "row_bytes"):
+        if values[n] <= 0:
+            raise EngineKVError(f"{where}: field {n!r} must be positive, got {values[n]}")
+    planes = _field(body, "planes", list, where)
+    if len(planes) != 2 * values["num_layers"]:
+        raise EngineKVError(
+            f"{where}: {len(planes)} planes for {values['num_layers']} layers (expected "
+            f"{2 * values['num_layers']}: K and V of every layer)")
+    cuda = values["device"].startswith("cuda")
+    for i, p in enumerate(planes):
+        at = f"{where}: plane {i} (layer {i // 2} {'KV'[i % 2]})"
+        if not isinstance(p, dict):
+            raise EngineKVError(f"{at}: must be an object")
+        shape = _ints(p.get("shape"), "shape", at)
+        _ints(p.get("strides"), "strides", at)
+        if shape[0] != values["num_blocks"]:
+            raise EngineKVError(
+                f"{at}: {shape[0]} blocks, the record says num_blocks = {values['num_blocks']}")
+        if cuda:
+            fields = p.get("cuda")
+            if not isinstance(fields, dict) or set(fields) != set(CUDA_FIELDS):
+                raise EngineKVError(f"{at}: 'cuda' must hold the fields {list(CUDA_FIELDS)}")
+            _field(p, "storage_offset", int, at)
+        else:
+            seg = _field(p, "segment", str, at)
+            if not seg.startswith(f"/kvtier_{values['deployment_id']}_kvmem_r"):
+                raise EngineKVError(
+                    f"{at}: segment {seg!r} is not a KV segment of deployment "
+                    f"{values['deployment_id']!r}")
+            _field(p, "offset_bytes", int, at)
+    values["planes"] = tuple(planes)
+    return Record(**values)
+
+
+def encode_cuda_fields(fields: tuple[Any, ...] | list[Any]) -> dict[str, Any]:
+    """`UntypedStorage._share_cuda_()`'s 8-tuple as a JSON object (bytes as hex)."""
+    if len(fields) != len(CUDA_FIELDS):
+        raise EngineKVError(
+            f"_share_cuda_() gave {len(fields)} fields, expected {len(CUDA_FIELDS)} "
+            f"({', '.join(CUDA_FIELDS)}): an unsupported torch version")
+    out: dict[str, Any] = {}
+    for name, value in zip(CUDA_FIELDS, fields, strict=True):
+        if name in _HEX_FIELDS:
+            out[name] = None if value is None else bytes(value).hex()
+        elif name == "event_sync_required":
+            out[name] = bool(value)
+        else:
+            out[name] = int(value)
+    return out
+
+
+def decode_cuda_fields(obj: dict[str, Any], device_index: int | None = None) -> tuple[Any, ...]:
+    """The arguments of `UntypedStorage._new_shared_cuda` from `encode_cuda_fields`'s
+    object; `device_index` replaces the exporter's device index (the importer's own index
+    of the same GPU)."""
+    out: list[Any] = []
+    for name in CUDA_FIELDS:
+        value = obj[name]
+        if name in _HEX_FIELDS:
+            out.append(None if value is None else bytes.fromhex(value))
+        elif name == "event_sync_required":
+            out.append(bool(value))
+        elif name == "device" and device_index is not None:
+            out.append(int(device_index))
+        else:
+            out.append(int(value))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- shared memory
+
+
+def create_segment(name: str, data: bytes | None = None, size: int | None = None) -> mmap.mmap:
+    """Create `name` (mode 0600, failing if it exists) of `size` bytes, or holding `data`;
+    returns its mapping."""
+    n = len(data) if data is not None else size
+    assert n is not None and n > 0
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=n)
+    try:
+        os.fchmod(shm.fd, 0o600)  # shm_open applies the umask; make the mode exact
+        mm = mmap.mmap(shm.fd, n)
+    except BaseException:
+        shm.close_fd()
+        unlink(name)
+        raise
+    shm.close_fd()
+    if data is not None:
+        mm[:] = data
+    return mm
+
+
+def unlink(name: str) -> bool:
+    """Unlink a segment; False when it did not exist."""
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        return False
+    return True
+
+
+def read_segment(name: str, limit: int = MAX_RECORD_BYTES) -> bytes | None:
+    """The whole content of segment `name`, or None when it does not exist."""
+    try:
+        shm = posix_ipc.SharedMemory(name, read_only=True)
+    except posix_ipc.ExistentialError:
+        return None
+    try:
+        size = shm.size
+        if size > limit:
+            raise EngineKVError(f"{name}: {size} bytes, more than a record may hold ({limit})")
+        return os.pread(shm.fd, size, 0) if size else b""
+    finally:
+        shm.close_fd()
+
+
+def read_record(deployment_id: str, rank: int) -> Record | None:
+    """Rank `rank`'s registration record, or None when there is none (or it is still being
+    written). EngineKVError when it is there and malformed."""
+    name = registration_name(deployment_id, rank)
+    raw = read_segment(name)
+    if raw is None or not raw.strip(b"\0"):
+        return None
+    try:
+        rec = decode_record(raw, name)
+    except EngineKVError:
+        if raw.rstrip(b"\0").endswith(b"}"):
+            raise
+        return None  # half-written: the writer fills it right after creating it
+    if rec.deployment_id != deployment_id or rec.rank != rank:
+        raise EngineKVError(
+            f"{name}: the record is for deployment {rec.deployment_id!r} rank {rec.rank}")
+    return rec
+
+
+def segment_header(owner_pid: int, data_bytes: int) -> bytes:
+    return _HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, owner_pid, data_bytes)
+
+
+def segment_owner(name: str) -> int | None:
+    """The owner pid written in a KV segment's header; None when the segment is gone or has
+    no valid header."""
+    try:
+        shm = posix_ipc.SharedMemory(name, read_only=True)
+    except posix_ipc.ExistentialError:
+        return None
+    try:
+        if shm.size < _HEADER.size:
+            return None
+        magic, version, pid, _ = _HEADER.unpack(os.pread(shm.fd, _HEADER.size, 0))
+    finally:
+        shm.close_fd()
+    return pid if magic == SEGMENT_MAGIC and version == SEGMENT_VERSION else None
+
+
+def deployment_entries(deployment_id: str, kind: str) -> list[str]:
+    """Names (with the leading '/') of the deployment's `kind` segments ("kvreg" or "kvmem")
+    in /dev/shm."""
+    validate_deployment_id(deployment_id)
+    prefix = f"kvtier_{deployment_id}_{kind}_r"
+    try:
+        entries = os.listdir(_SHM_DIR)
+    except OSError:
+        return []
+    return sorted("/" + n for n in entries if n.startswith(prefix))
+
+
+def remove_registration(rec: Record) -> list[str]:
+    """Unlink a record and the KV segments it names, each only while it is still that
+    registration's (the record's nonce, the segment header's owner pid): a new runner may
+    already have taken the names over. Returns the names unlinked."""
+    removed = []
+    name = registration_name(rec.deployment_id, rec.rank)
+    try:
+        current = read_record(rec.deployment_id, rec.rank)
+    except EngineKVError:
+        current = None
+    if (current is None or current.nonce == rec.nonce) and unlink(name):
+        removed.append(name)
+    for seg in rec.segments():
+        owner = segment_owner(seg)
+        if owner in (None, rec.owner_pid) and unlink(seg):
+            removed.append(seg)
+    return removed
+
+
+def remove_dead_registrations(deployment_id: str) -> list[str]:
+    """Unlink the registration records of this deployment whose model runner is dead, with
+    their KV segments, and KV segments no record names whose owner is dead (a runner killed
+    before it registered). Live runners' names are left alone. Returns what was removed."""
+    removed: list[str] = []
+    for name in deployment_entries(deployment_id, "kvreg"):
+        rank_text = name.rsplit("_r", 1)[-1]
+        if not rank_text.isdigit():
+            continue
+        try:
+            rec = read_record(deployment_id, int(rank_text))
+        except EngineKVError:
+            rec = None
+            if unlink(name):  # unreadable: no worker can use it either
+                removed.append(name)
+        if rec is not None and not rec.owner_alive():
+            removed += remove_registration(rec)
+    for name in deployment_entries(deployment_id, "kvmem"):
+        owner = segment_owner(name)  # None: being created right now, or not ours
+        if owner is not None and not pid_alive(owner) and unlink(name):
+            removed.append(name)
+    return removed
+
+
+def problem(rec: Record, attached_nonce: str | None = None) -> str | None:
+    """Why `rec` can no longer be used (owner gone, or replaced), or None."""
+    if attached_nonce is not None and rec.nonce != attached_nonce:
+        return f"replaced by a new registration of pid {rec.owner_pid}"
+    if not rec.owner_alive():
+        return f"model runner pid {rec.owner_pid} exited"
+    return None
