@@ -826,6 +826,7 @@ def test_cuda_registration_exports_and_reimports_in_a_child(dep: str) -> None:
         randomize(t, i)
     torch.cuda.synchronize()
     with KVRegistration(dep, 0, kv, "vllm", block_size=BS, num_kv_heads=H, head_dim=D) as reg:
+        sums = [str(int(p.view(torch.int16).sum())) for p in reg.planes]  # before the child writes
         rec = kvreg.read_record(dep, 0)
         assert rec is not None and rec.device == "cuda:0" and rec.device_uuid
         code = (
@@ -841,6 +842,5 @@ def test_cuda_registration_exports_and_reimports_in_a_child(dep: str) -> None:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
-        sums = [str(int(p.view(torch.int16).sum())) for p in reg.planes]
         assert out.stdout.strip().splitlines()[-1] == ",".join(sums)
         assert all(bool((p[3].view(torch.int16) == 9).all()) for p in reg.planes)
