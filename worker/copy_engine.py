@@ -391,7 +391,7 @@ class CopyEngine:
         g = int(plan.gather_src.numel())
         c = max(1, min(max(g, 1), self.stage_bytes // self.shape.layer_bytes))
         gd_all = plan.gather_dst.to(dev.device)
-        pending: deque[tuple[int, torch.cuda.Event]] = deque()
+        layers = _LayerEvents(done)
         stream.wait_stream(torch.cuda.current_stream(dev.device))  # readers of old content
         with torch.cuda.stream(stream):
             for layer in range(self.shape.num_layers):
@@ -406,17 +406,10 @@ class CopyEngine:
                     torch.index_select(host_l, 0, gs, out=pinned)
                     on_dev = pinned.to(dev.device, non_blocking=True)
                     dev_l.index_copy_(1, gd_all[i : i + c], on_dev.transpose(0, 1))
-                event = torch.cuda.Event()
-                event.record(stream)
-                pending.append((layer, event))
-                while pending and pending[0][1].query():
-                    done(pending.popleft()[0])
+                layers.recorded(layer, stream)
                 if self.layer_delay_s:
                     time.sleep(self.layer_delay_s)
-        while pending:
-            layer, event = pending.popleft()
-            event.synchronize()
-            done(layer)
+        layers.finish()
 
 
     # ---------------------------------------------------------------- CUDA zero-copy
@@ -446,7 +439,7 @@ class CopyEngine:
         stream = self._h2d_stream
         n = int(src.numel())
         c = max(1, ZERO_COPY_CHUNK_BYTES // self.shape.layer_bytes)
-        pending: deque[tuple[int, torch.cuda.Event]] = deque()
+        layers = _LayerEvents(done)
         stream.wait_stream(torch.cuda.current_stream(dev.device))  # readers of old content
         with torch.cuda.stream(stream):
             s_all, d_all = src.to(dev.device), dst.to(dev.device)
@@ -455,17 +448,10 @@ class CopyEngine:
                 for i in range(0, n, c):
                     rows = torch.index_select(host_l, 0, s_all[i : i + c])
                     dev_l.index_copy_(1, d_all[i : i + c], rows.transpose(0, 1))
-                event = torch.cuda.Event()
-                event.record(stream)
-                pending.append((layer, event))
-                while pending and pending[0][1].query():
-                    done(pending.popleft()[0])
+                layers.recorded(layer, stream)
                 if self.layer_delay_s:
                     time.sleep(self.layer_delay_s)
-        while pending:
-            layer, event = pending.popleft()
-            event.synchronize()
-            done(layer)
+        layers.finish()
 
 
 class _PlaneCopier:
@@ -557,7 +543,7 @@ class _PlaneCopier:
         stream = e._h2d_stream
         n = int(src.numel())
         c = max(1, ZERO_COPY_CHUNK_BYTES // e.shape.layer_bytes)
-        pending: deque[tuple[int, torch.cuda.Event]] = deque()
+        layers = _LayerEvents(done)
         stream.wait_stream(torch.cuda.current_stream(dev))  # readers of old content
         with torch.cuda.stream(stream):
             s_all, d_all = src.to(host.device), dst.to(dev)
@@ -571,17 +557,33 @@ class _PlaneCopier:
                     d = d_all[i : i + c]
                     k.index_copy_(0, d, rows[:, 0])
                     v.index_copy_(0, d, rows[:, 1])
-                event = torch.cuda.Event()
-                event.record(stream)
-                pending.append((layer, event))
-                while pending and pending[0][1].query():
-                    done(pending.popleft()[0])
+                layers.recorded(layer, stream)
                 if e.layer_delay_s:
                     time.sleep(e.layer_delay_s)
-        while pending:
-            layer, event = pending.popleft()
+        layers.finish()
+
+
+class _LayerEvents:
+    """Per-layer completion of a CUDA load: an event recorded on the copy stream after each
+    layer; `done(layer)` fires once that layer's event has completed, in layer order, as early
+    as the enqueueing loop notices (queried after every layer) and at the latest in `finish`."""
+
+    def __init__(self, done: Callable[[int], None]) -> None:
+        self.done = done
+        self.pending: deque[tuple[int, torch.cuda.Event]] = deque()
+
+    def recorded(self, layer: int, stream: torch.cuda.Stream) -> None:
+        event = torch.cuda.Event()
+        event.record(stream)
+        self.pending.append((layer, event))
+        while self.pending and self.pending[0][1].query():
+            self.done(self.pending.popleft()[0])
+
+    def finish(self) -> None:
+        while self.pending:
+            layer, event = self.pending.popleft()
             event.synchronize()
-            done(layer)
+            self.done(layer)
 
 
 def _ignore_layer(layer: int) -> None:
