@@ -44,6 +44,13 @@ class WorkerSpec:
     backup_one_rank: bool = False
     manager_timeout_s: float = 3.0
     model_name: str = ""
+    # Keeps pages of a different kind of content apart: "verify" for `kvtier replay
+    # --verify`, whose pages hold key-derived bytes (a verified run must never read the
+    # pages of an unverified one, whose bytes are whatever the blocks held). "": none.
+    storage_tag: str = ""
+    # The instance nonce of the manager IPC the worker must attach to (0: any): a worker
+    # started by a manager whose names a successor took over never joins the successor.
+    ipc_instance: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -65,6 +72,8 @@ class WorkerSpec:
                                   "dtype": self.dtype, "block_size": self.block_size}
         if self.model_name:  # unnamed models share by shape alone
             fields["model_name"] = self.model_name
+        if self.storage_tag:
+            fields["storage_tag"] = self.storage_tag
         if self.backup_one_rank:  # every rank holds the same KV: all share rank 0's pages
             return namespace_for(fields, 0, 1)
         return namespace_for(fields, self.rank, self.num_ranks)
