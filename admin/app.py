@@ -10,49 +10,74 @@ handler reads the manager's state directly:
   like any scheduler call. They are plain `def` handlers: FastAPI runs them on its thread pool,
   so a reset waiting for transfers never stalls the event loop serving /healthz and /metrics.
 
-Every POST passes one gate (a middleware, so it runs before the body is even parsed):
-refused with 503 once the server is shutting down, and with 401 unless it carries
-`Authorization: Bearer <admin.token>` when a token is configured (compared in constant time).
-Bad bodies get 422 with a one-line `detail` naming the field, plus the full error list.
+Every POST passes one gate (an ASGI middleware, so it runs before the body is parsed): 503 once
+the server is shutting down; 401 unless it carries `Authorization: Bearer <token>` (compared in
+constant time; only `admin.auth = "none"` lifts this); 413 when its body is larger than
+`admin.max_body_bytes` (declared or streamed). A body that passes is parsed and validated:
+422 with a one-line `detail` naming the field plus the full error list, whatever the input
+(NaN, huge numbers, deep nesting); at most `admin.max_pin_tokens` token ids and
+`admin.max_extra_keys` multimodal items per /pin or /unpin. Every status code an endpoint can
+answer is in the OpenAPI document, with its body (`tests/test_openapi.py` runs schemathesis).
 """
 
 from __future__ import annotations
 
 import hmac
+import json
+import math
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request, Security
-from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
 from kvtier.admin.metrics import build_registry
+from kvtier.manager.config import AdminConfig
 from kvtier.manager.errors import InvalidRequestError, KvtierError, ResetBusyError
+from kvtier.manager.keys import MAX_CONTENT_HASH_BYTES
 from kvtier.manager.stack import Stack
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StrictInt,
+    WithJsonSchema,
+    create_model,
+)
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 TOKEN_ID_MIN = -(2**31)
 TOKEN_ID_MAX = 2**31 - 1
-MAX_PIN_TOKENS = 1 << 24
-"""Upper bound on one pin body's token ids (16 Mi tokens): far above any context length, and a
-bound on what one request can make the manager hash under its lock."""
+POSITION_MAX = 2**31 - 1
+CONTENT_HASH_MAX_CHARS = MAX_CONTENT_HASH_BYTES // 4
+"""A string content hash is used as its UTF-8 bytes (at most 4 a character), and the keys
+encode a hash of at most 65,535 bytes."""
 
 DEFAULT_RESET_TIMEOUT_S = 10.0
+STORAGE_CLEAR_MIN_S = 10.0
+"""/reset?storage=true: clearing storage gets at least this long, whatever `timeout` (which
+bounds the wait for transfers in flight) says."""
+INPUT_ECHO_LIMIT = 200
+"""A 422's `errors[].input` longer than this (as JSON) is replaced by a short description:
+a bad 4 MiB body is not sent back."""
 
 
 class AdminState:
     """What the handlers share besides the stack: the metrics registry, the bearer token (bytes;
-    empty means none), whether POSTs are still accepted, and the start time.
+    None: no authentication, `admin.auth = "none"`), whether POSTs are still accepted, and the
+    start time.
 
     `accepting` only ever goes from True to False (the server is shutting down)."""
 
-    def __init__(self, stack: Stack, token: str) -> None:
+    def __init__(self, stack: Stack, token: str | None) -> None:
         self.stack = stack
-        self.token = token.encode()
+        self.token = None if token is None else token.encode()
         self.registry = build_registry(stack)
         self.started_at = time.monotonic()
         self._lock = threading.Lock()
@@ -66,7 +91,7 @@ class AdminState:
             self.refusal = reason
 
     def authorized(self, header: str | None) -> bool:
-        if not self.token:
+        if self.token is None:
             return True
         if not header:
             return False
@@ -78,7 +103,47 @@ class AdminState:
 
 # ---------------------------------------------------------------------------- request bodies
 
-TokenId = Annotated[StrictInt, Field(ge=TOKEN_ID_MIN, le=TOKEN_ID_MAX)]
+
+
+def _integral(value: object) -> object:
+    """A JSON number without a fractional part (71.0) is an integer, as JSON Schema says;
+    anything else is left for StrictInt to judge (strings, booleans and 1.5 are refused)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+JsonInt = Annotated[StrictInt, BeforeValidator(_integral)]
+# Field before the validator: the other order loses the bounds from the JSON schema.
+TokenId = Annotated[StrictInt, Field(ge=TOKEN_ID_MIN, le=TOKEN_ID_MAX),
+                    BeforeValidator(_integral)]
+
+
+def _content_hash(value: object) -> str | int:
+    """One check with one message (a union type would report a failure per member)."""
+    value = _integral(value)
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("a string content_hash must not be empty")
+        if len(value) > CONTENT_HASH_MAX_CHARS:
+            raise ValueError(f"a string content_hash may have at most {CONTENT_HASH_MAX_CHARS} "
+                             f"characters, not {len(value)}")
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError("an integer content_hash must be >= 0")
+        return value
+    raise ValueError("content_hash must be a string or an integer")
+
+
+ContentHash = Annotated[
+    str | int,
+    PlainValidator(_content_hash),
+    WithJsonSchema({"anyOf": [
+        {"type": "string", "minLength": 1, "maxLength": CONTENT_HASH_MAX_CHARS},
+        {"type": "integer", "minimum": 0},
+    ]}),
+]
 
 
 class ExtraKeyItem(BaseModel):
@@ -88,21 +153,23 @@ class ExtraKeyItem(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    offset: StrictInt = Field(ge=0, description="first token of the item")
-    length: StrictInt = Field(gt=0, description="tokens the item occupies")
-    content_hash: str | StrictInt = Field(description="content hash of the item")
+    offset: JsonInt = Field(ge=0, le=POSITION_MAX, description="first token of the item")
+    length: JsonInt = Field(gt=0, le=POSITION_MAX, description="tokens the item occupies")
+    content_hash: ContentHash = Field(
+        description="content hash of the item: a non-empty string (at most "
+        f"{CONTENT_HASH_MAX_CHARS} characters) or a non-negative integer")
 
     def as_tuple(self) -> tuple[int, int, str | int]:
         return (self.offset, self.length, self.content_hash)
 
 
 class PrefixBody(BaseModel):
-    """A prefix to pin or unpin: its token ids (and multimodal items, if any)."""
+    """A prefix to pin or unpin: its token ids (and multimodal items, if any). The served
+    model is `prefix_body(limits)`, this class with the configured list lengths."""
 
     model_config = ConfigDict(extra="forbid")
 
-    token_ids: list[TokenId] = Field(min_length=1, max_length=MAX_PIN_TOKENS,
-                                     description="token ids of the prefix (int32)")
+    token_ids: list[TokenId] = Field(min_length=1, description="token ids of the prefix (int32)")
     extra_keys: list[ExtraKeyItem] | None = Field(
         None, description="multimodal items of the prefix, as given to match")
 
@@ -110,7 +177,136 @@ class PrefixBody(BaseModel):
         return [e.as_tuple() for e in self.extra_keys] if self.extra_keys else None
 
 
-# ---------------------------------------------------------------------------- the app
+def prefix_body(limits: AdminConfig) -> type[PrefixBody]:
+    """PrefixBody bounded by `admin.max_pin_tokens` and `admin.max_extra_keys` (so the
+    OpenAPI document shows the bounds and validation enforces them with a 422)."""
+    return create_model(
+        "PrefixBody",
+        __base__=PrefixBody,
+        __doc__=PrefixBody.__doc__,
+        token_ids=(list[TokenId], Field(
+            min_length=1, max_length=limits.max_pin_tokens,
+            description=f"token ids of the prefix (int32), at most {limits.max_pin_tokens} "
+            "(admin.max_pin_tokens)")),
+        extra_keys=(list[ExtraKeyItem] | None, Field(
+            None, max_length=limits.max_extra_keys,
+            description="multimodal items of the prefix, as given to match; at most "
+            f"{limits.max_extra_keys} (admin.max_extra_keys)")),
+    )
+
+
+# ---------------------------------------------------------------------------- response bodies
+
+
+class ErrorBody(BaseModel):
+    """Why a request was refused, in one line."""
+
+    detail: str
+
+
+class ValidationErrorBody(BaseModel):
+    """A bad body or query parameter: `detail` names the field(s) in one line, `errors` lists
+    each problem (loc, msg, type, and the offending input when it is short)."""
+
+    detail: str
+    errors: list[dict[str, Any]]
+
+
+class Health(BaseModel):
+    alive: bool
+    reason: str
+
+
+class Readiness(BaseModel):
+    ready: bool
+    reason: str
+
+
+class ResetResult(BaseModel):
+    cleared: dict[str, int] = Field(description="what was cleared: tree nodes, device and host "
+                                    "blocks, and storage pages with storage=true")
+    storage: bool
+
+
+class Paused(BaseModel):
+    paused: bool
+
+
+class PinResult(BaseModel):
+    pinned_blocks: int
+    prefix_blocks: int
+
+
+class UnpinResult(BaseModel):
+    unpinned_blocks: int
+    prefix_blocks: int
+
+
+def _error(description: str, model: type[BaseModel] = ErrorBody,
+           headers: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": description, "model": model}
+    if headers:
+        out["headers"] = dict(headers)
+    return out
+
+
+UNAUTHORIZED = _error(
+    "no valid `Authorization: Bearer <token>` header (checked before the body is read)",
+    headers={"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}})
+POST_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: _error("the body cannot be parsed (JSON nested too deeply, a number too long)"),
+    401: UNAUTHORIZED,
+    413: _error("the body is larger than admin.max_body_bytes"),
+    422: _error("a bad body or query parameter", ValidationErrorBody),
+    503: _error("kvtier is shutting down, or the stack is not running"),
+}
+
+
+# ---------------------------------------------------------------------------- JSON of anything
+
+
+def json_safe(value: Any, depth: int = 0) -> Any:
+    """`value` as something `json.dumps(allow_nan=False)` accepts: non-finite floats and
+    unknown objects become strings, bytes are decoded, nesting is cut at 32 levels."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if depth >= 32:
+        return "..."
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v, depth + 1) for v in value]
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "replace")
+    return str(value)
+
+
+def _echo(value: Any) -> Any:
+    """An offending input as a 422 shows it: itself when short, else what it is."""
+    safe = json_safe(value)
+    try:
+        text = json.dumps(safe)
+    except (TypeError, ValueError, RecursionError):
+        return f"<{type(value).__name__}>"
+    if len(text) <= INPUT_ECHO_LIMIT:
+        return safe
+    if isinstance(value, str):
+        return f"<string of {len(value)} characters>"
+    if isinstance(value, list | dict):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    return f"<{type(value).__name__}>"
+
+
+def _errors(errors: Any) -> list[dict[str, Any]]:
+    out = []
+    for err in errors:
+        item = {k: json_safe(v) for k, v in dict(err).items() if k not in ("input", "url")}
+        if "input" in err:
+            item["input"] = _echo(err["input"])
+        out.append(item)
+    return out
 
 
 def _one_line(errors: list[dict[str, Any]]) -> str:
@@ -125,44 +321,143 @@ def _one_line(errors: list[dict[str, Any]]) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+# ---------------------------------------------------------------------------- the POST gate
+
+
+def _json_bytes(status: int, detail: str, extra: Mapping[str, str] | None = None,
+                close: bool = False) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    body = json.dumps({"detail": detail}).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (extra or {}).items()]
+    if close:
+        headers.append((b"connection", b"close"))
+    return status, headers, body
+
+
+class PostGate:
+    """ASGI middleware in front of every POST: shutting down (503), not authorized (401), body
+    larger than `max_body_bytes` (413, by Content-Length before reading, or while reading a
+    chunked body; the connection is then closed so the rest is never read). A body that
+    passes is read here and handed on whole."""
+
+    def __init__(self, app: ASGIApp, state: AdminState, max_body_bytes: int) -> None:
+        self.app = app
+        self.state = state
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", [])}
+        if not self.state.accepting:
+            await self._answer(send, *_json_bytes(503, self.state.refusal))
+            return
+        if not self.state.authorized(headers.get("authorization")):
+            await self._answer(send, *_json_bytes(
+                401, "a valid 'Authorization: Bearer <token>' header is required",
+                {"WWW-Authenticate": "Bearer"}))
+            return
+        limit = self.max_body_bytes
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            await self._answer(send, *self._too_large(int(declared)))
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left; nothing to answer
+            body += message.get("body", b"")
+            if len(body) > limit:
+                await self._answer(send, *self._too_large(None))
+                return
+            if not message.get("more_body", False):
+                break
+        delivered = False
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self, declared: int | None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        size = (f"{declared} bytes" if declared is not None
+                else f"more than {self.max_body_bytes} bytes")
+        return _json_bytes(413, f"the body has {size}; admin.max_body_bytes = "
+                           f"{self.max_body_bytes}", close=True)
+
+    @staticmethod
+    async def _answer(send: Send, status: int, headers: list[tuple[bytes, bytes]],
+                      body: bytes) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+# ---------------------------------------------------------------------------- the app
+
+
+def _typed(handler: Callable[..., Any], **annotations: Any) -> Callable[..., Any]:
+    """`handler` with some parameter annotations replaced (FastAPI reads them to build the
+    request model): the bounded PrefixBody subclass is only known when the app is built."""
+    handler.__annotations__ = {**handler.__annotations__, **annotations}
+    return handler
+
+
 def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
-    """The admin app of `stack`. `token` overrides the configured admin token (None: use
-    `admin.token` from the stack's configuration; "" : no token)."""
+    """The admin app of `stack`.
+
+    `token`: the bearer token every POST must carry. None: as configured, that is no token at
+    all with `admin.auth = "none"`, `admin.token` when set, else a random token made now (read
+    it from `app.state.admin.token`; `kvtier serve` writes it to the state file). An empty
+    string is refused: running without authentication takes `admin.auth = "none"`."""
+    limits = stack.cfg.admin
     if token is None:
-        token = stack.cfg.admin.token.get_secret_value()
-    state = AdminState(stack, token)
+        configured = limits.token.get_secret_value()
+        if limits.auth == "none":
+            token_or_none: str | None = None
+        else:
+            from kvtier.admin.auth import generate_token
+
+            token_or_none = configured or generate_token()
+    elif not token:
+        raise ValueError("an empty admin token would accept anyone: set admin.auth = 'none' "
+                         "to serve without authentication")
+    else:
+        token_or_none = token
+    state = AdminState(stack, token_or_none)
     app = FastAPI(
         title="kvtier admin",
         version="0.1.0",
         description="Health, status, Prometheus metrics and cache operations of one kvtier "
-        "deployment. Every POST needs `Authorization: Bearer <token>` when a token is "
-        "configured.",
+        "deployment. Every POST needs `Authorization: Bearer <token>` (the configured "
+        "admin.token, or the token `kvtier serve` generated and wrote to "
+        "$XDG_STATE_HOME/kvtier/<deployment_id>/admin-token) unless admin.auth = \"none\". "
+        f"POST bodies are limited to {limits.max_body_bytes} bytes (413).",
     )
     app.state.admin = state
-    bearer = HTTPBearer(auto_error=False, description="admin.token / KVTIER_ADMIN_TOKEN")
-    post_security = [Security(bearer)]
-
-    @app.middleware("http")
-    async def gate_posts(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if request.method == "POST":
-            if not state.accepting:
-                return JSONResponse({"detail": state.refusal}, status_code=503)
-            if not state.authorized(request.headers.get("authorization")):
-                return JSONResponse(
-                    {"detail": "a valid 'Authorization: Bearer <token>' header is required"},
-                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+    app.add_middleware(PostGate, state=state, max_body_bytes=limits.max_body_bytes)
+    bearer = HTTPBearer(auto_error=False, description="admin.token / KVTIER_ADMIN_TOKEN, or "
+                        "the generated token in the state file")
+    post_security = [Security(bearer)] if state.token is not None else []
+    body_model = prefix_body(limits)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = jsonable_encoder(exc.errors(), custom_encoder={Exception: str})
+        errors = _errors(exc.errors())
         return JSONResponse({"detail": _one_line(errors), "errors": errors}, status_code=422)
 
     @app.exception_handler(InvalidRequestError)
     async def invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=422)
+        detail = " ".join(str(exc).split())
+        return JSONResponse({"detail": detail, "errors": [
+            {"loc": ["body"], "msg": detail, "type": "value_error"}]}, status_code=422)
 
     @app.exception_handler(ResetBusyError)
     async def busy(request: Request, exc: ResetBusyError) -> JSONResponse:
@@ -174,13 +469,16 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
 
     # ------------------------------------------------------------------ probes
 
-    @app.get("/healthz", tags=["probes"])
+    @app.get("/healthz", tags=["probes"], response_model=Health,
+             responses={503: {"model": Health, "description": "a manager thread stopped"}})
     def healthz() -> JSONResponse:
         """200 while the manager's threads run (liveness); 503 with the reason otherwise."""
         ok, reason = stack.alive()
         return JSONResponse({"alive": ok, "reason": reason}, status_code=200 if ok else 503)
 
-    @app.get("/readyz", tags=["probes"])
+    @app.get("/readyz", tags=["probes"], response_model=Readiness,
+             responses={503: {"model": Readiness,
+                              "description": "a worker is not ready, or shutting down"}})
     def readyz() -> JSONResponse:
         """200 only while every worker is ready; 503 with the reason otherwise (starting,
         a rank dead or restarting, shutting down)."""
@@ -191,7 +489,8 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
 
     # ------------------------------------------------------------------ reads
 
-    @app.get("/status", tags=["reads"])
+    @app.get("/status", tags=["reads"],
+             responses={503: _error("the stack is not running")})
     def status() -> dict[str, Any]:
         """Tiers (capacity, free, cached, in use; blocks and bytes), workers (rank, pid, state,
         heartbeat age, tasks in flight), hit rates per tier, paused flag, storage counters and
@@ -203,14 +502,22 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
         out["uptime_s"] = round(time.monotonic() - state.started_at, 3)
         return out
 
-    @app.get("/metrics", tags=["reads"], response_class=Response)
+    @app.get("/metrics", tags=["reads"], response_class=Response, responses={200: {
+        "description": "Prometheus text exposition format 0.0.4",
+        "content": {"text/plain": {"schema": {"type": "string"}}}}})
     def metrics() -> Response:
         """Prometheus text exposition (kvtier_* families and the process collector)."""
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
     # ------------------------------------------------------------------ operations
 
-    @app.post("/reset", tags=["operations"], dependencies=post_security)
+    @app.post("/reset", tags=["operations"], dependencies=post_security,
+              response_model=ResetResult, responses={
+                  **POST_RESPONSES,
+                  409: _error("transfers did not finish within `timeout` (nothing was "
+                              "cleared), or storage=true without a storage tier"),
+                  500: _error("reset incomplete: the caches were cleared but clearing "
+                              "storage failed")})
     def reset(
         storage: Annotated[bool, Query(description="also clear this deployment's storage")]
         = False,
@@ -228,7 +535,8 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
                  "tier to clear; nothing was cleared"}, status_code=409)
         stack.require_manager()  # 503 when the stack is not running
         try:
-            cleared = stack.reset(storage=storage, timeout=timeout)
+            cleared = stack.reset(storage=storage, timeout=timeout,
+                                  storage_timeout=max(timeout, STORAGE_CLEAR_MIN_S))
         except ResetBusyError:
             raise
         except Exception as e:  # only the storage step fails after the caches were emptied
@@ -237,19 +545,20 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
                  f"clearing storage failed: {type(e).__name__}: {e}"}, status_code=500)
         return JSONResponse({"cleared": cleared, "storage": storage})
 
-    @app.post("/pause", tags=["operations"], dependencies=post_security)
+    @app.post("/pause", tags=["operations"], dependencies=post_security,
+              response_model=Paused, responses=POST_RESPONSES)
     def pause() -> dict[str, bool]:
         """Hold every device transfer (e.g. during a weight update); storage I/O goes on."""
         stack.pause()
         return {"paused": True}
 
-    @app.post("/resume", tags=["operations"], dependencies=post_security)
+    @app.post("/resume", tags=["operations"], dependencies=post_security,
+              response_model=Paused, responses=POST_RESPONSES)
     def resume() -> dict[str, bool]:
         """Let held transfers run again."""
         stack.resume()
         return {"paused": False}
 
-    @app.post("/pin", tags=["operations"], dependencies=post_security)
     def pin(body: PrefixBody) -> dict[str, int]:
         """Keep the cached full blocks of this prefix on the device until unpinned (host-only
         blocks are loaded). The pin stops at the first block that is not cached:
@@ -258,11 +567,14 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
         n = m.pin(body.token_ids, body.extra())
         return {"pinned_blocks": n, "prefix_blocks": len(body.token_ids) // m.block_size}
 
-    @app.post("/unpin", tags=["operations"], dependencies=post_security)
     def unpin(body: PrefixBody) -> dict[str, int]:
         """Undo one pin of this prefix; returns how many blocks were unpinned."""
         m = stack.require_manager()
         n = m.unpin(body.token_ids, body.extra())
         return {"unpinned_blocks": n, "prefix_blocks": len(body.token_ids) // m.block_size}
 
+    app.post("/pin", tags=["operations"], dependencies=post_security, response_model=PinResult,
+             responses=POST_RESPONSES)(_typed(pin, body=body_model))
+    app.post("/unpin", tags=["operations"], dependencies=post_security,
+             response_model=UnpinResult, responses=POST_RESPONSES)(_typed(unpin, body=body_model))
     return app

@@ -31,12 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -95,8 +97,9 @@ def config_line(cfg: KvtierConfig) -> str:
         f"device {c.device_blocks} blocks ({_mib(device_pool_bytes(cfg))}), host "
         f"{c.host_blocks} blocks ({_mib(host_pool_bytes(cfg))}); write policy "
         f"{c.write_policy}; storage {storage} (prefetch {s.prefetch_policy} >= "
-        f"{s.prefetch_threshold} tokens); admin {a.host}:{a.port} "
-        f"(token {'set' if a.token.get_secret_value() else 'not set'})")
+        f"{s.prefetch_threshold} tokens); admin {a.host}:{a.port} (auth {a.auth}"
+        + (", token configured" if a.token.get_secret_value() else
+           ", token generated" if a.auth == "token" else "") + ")")
 
 
 # -------------------------------------------------------------------------------- serve
@@ -137,13 +140,22 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
         return _fail("serve", e, EXIT_USAGE)
     if stop.is_set():
         return EXIT_OK
+    from kvtier.admin.auth import TokenFileError
     from kvtier.admin.server import AdminBindError, AdminServer, AdminStartError, bind_socket
 
     try:  # before any worker exists: a taken port is a configuration error
         sock = bind_socket(cfg.admin.host, cfg.admin.port)
     except AdminBindError as e:
         return _fail("serve", f"admin.port = {cfg.admin.port}: {e}", EXIT_USAGE)
+    try:  # after the bind: a second serve refused its port never replaces a live token
+        token, token_file = _admin_token(cfg)
+    except TokenFileError as e:
+        sock.close()
+        return _fail("serve", "admin.token is empty, so a token is generated, but it cannot be "
+                     f"written: {e} (set KVTIER_ADMIN_TOKEN or XDG_STATE_HOME, or admin.auth = "
+                     "'none')", EXIT_USAGE)
     log.info("%s", config_line(cfg))
+    _log_auth(cfg, token_file)
 
     # Imported only now: a bad configuration is reported without loading torch, and
     # `status` never loads FastAPI or uvicorn.
@@ -152,7 +164,8 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
     from kvtier.manager.stack import Stack
 
     stack = Stack(cfg)
-    server = AdminServer(app := create_app(stack), cfg.admin.host, sock=sock)
+    server = AdminServer(app := create_app(stack, token=token), cfg.admin.host, sock=sock,
+                         limits=cfg.admin)
     code = EXIT_OK
     try:
         if stop.is_set():  # a signal while loading: nothing was started
@@ -185,8 +198,47 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
         phase[0] = "stopping"
         server.stop()
         stack.close()
+        _forget_token(token, token_file)
     log.info("stopped: workers gone, every shared-memory segment and queue removed")
     return code
+
+
+def _admin_token(cfg: KvtierConfig) -> tuple[str | None, Path | None]:
+    """The token the admin requires (None: `admin.auth = "none"`) and, when it was generated
+    here, the state file it was written to (0600; TokenFileError when it cannot be)."""
+    from kvtier.admin.auth import generate_token, token_path, write_token
+
+    if cfg.admin.auth == "none":
+        return None, None
+    configured = cfg.admin.token.get_secret_value()
+    if configured:
+        return configured, None
+    token, path = generate_token(), token_path(cfg.deployment_id)
+    write_token(path, token)
+    return token, path
+
+
+def _forget_token(token: str | None, path: Path | None) -> None:
+    """Remove the generated token's state file at exit (if it still holds this token)."""
+    if token is not None and path is not None:
+        from kvtier.admin.auth import remove_token
+
+        remove_token(path, token)
+
+
+def _log_auth(cfg: KvtierConfig, token_file: Path | None) -> None:
+    """Say how POSTs are authenticated; never the token itself."""
+    from kvtier.admin.auth import is_loopback
+
+    if token_file is not None:
+        log.info("admin token generated and written to %s (readable by this user only; "
+                 "every POST needs 'Authorization: Bearer <token>')", token_file)
+    elif cfg.admin.auth == "none" and not is_loopback(cfg.admin.host):
+        log.warning("admin.auth = 'none' with admin.host = %r: anyone who can reach this "
+                    "address can reset, pause and pin without a token", cfg.admin.host)
+    elif cfg.admin.auth == "none":
+        log.warning("admin.auth = 'none': every local user can reset, pause and pin without "
+                    "a token")
 
 
 def _drain(stack: Stack) -> None:
@@ -210,11 +262,23 @@ def _drain(stack: Stack) -> None:
 # -------------------------------------------------------------------------------- status
 
 
-def fetch_status(url: str, timeout: float) -> dict[str, Any]:
+def admin_request(url: str, path: str, *, token: str | None, method: str = "GET",
+                  data: bytes | None = None) -> urllib.request.Request:
+    """A request to the admin at `url`, carrying the bearer token when there is one (the
+    admin's client side: every command that talks to the admin builds its requests here)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if data is not None:
+        headers["Content-Type"] = "application/json"
+    return urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers,
+                                  method=method)
+
+
+def fetch_status(url: str, timeout: float, token: str | None = None) -> dict[str, Any]:
     """GET <url>/status as JSON. Raises RuntimeError with one readable line."""
-    target = url.rstrip("/") + "/status"
+    request = admin_request(url, "/status", token=token)
+    target = request.full_url
     try:
-        with urllib.request.urlopen(target, timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             status: dict[str, Any] = json.loads(response.read())  # the admin API's object
             return status
     except urllib.error.HTTPError as e:
@@ -321,8 +385,10 @@ def render_status(data: dict[str, Any]) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from kvtier.admin.auth import client_token
+
     try:
-        data = fetch_status(args.url, args.timeout)
+        data = fetch_status(args.url, args.timeout, client_token(args.deployment_id))
     except RuntimeError as e:
         return _fail("status", e, EXIT_FAILURE)
     if args.json:
@@ -370,6 +436,11 @@ def build_parser(with_replay_arguments: bool = False) -> argparse.ArgumentParser
     status.add_argument("--url", default=DEFAULT_ADMIN_URL,
                         help=f"admin base URL (default {DEFAULT_ADMIN_URL})")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
+    status.add_argument(
+        "--deployment-id", default=os.environ.get("KVTIER_DEPLOYMENT_ID", "default"),
+        metavar="ID", help="whose generated admin token to present, from "
+        "$XDG_STATE_HOME/kvtier/ID/admin-token (default: $KVTIER_DEPLOYMENT_ID or 'default'; "
+        "KVTIER_ADMIN_TOKEN wins)")
     status.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                         help="give up after this many seconds (default 5)")
     status.set_defaults(func=cmd_status)

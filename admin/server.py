@@ -7,22 +7,134 @@ Why the socket is bound in the constructor, before uvicorn starts: `kvtier serve
 before starting any worker, so a port already in use is a one-line error at once rather than
 after the workers were built; and with `admin.port = 0` the real port is known (and printed)
 the moment the socket exists.
+
+Why a protocol of our own (`TimedH11Protocol`, uvicorn's h11 protocol plus three limits):
+uvicorn arms no timer on a connection until its first response, so a client that connects and
+sends nothing, or trickles its headers or body, holds a connection (and a file descriptor)
+forever. Here every request must arrive whole (headers and body) within
+`admin.request_timeout_s` of its first byte, or of the connection's opening (408 and closed
+when something arrived, closed otherwise); an idle keep-alive connection is closed after
+`admin.keep_alive_s`; a connection beyond `admin.max_connections` open ones gets 503 and is
+closed at once. Request headers are limited to 16 KiB by h11 (400 beyond).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import threading
 import time
+from typing import Any
 
+import h11
 import uvicorn
 from fastapi import FastAPI
+from kvtier.manager.config import AdminConfig
 from kvtier.manager.errors import KvtierError
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import ServerState
 
 log = logging.getLogger("kvtier.admin")
+
+
+MAX_HEADER_BYTES = 16 * 1024
+"""h11's limit on a request's line and headers; uvicorn answers 400 beyond it."""
+
+
+class AdminUvicornConfig(uvicorn.Config):
+    """uvicorn's configuration plus the admin's connection limits, which the protocol reads."""
+
+    def __init__(self, app: FastAPI, limits: AdminConfig, **kwargs: Any) -> None:
+        super().__init__(app, http=TimedH11Protocol, ws="none",
+                         timeout_keep_alive=limits.keep_alive_s,
+                         h11_max_incomplete_event_size=MAX_HEADER_BYTES, **kwargs)
+        self.request_timeout_s = limits.request_timeout_s
+        self.max_connections = limits.max_connections
+
+
+def _raw_response(status: int, reason: str, detail: str) -> bytes:
+    """A whole HTTP/1.1 response with a JSON body, for answers given outside h11's state
+    machine (before a request was parsed, or instead of the one in progress)."""
+    body = json.dumps({"detail": detail}).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline per request and a connection limit (see the
+    module docstring). The deadline runs from the connection's opening or a request's first
+    byte until its last byte arrived; handlers taking long are not limited by it."""
+
+    def __init__(self, config: uvicorn.Config, server_state: ServerState,
+                 app_state: dict[str, Any], _loop: asyncio.AbstractEventLoop | None = None,
+                 ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        limits = config if isinstance(config, AdminUvicornConfig) else None
+        self.request_timeout_s = limits.request_timeout_s if limits else 10.0
+        self.max_connections = limits.max_connections if limits else None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._bytes_seen = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[arg-type]
+        if self.max_connections is not None and len(self.connections) > self.max_connections:
+            self.transport.write(_raw_response(
+                503, "Service Unavailable", f"more than admin.max_connections = "
+                f"{self.max_connections} connections are open; try again later"))
+            self.transport.close()
+            return
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        self._bytes_seen = True
+        if self._deadline is None:
+            self._arm()
+        super().data_received(data)
+        self._watch()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.IDLE:
+            self._bytes_seen = False
+        self._watch()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.request_timeout_s, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _watch(self) -> None:
+        """Keep the deadline only while a request is partly received."""
+        arriving = self.conn.their_state is h11.SEND_BODY or (
+            self.conn.their_state is h11.IDLE and self._bytes_seen)
+        if not arriving:
+            self._disarm()
+        elif self._deadline is None:
+            self._arm()
+
+    def _timed_out(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        answered = cycle is not None and cycle.response_started and (
+            self.conn.their_state is not h11.IDLE)
+        if self._bytes_seen and not answered:
+            self.transport.write(_raw_response(
+                408, "Request Timeout", "the request did not arrive whole within "
+                f"admin.request_timeout_s = {self.request_timeout_s:g} s"))
+        self.transport.close()
 
 
 class AdminBindError(KvtierError, OSError):
@@ -63,14 +175,17 @@ class AdminServer:
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
-                 sock: socket.socket | None = None, graceful_timeout_s: float = 5.0) -> None:
-        """Bind host:port now, or adopt `sock` (already bound by `bind_socket`)."""
+                 sock: socket.socket | None = None, graceful_timeout_s: float = 5.0,
+                 limits: AdminConfig | None = None) -> None:
+        """Bind host:port now, or adopt `sock` (already bound by `bind_socket`). `limits`:
+        the connection limits of `admin.*` (default: the embedded defaults)."""
         self.app = app
         self.host = host
         self.sock = sock if sock is not None else bind_socket(host, port)
         self.port: int = self.sock.getsockname()[1]
-        config = uvicorn.Config(
-            app, log_config=None, log_level="warning", access_log=False, lifespan="off",
+        config = AdminUvicornConfig(
+            app, limits or AdminConfig(), log_config=None, log_level="warning",
+            access_log=False, lifespan="off", proxy_headers=False,
             timeout_graceful_shutdown=int(max(1, graceful_timeout_s)))
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None

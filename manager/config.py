@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import tempfile
 import textwrap
 import threading
 import tomllib
@@ -36,6 +37,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from kvtier.manager.errors import KvtierError
+from kvtier.worker.ipc import MAX_RANKS
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -70,6 +72,16 @@ ends the id and the stale-segment sweep of deployment `a` can never match deploy
 
 SHM_DIR = Path("/dev/shm")
 MEMINFO = Path("/proc/meminfo")
+
+MAX_TIMEOUT_S = 3600.0
+MAX_TTL_S = 10 * 365 * 86400.0
+"""storage.ttl_s: ten years (Redis takes it in milliseconds, as a 64-bit integer)."""
+"""Upper bound of every timeout key: an hour is far beyond any sensible wait, and a bound keeps
+deadlines (monotonic time + timeout) finite and comparable."""
+
+PATH_MAX_BYTES = 4095
+NAME_MAX_BYTES = 255
+"""Linux's limits on a path (PATH_MAX less the terminating NUL) and on one of its components."""
 
 
 class ConfigError(KvtierError):
@@ -168,17 +180,23 @@ class StorageConfig(BaseModel):
         description="size limit of the file backend in bytes (Redis has its own maxmemory)",
     )
     ttl_s: float = Field(
-        0.0, ge=0, allow_inf_nan=False, description="seconds a stored page lives; 0: forever"
+        0.0,
+        ge=0,
+        le=MAX_TTL_S,
+        allow_inf_nan=False,
+        description="seconds a stored page lives; 0: forever",
     )
     timeout_base_s: float = Field(
         0.01,
         ge=0,
+        le=MAX_TIMEOUT_S,
         allow_inf_nan=False,
         description="prefetch_policy = timeout: the fixed part of the longest wait",
     )
     timeout_per_1k_tokens_s: float = Field(
         0.005,
         ge=0,
+        le=MAX_TIMEOUT_S,
         allow_inf_nan=False,
         description="prefetch_policy = timeout: the wait added per 1000 tokens prefetched",
     )
@@ -195,6 +213,15 @@ class StorageConfig(BaseModel):
         "MLA); otherwise every rank writes its own pages",
     )
 
+    @field_validator("path")
+    @classmethod
+    def _path_is_a_path(cls, path: str) -> str:
+        """Refuse what no file system call accepts, before a worker trips over it."""
+        problem = path_problem(path)
+        if problem:
+            raise ValueError(problem)
+        return path
+
     @field_validator("url")
     @classmethod
     def _url_is_redis(cls, url: str) -> str:
@@ -210,7 +237,9 @@ class WorkersConfig(BaseModel):
 
     model_config = _SECTION
 
-    count: int = Field(1, ge=1, le=256, description="tensor-parallel ranks, one process each")
+    count: int = Field(
+        1, ge=1, le=MAX_RANKS, description="tensor-parallel ranks, one process each"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the device pool lives; auto: cuda when available, else cpu"
     )
@@ -220,7 +249,11 @@ class WorkersConfig(BaseModel):
         "GPU); empty: rank r uses cuda:r",
     )
     ready_timeout_s: float = Field(
-        60.0, gt=0, allow_inf_nan=False, description="seconds a starting worker has to get ready"
+        60.0,
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        allow_inf_nan=False,
+        description="seconds a starting worker has to get ready",
     )
     engine_kv: bool = Field(
         False,
@@ -239,20 +272,59 @@ class WorkersConfig(BaseModel):
         """The CUDA device index rank `rank` uses: `cuda_devices[rank]`, else `rank`."""
         return int(self.cuda_devices.split(",")[rank]) if self.cuda_devices else rank
     heartbeat_timeout_s: float = Field(
-        5.0, gt=0, allow_inf_nan=False, description="heartbeat age after which a worker is dead"
+        5.0,
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        allow_inf_nan=False,
+        description="heartbeat age after which a worker is dead",
     )
 
 
 class AdminConfig(BaseModel):
-    """The admin HTTP endpoint. The token is a SecretStr so it never shows up in a repr/log."""
+    """The admin HTTP endpoint and the limits it enforces. The token is a SecretStr so it never
+    shows up in a repr/log.
+
+    `auth = "token"` (the default) with an empty `token`: `kvtier serve` generates a token at
+    start and writes it, readable by its user only, to the state file
+    (`kvtier.admin.auth.token_path`). The limits bound what one request may cost: its body,
+    its token ids and multimodal items, how long its bytes may take to arrive."""
 
     model_config = _SECTION
 
     host: str = Field("127.0.0.1", description="address the admin binds")
     port: int = Field(8080, ge=0, le=65535, description="admin port; 0: any free port")
+    auth: Literal["token", "none"] = Field(
+        "token",
+        description="token: every POST must carry 'Authorization: Bearer <token>'; none: POSTs "
+        "need no token (anyone who reaches the port can reset, pause or pin)",
+    )
     token: SecretStr = Field(
         SecretStr(""),
-        description="bearer token every POST must carry; empty: none (prefer KVTIER_ADMIN_TOKEN)",
+        description="the bearer token (prefer KVTIER_ADMIN_TOKEN); empty with auth = token: "
+        "generated at start and written to $XDG_STATE_HOME/kvtier/<deployment_id>/admin-token",
+    )
+    max_body_bytes: int = Field(
+        4 * 1024**2, ge=1024, le=1024**3,
+        description="largest POST body accepted; larger ones get 413",
+    )
+    max_pin_tokens: int = Field(
+        262144, ge=1, le=1 << 24, description="most token ids one /pin or /unpin may name"
+    )
+    max_extra_keys: int = Field(
+        1024, ge=0, le=1 << 20, description="most multimodal items one /pin or /unpin may name"
+    )
+    request_timeout_s: float = Field(
+        10.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
+        description="seconds a client has to send a request's headers and body; then 408 and "
+        "the connection is closed",
+    )
+    keep_alive_s: int = Field(
+        5, ge=1, le=int(MAX_TIMEOUT_S),
+        description="seconds an idle keep-alive connection stays open between requests",
+    )
+    max_connections: int = Field(
+        64, ge=1, le=65535,
+        description="connections (and requests in progress) beyond which requests get 503",
     )
 
     @field_validator("host")
@@ -348,6 +420,11 @@ class KvtierConfig(BaseSettings):
             raise ValueError(
                 f"workers.cuda_devices = {devices!r}: names {len(devices.split(','))} "
                 f"device(s) but workers.count = {self.workers.count}; give one index per rank"
+            )
+        if self.admin.auth == "none" and self.admin.token.get_secret_value():
+            raise ValueError(
+                "admin.auth = 'none' but admin.token is set: a token would be ignored; set "
+                "admin.auth = 'token' to require it, or unset the token"
             )
         if storage.backend != "none" and cache.host_blocks == 0:
             raise ValueError(
@@ -591,7 +668,17 @@ def _shown(path: tuple[str, ...], value: Any) -> str:
         return "'***'"
     if path == ("storage", "url") and isinstance(value, str):
         return repr(redact_url(value))
-    return repr(value)
+    return _short_repr(value)
+
+
+def _short_repr(value: Any, limit: int = 120) -> str:
+    """repr(value), cut in the middle when longer than `limit` characters (a 5,000-character
+    path stays a readable line)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f" ({len(value)} characters)" if isinstance(value, str) else ""
+    return f"{text[:limit // 2]}...{text[-limit // 4:]}{size}"
 
 
 def _describe(error: Mapping[str, Any], origins: Mapping[tuple[str, ...], str]) -> str:
@@ -828,6 +915,21 @@ def _check_cuda_memory(cfg: KvtierConfig, per_rank: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def path_problem(path: str) -> str | None:
+    """Why no file system call could take `path` (a NUL byte, too long a path or component),
+    or None if it is a possible path."""
+    if "\x00" in path:
+        return "contains a NUL character"
+    encoded = os.fsencode(path)
+    if len(encoded) > PATH_MAX_BYTES:
+        return f"{len(encoded)} bytes long; a path may have at most {PATH_MAX_BYTES}"
+    longest = max(encoded.split(b"/"), key=len)
+    if len(longest) > NAME_MAX_BYTES:
+        return (f"has a {len(longest)}-byte component; a file name may have at most "
+                f"{NAME_MAX_BYTES} bytes")
+    return None
+
+
 def redis_url_problem(url: str) -> str | None:
     """Why `url` is not a usable Redis URL (redis://, rediss://, or a cluster node as
     redis+cluster:// or rediss+cluster://), or None if it is."""
@@ -866,17 +968,39 @@ def redact_url(url: str) -> str:
     return parts._replace(netloc=f"{user}:***@{host}").geturl()
 
 
-def _writable_directory_problem(path: Path) -> str | None:
-    """Why the file backend could not create or write `path`, without creating anything."""
+def _writable_directory_problem(path: Path, need_bytes: int = 1) -> str | None:
+    """Why the file backend could not create or write `path`, leaving nothing behind: the
+    nearest existing ancestor must be a directory in which a file can be created (a file
+    without a name, or one removed at once), on a file system with `need_bytes` free."""
     probe = path.absolute()
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
+    try:
+        while not probe.exists():
+            if probe.parent == probe:
+                break
+            probe = probe.parent
+    except OSError as e:  # too long a path, a loop of links
+        return f"cannot be looked up: {e.strerror or e}"
     if not probe.is_dir():
         return f"{str(probe)!r} exists and is not a directory"
+    try:
+        stat = os.statvfs(probe)
+    except OSError as e:
+        return f"cannot read the free space of {str(probe)!r}: {e.strerror or e}"
+    if stat.f_flag & os.ST_RDONLY:
+        return f"{str(probe)!r} is on a read-only file system"
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{str(probe)!r} is not writable"
+    free = stat.f_bavail * stat.f_frsize
+    sized = stat.f_blocks > 0  # 0: no size to speak of (procfs, sysfs, tmpfs size=0)
+    if sized and (free < need_bytes or (stat.f_files and stat.f_favail == 0)):
+        what = "no inodes left" if free >= need_bytes else (
+            f"{free} bytes free, one page needs {need_bytes}")
+        return f"the file system holding {str(probe)!r} is full ({what})"
+    try:
+        with tempfile.TemporaryFile(dir=probe, prefix=".kvtier-probe-"):
+            pass
+    except OSError as e:
+        return f"cannot create files in {str(probe)!r}: {e.strerror or e}"
     return None
 
 
@@ -885,15 +1009,16 @@ def check_storage_reachable(cfg: KvtierConfig, timeout: float = 2.0) -> None:
 
     redis: connect and PING within `timeout` seconds overall (name resolution included, which
     socket timeouts alone do not bound). file: the directory exists or can be created and is
-    writable. Nothing is created or left open.
+    writable (a nameless file can be created in it) on a file system with room for a page.
+    Nothing is left behind or open.
     """
     backend = cfg.storage.backend
     if backend == "none":
         return
     if backend == "file":
-        problem = _writable_directory_problem(Path(cfg.storage.path))
+        problem = _writable_directory_problem(Path(cfg.storage.path), page_bytes(cfg))
         if problem:
-            raise ConfigError(f"storage.path = {cfg.storage.path!r}: {problem}")
+            raise ConfigError(f"storage.path = {_short_repr(cfg.storage.path)}: {problem}")
         return
     shown = redact_url(cfg.storage.url)
     outcome: list[BaseException | None] = []

@@ -57,6 +57,10 @@ def _cached_struct(cache: dict[Any, struct.Struct], key: Any, fmt: str) -> struc
     return compiled
 
 
+MAX_CONTENT_HASH_BYTES = 0xFFFF
+"""A multimodal item's content hash is encoded after its length in 2 bytes (see storage_keys)."""
+
+
 class TokenKeyError(KvtierError, ValueError):
     """Token ids or multimodal items that cannot be turned into keys."""
 
@@ -80,6 +84,11 @@ class ExtraKey:
                 f"extra_keys item {self!r}: offset must be >= 0 and length > 0 (token counts)")
         if not isinstance(self.content_hash, bytes) or not self.content_hash:
             raise TokenKeyError(f"extra_keys item {self!r}: content_hash must be non-empty bytes")
+        if len(self.content_hash) > MAX_CONTENT_HASH_BYTES:
+            raise TokenKeyError(
+                f"extra_keys item at offset {self.offset}: content_hash is "
+                f"{len(self.content_hash)} bytes; at most {MAX_CONTENT_HASH_BYTES} (its length "
+                "is encoded in 2 bytes)")
 
     @classmethod
     def coerce(cls, item: object) -> ExtraKey:

@@ -13,16 +13,29 @@ over ranks, because a page is only usable where every rank has it. Completions a
 a thread of their own, so the IPC reader never waits for the manager's lock (which a
 scheduler call may hold while it sends).
 
-Worker states:  starting -> ready -> (dead -> restarting -> starting ...) | stopped
+Worker states:  starting -> ready -> (dead -> starting ...) | stopped
+A replacement that does not become ready (it exits, or `ready_timeout_s` passes) is
+`start_failed`: tasks for the deployment fail at once (the rank is down) and the start is
+tried again after a backoff (`restart_backoff_s`, doubling up to `max_restart_backoff_s`).
+After `max_start_failures` failed starts in a row the deployment counts as unable to recover
+(`unrecoverable()`: the admin's /healthz turns 503) while the retries go on.
+
+Worker logs go to a temporary folder `<tmp>/kvtier-<id>-XXXXXXXX` (or the caller's
+`log_dir`, which is never removed). The folder is removed at a clean stop; after a worker
+failure it is moved to `<tmp>/kvtier-<id>-last-failure` (replacing the previous one) and its
+path logged (`failure_logs`). Folders of earlier runs of the same deployment id are removed
+at start.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -35,11 +48,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypedDict
 
-import posix_ipc
 from kvtier.manager.config import NON_CONFIG_ENV
 from kvtier.manager.errors import KvtierError, TransferTimeoutError
 from kvtier.manager.transfers import Dispatcher
-from kvtier.worker.ipc import ManagerIPC, TaskAborted
+from kvtier.worker.ipc import MAX_RANKS, ManagerIPC, SendTimeout, TaskAborted
 from kvtier.worker.kvreg import read_record, remove_dead_registrations
 from kvtier.worker.spec import WorkerSpec, host_segment_name
 from kvtier.worker.wire import (
@@ -52,6 +64,9 @@ from kvtier.worker.wire import (
 )
 
 log = logging.getLogger("kvtier.launcher")
+
+SPEC_ENV = "KVTIER_WORKER_SPEC"
+"""The environment variable a worker process reads its `WorkerSpec` from."""
 
 MIN_KINDS = MIN_RESULT_KINDS
 SUM_KINDS = SUM_RESULT_KINDS
@@ -99,15 +114,19 @@ class ProcessDispatcher(Dispatcher):
                                        time.monotonic())
         try:
             self.ipc.send_task(task)
-        except Exception as e:  # a dead rank's full queue: fail the task, never hang
+        except Exception as e:  # a dead rank's full queue, a rank down: fail, never hang
             log.warning("task %d (%s) could not be sent: %s", task.seq, task.kind.name, e)
+            # Ranks that did get the task still run it: it is reported once they answered,
+            # so no block it names is reused under their copy.
+            delivered = set(e.delivered) if isinstance(e, SendTimeout) else set()
             with self._acks_lock:
                 pend = self._acks.get(task.seq)
                 if pend is not None:
                     pend.ok = False
                     pend.errors.append(str(e))
-                    pend.ranks.clear()
-                    self._finish_locked(task.seq)
+                    pend.ranks &= delivered
+                    if not pend.ranks:
+                        self._finish_locked(task.seq)
 
     def on_rank_completion(self, comp: Completion) -> None:
         """Called by the IPC reader thread for every rank's answer."""
@@ -126,13 +145,14 @@ class ProcessDispatcher(Dispatcher):
             if not pend.ranks:
                 self._finish_locked(comp.seq)
 
-    def fail_rank(self, rank: int, reason: str) -> list[int]:
-        """Fail every task still waiting for `rank` (it died). Returns their seqs: each is
-        reported once the other ranks have answered it too."""
+    def fail_rank(self, rank: int, reason: str, upto_seq: int | None = None) -> list[int]:
+        """Fail every task still waiting for `rank` (it died), or only those with a seq up to
+        `upto_seq` (sent to the dead worker; later ones go to its replacement). Returns their
+        seqs: each is reported once the other ranks have answered it too."""
         failed: list[int] = []
         with self._acks_lock:
             for seq, pend in list(self._acks.items()):
-                if rank in pend.ranks:
+                if rank in pend.ranks and (upto_seq is None or seq <= upto_seq):
                     pend.ranks.discard(rank)
                     pend.ok = False
                     pend.errors.append(f"rank {rank}: {reason}")
@@ -187,6 +207,9 @@ class WorkerStatus(TypedDict):
     heartbeat_age_s: float | None
     tasks_inflight: int
     restarts: int
+    start_failures: int  # failed starts of a replacement in a row (0 once one is ready)
+    next_start_in_s: float | None  # state start_failed: seconds to the next try
+    last_error: str  # why the last start failed ("" if none did)
 
 
 @dataclass
@@ -197,6 +220,9 @@ class WorkerHandle:
     state: str = "starting"
     restarts: int = 0
     started_at: float = 0.0
+    start_failures: int = 0
+    next_start_at: float = 0.0
+    last_error: str = ""
 
 
 class WorkerSupervisor:
@@ -205,19 +231,18 @@ class WorkerSupervisor:
     def __init__(self, spec_for_rank: Callable[[int], WorkerSpec], num_ranks: int,
                  deployment_id: str, *, ready_timeout_s: float = 60.0,
                  heartbeat_timeout_s: float = 5.0, log_dir: str | None = None,
-                 on_worker_lost: Callable[[int, str], None] | None = None) -> None:
+                 on_worker_lost: Callable[[int, str], None] | None = None,
+                 restart_backoff_s: float = 1.0, max_restart_backoff_s: float = 30.0,
+                 max_start_failures: int = 5, keep_logs: bool = False) -> None:
         self.deployment_id = deployment_id
         self.num_ranks = num_ranks
         self.spec_for_rank = spec_for_rank
         self.ready_timeout_s = ready_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.on_worker_lost = on_worker_lost
-        # Worker logs go to `log_dir`, or to a temporary folder removed at stop unless a
-        # worker failed (then its log is worth keeping, and its path was logged).
-        self._own_log_dir = log_dir is None
-        self._keep_logs = False
-        self._log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvtier-{deployment_id}-"))
-        self._log_dir.mkdir(parents=True, exist_ok=True)
+        self.restart_backoff_s = restart_backoff_s
+        self.max_restart_backoff_s = max_restart_backoff_s
+        self.max_start_failures = max_start_failures
         self.workers = [WorkerHandle(r) for r in range(num_ranks)]
         # workers.engine_kv: the registration nonce each rank's device blocks were cached
         # under; a different one (or none) means the model runner's KV memory was replaced and
@@ -226,13 +251,49 @@ class WorkerSupervisor:
         self._kv_nonce: dict[int, str | None] = {}
         self._kv_checked = 0.0
         self.restarts_total = 0
+        self.start_failures_total = 0
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.dispatcher: ProcessDispatcher | None = None
+        # Refuses a deployment id a live manager holds, and removes the stale IPC names of
+        # a dead one; the host segments of every rank it may have had go too (a restart
+        # with fewer ranks would not otherwise touch them).
         self.ipc = ManagerIPC(deployment_id, num_ranks,
                               on_completion=self._on_completion)
         self._remove_dead_registrations()
+        for rank in range(MAX_RANKS):
+            self._unlink_host_segment(rank)
+        # Worker logs go to `log_dir` (kept), or to a temporary folder of this run, removed
+        # at a clean stop unless `keep_logs`, moved to `failure_logs` after a failure.
+        self._own_log_dir = log_dir is None
+        self._keep_logs = keep_logs
+        self._failed = False
+        self.failure_logs: Path | None = None
+        if self._own_log_dir:
+            self._remove_stale_log_dirs()
+        self._log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvtier-{deployment_id}-"))
+        self._log_dir.mkdir(parents=True, exist_ok=True)
         self._monitor: threading.Thread | None = None
+
+    @property
+    def log_dir(self) -> Path:
+        """Where the workers of this run write their logs."""
+        return self._log_dir
+
+    def _stale_log_dirs(self) -> list[Path]:
+        """This deployment's log folders of earlier runs (`tempfile.mkdtemp` names: the id,
+        '-' and 8 characters of [a-z0-9_], so another id's folders never match)."""
+        pattern = re.compile(re.escape(f"kvtier-{self.deployment_id}-") + r"[a-z0-9_]{8}")
+        tmp = Path(tempfile.gettempdir())
+        try:
+            return [p for p in tmp.iterdir() if pattern.fullmatch(p.name) and p.is_dir()]
+        except OSError:
+            return []
+
+    def _remove_stale_log_dirs(self) -> None:
+        for path in self._stale_log_dirs():
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed the worker logs of an earlier run: %s", path)
 
     def _on_completion(self, comp: Completion) -> None:
         if self.dispatcher is not None:
@@ -251,9 +312,12 @@ class WorkerSupervisor:
             for w in self.workers:
                 self._spawn(w)
             self._wait_ready(self.workers, self.ready_timeout_s)
-        except BaseException:
-            self._keep_logs = True
+        except BaseException as e:
+            self._failed = True
             self.stop()
+            if isinstance(e, WorkerStartError) and self.failure_logs is not None:
+                raise WorkerStartError(
+                    f"{e}\n(worker logs kept in {self.failure_logs})") from None
             raise
         if self._engine_kv:  # the registrations the ready workers attached
             self._kv_checked = 0.0
@@ -263,7 +327,13 @@ class WorkerSupervisor:
         self._monitor.start()
 
     def _spawn(self, w: WorkerHandle) -> None:
+        if self.ipc.names_owner() != "self":
+            raise WorkerStartError(
+                f"worker rank {w.rank} not started: the names of deployment "
+                f"{self.deployment_id!r} no longer belong to this manager (another manager "
+                "instance took them over while this one was frozen)")
         self._unlink_host_segment(w.rank)
+        spec = dataclasses.replace(self.spec_for_rank(w.rank), ipc_instance=self.ipc.instance)
         w.log_path = self._log_dir / f"worker-r{w.rank}.log"
         logf = w.log_path.open("ab")
         env = {k: v for k, v in os.environ.items()
@@ -271,9 +341,10 @@ class WorkerSupervisor:
         # torch's OpenMP threads spin while they wait; a worker shares its cores with the
         # engine and the other ranks, and spinning threads stall everybody's short copies.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # In the environment, not on the command line: the spec may carry a Redis password.
+        env[SPEC_ENV] = spec.to_json()
         w.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.worker.process", "--spec",
-             self.spec_for_rank(w.rank).to_json()],
+            [sys.executable, "-m", "kvtier.worker.process", "--spec-env", SPEC_ENV],
             # A session of its own: a terminal's Ctrl-C goes to the manager, which stops the
             # workers in order; orphans still exit by themselves (manager heartbeat).
             stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -346,48 +417,116 @@ class WorkerSupervisor:
             for w in self.workers:
                 if self._stop.is_set():
                     return
-                if w.state != "ready" or w.proc is None:  # a ready worker has a process
-                    continue
-                code = w.proc.poll()
-                if code is not None:
-                    self._replace(w, f"exited with status {code}")
-                    continue
-                age = self.ipc.rank_state(w.rank).heartbeat_age_s
-                if age is not None and age > self.heartbeat_timeout_s:
-                    self._replace(w, f"no heartbeat for {age:.1f} s")
+                try:
+                    self._check(w)
+                except Exception:  # the watcher must go on watching the other ranks
+                    log.exception("watching worker rank %d failed", w.rank)
 
-    def _replace(self, w: WorkerHandle, reason: str) -> None:
-        log.error("worker rank %d (pid %d) %s; last log lines:\n%s", w.rank,
-                  w.proc.pid if w.proc else -1, reason, self.last_log_lines(w.rank, 5))
-        w.state = "dead"
-        self._keep_logs = True
+    def _check(self, w: WorkerHandle) -> None:
+        """One look at one rank: replace a dead ready worker, see a replacement through its
+        start, retry a failed start when its backoff is over."""
+        if w.state == "start_failed":
+            if time.monotonic() >= w.next_start_at:
+                self._respawn(w)
+            return
+        if w.proc is None:
+            return
+        if w.state == "starting":  # a replacement (the first start is start()'s)
+            self._check_starting(w)
+            return
+        if w.state != "ready":
+            return
+        code = w.proc.poll()
+        if code is not None:
+            self._replace(w, f"exited with status {code}")
+            return
+        age = self.ipc.rank_state(w.rank).heartbeat_age_s
+        if age is not None and age > self.heartbeat_timeout_s:
+            self._replace(w, f"no heartbeat for {age:.1f} s")
+
+    def _forget_worker(self, w: WorkerHandle, reason: str) -> None:
+        """The rank's worker process is gone: drop what is queued for it and fail every task
+        it owed. Tasks sent after the reset (seq above its floor) wait for the next worker."""
         if w.proc is not None and w.proc.poll() is None:
             w.proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 w.proc.wait(timeout=5)
-        # Drop what is queued for the dead rank first, then fail everything it still owed:
-        # a task sent in between is answered by the replacement (a late answer is ignored).
         self.ipc.reset_rank(w.rank)
         if self.dispatcher is not None:
             # Each task is reported once the surviving ranks have answered it too; until then
             # the manager keeps its blocks out of the free lists (see KVCacheManager.lose_all).
-            self.dispatcher.fail_rank(w.rank, f"worker {reason}")
+            self.dispatcher.fail_rank(w.rank, f"worker {reason}",
+                                      upto_seq=self.ipc.seq_floor(w.rank))
+
+    def _replace(self, w: WorkerHandle, reason: str) -> None:
+        log.error("worker rank %d (pid %d) %s; last log lines:\n%s\n(logs in %s)", w.rank,
+                  w.proc.pid if w.proc else -1, reason, self.last_log_lines(w.rank, 5),
+                  self._log_dir)
+        w.state = "dead"
+        self._failed = True
+        self._forget_worker(w, reason)
         if self.on_worker_lost is not None:
             try:
                 self.on_worker_lost(w.rank, reason)
             except Exception:
                 log.exception("handling the loss of rank %d failed", w.rank)
-        w.state = "restarting"
         w.restarts += 1
         self.restarts_total += 1
         if self._stop.is_set():
             return
+        self._respawn(w)
+
+    def _respawn(self, w: WorkerHandle) -> None:
+        """Start a replacement without waiting for it (the watcher sees it through)."""
+        self.ipc.set_rank_down(w.rank, False)  # its tasks queue for the new worker again
         try:
             self._spawn(w)
-            self._wait_ready([w], self.ready_timeout_s)
-        except WorkerStartError as e:
-            log.error("%s", e)
-            w.state = "dead"  # the watcher sees a dead process and tries again
+        except Exception as e:  # cannot even start the process
+            self._start_failed(w, f"could not be started: {e}")
+
+    def _check_starting(self, w: WorkerHandle) -> None:
+        proc = w.proc
+        assert proc is not None
+        st = self.ipc.rank_state(w.rank)
+        if st.ready and st.pid == proc.pid:
+            w.state = "ready"
+            if w.start_failures:
+                log.info("worker rank %d ready (pid %d) after %d failed start(s)", w.rank,
+                         proc.pid, w.start_failures)
+            else:
+                log.info("worker rank %d ready (pid %d)", w.rank, proc.pid)
+            w.start_failures = 0
+            return
+        code = proc.poll()
+        if code is not None:
+            self._start_failed(w, f"exited with status {code} before it was ready")
+        elif time.monotonic() - w.started_at > self.ready_timeout_s:
+            self._start_failed(w, f"not ready after {self.ready_timeout_s:.0f} s")
+
+    def _start_failed(self, w: WorkerHandle, reason: str) -> None:
+        """A replacement did not start: the rank is down (tasks fail at once) until the next
+        try, `restart_backoff_s` doubling per failure in a row."""
+        w.start_failures += 1
+        self.start_failures_total += 1
+        w.last_error = reason
+        delay = min(self.max_restart_backoff_s,
+                    self.restart_backoff_s * 2 ** (w.start_failures - 1))
+        log.error("worker rank %d %s (failed start %d in a row; next try in %.1f s); its last "
+                  "log lines:\n%s\n(logs in %s)", w.rank, reason, w.start_failures, delay,
+                  self.last_log_lines(w.rank), self._log_dir)
+        self._forget_worker(w, reason)
+        self.ipc.set_rank_down(w.rank, True)
+        w.next_start_at = time.monotonic() + delay
+        w.state = "start_failed"
+
+    def unrecoverable(self) -> tuple[bool, str]:
+        """True (with the reason) once some rank failed `max_start_failures` starts in a
+        row: the deployment cannot recover by itself (retries go on meanwhile)."""
+        for w in self.workers:  # counted until a start succeeds, retries in progress too
+            if w.start_failures >= self.max_start_failures:
+                return True, (f"worker rank {w.rank} failed to start {w.start_failures} times "
+                              f"in a row: {w.last_error}")
+        return False, ""
 
     # ------------------------------------------------------------------ status
 
@@ -395,17 +534,29 @@ class WorkerSupervisor:
         not_ready = [w for w in self.workers if w.state != "ready"]
         if not not_ready:
             return True, "every worker is ready"
-        return False, "; ".join(f"rank {w.rank} is {w.state}" for w in not_ready)
+
+        def why(w: WorkerHandle) -> str:
+            if w.state != "start_failed":
+                return f"rank {w.rank} is {w.state}"
+            left = max(0.0, w.next_start_at - time.monotonic())
+            return (f"rank {w.rank} is start_failed ({w.start_failures} failed start(s): "
+                    f"{w.last_error}; next try in {left:.1f} s)")
+
+        return False, "; ".join(why(w) for w in not_ready)
 
     def status(self) -> list[WorkerStatus]:
         out: list[WorkerStatus] = []
         for w in self.workers:
             st = self.ipc.rank_state(w.rank)
             age = st.heartbeat_age_s
+            retry = (round(max(0.0, w.next_start_at - time.monotonic()), 3)
+                     if w.state == "start_failed" else None)
             out.append({
                 "rank": w.rank, "pid": w.proc.pid if w.proc else None, "state": w.state,
                 "heartbeat_age_s": None if age is None else round(age, 3),
                 "tasks_inflight": st.tasks_inflight, "restarts": w.restarts,
+                "start_failures": w.start_failures, "next_start_in_s": retry,
+                "last_error": w.last_error,
             })
         return out
 
@@ -441,10 +592,30 @@ class WorkerSupervisor:
         if self.dispatcher is not None:
             self.dispatcher.close()
         self.ipc.close()
-        if self._own_log_dir and not self._keep_logs:
-            shutil.rmtree(self._log_dir, ignore_errors=True)
-        elif self._keep_logs:
+        self._settle_logs()
+
+    def _settle_logs(self) -> None:
+        """A run's own log folder: removed after a clean run, kept as the deployment's
+        `-last-failure` folder (replacing the previous one) after a failure."""
+        if not self._own_log_dir or not self._log_dir.exists():
+            if self._failed:
+                log.info("worker logs kept in %s", self._log_dir)
+            return
+        if self._keep_logs:
             log.info("worker logs kept in %s", self._log_dir)
+            return
+        if not self._failed:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+            return
+        last = self._log_dir.with_name(f"kvtier-{self.deployment_id}-last-failure")
+        try:
+            shutil.rmtree(last, ignore_errors=True)
+            self._log_dir.rename(last)
+        except OSError as e:
+            log.warning("could not move the worker logs to %s: %s", last, e)
+            last = self._log_dir
+        self.failure_logs = last
+        log.info("worker logs of the failure kept in %s", last)
 
     def _remove_dead_registrations(self) -> None:
         """Engine KV registrations (and KV segments) of this deployment whose model runner
@@ -459,5 +630,5 @@ class WorkerSupervisor:
             log.info("removed engine KV names of dead model runners: %s", removed)
 
     def _unlink_host_segment(self, rank: int) -> None:
-        with contextlib.suppress(posix_ipc.ExistentialError):
-            posix_ipc.unlink_shared_memory(host_segment_name(self.deployment_id, rank))
+        # Never a successor's: a manager frozen past its heartbeat may have been replaced.
+        self.ipc.unlink_owned_segment(host_segment_name(self.deployment_id, rank))

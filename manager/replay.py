@@ -12,12 +12,18 @@ and makes the exit status 1.
 With a storage tier, the replay looks a few requests ahead and asks the manager to prefetch
 their prefixes (as a scheduler does for queued requests), so `best_effort` prefetching has
 time to land.
+
+A worker may die during a replay (it is replaced by the launcher): a request whose load,
+CHECK or FILL failed is recomputed (its hit counts as a miss, its blocks are not cached), a
+request that finds no device room is skipped, and the run goes on; the report counts both
+(`failed_transfers`, `failed_requests`). Exit status 1 stays reserved for a corrupt block.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 import time
@@ -27,17 +33,30 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.manager.config import ConfigError, check_storage_reachable, load_config, summary
-from kvtier.manager.errors import KvtierError, TransferFailedError
+from kvtier.manager.errors import (
+    KvtierError,
+    OutOfBlocksError,
+    TransferFailedError,
+    TransferTimeoutError,
+)
 from kvtier.manager.keys import key_bytes
 from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.stack import Stack
-from kvtier.manager.workloads import WORKLOADS, TraceError, WorkRequest, chat_requests, read_trace
+from kvtier.manager.workloads import (
+    WORKLOADS,
+    TraceError,
+    WorkRequest,
+    chat_requests,
+    check_requests_fit,
+    read_trace,
+)
 from kvtier.worker.wire import Completion, TaskKind
 
 if TYPE_CHECKING:
     from rich.progress import Progress
 
 DIAG_TIMEOUT_S = 60.0
+log = logging.getLogger("kvtier.replay")
 
 
 @dataclass
@@ -51,6 +70,8 @@ class ReplayReport:
     verified_blocks: int = 0
     corrupt_blocks: int = 0
     failed_loads: int = 0
+    failed_transfers: int = 0  # FILL / CHECK tasks that failed (a worker died): recomputed
+    failed_requests: int = 0  # requests skipped: no device room even after waiting
     transfer_bytes: dict[str, int] = field(default_factory=dict)
     elapsed_s: float = 0.0
     history: list[tuple[int, int, int, int]] = field(default_factory=list)  # cumulative
@@ -70,6 +91,8 @@ class ReplayReport:
             "verified_blocks": self.verified_blocks,
             "corrupt_blocks": self.corrupt_blocks,
             "failed_loads": self.failed_loads,
+            "failed_transfers": self.failed_transfers,
+            "failed_requests": self.failed_requests,
             "transfer_bytes": dict(self.transfer_bytes),
             "elapsed_s": round(self.elapsed_s, 3),
             "requests_per_s": round(self.requests / self.elapsed_s, 2) if self.elapsed_s else 0,
@@ -84,16 +107,26 @@ class _Diagnostics:
         self.result: Completion | None = None
 
     def run(self, kind: TaskKind, block_ids: list[int], keys: list[int]) -> Completion:
+        """The task's merged answer; KvtierError if it failed."""
+        comp = self.attempt(kind, block_ids, keys)
+        if not comp.ok:
+            raise KvtierError(f"{kind.name} task {comp.seq} failed: {comp.error}")
+        return comp
+
+    def attempt(self, kind: TaskKind, block_ids: list[int], keys: list[int]) -> Completion:
+        """The task's merged answer, failed (`ok` False) when a rank failed it or did not
+        answer within DIAG_TIMEOUT_S."""
         self.result = None
 
         def done(_ok: bool, comp: Completion) -> None:
             self.result = comp
 
         seq = self.m.submit_diagnostic(kind, block_ids, [key_bytes(k) for k in keys], done)
-        self.m.dispatcher.wait([seq], DIAG_TIMEOUT_S)
+        try:
+            self.m.dispatcher.wait([seq], DIAG_TIMEOUT_S)
+        except TransferTimeoutError as e:
+            return Completion(seq, -1, False, error=str(e))
         assert self.result is not None
-        if not self.result.ok:
-            raise KvtierError(f"{kind.name} task {seq} failed: {self.result.error}")
         return self.result
 
 
@@ -116,28 +149,57 @@ def replay(stack: Stack, requests: Iterable[WorkRequest], *, verify: bool = Fals
                 m.prefetch(ahead.tokens)
         tokens = wr.tokens
         rid = f"replay-{i}"
-        mr = m.match(rid, tokens)
+        try:
+            mr = m.match(rid, tokens)
+        except OutOfBlocksError as e:
+            log.warning("%s skipped: %s", rid, e)
+            report.failed_requests += 1
+            _count(report, len(tokens), {"device": 0, "host": 0, "storage": 0})
+            if progress is not None:
+                progress(i + 1, len(reqs), report)
+            continue
         valid = mr.num_tokens
         try:
             mr.handle.wait()
         except TransferFailedError as e:
             valid = e.valid_tokens
             report.failed_loads += 1
+        except TransferTimeoutError:
+            valid = 0
+            report.failed_loads += 1
         keys = m.request_keys(rid)
         n_valid = valid // bs
         if verify and n_valid:
-            comp = diag.run(TaskKind.CHECK, mr.block_ids[:n_valid], keys[:n_valid])
-            report.verified_blocks += n_valid
-            report.corrupt_blocks += len(comp.detail)
-            if comp.detail:
-                # A corrupt block must never be counted as a hit: cut the hit before it.
-                n_valid = min(comp.detail)
-        m.allocate(rid, len(tokens) - mr.num_tokens, reserve_blocks=0)
+            comp = diag.attempt(TaskKind.CHECK, mr.block_ids[:n_valid], keys[:n_valid])
+            if not comp.ok or m.request_lost(rid):
+                # Unverified: a rank died (the check failed, or ran on its replacement,
+                # whose memory never held these blocks). Recomputed: a miss.
+                report.failed_transfers += 1
+                n_valid = 0
+            else:
+                report.verified_blocks += n_valid
+                report.corrupt_blocks += len(comp.detail)
+                if comp.detail:
+                    # A corrupt block must never be counted as a hit: cut the hit before it.
+                    n_valid = min(comp.detail)
+        served = True
+        try:
+            m.allocate(rid, len(tokens) - mr.num_tokens, reserve_blocks=0)
+        except OutOfBlocksError as e:  # busy room waited for in vain: skip the request
+            log.warning("%s skipped: %s", rid, e)
+            report.failed_requests += 1
+            served = False
+            n_valid = 0
         n_full = len(tokens) // bs
-        if verify and n_full > n_valid:
+        computed = served
+        if served and verify and n_full > n_valid:
             blocks = m.request_blocks(rid)
-            diag.run(TaskKind.FILL, blocks[n_valid:n_full], keys[n_valid:n_full])
-        m.commit(rid, tokens, len(tokens))
+            comp = diag.attempt(TaskKind.FILL, blocks[n_valid:n_full], keys[n_valid:n_full])
+            if not comp.ok:  # the blocks hold no known bytes on some rank: never cache them
+                report.failed_transfers += 1
+                computed = False
+        if computed:
+            m.commit(rid, tokens, len(tokens))
         m.release(rid)
         # Per-tier hits, scaled down to what was valid (a failed or corrupt tail is a miss).
         hits = {"device": mr.device_tokens, "host": mr.host_tokens,
@@ -147,18 +209,23 @@ def replay(stack: Stack, requests: Iterable[WorkRequest], *, verify: bool = Fals
             cut = min(excess, hits[tier])
             hits[tier] -= cut
             excess -= cut
-        report.requests += 1
-        report.lookup_tokens += len(tokens)
-        for k, v in hits.items():
-            report.hit_tokens[k] += v
-        h = report.hit_tokens
-        report.history.append((report.lookup_tokens, h["device"], h["host"], h["storage"]))
+        _count(report, len(tokens), hits)
         if progress is not None:
             progress(i + 1, len(reqs), report)
     m.dispatcher.drain(DIAG_TIMEOUT_S)
     report.elapsed_s = time.perf_counter() - t0
     report.transfer_bytes = transfer_bytes(stack)
     return report
+
+
+def _count(report: ReplayReport, tokens: int, hits: dict[str, int]) -> None:
+    """One request replayed: its prompt tokens and the tokens each tier served."""
+    report.requests += 1
+    report.lookup_tokens += tokens
+    for k, v in hits.items():
+        report.hit_tokens[k] += v
+    h = report.hit_tokens
+    report.history.append((report.lookup_tokens, h["device"], h["host"], h["storage"]))
 
 
 def transfer_bytes(stack: Stack) -> dict[str, int]:
@@ -261,6 +328,10 @@ def _print_report(report: ReplayReport, stack: Stack) -> None:
                                     for k, v in d["transfer_bytes"].items()))
     if d["verified_blocks"] or d["corrupt_blocks"]:
         print(f"verified blocks {d['verified_blocks']:,}, corrupt blocks {d['corrupt_blocks']}")
+    if d["failed_loads"] or d["failed_transfers"] or d["failed_requests"]:
+        print(f"failed loads {d['failed_loads']}, failed FILL/CHECK tasks "
+              f"{d['failed_transfers']} (recomputed), requests skipped for lack of device "
+              f"room {d['failed_requests']}")
     print(f"config: {json.dumps(summary(stack.cfg), default=str)}")
 
 
@@ -269,18 +340,30 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
 
 
 def run_replay_command(args: argparse.Namespace) -> int:
-    """`kvtier replay`: exit 0, 1 when a corrupt block was seen, 2 on bad input."""
+    """`kvtier replay`: exit 0, 1 when a corrupt block was seen, 2 on bad input, 3 when the
+    run could not go on (the workers did not start, ...: one message, no traceback)."""
+    try:
+        return _run_replay_command(args)
+    except KvtierError as e:
+        print(f"kvtier replay: {e}", file=sys.stderr)
+        return 3
+
+
+def _run_replay_command(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
         check_storage_reachable(cfg)
         requests = _requests(args)
+        check_requests_fit(requests, cfg.cache.block_size, cfg.cache.device_blocks, args.trace)
     except (ConfigError, TraceError) as e:
         print(f"kvtier replay: {e}", file=sys.stderr)
         return 2
     prog, update = _progress_printer(not args.json and sys.stderr.isatty())
     # SIGTERM unwinds like Ctrl-C does, so the stack stops its workers and unlinks its names.
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    with Stack(cfg) as stack:
+    # Verified runs keep their pages apart: an unverified run's pages hold whatever bytes
+    # its blocks held, which a verified run would report as corrupt.
+    with Stack(cfg, storage_tag="verify" if args.verify else "") as stack:
         if prog is not None:
             with prog:
                 report = replay(stack, requests, verify=args.verify,

@@ -37,6 +37,7 @@ from kvtier.manager.errors import (
     InvalidRequestError,
     OutOfBlocksError,
     ResetBusyError,
+    TransferTimeoutError,
     UnknownRequestError,
 )
 from kvtier.manager.keys import TokenKeyError, chain_keys
@@ -185,6 +186,9 @@ class KVCacheManager:
         # Nodes that left the tree (worker lost) while a transfer still used their blocks:
         # the blocks return to the free lists when the last rank has answered.
         self._written_off: set[Node] = set()
+        # Requests active when every cached byte was lost (`lose_all`): what they computed
+        # before is gone on some rank, so their commits join nothing.
+        self._lost_requests: set[str] = set()
         self._seq = 0
         self._outbox: list[Task] = []
         self._lock = threading.RLock()
@@ -217,6 +221,7 @@ class KVCacheManager:
                 raise InvalidRequestError(
                     f"request {request_id!r}: token_ids must be a sequence of ints") from None
             req = RequestState(keys, extra_keys)
+            lost_before = self.counters.lost_all
             n_tokens = len(token_ids)
             cap = (n_tokens - 1) // bs if n_tokens else 0
             now = _monotonic()
@@ -296,6 +301,12 @@ class KVCacheManager:
             handle = LoadHandle(self.dispatcher if waits else None, waits, n_hit * bs, bs,
                                 self.transfer_timeout_s)
             req.handle = handle
+            if self.counters.lost_all != lost_before:
+                # A worker was lost while this match waited (lock released): what it found
+                # is gone on that rank. Nothing of it is valid, and nothing it computes is
+                # cached.
+                handle.note_failure(0)
+                self._lost_requests.add(request_id)
             for seq, idx in waits:
                 rec = self._inflight.get(seq)
                 if rec is not None:
@@ -357,6 +368,8 @@ class KVCacheManager:
             start = len(nodes)
             if n_full <= start:
                 return 0
+            if self._lost_requests and request_id in self._lost_requests:
+                return 0  # its KV went with a lost worker: it must not be cached
             if extra_keys is not None:
                 req.extra_keys = extra_keys
             keys = req.keys
@@ -417,6 +430,8 @@ class KVCacheManager:
                 raise UnknownRequestError(
                     f"request {request_id!r} is not active (never matched or already "
                     f"released)")
+            if self._lost_requests:
+                self._lost_requests.discard(request_id)
             blocks = req.blocks
             nodes = req.nodes
             pool = self._dev_pool
@@ -550,9 +565,13 @@ class KVCacheManager:
     def lose_all(self) -> dict[str, int]:
         """Every cached byte is gone (a worker died with its pools): forget the tree now,
         without waiting. Blocks that transfers still in flight on other ranks use stay out of
-        the free lists until those transfers are answered."""
+        the free lists until those transfers are answered. Requests active now commit
+        nothing more (their blocks' bytes are gone on the lost rank)."""
         with self._lock:
             cleared = self._clear_all()
+            # What active requests computed is gone on the lost rank too: keep it out of
+            # the tree (their commits join nothing; they recompute next time).
+            self._lost_requests.update(self._requests)
             self.counters.lost_all += 1
             return cleared
 
@@ -574,6 +593,14 @@ class KVCacheManager:
             self._outbox.append(task)
             self._flush()
             return seq
+
+    def request_lost(self, request_id: str) -> bool:
+        """Whether a worker was lost (`lose_all`) while the request was active: its blocks'
+        bytes are gone on that rank (a CHECK there reads another worker's memory), and its
+        commits join nothing."""
+        with self._lock:
+            self._get(request_id)
+            return request_id in self._lost_requests
 
     def request_blocks(self, request_id: str) -> list[int]:
         """The request's block table (device ids, in token order)."""
@@ -719,6 +746,9 @@ class KVCacheManager:
         nodes = req.nodes
         room = self._dev_pool.num_free + self._dev_lru.size
         if room < len(host_hits):
+            self._await_room(len(host_hits))  # transfers in flight may free enough
+            room = self._dev_pool.num_free + self._dev_lru.size
+        if room < len(host_hits):
             # Keep the prefix up to the first host hit that cannot get a device block.
             cut = host_hits[room]
             for node in nodes[cut:]:
@@ -751,15 +781,20 @@ class KVCacheManager:
         self._refresh(node)
 
     def _make_room(self, n: int, who: str) -> None:
-        """Evict until `n` device blocks are free. Raises OutOfBlocksError (having evicted
-        nothing) if even evicting every evictable block would not be enough."""
+        """Evict until `n` device blocks are free. When free and evictable blocks are too
+        few but transfers in flight will free or release enough, first wait for them
+        (bounded by `transfer_timeout_s`, lock released). Raises OutOfBlocksError (having
+        evicted nothing) if even evicting every evictable block would not be enough."""
         pool = self._dev_pool
         if pool.num_free >= n:
             return
         if pool.num_free + self._dev_lru.size < n:
-            raise OutOfBlocksError(
-                f"{who}: {n} device blocks needed, {pool.num_free} free and "
-                f"{self._dev_lru.size} evictable of {pool.capacity}")
+            busy = self._await_room(n)
+            if pool.num_free + self._dev_lru.size < n:
+                more = f"; {busy} more busy in transfers in flight" if busy else ""
+                raise OutOfBlocksError(
+                    f"{who}: {n} device blocks needed, {pool.num_free} free and "
+                    f"{self._dev_lru.size} evictable of {pool.capacity}{more}")
         while pool.num_free < n:
             if not self._dev_lru.size:  # a demotion waited for was cancelled by a hit
                 raise OutOfBlocksError(
@@ -769,6 +804,48 @@ class KVCacheManager:
             if demoting:
                 self._flush()
                 self._wait_unlocked(demoting)
+
+    def _busy_device_blocks(self) -> list[tuple[int, int]]:
+        """(seq, blocks) of the transfers in flight whose device blocks no request holds: each
+        block becomes free or evictable when its task is answered. Oldest first. A scan of
+        the tasks in flight: only for allocations that would otherwise fail."""
+        out: list[tuple[int, int]] = []
+        for seq, rec in self._inflight.items():
+            if rec.task.kind not in (TaskKind.D2H, TaskKind.H2D):
+                continue
+            n = sum(1 for node in rec.nodes
+                    if node.dev is not None and node.ref == 0 and not node.flags & PINNED)
+            if n:
+                out.append((seq, n))
+        out.sort()
+        return out
+
+    def _await_room(self, n: int) -> int:
+        """Wait (lock released, at most `transfer_timeout_s` in all) for the transfers in
+        flight that will make free + evictable reach `n` device blocks, as long as they
+        can. Returns the device blocks still busy in transfers."""
+        pool, lru = self._dev_pool, self._dev_lru
+        deadline = _monotonic() + self.transfer_timeout_s
+        while True:
+            busy = self._busy_device_blocks()
+            total = sum(b for _, b in busy)
+            short = n - pool.num_free - lru.size
+            if short <= 0 or total < short:
+                return total
+            left = deadline - _monotonic()
+            if left <= 0:
+                return total
+            seqs: list[int] = []
+            got = 0
+            for seq, b in busy:  # the oldest tasks that together free enough
+                seqs.append(seq)
+                got += b
+                if got >= short:
+                    break
+            try:
+                self._wait_unlocked(seqs, left)
+            except TransferTimeoutError:
+                return sum(b for _, b in self._busy_device_blocks())
 
     def _evict_device(self, n: int) -> list[int]:
         """Evict up to `n` LRU device blocks; returns the seqs of demotions to wait for."""
@@ -1035,6 +1112,13 @@ class KVCacheManager:
                 node.flags &= IN_FLIGHT
                 node.key = None
                 self._written_off.add(node)
+                if (node.dev is not None and node.ref == 0
+                        and not node.flags & (LOADING | SAVING | EVICTING)):
+                    # Only its host copy is in use (a storage backup reads it): the device
+                    # block is free now, not when that slower task is answered.
+                    self._dev_pool.free_one(node.dev)
+                    node.dev = None
+                    dev_freed += 1
                 continue
             if node.host is not None:
                 self._host_pool.free_one(node.host)

@@ -74,9 +74,10 @@ class _ObservedTransferLog(collections.deque[tuple[TaskKind, int, float]]):
                 log.exception("transfer observer %r failed", observe)
 
 
-def worker_spec(cfg: KvtierConfig, rank: int) -> WorkerSpec:
+def worker_spec(cfg: KvtierConfig, rank: int, storage_tag: str = "") -> WorkerSpec:
     """What rank `rank` of the deployment `cfg` describes needs to build its pools, storage
-    backend and executor (in a worker process or embedded)."""
+    backend and executor (in a worker process or embedded). `storage_tag` keeps the pages
+    apart from untagged ones (see `WorkerSpec.storage_tag`)."""
     c = cfg
     s = c.storage
     return WorkerSpec(
@@ -88,14 +89,15 @@ def worker_spec(cfg: KvtierConfig, rank: int) -> WorkerSpec:
         storage_url=s.url, storage_capacity_bytes=s.capacity_bytes,
         storage_ttl_s=int(s.ttl_s), backup_one_rank=s.backup_one_rank,
         manager_timeout_s=max(3.0, c.workers.heartbeat_timeout_s), model_name=c.model.name,
+        storage_tag=storage_tag,
         # the wait for the model runner's registration ends inside the supervisor's
         # ready timeout, so the worker's own error (what is missing) is the one reported
         engine_kv=c.workers.engine_kv, engine_kv_timeout_s=0.8 * c.workers.ready_timeout_s)
 
 
-def worker_specs(cfg: KvtierConfig) -> list[WorkerSpec]:
+def worker_specs(cfg: KvtierConfig, storage_tag: str = "") -> list[WorkerSpec]:
     """One `WorkerSpec` per rank (`workers.count`)."""
-    return [worker_spec(cfg, r) for r in range(cfg.workers.count)]
+    return [worker_spec(cfg, r, storage_tag) for r in range(cfg.workers.count)]
 
 
 def _check_embedded(cfg: KvtierConfig) -> None:
@@ -119,10 +121,13 @@ class Stack:
     """
 
     def __init__(self, cfg: KvtierConfig, *, embedded: bool = False,
-                 log_dir: str | None = None, transfer_timeout_s: float = 30.0) -> None:
+                 log_dir: str | None = None, transfer_timeout_s: float = 30.0,
+                 keep_worker_logs: bool = False, storage_tag: str = "") -> None:
         self.cfg = cfg
         self.embedded = embedded
-        self.log_dir = log_dir
+        self.log_dir = log_dir  # None: a temporary folder (see WorkerSupervisor)
+        self.keep_worker_logs = keep_worker_logs
+        self.storage_tag = storage_tag  # pages apart from untagged ones ("verify": replay)
         self.transfer_timeout_s = transfer_timeout_s
         self.supervisor: WorkerSupervisor | None = None
         self.workers: EmbeddedWorkers | None = None
@@ -135,7 +140,7 @@ class Stack:
     # ------------------------------------------------------------------ life cycle
 
     def worker_spec(self, rank: int) -> WorkerSpec:
-        return worker_spec(self.cfg, rank)
+        return worker_spec(self.cfg, rank, self.storage_tag)
 
     def start(self) -> Stack:
         c = self.cfg
@@ -152,7 +157,7 @@ class Stack:
                 # never needs (seconds of start-up).
                 from kvtier.worker.embedded import EmbeddedWorkers
 
-                self.workers = EmbeddedWorkers(worker_specs(c))
+                self.workers = EmbeddedWorkers(worker_specs(c, self.storage_tag))
                 dispatcher = ImmediateDispatcher(executor=self.workers.execute)
                 dispatcher.num_ranks = self.workers.num_ranks
             else:
@@ -160,7 +165,7 @@ class Stack:
                     self.worker_spec, c.workers.count, c.deployment_id,
                     ready_timeout_s=c.workers.ready_timeout_s,
                     heartbeat_timeout_s=c.workers.heartbeat_timeout_s, log_dir=self.log_dir,
-                    on_worker_lost=self._on_worker_lost)
+                    on_worker_lost=self._on_worker_lost, keep_logs=self.keep_worker_logs)
                 to_processes = self.supervisor.make_dispatcher()
                 to_processes.transfer_seconds = _ObservedTransferLog(
                     to_processes.transfer_seconds.maxlen, self._transfer_observers)
@@ -228,7 +233,9 @@ class Stack:
     def alive(self) -> tuple[bool, str]:
         """Whether the manager's own threads still run: the supervisor's watcher, the
         completion applier and the IPC reader and notify watcher. Without any of them the
-        manager stops hearing from its workers, whatever the workers' state."""
+        manager stops hearing from its workers, whatever the workers' state. Also False once
+        a rank's replacement failed to start `max_start_failures` times in a row: the
+        deployment cannot recover by itself (a process supervisor should restart it)."""
         if self._closed:
             return False, "stopped"
         if self.embedded:  # no manager threads: every task runs in the caller's thread
@@ -244,6 +251,9 @@ class Stack:
         dead = [t.name for t in threads if not t.is_alive()]
         if dead:
             return False, "manager thread(s) stopped: " + ", ".join(map(str, dead))
+        stuck, why = sup.unrecoverable()
+        if stuck:
+            return False, why
         return True, "manager threads running"
 
     def ready(self) -> tuple[bool, str]:
@@ -274,16 +284,19 @@ class Stack:
         if self.supervisor is not None:
             self.supervisor.ipc.paused = False
 
-    def reset(self, *, storage: bool = False, timeout: float = 10.0) -> dict[str, Any]:
+    def reset(self, *, storage: bool = False, timeout: float = 10.0,
+              storage_timeout: float | None = None) -> dict[str, Any]:
         """Empty the tree and the device and host caches after in-flight transfers finish;
-        with `storage`, also this deployment's storage namespace. Raises ResetBusyError
-        (nothing cleared) when transfers do not finish in time."""
+        with `storage`, also this deployment's storage namespace (given `storage_timeout`
+        seconds, default `timeout`). Raises ResetBusyError (nothing cleared) when transfers do
+        not finish in time."""
         m = self.require_manager()
         self._publish_tree_status(TreeStatus.CLEARING)
         try:
             cleared: dict[str, Any] = dict(m.reset(timeout))
             if storage:
-                cleared["storage_pages"] = (self.storage.clear(timeout)
+                wait = timeout if storage_timeout is None else storage_timeout
+                cleared["storage_pages"] = (self.storage.clear(wait)
                                             if self.storage is not None else 0)
             self._publish_tree_status(TreeStatus.CLEARED)
             return cleared
@@ -318,6 +331,7 @@ class Stack:
             "tiers": tiers,
             "storage": storage,
             "workers": self.supervisor.status() if self.supervisor else [],
+            "worker_logs": str(self.supervisor.log_dir) if self.supervisor else None,
             "hit_rate": {k: (v / lookup if lookup else 0.0) for k, v in hits.items()}
             | {"total": (sum(hits.values()) / lookup if lookup else 0.0)},
             "paused": m.paused,

@@ -2,8 +2,10 @@
 
 The server is started exactly as an operator starts it (a command line and a TOML file), its
 admin URL is read from its log (admin port 0: the real port is logged), and it is stopped with
-a signal. Every wait is bounded; whatever a failed test leaves behind (the server, its workers,
-the deployment's shared-memory segments and queues) is removed in `close()`.
+a signal. Its state directory (XDG_STATE_HOME, where a generated admin token is written) is a
+folder of the test's, never the user's; `token()` reads the token POSTs need. Every wait is
+bounded; whatever a failed test leaves behind (the server, its workers, the deployment's
+shared-memory segments and queues) is removed in `close()`.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class ServeProcess:
         self.env = dict(clean_env() if env is None else env)
         # Worker logs go to a temporary directory of the stack's: keep it in the test's.
         self.env["TMPDIR"] = str(log_path.parent)
+        # A generated admin token is written under XDG_STATE_HOME: keep it in the test's too.
+        self.env.setdefault("XDG_STATE_HOME", str(log_path.parent / "state"))
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.seen_pids: set[int] = set()
@@ -105,6 +109,16 @@ class ServeProcess:
     def remember_children(self) -> None:
         if self.proc is not None:
             self.seen_pids.update(child_pids(self.proc.pid))
+
+    def token_file(self) -> Path:
+        """Where `kvtier serve` writes the token it generates (admin.token empty)."""
+        return (Path(self.env["XDG_STATE_HOME"]) / "kvtier" / self.deployment_id
+                / "admin-token")
+
+    def token(self) -> str:
+        """The bearer token POSTs need: KVTIER_ADMIN_TOKEN when the test set one, else the
+        generated one from the state file."""
+        return self.env.get("KVTIER_ADMIN_TOKEN") or self.token_file().read_text().strip()
 
     def client(self, token: str | None = None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}

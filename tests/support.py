@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -184,6 +184,37 @@ def tiny_config(
         env["KVTIER_STORAGE__PATH"] = str(storage_dir)
     env.update(extra or {})
     return load_config(None, env)
+
+
+# --------------------------------------------------------------------------- file systems
+
+
+@contextlib.contextmanager
+def tmpfs_mount(where: Path, *options: str, size: str = "64k") -> Iterator[Path]:
+    """A small tmpfs mounted at `where` (created) for the duration, with mount `options`
+    ("ro", ...): a read-only or a full file system for the storage checks. The tests run as
+    root, as `make test` does; a failed mount fails the test."""
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join((f"size={size}", *options)),
+                              "tmpfs", str(where)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs (the test needs root): {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def fill(directory: Path) -> None:
+    """Write one file into `directory` until its file system is full."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while os.write(fd, b"x" * 4096):
+            pass
+    except OSError:  # ENOSPC
+        pass
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------- child processes

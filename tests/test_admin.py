@@ -3,13 +3,17 @@ shared memory, file storage in a temporary directory).
 
 The app is served by `kvtier.admin.server.AdminServer` (uvicorn on a thread, port 0) exactly as
 `kvtier serve` serves it; the test drives the scheduler API directly on the same stack, as an
-engine would, and checks what the admin reports and does.
+engine would, and checks what the admin reports and does. Every POST carries the bearer token
+(an admin without one exists only with `admin.auth = "none"`); the stack's admin limits are
+small (`LIMITS`) so that the limit tests stay fast.
 """
 
 from __future__ import annotations
 
+import socket
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +32,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import new_deployment_id, promtool, tiny_config, wait_until
 
 TOKEN = "s3cret-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+LIMITS = {"KVTIER_ADMIN__MAX_BODY_BYTES": "65536", "KVTIER_ADMIN__MAX_PIN_TOKENS": "256",
+          "KVTIER_ADMIN__MAX_EXTRA_KEYS": "4", "KVTIER_ADMIN__REQUEST_TIMEOUT_S": "1",
+          "KVTIER_ADMIN__KEEP_ALIVE_S": "1", "KVTIER_ADMIN__MAX_CONNECTIONS": "8"}
 POSTS = ("/pause", "/resume", "/reset", "/pin", "/unpin")
 REQUIRED_METRICS = (
     "kvtier_blocks", "kvtier_capacity_blocks", "kvtier_lookup_tokens_total",
@@ -51,7 +59,7 @@ def tiny_cfg(deployment_id: str, storage_dir: Path) -> KvtierConfig:
     decode reserve (1 block)."""
     return tiny_config(deployment_id=deployment_id, workers=1, device_blocks=64,
                        host_blocks=64, write_policy="write_through", decode_reserve_blocks=1,
-                       storage="file", storage_dir=storage_dir)
+                       storage="file", storage_dir=storage_dir, extra=LIMITS)
 
 
 @pytest.fixture(scope="module")
@@ -66,24 +74,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="module")
-def open_admin(stack: Stack) -> Iterator[AdminServer]:
-    """The admin without a token."""
-    server = AdminServer(create_app(stack, token=""), "127.0.0.1", 0).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def token_admin(stack: Stack) -> Iterator[AdminServer]:
-    """The admin of the same stack with a bearer token configured."""
-    server = AdminServer(create_app(stack, token=TOKEN), "127.0.0.1", 0).start()
+def admin(stack: Stack) -> Iterator[AdminServer]:
+    """The admin of the stack, with the bearer token TOKEN and the stack's limits."""
+    server = AdminServer(create_app(stack, token=TOKEN), "127.0.0.1", 0,
+                         limits=stack.cfg.admin).start()
     yield server
     server.stop()
 
 
 @pytest.fixture
-def http(open_admin: AdminServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=open_admin.url, timeout=10.0) as client:
+def http(admin: AdminServer) -> Iterator[httpx.Client]:
+    """A client that sends the token with every request."""
+    with httpx.Client(base_url=admin.url, timeout=10.0, headers=AUTH) as client:
         yield client
 
 
@@ -233,6 +235,20 @@ def test_openapi_docs_list_every_endpoint(http: httpx.Client) -> None:
                                   "/pause", "/resume", "/pin", "/unpin"}
     assert "HTTPBearer" in spec["components"]["securitySchemes"]
     assert spec["paths"]["/pin"]["post"]["security"] == [{"HTTPBearer": []}]
+    # Issue 11 item 13: every status an operation answers is documented, with its body.
+    for path in POSTS:
+        responses = spec["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "413", "422", "503"} <= set(responses), path
+        assert responses["422"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            "/ValidationErrorBody")
+    assert {"409", "500"} <= set(spec["paths"]["/reset"]["post"]["responses"])
+    for path in ("/healthz", "/readyz", "/status"):
+        assert "503" in spec["paths"][path]["get"]["responses"], path
+    schemas = spec["components"]["schemas"]
+    assert schemas["ValidationErrorBody"]["required"] == ["detail", "errors"]
+    assert "HTTPValidationError" not in schemas
+    assert schemas["PrefixBody"]["properties"]["token_ids"]["maxItems"] == 256
+    assert schemas["PrefixBody"]["properties"]["token_ids"]["items"]["maximum"] == 2**31 - 1
 
 
 # ---------------------------------------------------------------------------- operations
@@ -293,6 +309,29 @@ def test_pin_honours_multimodal_extra_keys(stack: Stack, http: httpx.Client) -> 
      "body.extra_keys.0.offset: Input should be greater than or equal to 0"),
     ("/unpin", [1, 2, 3], "body: Input should be a valid dictionary"),
     ("/pin", b"{not json", "JSON decode error"),
+    # Issue 11 item 12: inputs the 422 handler could not serialise (500 before), and a
+    # content_hash too long for the keys' 2-byte length (OverflowError, 500 before).
+    ("/pin", b'{"token_ids": [NaN]}', "body.token_ids.0: Input should be a valid integer"),
+    ("/pin", b"NaN", "body: Input should be a valid dictionary"),
+    ("/pin", b'{"token_ids": [1, Infinity, -Infinity]}',
+     "body.token_ids.1: Input should be a valid integer"),
+    ("/pin", b'{"token_ids": [1e400]}', "body.token_ids.0: Input should be a valid integer"),
+    ("/pin", b'{"token_ids": [1], "extra_keys": [{"offset": NaN, "length": 1, '
+     b'"content_hash": "x"}]}', "body.extra_keys.0.offset: Input should be a valid integer"),
+    ("/pin", {"token_ids": [1], "extra_keys": [{"offset": 0, "length": 1,
+                                                "content_hash": "x" * 20000}]},
+     "body.extra_keys.0.content_hash: Value error, a string content_hash may have at most "
+     "16383 characters, not 20000"),
+    ("/pin", {"token_ids": [1], "extra_keys": [{"offset": 0, "length": 1, "content_hash": ""}]},
+     "body.extra_keys.0.content_hash: Value error, a string content_hash must not be empty"),
+    ("/pin", {"token_ids": [1], "extra_keys": [{"offset": 0, "length": 1, "content_hash": -1}]},
+     "body.extra_keys.0.content_hash: Value error, an integer content_hash must be >= 0"),
+    ("/pin", {"token_ids": [1.5]}, "body.token_ids.0: Input should be a valid integer"),
+    # Issue 11 item 11: per-request work is bounded by admin.max_pin_tokens / max_extra_keys.
+    ("/pin", {"token_ids": [1] * 257}, "body.token_ids: List should have at most 256 items"),
+    ("/unpin", {"token_ids": [1], "extra_keys": [
+        {"offset": 0, "length": 1, "content_hash": "x"}] * 5},
+     "body.extra_keys: List should have at most 4 items"),
     ("/reset?timeout=0", None, "query.timeout: Input should be greater than 0"),
     ("/reset?storage=maybe", None, "query.storage: Input should be a valid boolean"),
 ])
@@ -310,9 +349,25 @@ def test_bad_requests_get_422_with_the_reason_and_change_nothing(
     assert answer.status_code == 422, answer.text
     assert reason in answer.json()["detail"], answer.json()
     assert answer.json()["errors"]
+    assert len(answer.content) < 4096  # a big bad input is described, not sent back
     after = m.stats()
     assert after["pinned_blocks"] == before["pinned_blocks"]
     assert after["counters"]["resets"] == before["counters"]["resets"]
+
+
+def test_integral_json_numbers_are_integers(stack: Stack, http: httpx.Client) -> None:
+    """JSON Schema counts 4.0 as an integer; so does the API (schemathesis sends such)."""
+    body = {"token_ids": [9100.0, 9101, 9102, 9103],
+            "extra_keys": [{"offset": 0.0, "length": 2.0, "content_hash": 7.0}]}
+    answer = http.post("/pin", json=body)
+    assert answer.status_code == 200 and answer.json() == {"pinned_blocks": 0,
+                                                           "prefix_blocks": 1}
+
+
+def test_json_nested_too_deeply_is_400_not_500(http: httpx.Client) -> None:
+    answer = http.post("/pin", content=b"[" * 20000 + b"]" * 20000,
+                       headers={"content-type": "application/json"})
+    assert answer.status_code == 400 and answer.json()["detail"]
 
 
 def test_reset_returns_what_it_cleared(stack: Stack, http: httpx.Client) -> None:
@@ -375,9 +430,9 @@ def test_reset_while_transfers_are_held_is_409_and_clears_nothing(
 # ---------------------------------------------------------------------------- the gate
 
 
-def test_every_post_needs_the_bearer_token(stack: Stack, token_admin: AdminServer) -> None:
+def test_every_post_needs_the_bearer_token(stack: Stack, admin: AdminServer) -> None:
     good_body = {"token_ids": [1, 2, 3, 4]}
-    with httpx.Client(base_url=token_admin.url, timeout=10.0) as client:
+    with httpx.Client(base_url=admin.url, timeout=10.0) as client:
         for path in ("/healthz", "/readyz", "/status", "/metrics", "/docs"):
             assert client.get(path).status_code == 200, path
         for path in POSTS:
@@ -403,11 +458,11 @@ def test_every_post_needs_the_bearer_token(stack: Stack, token_admin: AdminServe
 
 
 def test_a_shutting_down_admin_refuses_posts_and_is_not_ready(stack: Stack) -> None:
-    app = create_app(stack, token="")
+    app = create_app(stack, token=TOKEN)
     server = AdminServer(app, "127.0.0.1", 0).start()
     try:
         app.state.admin.stop_accepting("kvtier is shutting down")
-        with httpx.Client(base_url=server.url, timeout=10.0) as client:
+        with httpx.Client(base_url=server.url, timeout=10.0, headers=AUTH) as client:
             answer = client.post("/pause")
             assert answer.status_code == 503
             assert answer.json()["detail"] == "kvtier is shutting down"
@@ -419,6 +474,132 @@ def test_a_shutting_down_admin_refuses_posts_and_is_not_ready(stack: Stack) -> N
             assert client.get("/status").status_code == 200
     finally:
         server.stop()
+
+
+def test_without_a_configured_token_the_app_makes_one_up(stack: Stack) -> None:
+    """Issue 11 item 10: no token configured and admin.auth = "token" (the default) is not an
+    open admin: a random token is required (`kvtier serve` writes it to the state file)."""
+    assert stack.cfg.admin.auth == "token" and not stack.cfg.admin.token.get_secret_value()
+    app = create_app(stack)
+    made_up = app.state.admin.token
+    assert made_up and len(made_up) >= 32 and create_app(stack).state.admin.token != made_up
+    server = AdminServer(app, "127.0.0.1", 0).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=10.0) as client:
+            for path in POSTS:
+                assert client.post(path).status_code == 401, path
+            answer = client.post("/pause", headers={
+                "Authorization": f"Bearer {made_up.decode()}"})
+            assert answer.status_code == 200
+            assert client.post("/resume", headers={
+                "Authorization": f"Bearer {made_up.decode()}"}).status_code == 200
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match=r"admin\.auth = 'none'"):
+        create_app(stack, token="")
+
+
+def test_only_auth_none_serves_without_a_token(tmp_path: Path) -> None:
+    """admin.auth = "none" is the one way to an admin without a token (a stack that was never
+    started: the POST reaches the handler, which answers 503, not 401)."""
+    cfg = tiny_config(workers=1, extra={"KVTIER_ADMIN__AUTH": "none"})
+    app = create_app(Stack(cfg, log_dir=str(tmp_path)))
+    assert app.state.admin.token is None
+    assert "security" not in app.openapi()["paths"]["/pause"]["post"]
+    server = AdminServer(app, "127.0.0.1", 0).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=10.0) as client:
+            assert client.post("/pause").status_code == 503
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------------- limits
+
+
+def test_a_body_over_max_body_bytes_is_413_and_never_parsed(stack: Stack,
+                                                            http: httpx.Client) -> None:
+    """Issue 11 item 11: by Content-Length before reading, or while reading a chunked body;
+    the connection is closed so the rest of the body is never read."""
+    m = stack.manager
+    assert m is not None
+    big = b'{"token_ids": [' + b"1, " * 30000 + b"1]}"  # 90 KB > 64 KiB
+    declared = http.post("/pin", content=big, headers={"content-type": "application/json"})
+    assert declared.status_code == 413
+    assert declared.json()["detail"] == (
+        f"the body has {len(big)} bytes; admin.max_body_bytes = 65536")
+    assert declared.headers["connection"] == "close"
+
+    def chunks() -> Iterator[bytes]:
+        for i in range(0, len(big), 4096):
+            yield big[i:i + 4096]
+
+    streamed = http.post("/pin", content=chunks(), headers={"content-type": "application/json"})
+    assert streamed.status_code == 413
+    assert streamed.json()["detail"] == (
+        "the body has more than 65536 bytes; admin.max_body_bytes = 65536")
+    # Without the token the size does not matter: 401 first.
+    anonymous = httpx.post(http.base_url.join("/pin"), content=big, timeout=10.0)
+    assert anonymous.status_code == 401
+    assert http.post("/pin", json={"token_ids": [1] * 256}).status_code == 200
+
+
+def _raw(port: int, data: bytes) -> tuple[bytes, float]:
+    """Connect, send `data`, and read until the server closes: (what came back, seconds)."""
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        if data:
+            sock.sendall(data)
+        got = b""
+        while chunk := sock.recv(4096):
+            got += chunk
+    return got, time.monotonic() - t0
+
+
+def test_slow_or_silent_clients_are_cut_off_after_request_timeout_s(admin: AdminServer) -> None:
+    """Issue 11 item 11: half-open connections used to stay open forever. With
+    admin.request_timeout_s = 1: silence is closed; partial headers or a partial body get
+    408 and are closed; an idle keep-alive connection is closed after admin.keep_alive_s."""
+    cases = {
+        "silent": b"",
+        "partial headers": b"POST /pause HTTP/1.1\r\nHost: x\r\n",
+        "partial body": (b"POST /pin HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         + TOKEN.encode() + b"\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"token_ids\""),
+        "idle after a response": b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+    }
+    results: dict[str, tuple[bytes, float]] = {}
+    threads = [threading.Thread(target=lambda k=k, d=d: results.__setitem__(k, _raw(
+        admin.port, d))) for k, d in cases.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert set(results) == set(cases)
+    for name, (_, seconds) in results.items():
+        assert 0.8 < seconds < 5, (name, seconds)
+    assert results["silent"][0] == b""
+    for name in ("partial headers", "partial body"):
+        head, _, body = results[name][0].partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 "), (name, head)
+        assert b"admin.request_timeout_s = 1 s" in body
+    assert results["idle after a response"][0].startswith(b"HTTP/1.1 200 ")
+
+
+def test_connections_beyond_max_connections_get_503(admin: AdminServer,
+                                                    http: httpx.Client) -> None:
+    """admin.max_connections = 8: the ninth open connection is answered 503 and closed at
+    once; once the idle ones are gone (request_timeout_s) the admin answers again."""
+    idle = [socket.create_connection(("127.0.0.1", admin.port), timeout=10) for _ in range(8)]
+    try:
+        wait_until(lambda: True, 0.1, "the server to accept")
+        got, seconds = _raw(admin.port, b"")
+        assert got.startswith(b"HTTP/1.1 503 ") and b"admin.max_connections = 8" in got, got
+        assert seconds < 1
+    finally:
+        for sock in idle:
+            sock.close()
+    wait_until(lambda: http.get("/healthz").status_code == 200, 10, "the admin answering")
 
 
 # ---------------------------------------------------------------------------- scale
@@ -440,7 +621,7 @@ def test_metrics_take_under_20ms_with_a_million_cached_blocks(tmp_path: Path) ->
     })
     stack = Stack(cfg, log_dir=str(tmp_path)).start()
     try:
-        app = create_app(stack, token="")
+        app = create_app(stack, token=TOKEN)
         server = AdminServer(app, "127.0.0.1", 0).start()
         try:
             m = stack.manager
@@ -460,7 +641,7 @@ def test_metrics_take_under_20ms_with_a_million_cached_blocks(tmp_path: Path) ->
                 t0 = time.perf_counter()
                 text = generate_latest(registry)
                 collector_s.append(time.perf_counter() - t0)
-            with httpx.Client(base_url=server.url, timeout=10.0) as client:
+            with httpx.Client(base_url=server.url, timeout=10.0, headers=AUTH) as client:
                 client.get("/metrics")
                 http_s = []
                 for _ in range(30):

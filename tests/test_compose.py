@@ -51,6 +51,7 @@ from compose_support import (
     prometheus_targets,
     promql_without_grafana_variables,
 )
+from kvtier.admin.auth import token_path
 from kvtier.manager.config import host_pool_bytes, load_config, page_bytes
 from prometheus_client.parser import text_string_to_metric_families
 from serve_support import ServeProcess, tiny_toml
@@ -153,6 +154,27 @@ def test_kvtier_healthcheck_and_port_match_the_admin(kvtier_cfg):
     assert published == [str(port)]
     assert all(p.startswith("127.0.0.1:") for p in service["ports"])
     assert service["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_the_admin_needs_a_token_and_a_generated_one_lands_in_a_volume(kvtier_cfg):
+    """Issue 11 item 10: the compose admin binds 0.0.0.0 with no token configured, so it must
+    not be open: auth stays "token", and the token kvtier generates is written under
+    XDG_STATE_HOME, a named volume the image prepares for its user (0700)."""
+    assert kvtier_cfg.admin.auth == "token"
+    service = compose()["services"]["kvtier"]
+    env = service["environment"]
+    state = env["XDG_STATE_HOME"]
+    assert f"kvtier-state:{state}" in service["volumes"]
+    assert "kvtier-state" in compose()["volumes"]
+    assert env["KVTIER_ADMIN_TOKEN"] == "${KVTIER_ADMIN_TOKEN:-}"
+    # `kvtier status` in the container looks for the token of this deployment id
+    assert env["KVTIER_DEPLOYMENT_ID"] == kvtier_cfg.deployment_id
+    runs = " ".join(rest for kw, rest in dockerfile_instructions() if kw == "RUN")
+    assert f"install -d -o kvtier -g kvtier -m 0700 {state}" in runs
+    envs = " ".join(rest for kw, rest in dockerfile_instructions() if kw == "ENV")
+    assert f"XDG_STATE_HOME={state}" in envs
+    where = token_path(kvtier_cfg.deployment_id, {"XDG_STATE_HOME": state})
+    assert str(where) in COMPOSE_FILE.read_text()
 
 
 def test_redis_service_is_checked_with_redis_cli():

@@ -36,7 +36,7 @@ from kvtier.manager.config import (
 )
 from pydantic import ValidationError
 from redis_server import RedisClusterServers, RedisServer
-from support import free_port
+from support import fill, free_port, tmpfs_mount
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,7 +66,9 @@ BRIEF_DEFAULTS = {
     },
     "workers": {"count": 1, "device": "auto", "cuda_devices": "", "ready_timeout_s": 60,
                 "engine_kv": False, "heartbeat_timeout_s": 5},
-    "admin": {"host": "127.0.0.1", "port": 8080, "token": ""},
+    "admin": {"host": "127.0.0.1", "port": 8080, "auth": "token", "token": "",
+              "max_body_bytes": 4 * 1024**2, "max_pin_tokens": 262144, "max_extra_keys": 1024,
+              "request_timeout_s": 10.0, "keep_alive_s": 5, "max_connections": 64},
 }
 
 
@@ -186,6 +188,29 @@ FILE_ERRORS = [
     ("[admin]\nport = 70000\n", "admin.port = 70000: must be <= 65535"),
     ("[workers]\nheartbeat_timeout_s = 0\n", "workers.heartbeat_timeout_s = 0: must be > 0"),
     ("[storage]\ntimeout_base_s = inf\n", "storage.timeout_base_s = inf: expected a finite number"),
+    # Issue 11 item 14: values no part of kvtier can use are refused at load, one line each.
+    ("[workers]\ncount = 65\n", "workers.count = 65: must be <= 64"),
+    ("[workers]\nready_timeout_s = 1e300\n", "workers.ready_timeout_s = 1e+300: must be <= 3600"),
+    (
+        "[workers]\nheartbeat_timeout_s = 7200\n",
+        "workers.heartbeat_timeout_s = 7200: must be <= 3600",
+    ),
+    ("[storage]\ntimeout_base_s = 1e300\n", "storage.timeout_base_s = 1e+300: must be <= 3600"),
+    ("[storage]\nttl_s = 1e300\n", "storage.ttl_s = 1e+300: must be <= 315360000"),
+    ('[storage]\npath = "a\\u0000b"\n', "storage.path = 'a\\x00b': contains a NUL character"),
+    (
+        f'[storage]\npath = "/tmp/{"x" * 300}"\n',
+        "storage.path = '/tmp/" + "x" * 54 + "..." + "x" * 29 + "' (305 characters): has a "
+        "300-byte component; a file name may have at most 255 bytes",
+    ),
+    ("[admin]\nauth = 'open'\n", "admin.auth = 'open': expected one of 'token' or 'none'"),
+    ("[admin]\nmax_body_bytes = 10\n", "admin.max_body_bytes = 10: must be >= 1024"),
+    ("[admin]\nrequest_timeout_s = 0\n", "admin.request_timeout_s = 0: must be > 0"),
+    (
+        "[admin]\nauth = 'none'\ntoken = 'x'\n",
+        "admin.auth = 'none' but admin.token is set: a token would be ignored; set admin.auth "
+        "= 'token' to require it, or unset the token",
+    ),
     (
         "[cache]\nwrite_policy = 'lru'\n",
         "cache.write_policy = 'lru': expected one of 'write_through', "
@@ -554,6 +579,46 @@ def test_file_storage_reachability(tmp_path):
         f"storage.path = {str(blocker / 'storage')!r}: {str(blocker)!r} exists and is not a "
         "directory"
     )
+
+
+def _storage_problem(path: str | Path) -> str:
+    cfg = load_config(None, {"KVTIER_STORAGE__PATH": str(path)}, check_resources=False)
+    with pytest.raises(ConfigError) as caught:
+        check_storage_reachable(cfg)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"storage.path = {str(path)!r}: ")
+    return message
+
+
+def test_file_storage_on_a_read_only_file_system(tmp_path):
+    """Issue 11 item 14: refused at start in one line; a worker used to fail writing pages."""
+    with tmpfs_mount(tmp_path / "ro", "ro") as mounted:
+        message = _storage_problem(mounted / "storage")
+    assert message.endswith(f"{str(mounted)!r} is on a read-only file system")
+
+
+def test_file_storage_on_a_full_file_system(tmp_path):
+    """Issue 11 item 14: a file system that is full at start is reported, not found out by
+    the first backup."""
+    with tmpfs_mount(tmp_path / "full") as mounted:
+        fill(mounted)
+        message = _storage_problem(mounted / "storage")
+        assert message.endswith(f"the file system holding {str(mounted)!r} is full (0 bytes "
+                                f"free, one page needs {page_bytes(KvtierConfig())})")
+        assert sorted(p.name for p in mounted.iterdir()) == ["filler"]  # the probe left nothing
+
+
+def test_file_storage_where_no_file_can_be_created():
+    """/proc takes no new files although access(2) calls it writable for root."""
+    assert _storage_problem("/proc/kvtier-storage") == (
+        "storage.path = '/proc/kvtier-storage': cannot create files in '/proc': No such file or "
+        "directory")
+
+
+def test_an_empty_config_file_is_all_defaults(tmp_path):
+    """An empty file is valid TOML: every key takes its default (explicitly accepted)."""
+    assert _plain(load_config(_write(tmp_path, ""), {})) == BRIEF_DEFAULTS
+    assert _plain(load_config(_write(tmp_path, "# only a comment\n\n"), {})) == BRIEF_DEFAULTS
 
 
 def test_no_storage_backend_needs_nothing():

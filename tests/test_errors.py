@@ -64,6 +64,7 @@ def test_every_exception_kvtier_defines_derives_from_kvtier_error() -> None:
     ("kvtier.worker.executor.StorageError", RuntimeError),
     ("kvtier.admin.server.AdminBindError", OSError),
     ("kvtier.admin.server.AdminStartError", RuntimeError),
+    ("kvtier.admin.auth.TokenFileError", OSError),
     ("kvtier.manager.errors.InvalidRequestError", ValueError),
     ("kvtier.manager.errors.UnknownRequestError", KeyError),
     ("kvtier.manager.errors.TransferTimeoutError", TimeoutError),

@@ -336,3 +336,16 @@ def test_non_integer_token_id_is_named_in_the_error(bad: object) -> None:
 def test_negative_int_content_hash_is_a_clear_error() -> None:
     with pytest.raises(TokenKeyError, match="extra_keys item"):
         chain_keys(toks(2), BS, extra_keys=[(0, 4, -5)])
+
+
+def test_a_content_hash_too_long_for_its_2_byte_length_is_a_clear_error() -> None:
+    """Issue 11 item 12: a hash over 65,535 bytes raised OverflowError from the encoding (a
+    500 from the admin's /pin); it is a TokenKeyError, for both key families, and 65,535
+    bytes still work."""
+    tokens = list(range(8))
+    for family in (chain_keys, storage_keys):
+        for digest in (b"h" * 65536, "h" * 70000):
+            with pytest.raises(TokenKeyError, match=r"content_hash is [0-9]+ bytes; at most "
+                               r"65535"):
+                family(tokens, 4, extra_keys=[(0, 2, digest)])
+        assert len(family(tokens, 4, extra_keys=[(0, 2, b"h" * 65535)])) == 2

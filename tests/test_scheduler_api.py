@@ -29,7 +29,7 @@ from kvtier.manager.errors import (
 from kvtier.manager.keys import chain_keys
 from kvtier.manager.scheduler import KVCacheManager, MatchResult
 from kvtier.manager.transfers import ImmediateDispatcher, ManualDispatcher
-from kvtier.manager.tree import EVICTING, SAVING, Node
+from kvtier.manager.tree import BACKING, EVICTING, SAVING, Node
 from kvtier.worker.wire import Priority, Task, TaskKind
 
 BS = 4
@@ -219,6 +219,31 @@ def test_allocate_is_all_or_nothing(make: Factory) -> None:
     m.release("b")
     m.release("c")
     assert_no_leak(m)
+
+
+def test_allocate_waits_for_backups_that_free_enough_room(make: Factory) -> None:
+    """write_through: committed blocks are busy (their D2H backup in flight) until the
+    backup lands. An allocation that only fits once they land waits for them instead of
+    failing (issue 11 item 4); one that cannot fit even then fails at once, naming the
+    busy blocks."""
+    d = ManualDispatcher()  # a wait answers the tasks waited for (they finish in ms)
+    m = make(device_blocks=4, host_blocks=8, write_policy="write_through", dispatcher=d)
+    a = prompt(1, 9)
+    m.match("a", a)
+    m.allocate("a", 9, 0)
+    m.commit("a", a, 9)
+    m.release("a")  # 2 blocks busy backing up, 2 free, nothing evictable yet
+    (save,) = tasks_of(d, TaskKind.D2H)
+    assert m.stats()["device"]["evictable"] == 0  # type: ignore[index]
+    m.match("big", prompt(2, 20))
+    with pytest.raises(OutOfBlocksError, match=r"5 device blocks needed, 2 free and 0 "
+                                                r"evictable of 4; 2 more busy in transfers"):
+        m.allocate("big", 20, 0)
+    assert save.seq in d.tasks, "a hopeless allocation must not wait"
+    got = m.allocate("big", 16, 0)  # 4 blocks: fits once the backup has landed
+    assert len(got) == 4 and save.seq not in d.tasks
+    assert where(m, a) == ["host", "host"]  # evicted after the backup: host copies stay
+    m.release("big")
 
 
 def test_decode_reservation(make: Factory) -> None:
@@ -828,8 +853,10 @@ def test_reset_keeps_an_active_requests_blocks_until_release(make: Factory) -> N
 def test_lost_worker_keeps_in_flight_blocks_until_every_rank_answers(make: Factory) -> None:
     """After `lose_all` (a worker died), a load still pending on the other ranks writes into
     its device blocks: those must not be handed to another request before it is answered,
-    even when the request that matched them is released at once."""
-    d = ManualDispatcher()
+    even when the request that matched them is released at once. An allocation that needs
+    them waits for that answer (here: the load fails, as on the lost rank) and only then
+    gets them."""
+    d = ManualDispatcher(lambda task: (task.kind != TaskKind.H2D, 0))
     m = make(device_blocks=4, host_blocks=8, write_policy="write_back", dispatcher=d)
     a = prompt(1, 9)
     serve(m, "a", a)
@@ -850,10 +877,50 @@ def test_lost_worker_keeps_in_flight_blocks_until_every_rank_answers(make: Facto
     m.match("d", prompt(3, 1))
     got = set(m.allocate("d", free * BS, 0))
     assert not got & loading, f"blocks {sorted(got & loading)} reused while still loading"
-    with pytest.raises(OutOfBlocksError):  # the loading blocks stay out until it answers
-        m.allocate("d", BS, 0)
-    d.complete(load.seq, ok=False)
-    assert m.allocate("d", BS, 0)  # the load answered: its blocks are free again
+    assert load.seq in d.tasks  # the loading blocks stay out until it answers ...
+    got = set(m.allocate("d", BS, 0))  # ... which this allocation waits for
+    assert load.seq not in d.tasks and got <= loading, (got, loading)
     m.release("d")
     m.check_invariants()
     assert m.stats()["device"]["free"] == 4 and m.stats()["host"]["free"] == 8
+
+
+def test_lost_worker_frees_device_blocks_whose_nodes_only_back_up_to_storage(
+        make: Factory) -> None:
+    """After `lose_all`, a node whose only transfer in flight is a storage backup (it reads
+    the host copy) gives its device block back at once: a slow store must not starve the
+    allocations of the requests that follow the loss."""
+    d = ManualDispatcher()
+    m = make(device_blocks=4, host_blocks=8, write_policy="write_through", dispatcher=d)
+    a = prompt(1, 16)
+    serve(m, "a", a)
+    for seq in list(d.tasks):
+        d.complete(seq)  # the D2H backups landed: 4 blocks on device and host
+    nodes = [node(m, a, i) for i in range(4)]
+    done: list[bool] = []
+
+    def on_done(ok: bool, _comp: object) -> None:  # what the storage tier does
+        for n in nodes:
+            assert n is not None
+            n.flags &= ~BACKING
+            m.after_transfer(n)
+        done.append(ok)
+
+    with m.lock:
+        for n in nodes:
+            assert n is not None
+            n.flags |= BACKING
+            m.relist(n)
+        seq = m.next_seq()
+        m.track(Task(seq, TaskKind.BACKUP, [n.host for n in nodes if n], [], [b"k" * 32] * 4,
+                     Priority.BACKUP), [n for n in nodes if n], on_done=on_done)
+        m._flush()
+    m.lose_all()
+    assert m.stats()["device"]["free"] == 4  # type: ignore[index]
+    m.match("b", prompt(2, 16))
+    assert len(m.allocate("b", 16, 0)) == 4 and seq in d.tasks
+    d.complete(seq)
+    assert done == [True]
+    m.release("b")
+    m.check_invariants()
+    assert m.stats()["host"]["free"] == 8  # type: ignore[index]

@@ -11,11 +11,14 @@ test_compose.py. Bad configurations must fail before anything starts: exit 2, on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
+import stat
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -24,12 +27,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_support import ServeProcess, tiny_toml
 from support import (
     clean_env,
+    fill,
     free_port,
     kvtier_script,
     leftovers,
     module_command,
     new_deployment_id,
     pid_exists,
+    tmpfs_mount,
     wait_until,
 )
 
@@ -37,6 +42,7 @@ pytestmark = pytest.mark.slow  # `kvtier serve` and `kvtier status` as child pro
 
 TOKEN = "blackbox-token-1"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+POSTS = ("/pause", "/resume", "/reset", "/pin", "/unpin")
 
 
 def worker_samples(client: httpx.Client, name: str) -> dict[str, float]:
@@ -147,6 +153,63 @@ def test_serve_end_to_end(tmp_path: Path) -> None:
         assert "stopped: workers gone" in serve.log()
 
 
+def test_serve_generates_a_private_token_when_none_is_configured(tmp_path: Path) -> None:
+    """Issue 11 item 10: no admin.token and no explicit opt-out: a random token, written 0600
+    (directories 0700) to $XDG_STATE_HOME/kvtier/<deployment_id>/admin-token, the path logged
+    and never the token, every POST refused without it, the file removed at exit."""
+    dep = new_deployment_id("tok")
+    config = tiny_toml(tmp_path / "kvtier.toml", dep, storage="none")
+    serve = ServeProcess(module_command(), ["serve", "--config", str(config)],
+                         deployment_id=dep, log_path=tmp_path / "serve.log")
+    with serve:
+        path = serve.token_file()
+        assert path == tmp_path / "state" / "kvtier" / dep / "admin-token"
+        token = serve.token()
+        assert len(token) >= 43
+        log = serve.log()
+        assert f"admin token generated and written to {path}" in log, log
+        assert token not in log
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        with serve.client() as client:
+            for post in POSTS:
+                assert client.post(post, json={"token_ids": [1]}).status_code == 401, post
+            assert client.post("/pause", headers={"Authorization": "Bearer nope"}
+                               ).status_code == 401
+            auth = {"Authorization": f"Bearer {token}"}
+            assert client.post("/pause", headers=auth).json() == {"paused": True}
+            assert client.post("/resume", headers=auth).json() == {"paused": False}
+            admin = client.get("/status").json()["config"]["admin"]
+            assert admin["auth"] == "token" and admin["token_set"] is False
+        shown = subprocess.run([str(kvtier_script()), "status", "--url", serve.url, "--json",
+                                "--deployment-id", dep], capture_output=True, text=True,
+                               timeout=30, env=serve.env)
+        assert shown.returncode == 0 and json.loads(shown.stdout)["deployment_id"] == dep
+        assert serve.stop(signal.SIGTERM) == 0
+    assert not path.exists()
+
+
+def test_auth_none_is_explicit_and_warned_about_off_loopback(tmp_path: Path) -> None:
+    """admin.auth = "none" is the only way to an admin without a token; bound to 0.0.0.0 it
+    says so in a warning."""
+    dep = new_deployment_id("open")
+    config = tiny_toml(tmp_path / "kvtier.toml", dep, storage="none")
+    config.write_text(config.read_text().replace('host = "127.0.0.1"', 'host = "0.0.0.0"')
+                      + 'auth = "none"\n')
+    serve = ServeProcess(module_command(), ["serve", "--config", str(config)],
+                         deployment_id=dep, log_path=tmp_path / "serve.log")
+    with serve:
+        assert ("WARNING kvtier.serve: admin.auth = 'none' with admin.host = '0.0.0.0': anyone "
+                "who can reach this address can reset, pause and pin without a token"
+                ) in serve.log()
+        assert not serve.token_file().exists()
+        url = serve.url.replace("0.0.0.0", "127.0.0.1")
+        with httpx.Client(base_url=url, timeout=10.0) as client:
+            assert client.post("/pause").json() == {"paused": True}
+            assert client.post("/resume").json() == {"paused": False}
+        assert serve.stop(signal.SIGTERM) == 0
+
+
 def _serve_once(tmp_path: Path, config: Path | None, env: dict[str, str],
                 *extra: str) -> subprocess.CompletedProcess[str]:
     args = ["serve"] if config is None else ["serve", "--config", str(config)]
@@ -173,6 +236,62 @@ def test_bad_configuration_exits_2_with_one_line_naming_the_key(
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("kvtier serve: ") and expected in lines[0], lines[0]
     assert result.stdout == ""
+    assert leftovers(dep, 1) == []
+
+
+@contextlib.contextmanager
+def _no_place(tmp_path: Path, kind: str) -> Iterator[str]:
+    """A storage.path that cannot hold storage: on a read-only or a full file system."""
+    with tmpfs_mount(tmp_path / kind, *(["ro"] if kind == "ro" else [])) as mounted:
+        if kind == "full":
+            fill(mounted)
+        yield str(mounted / "storage")
+
+
+BAD_MACHINE_CONFIGS: list[tuple[str, str, str]] = [
+    ("[workers]\ncount = 65\n", "", "workers.count = 65: must be <= 64"),
+    ("[workers]\nready_timeout_s = 1e300\n", "", "workers.ready_timeout_s = 1e+300: must be <= "
+     "3600"),
+    ('[storage]\npath = "a\\u0000b"\n', "", "storage.path = 'a\\x00b': contains a NUL "
+     "character"),
+    (f'[storage]\npath = "{"p" * 5000}"\n', "", "(5000 characters): 5000 bytes long; a path "
+     "may have at most 4095"),
+    ('[storage]\npath = "/proc/kvtier-storage"\n', "", "storage.path = "
+     "'/proc/kvtier-storage': cannot create files in '/proc': No such file or directory"),
+    ("", "ro", "is on a read-only file system"),
+    ("", "full", "is full (0 bytes free, one page needs 512)"),
+]
+
+
+@pytest.mark.parametrize("command", ["serve", "replay"])
+@pytest.mark.parametrize(("toml", "place", "expected"), BAD_MACHINE_CONFIGS,
+                         ids=["count", "timeout", "nul", "long", "proc", "ro", "full"])
+def test_bad_storage_and_worker_settings_exit_2_in_one_line(
+        tmp_path: Path, command: str, toml: str, place: str, expected: str) -> None:
+    """Issue 11 item 14: each of these used to start workers (exit 1 and a worker's
+    traceback) or print a traceback; now one line naming the key and the value, exit 2,
+    before anything starts (`kvtier serve` and `kvtier replay` alike)."""
+    dep = new_deployment_id("bad")
+    config = tiny_toml(tmp_path / "kvtier.toml", dep, storage="none")
+    with contextlib.ExitStack() as stack:
+        text = config.read_text()
+        if toml.startswith("[storage]"):
+            text = text.replace('backend = "none"\n', 'backend = "file"\n' + toml[10:])
+        elif place:
+            where = stack.enter_context(_no_place(tmp_path, place))
+            text = text.replace('backend = "none"\n', f'backend = "file"\npath = "{where}"\n')
+        else:
+            text = text.replace('[workers]\ncount = 1\ndevice = "cpu"\n',
+                                '[workers]\ndevice = "cpu"\n' + toml[10:])
+        config.write_text(text)
+        result = subprocess.run([*module_command(), command, "--config", str(config)],
+                                capture_output=True, text=True, timeout=120, env=clean_env(),
+                                cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvtier {command}: "), result.stderr
+    assert expected in lines[0], lines[0]
+    assert "worker rank" not in result.stderr
     assert leftovers(dep, 1) == []
 
 

@@ -582,3 +582,64 @@ def test_stalled_cluster_node_costs_one_timeout_and_recovers() -> None:
         assert np.array_equal(dest, pages)
         assert backend.stats()["available"] == 1
         backend.close()
+
+
+# ---------------------------------------------------------------------- trust (issue 11 item 9)
+
+
+def test_file_storage_directories_are_private_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o000)
+    try:
+        backend = FileBackend(tmp_path / "store", "ns-tp1/r0", page_bytes=PAGE)
+        backend.set(make_keys(1), list(make_pages(1)))
+        backend.close()
+    finally:
+        os.umask(old)
+    made = [tmp_path / "store", tmp_path / "store" / "ns-tp1", tmp_path / "store/ns-tp1/r0",
+            *(p for p in (tmp_path / "store/ns-tp1/r0").iterdir() if p.is_dir())]
+    assert len(made) == 4
+    assert {oct(p.stat().st_mode & 0o777) for p in made} == {oct(0o700)}
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])
+def test_file_storage_refuses_a_directory_others_can_write(tmp_path: Path, mode: int) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    with pytest.raises(ValueError, match=r"writable by group or others .*chmod go-w"):
+        FileBackend(shared, "ns-tp1/r0", page_bytes=PAGE)
+
+
+def test_file_storage_refuses_a_directory_another_user_owns(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 4242, 4242)  # the tests run as root (the README's machine)
+    with pytest.raises(ValueError, match=r"owned by uid 4242, not by this user"):
+        FileBackend(theirs, "ns-tp1/r0", page_bytes=PAGE)
+
+
+def test_redis_acl_user_url_works_and_its_password_is_never_shown(
+        redis_server: RedisServer) -> None:
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.acl_setuser("kvtier-acl", enabled=True, passwords=["+s3cret-pw"],
+                      categories=["+@all"], keys=["*"])
+    try:
+        url = redis_server.url.replace("redis://", "redis://kvtier-acl:s3cret-pw@", 1)
+        backend = make_backend("redis", namespace="acl-tp1/r0", url=url, page_bytes=PAGE)
+        assert backend is not None
+        keys, pages = make_keys(2, "acl"), make_pages(2)
+        assert backend.set(keys, list(pages)) == 2
+        dest = np.zeros_like(pages)
+        assert backend.get_into(keys, list(dest)) == [True, True]
+        assert np.array_equal(dest, pages)
+        backend.close()
+        bad = make_backend("redis", namespace="acl-tp1/r0", page_bytes=PAGE,
+                           url=url.replace("s3cret-pw", "wrong-pw"))  # refused: misses
+        assert bad is not None and bad.get_into(keys, list(dest)) == [False, False]
+        bad.close()
+        with pytest.raises(ValueError) as err:
+            make_backend("redis", namespace="acl-tp1/r0", page_bytes=PAGE,
+                         url="redis://kvtier-acl:s3cret-pw@127.0.0.1:notaport/0")
+        assert "s3cret-pw" not in str(err.value)
+    finally:
+        admin.acl_deluser("kvtier-acl")

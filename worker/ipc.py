@@ -117,6 +117,7 @@ PROGRESS_SLOTS = 256
 HEARTBEAT_INTERVAL_S = 0.5
 MANAGER_TIMEOUT_S = 3.0
 SEND_TIMEOUT_S = 5.0
+_SEND_SLICE_S = 0.05  # a send to a full queue re-checks its rank's worker this often
 MAX_LAYERS = 0xFFFF
 
 _DEPLOYMENT_ID = re.compile(r"[A-Za-z0-9_-]{1,32}")
@@ -350,6 +351,18 @@ def pid_alive(pid: int) -> bool:
 def _open_segment(name: str, size: int, *, create: bool, read_only: bool = False) -> mmap.mmap:
     if create:
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+        try:
+            # Reserve the pages now: a sparse segment on a /dev/shm that fills up later
+            # would SIGBUS its first writer instead of failing here.
+            os.posix_fallocate(shm.fd, 0, size)
+        except OSError as e:
+            shm.close_fd()
+            _unlink(name, "segment")
+            raise IPCError(
+                f"cannot reserve {size} bytes of /dev/shm for {name}: "
+                f"{os.strerror(e.errno or 0)} (free space in /dev/shm, or the container's "
+                "shm_size)"
+            ) from None
     else:
         shm = posix_ipc.SharedMemory(name, read_only=read_only)
     try:
@@ -571,6 +584,12 @@ class ManagerIPC:
         self._owner_pid = os.getpid()
         self._threads: list[threading.Thread] = []
         self._stats = {"tasks_sent": 0, "tasks_via_arena": 0, "completions": 0}
+        # Ranks whose worker could not be started: tasks fail at once instead of queueing
+        # for nobody. `_max_seq_sent` is the highest seq handed to the queues so far;
+        # `reset_rank` records it per rank (`seq_floor`).
+        self._down: set[int] = set()
+        self._max_seq_sent = 0
+        self._seq_floor = [0] * num_ranks
 
         with _LIVE_LOCK:
             if deployment_id in _LIVE_DEPLOYMENTS:
@@ -656,7 +675,7 @@ class ManagerIPC:
             w[_W_SLOTS] = slots
             w[_W_MANAGER_PID] = os.getpid()
             w[_W_MANAGER_BEAT] = time.monotonic_ns()
-            w[_W_INSTANCE] = secrets.randbits(62) + 1
+            self.instance = w[_W_INSTANCE] = secrets.randbits(62) + 1
             w[_W_PAUSED] = 0
             w[_W_TREE] = TreeStatus.NORMAL
             w[_W_ARENA_BYTES] = arena_bytes
@@ -666,7 +685,7 @@ class ManagerIPC:
             w[_W_MAGIC] = _MAGIC  # last: a worker attaching early sees a complete header
         except BaseException:
             self._release_handles()
-            self.unlink_all()
+            cleanup_stale(self.deployment_id, self.num_ranks)  # just created, all ours
             raise
 
     def _start_threads(self) -> None:
@@ -692,6 +711,14 @@ class ManagerIPC:
         budget = self.send_timeout if timeout is None else timeout
         with self._send_lock:
             self._check_open()
+            if self._down:
+                rank = min(self._down)
+                raise SendTimeout(
+                    f"task seq={task.seq}: rank {rank} is down (its worker could not be "
+                    f"started); delivered to no rank",
+                    rank=rank,
+                    delivered=[],
+                )
             deadline = time.monotonic() + budget
             alloc = None
             if len(msg) > self.message_size:
@@ -710,6 +737,8 @@ class ManagerIPC:
                 except posix_ipc.BusyError:
                     self._send_blocking(q, msg, rank, task.seq, deadline, budget, alloc)
             self._stats["tasks_sent"] += 1
+            if task.seq > self._max_seq_sent:
+                self._max_seq_sent = task.seq
             if alloc is not None:
                 self._stats["tasks_via_arena"] += 1
 
@@ -723,21 +752,33 @@ class ManagerIPC:
         budget: float,
         alloc: _Allocation | None,
     ) -> None:
-        remaining = deadline - time.monotonic()
-        try:
+        # Wait in short slices: a rank whose worker is gone (dead, or not started yet after a
+        # reset) will never empty its queue, so the send fails at once instead of holding
+        # the send lock (and its caller's locks) for the whole budget.
+        ctl = self._require_open()
+        gone = False
+        while True:
+            remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise posix_ipc.BusyError("timed out")
-            q.send(msg, remaining)
-        except posix_ipc.BusyError:
-            if alloc is not None:
-                alloc.ranks.difference_update(range(rank, self.num_ranks))
-            state = self.rank_state(rank).describe()
-            raise SendTimeout(
-                f"task seq={seq}: the task queue of rank {rank} stayed full for {budget:.1f}s "
-                f"({state}); delivered to ranks {list(range(rank))}",
-                rank=rank,
-                delivered=list(range(rank)),
-            ) from None
+                break
+            try:
+                q.send(msg, min(remaining, _SEND_SLICE_S))
+                return
+            except posix_ipc.BusyError:
+                pass
+            if not pid_alive(ctl.get(rank, _R_PID)):
+                gone = True
+                break
+        if alloc is not None:
+            alloc.ranks.difference_update(range(rank, self.num_ranks))
+        state = self.rank_state(rank).describe()
+        waited = "and its worker is gone" if gone else f"for {budget:.1f}s"
+        raise SendTimeout(
+            f"task seq={seq}: the task queue of rank {rank} stayed full {waited} "
+            f"({state}); delivered to ranks {list(range(rank))}",
+            rank=rank,
+            delivered=list(range(rank)),
+        )
 
     def _arena_put(self, msg: bytes, seq: int, deadline: float) -> _Allocation:
         n = len(msg)
@@ -988,11 +1029,16 @@ class ManagerIPC:
     def reset_rank(self, rank: int) -> int:
         """Forget rank `rank`'s worker after it exited (before starting a replacement):
         drops the tasks still queued for it, releases its hold on the arena, clears its
-        flags and layer progress. Returns how many queued messages were dropped."""
+        flags and layer progress. Returns how many queued messages were dropped.
+
+        Every task sent before the reset has a seq <= `seq_floor(rank)` afterwards (sends are
+        serialised and the manager numbers tasks in the order it sends them): those are lost
+        with the old worker; a task sent later reaches the rank's next worker."""
         if not 0 <= rank < self.num_ranks:
             raise ValueError(f"rank {rank} out of range [0, {self.num_ranks})")
         with self._send_lock:
             ctl = self._require_open()
+            self._seq_floor[rank] = self._max_seq_sent
             dropped = 0
             q = self._task_queues[rank]
             while True:
@@ -1011,6 +1057,21 @@ class ManagerIPC:
             self._cond.notify_all()
         return dropped
 
+    def seq_floor(self, rank: int) -> int:
+        """The highest seq sent before rank `rank` was last reset (0: never reset)."""
+        return self._seq_floor[rank]
+
+    def set_rank_down(self, rank: int, down: bool) -> None:
+        """Mark rank `rank` as having no worker to come (its start failed): while any rank is
+        down, `send_task` raises SendTimeout at once, delivering to no rank."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank {rank} out of range [0, {self.num_ranks})")
+        with self._send_lock:
+            if down:
+                self._down.add(rank)
+            else:
+                self._down.discard(rank)
+
     # ------------------------------------------------------------------ shutdown
 
     def _check_open(self) -> None:
@@ -1022,10 +1083,41 @@ class ManagerIPC:
         assert self._ctl is not None
         return self._ctl
 
+    def names_owner(self) -> str:
+        """Whose the deployment's names are now: "self" while the control segment under its
+        name is this instance's, "other" once a successor (started while this manager was
+        frozen past its heartbeat) has replaced them, "none" when it is gone."""
+        try:
+            mm = _open_segment(self.names.control, 0, create=False, read_only=True)
+        except posix_ipc.ExistentialError:
+            return "none"
+        try:
+            words = memoryview(mm).cast("q")
+            try:
+                mine = (len(words) >= _HEADER_WORDS and words[_W_MAGIC] == _MAGIC
+                        and words[_W_INSTANCE] == self.instance)
+            finally:
+                words.release()
+        finally:
+            mm.close()
+        return "self" if mine else "other"
+
     def unlink_all(self) -> list[str]:
         """Unlink every name of this deployment (idempotent); returns the ones that existed.
-        Open handles keep working, but no worker can attach any more."""
+        Open handles keep working, but no worker can attach any more. Names a successor
+        instance took over are left alone (split brain after a frozen manager)."""
+        if self.names_owner() == "other":
+            log.warning("deployment %r: its names belong to another manager instance now; "
+                        "leaving them", self.deployment_id)
+            return []
         return cleanup_stale(self.deployment_id, self.num_ranks)
+
+    def unlink_owned_segment(self, name: str) -> bool:
+        """Unlink shared-memory segment `name` of this deployment (a worker's host pool)
+        unless a successor instance took the deployment's names over. True if removed."""
+        if self.names_owner() == "other":
+            return False
+        return _unlink(name, "segment")
 
     def _release_handles(self) -> None:
         for q in [*getattr(self, "_task_queues", []), getattr(self, "_completion_queue", None)]:
@@ -1103,10 +1195,12 @@ class WorkerIPC:
         *,
         manager_timeout: float = MANAGER_TIMEOUT_S,
         ids_as_arrays: bool = False,
+        expect_instance: int = 0,
     ) -> None:
         validate_deployment_id(deployment_id)
         self.deployment_id = deployment_id
         self.rank = rank
+        self.expect_instance = expect_instance  # 0: any (else the manager that started us)
         self.manager_timeout = manager_timeout
         self.ids_as_arrays = ids_as_arrays
         self._send_lock = threading.Lock()
@@ -1148,6 +1242,12 @@ class WorkerIPC:
             raise IPCError(
                 f"{control}: not a kvtier control segment of layout {_LAYOUT_VERSION} "
                 "(being created, or from another version)"
+            )
+        if self.expect_instance and self._instance != self.expect_instance:
+            mm.close()
+            raise IPCError(
+                f"{control}: belongs to another manager instance (pid {self._manager_pid}) "
+                "than the one that started this worker"
             )
         self._ctl = _Control(mm, num_ranks, slots)
         if not isinstance(self.rank, int) or not 0 <= self.rank < num_ranks:

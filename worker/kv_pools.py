@@ -13,7 +13,9 @@ The two pools are laid out for different readers:
   machine (tests, diagnostics) can map it, and it is pinned for DMA when CUDA is present.
 
 Sizes are validated up front against the memory the machine actually has, because a pool that
-does not fit fails late and confusingly (OOM kill, SIGBUS on a full /dev/shm) otherwise.
+does not fit fails late and confusingly (OOM kill, SIGBUS on a full /dev/shm) otherwise; the
+host segment's pages are also allocated at creation (`posix_fallocate`), so /dev/shm filling
+up later can never turn a touch of the pool into a SIGBUS.
 """
 
 from __future__ import annotations
@@ -344,6 +346,7 @@ class HostPool:
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=self.nbytes)
         try:
             os.fchmod(shm.fd, 0o600)  # shm_open applies the umask; make the mode exact
+            self._reserve(shm.fd)
             self._map(shm.fd)
         except BaseException:
             shm.close_fd()
@@ -352,6 +355,19 @@ class HostPool:
             raise
         shm.close_fd()
         self._arm_finalizer()
+
+    def _reserve(self, fd: int) -> None:
+        """Allocate every page of the segment now. A segment is sparse until written, so a
+        /dev/shm that runs out later would kill the worker with SIGBUS on its first touch of
+        an unbacked page; reserved up front, a shortage is this start-up error instead."""
+        try:
+            os.posix_fallocate(fd, 0, self.nbytes)
+        except OSError as e:
+            raise PoolConfigError(
+                f"cache.host_blocks: {self.num_blocks} blocks need {_gib(self.nbytes)} of "
+                f"/dev/shm but reserving them failed ({os.strerror(e.errno or 0)}): raise the "
+                "container's shm_size or lower cache.host_blocks"
+            ) from None
 
     @classmethod
     def attach(cls, name: str, shape: KVShape) -> HostPool:

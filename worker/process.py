@@ -1,6 +1,10 @@
 """The worker process of one tensor-parallel rank: owns the rank's KV bytes, runs its tasks.
 
     python -m worker.process --spec '<json WorkerSpec>'
+    python -m worker.process --spec-env NAME      (the JSON in environment variable NAME)
+
+The launcher uses `--spec-env`: a spec may hold secrets (a Redis URL with a password), and a
+process's environment is readable by its user only, its command line by everybody.
 
 Started by the manager's launcher, one per rank. It attaches to the deployment's IPC names,
 builds the device pool, the host pool (a shared-memory segment named after the deployment and
@@ -69,7 +73,8 @@ class Worker:
         self._inflight = 0
         self._inflight_lock = threading.Lock()
         self.ipc = WorkerIPC(spec.deployment_id, spec.rank,
-                             manager_timeout=spec.manager_timeout_s)
+                             manager_timeout=spec.manager_timeout_s,
+                             expect_instance=spec.ipc_instance)
         try:
             self.res = RankResources(spec, host_segment_name(spec.deployment_id, spec.rank))
         except BaseException:
@@ -189,9 +194,13 @@ class Worker:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvtier-worker", description=__doc__.splitlines()[0])
-    ap.add_argument("--spec", required=True, help="WorkerSpec as JSON")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--spec", help="WorkerSpec as JSON")
+    src.add_argument("--spec-env", metavar="NAME",
+                     help="environment variable holding the WorkerSpec as JSON")
     args = ap.parse_args(argv)
-    spec = WorkerSpec.from_json(args.spec)
+    spec = WorkerSpec.from_json(args.spec if args.spec is not None
+                                else os.environ.pop(args.spec_env))
     logging.basicConfig(level=os.environ.get("KVTIER_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s rank{spec.rank} %(levelname)s %(message)s",
                         stream=sys.stderr)

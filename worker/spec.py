@@ -48,6 +48,13 @@ class WorkerSpec:
     # device pool (kvtier.worker.engine_pool), waiting at most engine_kv_timeout_s for it
     engine_kv: bool = False
     engine_kv_timeout_s: float = 60.0
+    # Keeps pages of a different kind of content apart: "verify" for `kvtier replay
+    # --verify`, whose pages hold key-derived bytes (a verified run must never read the
+    # pages of an unverified one, whose bytes are whatever the blocks held). "": none.
+    storage_tag: str = ""
+    # The instance nonce of the manager IPC the worker must attach to (0: any): a worker
+    # started by a manager whose names a successor took over never joins the successor.
+    ipc_instance: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -80,6 +87,8 @@ class WorkerSpec:
             fields["layout"] = layout
         elif layout not in (None, "kvtier"):
             raise ValueError(f"rank {self.rank}: layout {layout!r} without engine_kv")
+        if self.storage_tag:
+            fields["storage_tag"] = self.storage_tag
         if self.backup_one_rank:  # every rank holds the same KV: all share rank 0's pages
             return namespace_for(fields, 0, 1)
         return namespace_for(fields, self.rank, self.num_ranks)

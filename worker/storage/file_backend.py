@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import os
 import re
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -117,6 +118,35 @@ def _writev_full(fd: int, buffers: list[memoryview]) -> None:
         remaining = _advance(remaining, put)
 
 
+def _make_private_dirs(path: Path, namespace: str) -> None:
+    """Create `path/namespace` with every directory kvtier creates mode 0700 whatever the
+    umask, and refuse (ValueError) a directory of it not owned by this user or writable by
+    group or others: pages read from there become KV that attention reads, so whoever can
+    write them must be this user."""
+    dirs = [path]
+    for part in Path(namespace).parts:
+        dirs.append(dirs[-1] / part)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    for d in dirs:
+        try:
+            os.mkdir(d, 0o700)
+            os.chmod(d, 0o700)  # mkdir applies the umask
+        except FileExistsError:
+            pass
+        st = os.stat(d)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ValueError(f"storage path {str(d)!r} is not a directory")
+        if st.st_uid != os.geteuid():
+            raise ValueError(
+                f"storage path {str(d)!r} is owned by uid {st.st_uid}, not by this user "
+                f"(uid {os.geteuid()}): refusing to read pages anybody else may write")
+        if st.st_mode & 0o022:
+            raise ValueError(
+                f"storage path {str(d)!r} is writable by group or others (mode "
+                f"{stat.S_IMODE(st.st_mode):o}): refusing it (chmod go-w {str(d)!r})")
+
+
 class FileBackend(StorageBackend):
     """Pages as files under `root = <path>/<namespace>`, with a byte capacity and LRU deletion.
 
@@ -164,7 +194,7 @@ class FileBackend(StorageBackend):
         self.root = Path(path) / namespace
         self._root_s = str(self.root)
         try:
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _make_private_dirs(Path(path), namespace)
         except OSError as exc:
             raise ValueError(f"storage path {str(self.root)!r} cannot be created: {exc}") from exc
         self._lock = threading.Lock()
@@ -428,7 +458,12 @@ class FileBackend(StorageBackend):
     def _ensure_shard(self, shard: str) -> None:
         if shard in self._shards:
             return
-        os.makedirs(os.path.join(self.root, shard), mode=0o700, exist_ok=True)
+        shard_path = os.path.join(self.root, shard)
+        try:
+            os.mkdir(shard_path, 0o700)
+            os.chmod(shard_path, 0o700)  # mkdir applies the umask
+        except FileExistsError:
+            pass
         with self._lock:
             self._shards.add(shard)
 

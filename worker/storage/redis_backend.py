@@ -152,7 +152,8 @@ class RedisBackend(StorageBackend):
                 self._client_obj = open_client(url, timeout_s=self.timeout_s,
                                                connect_timeout_s=self._connect_timeout_s)
             except ValueError as exc:
-                raise ValueError(f"storage url {url!r} is not a valid Redis URL: {exc}") from exc
+                raise ValueError(f"storage url {self._shown_url!r} is not a valid Redis URL: "
+                                 f"{exc}") from exc
         self._state_lock = threading.Lock()
         self._backoff_base_s = float(backoff_s)
         self._backoff_max_s = float(backoff_max_s)

@@ -1,0 +1,131 @@
+"""The admin's bearer token when the operator configured none: generated at start, kept in a
+state file only its user can read.
+
+Why: an admin that accepts every POST unless a token was configured is open by default, and
+anyone on the machine (or the network, with `admin.host = "0.0.0.0"`) could pause every transfer
+or wipe the shared storage namespace. Like Jupyter, `kvtier serve` therefore makes up a random
+token when `admin.token` is empty and `admin.auth = "token"` (the default), writes it to
+
+    $XDG_STATE_HOME/kvtier/<deployment_id>/admin-token    (else ~/.local/state/kvtier/...)
+
+(directories 0700, file 0600, replaced atomically), logs the path and never the token, and the
+`kvtier` command's admin client reads it from there. Running without authentication takes an
+explicit `admin.auth = "none"`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import secrets
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+
+from kvtier.manager.errors import KvtierError
+
+TOKEN_FILE_NAME = "admin-token"
+TOKEN_BYTES = 32
+"""Random bytes of a generated token (URL-safe base64: 43 characters)."""
+
+
+class TokenFileError(KvtierError, OSError):
+    """The token file cannot be written safely; the message names the path and the reason."""
+
+
+def state_dir(deployment_id: str, env: Mapping[str, str] | None = None) -> Path:
+    """The deployment's state directory: `$XDG_STATE_HOME/kvtier/<deployment_id>`, or
+    `~/.local/state/kvtier/<deployment_id>` when XDG_STATE_HOME is unset or not absolute (the
+    XDG Base Directory rule)."""
+    environ = os.environ if env is None else env
+    base = environ.get("XDG_STATE_HOME", "")
+    if not base or not os.path.isabs(base):
+        home = environ.get("HOME") or str(Path.home())
+        base = os.path.join(home, ".local", "state")
+    return Path(base) / "kvtier" / deployment_id
+
+
+def token_path(deployment_id: str, env: Mapping[str, str] | None = None) -> Path:
+    """Where the generated admin token of `deployment_id` lives."""
+    return state_dir(deployment_id, env) / TOKEN_FILE_NAME
+
+
+def generate_token() -> str:
+    return secrets.token_urlsafe(TOKEN_BYTES)
+
+
+def _private_dir(path: Path) -> None:
+    """`path` exists as a directory of ours, mode 0700 (created so, or tightened); a symlink
+    or another user's directory is refused, since whoever owns it could read the token."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise TokenFileError(f"{path} is not a directory")
+    if info.st_uid != os.geteuid():
+        raise TokenFileError(f"{path} belongs to uid {info.st_uid}, not to this user")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        path.chmod(0o700)
+
+
+def write_token(path: Path, token: str) -> None:
+    """Write `token` to `path` readable by this user only (0600), atomically: a reader sees
+    the old file or the new one, never a partial token. The two kvtier directories above it
+    are made 0700; the base directory is created 0700 if missing."""
+    try:
+        path.parent.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _private_dir(path.parent.parent)
+        _private_dir(path.parent)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(token + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+    except TokenFileError:
+        raise
+    except OSError as e:
+        raise TokenFileError(f"{e.filename or path}: {e.strerror or e}") from None
+
+
+def read_token(path: Path) -> str | None:
+    """The token in `path`, or None when there is no readable, non-empty file."""
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text or None
+
+
+def remove_token(path: Path, token: str) -> None:
+    """Remove the token file if it still holds `token` (a later start may have replaced it)."""
+    if read_token(path) == token:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def client_token(deployment_id: str, env: Mapping[str, str] | None = None) -> str | None:
+    """The token an admin client should present: KVTIER_ADMIN_TOKEN (or
+    KVTIER_ADMIN__TOKEN) when set, else the deployment's state file, else None."""
+    environ = os.environ if env is None else env
+    for name in ("KVTIER_ADMIN_TOKEN", "KVTIER_ADMIN__TOKEN"):
+        if environ.get(name):
+            return environ[name]
+    return read_token(token_path(deployment_id, environ))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the admin reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
