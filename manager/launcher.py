@@ -52,7 +52,7 @@ from kvtier.manager.config import NON_CONFIG_ENV
 from kvtier.manager.errors import KvtierError, TransferTimeoutError
 from kvtier.manager.transfers import Dispatcher
 from kvtier.worker.ipc import MAX_RANKS, ManagerIPC, SendTimeout, TaskAborted
-from kvtier.worker.kvreg import read_record, remove_dead_registrations
+from kvtier.worker.kvreg import EngineKVError, read_record, remove_dead_registrations
 from kvtier.worker.spec import WorkerSpec, host_segment_name
 from kvtier.worker.wire import (
     MIN_RESULT_KINDS,
@@ -389,17 +389,24 @@ class WorkerSupervisor:
         """A safety net under the engine's own duty (a restarted model runner means a new
         scheduler side, or `manager.lose_all()`): when a rank's registration disappears or is
         replaced, the manager forgets every cached block, so a block id is never served over
-        memory that no longer holds its KV. Checked twice a second."""
+        memory that no longer holds its KV. Checked twice a second, and at start; every change
+        counts: gone (closed, or its runner dead), replaced, or back after a gap (blocks cached
+        in the gap were never backed by live memory). `seen_kv_nonce` tells what was seen."""
         now = time.monotonic()
         if now - self._kv_checked < 0.5:
             return
         self._kv_checked = now
         for rank in range(self.num_ranks):
-            rec = read_record(self.deployment_id, rank)
-            nonce = rec.nonce if rec is not None else None
+            try:
+                rec = read_record(self.deployment_id, rank)
+            except EngineKVError:
+                rec = None  # unreadable: no worker can use it either
+            alive = rec is not None and rec.owner_alive()
+            nonce = rec.nonce if rec is not None and alive else None
+            first = rank not in self._kv_nonce
             seen = self._kv_nonce.get(rank)
             self._kv_nonce[rank] = nonce
-            if seen is None or nonce == seen:
+            if first or nonce == seen:
                 continue
             reason = ("the model runner's KV registration was replaced" if nonce is not None
                       else "the model runner's KV registration is gone")
@@ -409,6 +416,10 @@ class WorkerSupervisor:
                     self.on_worker_lost(rank, reason)
                 except Exception:
                     log.exception("handling the lost KV memory of rank %d failed", rank)
+
+    def seen_kv_nonce(self, rank: int) -> str | None:
+        """The registration nonce of `rank` the last engine-KV check saw (None: none live)."""
+        return self._kv_nonce.get(rank)
 
     def _watch(self) -> None:
         while not self._stop.wait(0.1):

@@ -586,6 +586,22 @@ def engine_stack(cfg: KvtierConfig, runner: Any) -> Iterator[Stack]:
                "the deployment leaves nothing")
 
 
+def manager_noticed_new_registrations(stack: Stack, dep: str, ranks: int = 2) -> None:
+    """Wait until the manager's engine-KV check has seen every rank's current registration:
+    it drops the whole cache once on each change, so a test caching blocks before that would
+    see them dropped under it (dropping is what keeps a restarted runner from being served
+    blocks of its predecessor's memory)."""
+    sup = stack.supervisor
+    assert sup is not None
+
+    def seen() -> bool:
+        recs = [kvreg.read_record(dep, r) for r in range(ranks)]
+        return all(rec is not None and sup.seen_kv_nonce(r) == rec.nonce
+                   for r, rec in enumerate(recs))
+
+    wait_until(seen, 10, "the manager saw the new registrations")
+
+
 def round_trip(stack: Stack, runner: Any, ranks: int = 2) -> None:
     """The runner computes 4 blocks (writes its own tensors), the manager backs them up to
     the host (D2H), another request takes over exactly those device blocks and writes them,
@@ -747,6 +763,7 @@ class TestLifeCycle:
         runner.regs[0] = runner.register(0)  # the model runner is back, with new memory
         assert m.match("again", tokens).num_tokens == 0  # nothing served from the old memory
         m.release("again")
+        manager_noticed_new_registrations(stack, stack.cfg.deployment_id)
         round_trip(stack, runner)
         assert stack.ready()[0]
 
@@ -791,6 +808,7 @@ def _child_round_trip_and_death(device: str, layout: str) -> None:
                 assert (f"rank {r}: EngineKVGone: engine KV registration of rank {r} is gone "
                         f"(model runner pid {runners[0].pid} exited)") in out.error, out.error
             runners.append(_child_runner(dep, layout, device))
+            manager_noticed_new_registrations(stack, dep)
             round_trip(stack, runners[1])
             runners[1].kill()
         assert shm_entries(dep) == []  # the stop removed the dead runner's names
