@@ -19,18 +19,17 @@ import contextlib
 import ipaddress
 import os
 import secrets
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from kvtier.manager.errors import KvtierError
+from kvtier.manager.private_state import PrivateStateError, private_dir, state_base
 
 TOKEN_FILE_NAME = "admin-token"
 TOKEN_BYTES = 32
 """Random bytes of a generated token (URL-safe base64: 43 characters)."""
 
 
-class TokenFileError(KvtierError, OSError):
+class TokenFileError(PrivateStateError):
     """The token file cannot be written safely; the message names the path and the reason."""
 
 
@@ -38,12 +37,7 @@ def state_dir(deployment_id: str, env: Mapping[str, str] | None = None) -> Path:
     """The deployment's state directory: `$XDG_STATE_HOME/kvtier/<deployment_id>`, or
     `~/.local/state/kvtier/<deployment_id>` when XDG_STATE_HOME is unset or not absolute (the
     XDG Base Directory rule)."""
-    environ = os.environ if env is None else env
-    base = environ.get("XDG_STATE_HOME", "")
-    if not base or not os.path.isabs(base):
-        home = environ.get("HOME") or str(Path.home())
-        base = os.path.join(home, ".local", "state")
-    return Path(base) / "kvtier" / deployment_id
+    return state_base(env) / deployment_id
 
 
 def token_path(deployment_id: str, env: Mapping[str, str] | None = None) -> Path:
@@ -56,17 +50,8 @@ def generate_token() -> str:
 
 
 def _private_dir(path: Path) -> None:
-    """`path` exists as a directory of ours, mode 0700 (created so, or tightened); a symlink
-    or another user's directory is refused, since whoever owns it could read the token."""
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700)
-    info = path.lstat()
-    if not stat.S_ISDIR(info.st_mode):
-        raise TokenFileError(f"{path} is not a directory")
-    if info.st_uid != os.geteuid():
-        raise TokenFileError(f"{path} belongs to uid {info.st_uid}, not to this user")
-    if stat.S_IMODE(info.st_mode) != 0o700:
-        path.chmod(0o700)
+    """`path` exists as a directory of ours, mode 0700 (see `private_state.private_dir`)."""
+    private_dir(path, TokenFileError)
 
 
 def write_token(path: Path, token: str) -> None:

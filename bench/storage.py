@@ -1,9 +1,9 @@
 """Prefetch throughput of the storage backends against a plain read of the same bytes.
 
 A prefetch moves N stored pages into host memory. What kvtier adds on top of the raw store is
-the page header check, the checksum over every byte and the LRU bookkeeping, so this measures
-`backend.get_into(keys, host page views)` against the plainest way to fetch the same bytes in
-the same run:
+the page header check, the MAC (keyed BLAKE2b) over every byte and the LRU bookkeeping, so
+this measures `backend.get_into(keys, host page views)` against the plainest way to fetch the
+same bytes in the same run:
 
 * file:  `backend.get_into` vs `open(path, "rb", buffering=0).readinto(buffer)` of each page
          file (header included), both into a preallocated destination;
@@ -52,6 +52,7 @@ from kvtier.worker.storage.redis_backend import RedisBackend  # noqa: E402
 from tests.redis_server import RedisClusterServers, RedisServer  # noqa: E402
 
 NAMESPACE = "bench/r0"
+SECRET = b"kvtier-bench-storage-secret-0123"
 
 
 class HostPages:
@@ -137,7 +138,7 @@ def result(backend: str, page: int, count: int, t_ours: list[float], t_plain: li
 def bench_file(root: Path, keys: list[bytes], src: np.ndarray, reps: int, io_threads: int
                ) -> dict[str, object]:
     count, page = src.shape
-    backend = FileBackend(root, NAMESPACE, page_bytes=page, io_threads=io_threads)
+    backend = FileBackend(root, NAMESPACE, secret=SECRET, page_bytes=page, io_threads=io_threads)
     backend.clear()
     assert backend.set(keys, list(src)) == count
     host = HostPages(count, page, "file")
@@ -167,7 +168,7 @@ def bench_file(root: Path, keys: list[bytes], src: np.ndarray, reps: int, io_thr
 
 def bench_redis(url: str, keys: list[bytes], src: np.ndarray, reps: int) -> dict[str, object]:
     count, page = src.shape
-    backend = RedisBackend(url, NAMESPACE, page_bytes=page, timeout_s=5.0)
+    backend = RedisBackend(url, NAMESPACE, secret=SECRET, page_bytes=page, timeout_s=5.0)
     backend.clear()
     assert backend.set(keys, list(src)) == count
     host = HostPages(count, page, "redis")

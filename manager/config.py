@@ -37,6 +37,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from kvtier.manager.errors import KvtierError
+from kvtier.manager.private_state import MIN_SECRET_BYTES
 from kvtier.worker.ipc import MAX_RANKS
 from pydantic import (
     BaseModel,
@@ -212,6 +213,36 @@ class StorageConfig(BaseModel):
         description="only rank 0 writes to storage (the KV is identical on every rank, as with "
         "MLA); otherwise every rank writes its own pages",
     )
+    secret: SecretStr = Field(
+        SecretStr(""),
+        description="the storage secret that authenticates every stored page, at least 16 "
+        "characters (prefer KVTIER_STORAGE__SECRET); instances sharing a store must share it; "
+        "empty: the bytes of secret_file",
+    )
+    secret_file: str = Field(
+        "",
+        description="file holding the storage secret when secret is empty, generated (32 random "
+        "bytes, mode 0600) on first use; refused if another user owns it or others can read it; "
+        "empty: $XDG_STATE_HOME/kvtier/storage-secret (else ~/.local/state/kvtier/...)",
+    )
+
+    @field_validator("secret")
+    @classmethod
+    def _secret_is_long_enough(cls, secret: SecretStr) -> SecretStr:
+        """A short secret is guessable: whoever guesses it can forge pages."""
+        value = secret.get_secret_value()
+        if value and len(value.encode("utf-8")) < MIN_SECRET_BYTES:
+            raise ValueError(
+                f"must be at least {MIN_SECRET_BYTES} bytes (e.g. openssl rand -hex 32)")
+        return secret
+
+    @field_validator("secret_file")
+    @classmethod
+    def _secret_file_is_a_path(cls, path: str) -> str:
+        problem = path_problem(path) if path else None
+        if problem:
+            raise ValueError(problem)
+        return path
 
     @field_validator("path")
     @classmethod
@@ -664,7 +695,7 @@ _BOUNDS = {
 
 def _shown(path: tuple[str, ...], value: Any) -> str:
     """A value as an error message may show it: never the token, never a Redis password."""
-    if path == ("admin", "token"):
+    if path in (("admin", "token"), ("storage", "secret")):
         return "'***'"
     if path == ("storage", "url") and isinstance(value, str):
         return repr(redact_url(value))
@@ -1084,12 +1115,15 @@ def load_config(
 
 
 def summary(cfg: KvtierConfig) -> dict[str, Any]:
-    """What /status and the start log line show: every key (the token only as `token_set`,
-    the Redis password redacted), the effective prefetch limit, and the pool sizes."""
+    """What /status and the start log line show: every key (the admin token and the storage
+    secret only as `token_set` / `secret_set`, the Redis password redacted), the effective
+    prefetch limit, and the pool sizes."""
     data = cfg.model_dump(mode="python")
     admin = data["admin"]
     admin["token_set"] = bool(cfg.admin.token.get_secret_value())
     del admin["token"]
+    data["storage"]["secret_set"] = bool(cfg.storage.secret.get_secret_value())
+    del data["storage"]["secret"]
     data["storage"]["url"] = redact_url(cfg.storage.url)
     data["storage"]["prefetch_host_blocks_limit"] = cfg.effective_prefetch_host_blocks_limit()
     data["sizes"] = {
@@ -1122,7 +1156,8 @@ def _comment(text: str | None, indent: str = "# ") -> list[str]:
 
 def to_toml(cfg: KvtierConfig) -> str:
     """`cfg` as a commented TOML file that `load_config` reads back to an equal configuration,
-    except the admin token, which is never written (set KVTIER_ADMIN_TOKEN instead)."""
+    except the admin token and the storage secret, which are never written (set
+    KVTIER_ADMIN_TOKEN and KVTIER_STORAGE__SECRET instead)."""
     lines = _comment(
         "kvtier configuration. Every key can also be set with an environment variable "
         f"{ENV_PREFIX}<SECTION>{ENV_NESTED_DELIMITER}<KEY> (for example "

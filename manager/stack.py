@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.manager.config import ConfigError, KvtierConfig, page_bytes, rank_device, summary
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.launcher import WorkerSupervisor
+from kvtier.manager.private_state import storage_secret
 from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.storage_tier import StorageTier
 from kvtier.manager.transfers import Dispatcher, ImmediateDispatcher
@@ -80,6 +81,10 @@ def worker_spec(cfg: KvtierConfig, rank: int, storage_tag: str = "") -> WorkerSp
     apart from untagged ones (see `WorkerSpec.storage_tag`)."""
     c = cfg
     s = c.storage
+    # Resolved here, in the manager, and handed over inside the spec (an environment variable
+    # of the worker, never its command line): the worker never reads the secret file.
+    secret = (b"" if s.backend == "none"
+              else storage_secret(s.secret.get_secret_value(), s.secret_file))
     return WorkerSpec(
         deployment_id=c.deployment_id, rank=rank, num_ranks=c.workers.count,
         num_layers=c.model.num_layers, num_kv_heads=c.model.num_kv_heads,
@@ -89,7 +94,7 @@ def worker_spec(cfg: KvtierConfig, rank: int, storage_tag: str = "") -> WorkerSp
         storage_url=s.url, storage_capacity_bytes=s.capacity_bytes,
         storage_ttl_s=int(s.ttl_s), backup_one_rank=s.backup_one_rank,
         manager_timeout_s=max(3.0, c.workers.heartbeat_timeout_s), model_name=c.model.name,
-        storage_tag=storage_tag,
+        storage_tag=storage_tag, storage_secret=secret.hex(),
         # the wait for the model runner's registration ends inside the supervisor's
         # ready timeout, so the worker's own error (what is missing) is the one reported
         engine_kv=c.workers.engine_kv, engine_kv_timeout_s=0.8 * c.workers.ready_timeout_s)

@@ -63,6 +63,8 @@ BRIEF_DEFAULTS = {
         "timeout_per_1k_tokens_s": 0.005,
         "prefetch_host_blocks_limit": None,
         "backup_one_rank": False,
+        "secret": "",
+        "secret_file": "",
     },
     "workers": {"count": 1, "device": "auto", "cuda_devices": "", "ready_timeout_s": 60,
                 "engine_kv": False, "heartbeat_timeout_s": 5},
@@ -75,6 +77,7 @@ BRIEF_DEFAULTS = {
 def _plain(cfg: KvtierConfig) -> dict:
     data = cfg.model_dump()
     data["admin"]["token"] = cfg.admin.token.get_secret_value()
+    data["storage"]["secret"] = cfg.storage.secret.get_secret_value()
     return data
 
 
@@ -141,6 +144,76 @@ def test_process_environment_is_the_default_source(monkeypatch):
     assert load_config(None).cache.host_blocks == 16
     # An explicit mapping replaces the process environment entirely.
     assert load_config(None, {}).cache.host_blocks == 8192
+
+
+def test_storage_secret_is_never_shown():
+    secret = "0123456789abcdef-storage-secret"
+    cfg = load_config(None, {"KVTIER_STORAGE__SECRET": secret})
+    assert cfg.storage.secret.get_secret_value() == secret
+    shown = summary(cfg)
+    assert shown["storage"]["secret_set"] is True and "secret" not in shown["storage"]
+    for text in (json.dumps(shown, default=str), repr(cfg), str(cfg), to_toml(cfg)):
+        assert secret not in text
+    assert summary(load_config(None, {}))["storage"]["secret_set"] is False
+    message = _error(env={"KVTIER_STORAGE__SECRET": "short-secret"})
+    assert message.startswith("storage.secret = '***': must be at least 16 bytes")
+    assert "short-secret" not in message
+
+
+def test_storage_secret_file_is_generated_private_and_stable(tmp_path: Path):
+    from kvtier.manager.private_state import default_secret_file, storage_secret
+
+    env = {"XDG_STATE_HOME": str(tmp_path / "state"), "HOME": str(tmp_path / "home")}
+    first = storage_secret("", "", env)
+    path = default_secret_file(env)
+    assert path == tmp_path / "state" / "kvtier" / "storage-secret"
+    assert len(first) == 32 and path.read_bytes() == first
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    assert storage_secret("", "", env) == first  # a second instance: the same secret
+    # no XDG_STATE_HOME: ~/.local/state/kvtier/storage-secret
+    home = storage_secret("", "", {"HOME": str(tmp_path / "home")})
+    assert (tmp_path / "home/.local/state/kvtier/storage-secret").read_bytes() == home
+    # a configured secret wins and reads no file; a named file is generated where it says
+    assert storage_secret("x" * 20, str(tmp_path / "nowhere" / "s"), env) == b"x" * 20
+    assert not (tmp_path / "nowhere").exists()
+    named = storage_secret("", str(tmp_path / "sub" / "secret"), env)
+    assert (tmp_path / "sub" / "secret").read_bytes() == named and named != first
+    assert (tmp_path / "sub").stat().st_mode & 0o777 == 0o700
+
+
+def test_unsafe_storage_secret_file_is_refused(tmp_path: Path):
+    from kvtier.manager.private_state import StorageSecretError, storage_secret
+
+    path = tmp_path / "secret"
+    path.write_bytes(b"s" * 32)
+    for mode in (0o644, 0o640, 0o604, 0o602):
+        path.chmod(mode)
+        with pytest.raises(StorageSecretError, match=f"has mode {mode:o}: others may read"):
+            storage_secret("", str(path))
+    path.chmod(0o600)
+    assert storage_secret("", str(path)) == b"s" * 32
+    link = tmp_path / "link"
+    link.symlink_to(path)
+    with pytest.raises(StorageSecretError):
+        storage_secret("", str(link))
+    short = tmp_path / "short"
+    short.write_bytes(b"tiny")
+    short.chmod(0o600)
+    with pytest.raises(StorageSecretError, match="holds 4 bytes"):
+        storage_secret("", str(short))
+    if os.geteuid() == 0:  # only root can give a file away
+        os.chown(path, 12345, -1)
+        with pytest.raises(StorageSecretError, match="belongs to uid 12345, not to this user"):
+            storage_secret("", str(path))
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 12345, -1)
+        env = {"XDG_STATE_HOME": str(theirs)}
+        (theirs / "kvtier").mkdir(mode=0o700)
+        os.chown(theirs / "kvtier", 12345, -1)
+        with pytest.raises(StorageSecretError, match="belongs to uid 12345"):
+            storage_secret("", "", env)
 
 
 def test_admin_token_from_either_variable():

@@ -26,7 +26,7 @@ import torch
 from kvtier.worker.storage import HEADER_BYTES, PageStatus, make_backend, namespace_for
 from kvtier.worker.storage.backend import StorageBackend
 from kvtier.worker.storage.file_backend import FileBackend
-from kvtier.worker.storage.page_format import decode_into, encode_page
+from kvtier.worker.storage.page_format import PageCodec
 from kvtier.worker.storage.redis_backend import RedisBackend
 from redis_server import RedisClusterServers, RedisServer
 from support import free_port, wait_until
@@ -34,6 +34,7 @@ from support import free_port, wait_until
 PAGE = 64 * 1024
 SHAPE = {"num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16", "block_size": 64}
 NS = namespace_for(SHAPE, 0, 2)
+SECRET = b"kvtier-test-storage-secret-0001"
 
 
 def make_keys(n: int, salt: str = "") -> list[bytes]:
@@ -65,12 +66,13 @@ def open_backend(
     elif backend_kind == "redis-cluster":
         url = request.getfixturevalue("redis_cluster").url
     if url:
-        flusher = RedisBackend(url, NS)
+        flusher = RedisBackend(url, NS, secret=SECRET)
         flusher.client.flushall()  # a cluster client flushes every primary
         flusher.close()
     opened: list[StorageBackend] = []
 
     def _open(namespace: str = NS, **kwargs: object) -> StorageBackend:
+        kwargs.setdefault("secret", SECRET)
         if backend_kind == "file":
             backend: StorageBackend = FileBackend(tmp_path / "store", namespace, **kwargs)
         else:
@@ -179,7 +181,7 @@ def test_namespace_for_is_deterministic_and_separates_shapes() -> None:
     with pytest.raises(ValueError, match="field 'layers' has type list"):
         namespace_for({"layers": [1]}, 0, 1)
     with pytest.raises(ValueError, match="namespace"):
-        FileBackend("/tmp", "../escape")
+        FileBackend("/tmp", "../escape", secret=SECRET)
 
 
 def test_namespaces_isolate_and_same_namespace_shares(open_backend: OpenBackend) -> None:
@@ -221,7 +223,7 @@ DAMAGES: dict[str, Callable[[bytes], bytes]] = {
     "version": _flip(4),
     "key": _flip(8 + 5),
     "length": _flip(40),
-    "checksum": _flip(50),
+    "mac": _flip(60),
     "truncated_payload": lambda raw: raw[:-1],
     "truncated_header": lambda raw: raw[:30],
     "empty": lambda raw: b"",
@@ -229,8 +231,22 @@ DAMAGES: dict[str, Callable[[bytes], bytes]] = {
 }
 
 
+# Damage that only the MAC can see (payload bytes, the MAC itself): a shared Redis keeps such
+# a page, since it may be another instance's under another secret (refused, never deleted;
+# the next backup of the key overwrites it); the private file store deletes it.
+MAC_ONLY = {"payload_byte", "last_payload_byte", "mac"}
+
+
+def assert_dropped_or_kept(backend: StorageBackend, kind: str, key: bytes, damage: str) -> None:
+    if kind != "file" and damage in MAC_ONLY:
+        assert read_raw(backend, key) is not None  # kept: maybe another secret's page
+    else:
+        assert read_raw(backend, key) is None  # deleted, so it is not offered again
+
+
 @pytest.mark.parametrize("damage", list(DAMAGES))
-def test_damaged_page_is_a_counted_miss(open_backend: OpenBackend, damage: str) -> None:
+def test_damaged_page_is_a_counted_miss(open_backend: OpenBackend, damage: str,
+                                        backend_kind: str) -> None:
     backend = open_backend(page_bytes=PAGE)
     keys, pages = make_keys(3, damage), make_pages(3, seed=2)
     assert backend.set(keys, list(pages)) == 3
@@ -243,15 +259,21 @@ def test_damaged_page_is_a_counted_miss(open_backend: OpenBackend, damage: str) 
     assert np.array_equal(dest[0], pages[0]) and np.array_equal(dest[2], pages[2])
     stats = backend.stats()
     assert stats["corrupt_pages"] == 1 and stats["misses"] == 1
-    assert read_raw(backend, keys[1]) is None  # deleted, so it is not offered again
-    assert backend.exists(keys) == [True, False, True]
+    assert_dropped_or_kept(backend, backend_kind, keys[1], damage)
+    if read_raw(backend, keys[1]) is None:
+        assert backend.exists(keys) == [True, False, True]
+    else:  # refused again on every read, until a backup of the key overwrites it
+        assert backend.get_into(keys[1:2], [dest[1]]) == [False]
+        assert backend.set(keys[1:2], [pages[1]]) == 1
+        assert backend.get_into(keys[1:2], [dest[1]]) == [True]
+        assert np.array_equal(dest[1], pages[1])
 
 
 @pytest.mark.parametrize("damage", ["truncated_payload", "truncated_header", "extended"])
 def test_file_page_of_the_wrong_size_is_deleted_by_the_query(tmp_path: Path, damage: str) -> None:
     """A query (before any read) refuses a page file of the wrong size, counts it and deletes
     it, so the next query does not meet it again."""
-    backend = FileBackend(tmp_path / "store", NS, page_bytes=PAGE)
+    backend = FileBackend(tmp_path / "store", NS, secret=SECRET, page_bytes=PAGE)
     keys, pages = make_keys(3, damage), make_pages(3, seed=4)
     assert backend.set(keys, list(pages)) == 3
     raw = read_raw(backend, keys[1])
@@ -279,18 +301,125 @@ def test_page_stored_under_another_key_is_a_miss(open_backend: OpenBackend) -> N
 def test_page_format_statuses() -> None:
     key = make_keys(1)[0]
     payload = make_pages(1, 256)[0]
-    page = encode_page(key, payload)
+    codec = PageCodec(SECRET, NS)
+    page = codec.encode_page(key, payload)
+    assert len(page) == HEADER_BYTES + 256 and HEADER_BYTES == 80
     dest = bytearray(256)
-    assert decode_into(key, page, memoryview(dest)) is PageStatus.OK and dest == payload.tobytes()
+    assert codec.decode_into(key, page, memoryview(dest)) is PageStatus.OK
+    assert dest == payload.tobytes()
     untouched = bytearray(256)
-    assert decode_into(key, page[:-1], memoryview(untouched)) is PageStatus.TRUNCATED
-    assert decode_into(key, page + b"x", memoryview(untouched)) is PageStatus.TOO_LONG
-    assert decode_into(make_keys(2)[1], page, memoryview(untouched)) is PageStatus.BAD_KEY
+    decode = codec.decode_into
+    assert decode(key, page[:-1], memoryview(untouched)) is PageStatus.TRUNCATED
+    assert decode(key, page + b"x", memoryview(untouched)) is PageStatus.TOO_LONG
+    assert decode(make_keys(2)[1], page, memoryview(untouched)) is PageStatus.BAD_KEY
     bad = bytearray(page)
     bad[-1] ^= 1
-    assert decode_into(key, bytes(bad), memoryview(untouched)) is PageStatus.BAD_CHECKSUM
+    assert decode(key, bytes(bad), memoryview(untouched)) is PageStatus.BAD_MAC
+    # the same bytes under another secret or in another namespace are not authentic
+    other_secret = PageCodec(b"another-storage-secret-0002", NS)
+    assert other_secret.decode_into(key, page, memoryview(untouched)) is PageStatus.BAD_MAC
+    other_ns = PageCodec(SECRET, namespace_for(SHAPE, 1, 2))
+    assert other_ns.decode_into(key, page, memoryview(untouched)) is PageStatus.BAD_MAC
     assert untouched == bytearray(256)
-    assert decode_into(key, page, memoryview(bytearray(255))) is PageStatus.TOO_LONG
+    assert decode(key, page, memoryview(bytearray(255))) is PageStatus.TOO_LONG
+    assert "SECRET" not in repr(codec) and SECRET.hex() not in repr(codec)
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        PageCodec(b"short", NS)
+
+
+# --- authentication ------------------------------------------------------------------------------
+
+def _v1_page(key: bytes, payload: bytes) -> bytes:
+    """A page of format version 1 (64-byte header, xxh3-128 checksum, no MAC): what kvtier
+    wrote before pages were authenticated."""
+    import struct
+
+    import xxhash
+
+    header = struct.pack("<4sHH32sQ16s", b"KVTP", 1, 64, key, len(payload),
+                         xxhash.xxh3_128_digest(payload))
+    return header + payload
+
+
+def _forge(raw: bytes, evil: bytes) -> bytes:
+    """What someone who can write the store but lacks the secret can do: keep the header of a
+    genuine page, put their own payload in and recompute the integrity field as well as they
+    can (an unkeyed BLAKE2b of the same input, and the version 1 checksum)."""
+    import hashlib as _hashlib
+
+    prefix = raw[:48]
+    mac = _hashlib.blake2b(prefix + evil, digest_size=32).digest()
+    return prefix + mac + evil
+
+
+def test_forged_page_with_a_recomputed_checksum_is_refused(open_backend: OpenBackend,
+                                                          backend_kind: str) -> None:
+    """A page whose payload was replaced by someone without the secret (a file edited in the
+    storage folder, a value SET by another Redis client), with a recomputed checksum, is a
+    counted miss: its bytes never reach the destination."""
+    backend = open_backend(page_bytes=PAGE)
+    keys, pages = make_keys(3, "forge"), make_pages(3, seed=7)
+    assert backend.set(keys, list(pages)) == 3
+    raw = read_raw(backend, keys[1])
+    assert raw is not None
+    evil = bytes([0x5A]) * PAGE
+    write_raw(backend, keys[1], _forge(raw, evil))  # Redis: SET by a plain, keyless client
+    dest = np.zeros_like(pages)
+    # a miss leaves its destination unspecified (the file backend reads into it before the
+    # check); what matters is that it is reported as a miss, so the caller never uses it
+    assert backend.get_into(keys, list(dest)) == [True, False, True]
+    assert np.array_equal(dest[0], pages[0]) and np.array_equal(dest[2], pages[2])
+    stats = backend.stats()
+    assert stats["corrupt_pages"] == 1 and stats["misses"] == 1
+    assert_dropped_or_kept(backend, backend_kind, keys[1], "payload_byte")
+
+
+def test_forged_page_under_a_guessed_secret_is_refused(open_backend: OpenBackend) -> None:
+    """A page correctly encoded by kvtier's own code under another secret (a forger who knows
+    the format but not the secret) is refused too."""
+    backend = open_backend(page_bytes=PAGE)
+    key = make_keys(1, "guess")[0]
+    evil = make_pages(1, seed=8)[0]
+    write_raw(backend, key, PageCodec(b"guessed-secret-000000000", backend.namespace)
+              .encode_page(key, evil))
+    dest = np.zeros(PAGE, np.uint8)
+    assert backend.get_into([key], [dest]) == [False]
+    assert backend.stats()["corrupt_pages"] == 1
+
+
+def test_instances_with_one_secret_share_pages_another_secret_misses_them_all(
+        open_backend: OpenBackend, backend_kind: str) -> None:
+    writer = open_backend(page_bytes=PAGE, secret=SECRET)
+    keys, pages = make_keys(6, "secrets"), make_pages(6, seed=9)
+    assert writer.set(keys, list(pages)) == 6
+
+    same = open_backend(page_bytes=PAGE, secret=bytes(SECRET))  # a second instance
+    dest = np.zeros_like(pages)
+    assert same.get_into(keys, list(dest)) == [True] * 6
+    assert np.array_equal(dest, pages) and same.stats()["corrupt_pages"] == 0
+
+    stranger = open_backend(page_bytes=PAGE, secret=b"a-different-storage-secret-03")
+    dest = np.zeros_like(pages)
+    assert stranger.get_into(keys, list(dest)) == [False] * 6
+    stats = stranger.stats()
+    assert stats["corrupt_pages"] == 6 and stats["misses"] == 6 and stats["pages_read"] == 0
+    if backend_kind != "file":
+        # A shared Redis: the stranger refuses the pages but must not delete them; the
+        # instances holding the secret still read every one.
+        dest = np.zeros_like(pages)
+        assert same.get_into(keys, list(dest)) == [True] * 6
+        assert np.array_equal(dest, pages)
+
+
+def test_pages_of_the_old_format_version_are_counted_misses(open_backend: OpenBackend) -> None:
+    backend = open_backend(page_bytes=PAGE)
+    keys, pages = make_keys(2, "v1"), make_pages(2, seed=10)
+    for key, page in zip(keys, pages, strict=True):
+        write_raw(backend, key, _v1_page(key, page.tobytes()))
+    dest = np.zeros_like(pages)
+    assert backend.get_into(keys, list(dest)) == [False, False]
+    assert backend.stats()["corrupt_pages"] == 2
+    assert [read_raw(backend, k) for k in keys] == [None, None]
 
 
 # --- clear -------------------------------------------------------------------------------------
@@ -336,7 +465,8 @@ def _files(root: Path) -> list[str]:
 def test_file_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
     size = 4096
     page_file = HEADER_BYTES + size
-    backend = FileBackend(tmp_path, NS, capacity_bytes=4 * page_file, page_bytes=size)
+    backend = FileBackend(tmp_path, NS, secret=SECRET, capacity_bytes=4 * page_file,
+                          page_bytes=size)
     keys, pages = make_keys(6, "lru"), make_pages(6, size, seed=5)
     # One batch is a prefix in order: its tail is least recent (k3, k2, k1, k0).
     assert backend.set(keys[:4], list(pages[:4])) == 4
@@ -351,14 +481,14 @@ def test_file_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
     backend.close()
 
     with pytest.raises(ValueError, match="cannot hold one page"):
-        FileBackend(tmp_path, NS, capacity_bytes=size, page_bytes=size)
+        FileBackend(tmp_path, NS, secret=SECRET, capacity_bytes=size, page_bytes=size)
 
 
 def test_file_index_rebuilt_from_disk_by_mtime(tmp_path: Path) -> None:
     size = 4096
     page_file = HEADER_BYTES + size
     keys, pages = make_keys(4, "mtime"), make_pages(4, size, seed=6)
-    writer = FileBackend(tmp_path, NS, page_bytes=size)
+    writer = FileBackend(tmp_path, NS, secret=SECRET, page_bytes=size)
     assert writer.set(keys, list(pages)) == 4
     writer.close()
     now = time.time()
@@ -371,12 +501,13 @@ def test_file_index_rebuilt_from_disk_by_mtime(tmp_path: Path) -> None:
     os.utime(stale, (now - 3600, now - 3600))
 
     # Reading k1 refreshes its (old) mtime on disk, so it survives the restart below.
-    reader = FileBackend(tmp_path, NS, page_bytes=size)
+    reader = FileBackend(tmp_path, NS, secret=SECRET, page_bytes=size)
     assert not stale.exists()
     assert reader.get_into([keys[1]], [np.zeros(size, np.uint8)]) == [True]
     reader.close()
 
-    second = FileBackend(tmp_path, NS, capacity_bytes=3 * page_file, page_bytes=size)
+    second = FileBackend(tmp_path, NS, secret=SECRET, capacity_bytes=3 * page_file,
+                         page_bytes=size)
     assert second.exists(keys) == [True, True, False, True]  # k2 was the oldest
     assert second.stats()["used_bytes"] == 3 * page_file
     dest = np.zeros((4, size), np.uint8)
@@ -385,7 +516,7 @@ def test_file_index_rebuilt_from_disk_by_mtime(tmp_path: Path) -> None:
 
 
 def test_file_io_errors_degrade_to_misses_and_failed_writes(tmp_path: Path) -> None:
-    backend = FileBackend(tmp_path, NS, page_bytes=PAGE)
+    backend = FileBackend(tmp_path, NS, secret=SECRET, page_bytes=PAGE)
     keys, pages = make_keys(2, "io-error"), make_pages(2, seed=10)
     # A regular file where a key's shard directory should be: every open under it fails.
     blocker = backend.root / keys[0].hex()[:2]
@@ -403,8 +534,8 @@ def test_file_io_errors_degrade_to_misses_and_failed_writes(tmp_path: Path) -> N
 
 def test_file_concurrent_writers_leave_whole_pages(tmp_path: Path) -> None:
     keys, pages = make_keys(32, "threads"), make_pages(32, seed=7)
-    a = FileBackend(tmp_path, NS, page_bytes=PAGE, io_threads=1)
-    b = FileBackend(tmp_path, NS, page_bytes=PAGE, io_threads=3)
+    a = FileBackend(tmp_path, NS, secret=SECRET, page_bytes=PAGE, io_threads=1)
+    b = FileBackend(tmp_path, NS, secret=SECRET, page_bytes=PAGE, io_threads=3)
     assert a.set(keys, list(pages)) == 32
     assert b.set(keys, list(pages)) == 32  # rewrite the same pages from another "process"
     dest = np.zeros_like(pages)
@@ -418,10 +549,10 @@ def test_file_concurrent_writers_leave_whole_pages(tmp_path: Path) -> None:
 def test_redis_ttl(redis_server: RedisServer) -> None:
     raw = redis.Redis.from_url(redis_server.url)
     keys, pages = make_keys(2, "ttl"), make_pages(2, 1024)
-    with RedisBackend(redis_server.url, "ttl-test/r0", ttl_s=100) as expiring:
+    with RedisBackend(redis_server.url, "ttl-test/r0", secret=SECRET, ttl_s=100) as expiring:
         assert expiring.set(keys[:1], [pages[0]]) == 1
         assert 0 < raw.ttl(expiring.redis_key(keys[0])) <= 100
-    with RedisBackend(redis_server.url, "ttl-test/r0") as forever:
+    with RedisBackend(redis_server.url, "ttl-test/r0", secret=SECRET) as forever:
         assert forever.set(keys[1:], [pages[1]]) == 1
         assert raw.ttl(forever.redis_key(keys[1])) == -1
 
@@ -436,7 +567,7 @@ def test_redis_outage_degrades_then_recovers_by_itself(caplog: pytest.LogCapture
     caplog.set_level(logging.WARNING, logger="kvtier.storage")
     keys, pages = make_keys(8, "outage"), make_pages(8, seed=8)
     with RedisServer() as server:
-        backend = RedisBackend(server.url, NS, page_bytes=PAGE, timeout_s=0.5,
+        backend = RedisBackend(server.url, NS, secret=SECRET, page_bytes=PAGE, timeout_s=0.5,
                                backoff_s=0.1, backoff_max_s=0.4)
         assert backend.set(keys, list(pages)) == 8
         dest = np.zeros_like(pages)
@@ -480,7 +611,7 @@ def test_redis_outage_degrades_then_recovers_by_itself(caplog: pytest.LogCapture
 def test_redis_frozen_server_times_out_instead_of_hanging() -> None:
     keys, pages = make_keys(4, "frozen"), make_pages(4, seed=9)
     with RedisServer() as server:
-        backend = RedisBackend(server.url, NS, page_bytes=PAGE, timeout_s=0.3,
+        backend = RedisBackend(server.url, NS, secret=SECRET, page_bytes=PAGE, timeout_s=0.3,
                                backoff_s=0.1, backoff_max_s=0.2)
         assert backend.set(keys, list(pages)) == 4
         server.pause()  # accepts connections, answers nothing
@@ -506,7 +637,8 @@ def test_redis_unreachable_from_the_start_logs_no_password(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="kvtier.storage")
     port = free_port()  # nothing listens there
-    backend = RedisBackend(f"redis://:hunter2@127.0.0.1:{port}/0", NS, page_bytes=PAGE)
+    backend = RedisBackend(f"redis://:hunter2@127.0.0.1:{port}/0", NS, secret=SECRET,
+                           page_bytes=PAGE)
     keys = make_keys(2, "unreachable")
     got, elapsed = _timed(lambda: backend.get_into(keys, list(make_pages(2))))
     assert got == [False, False] and elapsed < 2.0
@@ -520,16 +652,18 @@ def test_redis_unreachable_from_the_start_logs_no_password(
 # --- factory -----------------------------------------------------------------------------------
 
 def test_make_backend(tmp_path: Path, redis_server: RedisServer) -> None:
-    assert make_backend("none", namespace=NS) is None
-    file_backend = make_backend("file", namespace=NS, path=str(tmp_path), capacity_bytes=1 << 20)
+    assert make_backend("none", namespace=NS, secret=SECRET) is None
+    file_backend = make_backend("file", namespace=NS, secret=SECRET, path=str(tmp_path),
+                                capacity_bytes=1 << 20)
     assert isinstance(file_backend, FileBackend) and file_backend.capacity_bytes == 1 << 20
-    redis_backend = make_backend("redis", namespace=NS, url=redis_server.url, ttl_s=5)
+    redis_backend = make_backend("redis", namespace=NS, secret=SECRET, url=redis_server.url,
+                                 ttl_s=5)
     assert isinstance(redis_backend, RedisBackend) and redis_backend.ttl_s == 5
     assert redis_backend.exists(make_keys(1)) == [False]
     with pytest.raises(ValueError, match="'s3' is unknown; choose one of none, file, redis"):
-        make_backend("s3", namespace=NS)
+        make_backend("s3", namespace=NS, secret=SECRET)
     with pytest.raises(ValueError, match="not a valid Redis URL"):
-        make_backend("redis", namespace=NS, url="http://127.0.0.1:1")
+        make_backend("redis", namespace=NS, secret=SECRET, url="http://127.0.0.1:1")
     file_backend.close()
     redis_backend.close()
 
@@ -538,7 +672,7 @@ def test_make_backend(tmp_path: Path, redis_server: RedisServer) -> None:
 def test_cluster_pages_spread_over_every_primary(redis_cluster: RedisClusterServers) -> None:
     """No hash tag pins a namespace to one slot: one batch's pages land on every node, and a
     batch read gathers them back in order."""
-    backend = RedisBackend(redis_cluster.url, NS, page_bytes=PAGE)
+    backend = RedisBackend(redis_cluster.url, NS, secret=SECRET, page_bytes=PAGE)
     backend.client.flushall()
     keys, pages = make_keys(60, "spread"), make_pages(60, seed=11)
     assert backend.set(keys, list(pages)) == 60
@@ -559,7 +693,7 @@ def test_stalled_cluster_node_costs_one_timeout_and_recovers() -> None:
     would), the next ones fail fast, and the tier reads its pages again once the node is back.
     A cluster of its own: stalling a node of the shared one would disturb other tests."""
     with RedisClusterServers() as cluster:
-        backend = RedisBackend(cluster.url, NS, page_bytes=PAGE, timeout_s=0.3,
+        backend = RedisBackend(cluster.url, NS, secret=SECRET, page_bytes=PAGE, timeout_s=0.3,
                                backoff_s=0.1, backoff_max_s=0.2)
         keys, pages = make_keys(30, "stall"), make_pages(30, seed=12)
         assert backend.set(keys, list(pages)) == 30
@@ -590,7 +724,7 @@ def test_stalled_cluster_node_costs_one_timeout_and_recovers() -> None:
 def test_file_storage_directories_are_private_whatever_the_umask(tmp_path: Path) -> None:
     old = os.umask(0o000)
     try:
-        backend = FileBackend(tmp_path / "store", "ns-tp1/r0", page_bytes=PAGE)
+        backend = FileBackend(tmp_path / "store", "ns-tp1/r0", secret=SECRET, page_bytes=PAGE)
         backend.set(make_keys(1), list(make_pages(1)))
         backend.close()
     finally:
@@ -607,7 +741,7 @@ def test_file_storage_refuses_a_directory_others_can_write(tmp_path: Path, mode:
     shared.mkdir()
     shared.chmod(mode)
     with pytest.raises(ValueError, match=r"writable by group or others .*chmod go-w"):
-        FileBackend(shared, "ns-tp1/r0", page_bytes=PAGE)
+        FileBackend(shared, "ns-tp1/r0", secret=SECRET, page_bytes=PAGE)
 
 
 def test_file_storage_refuses_a_directory_another_user_owns(tmp_path: Path) -> None:
@@ -615,7 +749,7 @@ def test_file_storage_refuses_a_directory_another_user_owns(tmp_path: Path) -> N
     theirs.mkdir(mode=0o755)
     os.chown(theirs, 4242, 4242)  # the tests run as root (the README's machine)
     with pytest.raises(ValueError, match=r"owned by uid 4242, not by this user"):
-        FileBackend(theirs, "ns-tp1/r0", page_bytes=PAGE)
+        FileBackend(theirs, "ns-tp1/r0", secret=SECRET, page_bytes=PAGE)
 
 
 def test_redis_acl_user_url_works_and_its_password_is_never_shown(
@@ -625,7 +759,8 @@ def test_redis_acl_user_url_works_and_its_password_is_never_shown(
                       categories=["+@all"], keys=["*"])
     try:
         url = redis_server.url.replace("redis://", "redis://kvtier-acl:s3cret-pw@", 1)
-        backend = make_backend("redis", namespace="acl-tp1/r0", url=url, page_bytes=PAGE)
+        backend = make_backend("redis", namespace="acl-tp1/r0", secret=SECRET, url=url,
+                               page_bytes=PAGE)
         assert backend is not None
         keys, pages = make_keys(2, "acl"), make_pages(2)
         assert backend.set(keys, list(pages)) == 2
@@ -633,12 +768,12 @@ def test_redis_acl_user_url_works_and_its_password_is_never_shown(
         assert backend.get_into(keys, list(dest)) == [True, True]
         assert np.array_equal(dest, pages)
         backend.close()
-        bad = make_backend("redis", namespace="acl-tp1/r0", page_bytes=PAGE,
+        bad = make_backend("redis", namespace="acl-tp1/r0", secret=SECRET, page_bytes=PAGE,
                            url=url.replace("s3cret-pw", "wrong-pw"))  # refused: misses
         assert bad is not None and bad.get_into(keys, list(dest)) == [False, False]
         bad.close()
         with pytest.raises(ValueError) as err:
-            make_backend("redis", namespace="acl-tp1/r0", page_bytes=PAGE,
+            make_backend("redis", namespace="acl-tp1/r0", secret=SECRET, page_bytes=PAGE,
                          url="redis://kvtier-acl:s3cret-pw@127.0.0.1:notaport/0")
         assert "s3cret-pw" not in str(err.value)
     finally:

@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import redis
 from kvtier.admin.metrics import StackCollector
+from kvtier.manager.config import summary
+from kvtier.manager.private_state import storage_secret
 from kvtier.manager.replay import ReplayReport, replay
 from kvtier.manager.stack import Stack
 from kvtier.worker.storage import HEADER_BYTES
@@ -80,7 +82,8 @@ def shared_url(request: pytest.FixtureRequest) -> str:
     if request.param == "redis":
         return str(request.getfixturevalue("redis_url"))
     cluster = request.getfixturevalue("redis_cluster")
-    RedisBackend(cluster.url, "flush").client.flushall()  # every primary
+    flusher = RedisBackend(cluster.url, "flush", secret=b"flush-only-no-pages-read")
+    flusher.client.flushall()  # every primary
     return str(cluster.url)
 
 
@@ -277,8 +280,34 @@ def test_models_of_one_shape_share_pages_only_under_one_name(
 # ---------------------------------------------------------------------- 3. corrupt pages
 
 
+def test_storage_secret_is_not_in_status_logs_or_worker_command_line(one: OneInstance) -> None:
+    """The workers hold the storage secret (their pages verify), but it is in no /status
+    answer, no summary, no worker command line, no spec repr and no log line."""
+    stack = one.stack
+    s = stack.cfg.storage
+    secret = storage_secret(s.secret.get_secret_value(), s.secret_file)
+    hexed = secret.hex()
+    spec = stack.worker_spec(0)
+    assert spec.storage_secret == hexed and hexed not in repr(spec)
+    status = json.dumps(stack.status(), default=str)
+    assert hexed not in status and "storage_secret" not in status
+    assert json.loads(status)["config"]["storage"]["secret_set"] is False  # the file's secret
+    assert hexed not in json.dumps(summary(stack.cfg), default=str)
+    assert stack.supervisor is not None
+    pids = [w["pid"] for w in stack.supervisor.status()]
+    assert len(pids) == RANKS and all(pids)
+    for pid in pids:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert b"kvtier.worker.process" in cmdline
+        assert hexed.encode() not in cmdline and secret not in cmdline
+    for log in one.log_dir.glob("*"):
+        if log.is_file():
+            data = log.read_bytes()
+            assert hexed.encode() not in data and secret not in data, log
+
+
 def _flip_byte(stack: Stack, backend: str, url: str | None, rank: int, key: bytes) -> None:
-    offset = HEADER_BYTES + PAGE_BYTES // 2  # inside the payload: only the checksum sees it
+    offset = HEADER_BYTES + PAGE_BYTES // 2  # inside the payload: only the MAC sees it
     if backend == "file":
         path = page_file(stack, rank, key)
         data = bytearray(path.read_bytes())
@@ -362,7 +391,7 @@ def test_corrupt_or_truncated_page_is_a_counted_miss_never_data(one: OneInstance
     verb = "deleted" if backend == "file" else "dropped"
     rank1 = (log_dir / "worker-r1.log").read_text()
     assert (f"1 corrupt page(s) {verb} (first: key {page_keys(flipped)[flip_at].hex()[:16]}..., "
-            "bad_checksum)") in rank1, rank1
+            "bad_mac)") in rank1, rank1
     rank0 = (log_dir / "worker-r0.log").read_text()
     cut_key = page_keys(truncated)[cut_at].hex()[:16]
     if backend == "redis":

@@ -157,7 +157,7 @@ class RankResources:
                 self.host = HostPool(shape, spec.host_blocks, host_segment)
             self.storage = make_backend(
                 spec.storage_backend, namespace=spec.storage_namespace(layout),
-                path=spec.storage_path, url=spec.storage_url,
+                secret=spec.storage_secret_bytes, path=spec.storage_path, url=spec.storage_url,
                 capacity_bytes=spec.storage_capacity_bytes, ttl_s=spec.storage_ttl_s,
                 page_bytes=shape.page_bytes, timeout_s=spec.storage_timeout_s)
             self.executor = TaskExecutor(spec.rank, self.device, self.host, self.storage,

@@ -6,7 +6,7 @@ Kept free of torch so the manager can describe its workers without importing it.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.worker.storage.backend import namespace_for
@@ -22,7 +22,9 @@ def host_segment_name(deployment_id: str, rank: int) -> str:
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs, passed as JSON on its command line."""
+    """Everything a worker needs, passed as JSON in an environment variable (see the
+    launcher's SPEC_ENV): a process's environment is readable by its user only, its command
+    line by everybody, and the spec carries the storage secret."""
 
     deployment_id: str
     rank: int
@@ -55,6 +57,9 @@ class WorkerSpec:
     # The instance nonce of the manager IPC the worker must attach to (0: any): a worker
     # started by a manager whose names a successor took over never joins the successor.
     ipc_instance: int = 0
+    # The deployment's storage secret (hex) that authenticates every stored page; "" only
+    # with storage_backend = "none". Never in the repr (and so never in a log line).
+    storage_secret: str = field(default="", repr=False)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -62,6 +67,11 @@ class WorkerSpec:
     @classmethod
     def from_json(cls, text: str) -> WorkerSpec:
         return cls(**json.loads(text))
+
+    @property
+    def storage_secret_bytes(self) -> bytes:
+        """The storage secret as bytes (ValueError when it is not hex)."""
+        return bytes.fromhex(self.storage_secret)
 
     @property
     def shape(self) -> KVShape:

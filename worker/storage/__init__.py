@@ -2,7 +2,7 @@
 
 `make_backend` opens the backend named by the `[storage]` config section on the namespace
 `namespace_for` computes for one rank; every backend implements `StorageBackend`. The byte
-layout of a stored page (header + checksum) is in `page_format`.
+layout of a stored page (header + MAC) is in `page_format`.
 """
 
 from kvtier.worker.storage.backend import StorageBackend, namespace_for

@@ -230,8 +230,9 @@ class StorageBackend(ABC):
     * keys are 32-byte `bytes`; pages are byte buffers of `page_bytes` bytes when the backend
       was given a page size (then a page of another length is rejected up front), otherwise of
       any length, as long as `get_into` is called with buffers of the length that was stored;
-    * a stored page whose header or checksum does not match is a miss, counted in
-      `stats()["corrupt_pages"]`; it is never returned as data;
+    * a stored page whose header or MAC does not match (damaged, forged, of an older format,
+      or written with another storage secret) is a miss, counted in `stats()["corrupt_pages"]`;
+      it is never returned as data;
     * an unavailable store degrades: reads miss, writes report fewer pages written, errors are
       counted per operation; no call raises for an outage or blocks past the backend timeout;
     * bad arguments (wrong key length, mismatched list lengths, wrong page size) raise

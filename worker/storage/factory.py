@@ -17,6 +17,7 @@ def make_backend(
     kind: str,
     *,
     namespace: str,
+    secret: bytes,
     path: str = ".kvtier/storage",
     url: str = "redis://127.0.0.1:6379/0",
     capacity_bytes: int = 0,
@@ -25,7 +26,8 @@ def make_backend(
     timeout_s: float = 0.5,
     io_threads: int = 2,
 ) -> StorageBackend | None:
-    """Open the storage tier named by `[storage] backend`.
+    """Open the storage tier named by `[storage] backend`, its pages authenticated with
+    `secret` (the deployment's storage secret: instances sharing a store must share it).
 
     * "none" returns None: there is no storage tier, and callers skip every storage step
       (queries, prefetches, backups) instead of talking to a store that always misses.
@@ -42,6 +44,7 @@ def make_backend(
         return FileBackend(
             path,
             namespace,
+            secret=secret,
             capacity_bytes=capacity_bytes,
             page_bytes=page_bytes,
             io_threads=io_threads,
@@ -50,7 +53,7 @@ def make_backend(
         from kvtier.worker.storage.redis_backend import RedisBackend
 
         return RedisBackend(
-            url, namespace, ttl_s=ttl_s, page_bytes=page_bytes, timeout_s=timeout_s
+            url, namespace, secret=secret, ttl_s=ttl_s, page_bytes=page_bytes, timeout_s=timeout_s
         )
     raise ValueError(
         f"storage backend {kind!r} is unknown; choose one of {', '.join(BACKEND_KINDS)}"

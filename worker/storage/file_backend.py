@@ -7,8 +7,10 @@ pages.
 Why this is safe without fsync: a write goes to a temp file in the page's own directory and is
 published with `os.replace`, so a reader sees either the old page, no page, or the whole new
 one. If the machine loses power before the data reaches the disk, the renamed file may hold
-zeros or a prefix of the page; the header's length and checksum turn that into a miss, and the
-reader deletes it. Durability of a cache page is not worth an fsync per block.
+zeros or a prefix of the page; the header's length and MAC turn that into a miss, and the
+reader deletes it. Durability of a cache page is not worth an fsync per block. The MAC (keyed
+with the storage secret) also turns a page forged or edited by anyone else who can write the
+folder into a miss.
 
 Reads go straight into the caller's buffer: one vectored `readv` fills a small header buffer,
 the destination page, and one spare byte (which proves the file is not longer than it should
@@ -37,16 +39,11 @@ from kvtier.worker.storage.backend import (
     check_keys,
     log,
 )
-from kvtier.worker.storage.page_format import (
-    HEADER_BYTES,
-    PageStatus,
-    encode_header,
-    verify_split,
-)
+from kvtier.worker.storage.page_format import HEADER_BYTES, PageCodec, PageStatus
 
-# Threads one batch is spread over, the caller included. Verifying a page (xxh3 over every
-# byte) holds the GIL while copying it out of the page cache does not, so two threads overlap
-# one page's checksum with the next page's copy (see bench/storage.py for the measurement).
+# Threads one batch is spread over, the caller included. Neither copying a page out of the page
+# cache nor verifying its MAC (BLAKE2b over every byte) holds the GIL, so two threads overlap
+# one page's MAC with the next page's copy (see bench/storage.py for the measurement).
 DEFAULT_IO_THREADS = 2
 
 _PAGE_NAME = re.compile(r"^[0-9a-f]{64}$")
@@ -174,11 +171,13 @@ class FileBackend(StorageBackend):
         path: str | os.PathLike[str],
         namespace: str,
         *,
+        secret: bytes,
         capacity_bytes: int = 0,
         page_bytes: int | None = None,
         io_threads: int = DEFAULT_IO_THREADS,
     ) -> None:
         super().__init__(namespace, page_bytes)
+        self._codec = PageCodec(secret, self.namespace)
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise ValueError(f"capacity_bytes must be an int, got {capacity_bytes!r}")
         if capacity_bytes < 0:
@@ -302,7 +301,7 @@ class FileBackend(StorageBackend):
         """Read and verify pages lo..hi-1 into their destinations. Returns per page "" (hit),
         "absent", a `PageStatus` value (corrupt: already deleted and un-indexed) or
         "error: ..." (an I/O error). This is the prefetch hot path: one open, one readv, one
-        checksum and one close per page; index updates are applied once per range."""
+        MAC and one close per page; index updates are applied once per range."""
         out: list[str] = []
         hits: list[tuple[str, int, bool]] = []  # (hexkey, file size, mtime refreshed)
         header = bytearray(HEADER_BYTES)
@@ -310,6 +309,7 @@ class FileBackend(StorageBackend):
         spare = memoryview(bytearray(1))
         now = time.time()
         flags = os.O_RDONLY | os.O_CLOEXEC
+        verify_split = self._codec.verify_split
         lru_get = self._lru.get  # unlocked reads are hints only; the index is updated below
         for i in range(lo, hi):
             hexkey = hexkeys[i]
@@ -429,7 +429,7 @@ class FileBackend(StorageBackend):
         return count
 
     def _present(self, hexkey: str) -> bool:
-        """A page file exists with a plausible size; the checksum itself is verified on read.
+        """A page file exists with a plausible size; its MAC is verified on read.
         Pages are renamed into place whole, so a wrong size can only be a damaged page: it is
         counted and deleted here rather than offered to a prefetch."""
         path = self._page_path(hexkey)
@@ -469,7 +469,7 @@ class FileBackend(StorageBackend):
 
     def _write_one(self, key: bytes, payload: memoryview) -> None:
         hexkey = key.hex()
-        header = encode_header(key, payload)
+        header = self._codec.encode_header(key, payload)
         size = HEADER_BYTES + payload.nbytes
         if self.capacity_bytes and size > self.capacity_bytes:
             raise OSError(f"page of {size} bytes exceeds capacity_bytes={self.capacity_bytes}")

@@ -3,8 +3,8 @@
 This is how kvtier scales past one machine: every instance serving the same model shape opens
 the same namespace, so a prefix one node computed and backed up is a storage hit on every other
 node. Keys are `kvtier:<namespace>:<64 hex digits of the page key>`; values are the page header
-+ payload of `page_format`, so a value that was truncated, overwritten by another client or
-written by another format version is a miss.
++ payload of `page_format`, so a value that was truncated, overwritten or forged by another
+client (anyone without the storage secret) or written by another format version is a miss.
 
 A Redis Cluster is named by a `redis+cluster://` (or `rediss+cluster://`) URL of any one of its
 nodes. Keys carry no hash tag, so the pages of one namespace spread over every primary; every
@@ -39,7 +39,7 @@ from kvtier.worker.storage.backend import (
     check_keys,
     log,
 )
-from kvtier.worker.storage.page_format import HEADER_BYTES, PageStatus, decode_into, encode_page
+from kvtier.worker.storage.page_format import HEADER_BYTES, PageCodec, PageStatus
 from redis.backoff import NoBackoff
 from redis.client import Pipeline
 from redis.cluster import RedisCluster
@@ -112,6 +112,7 @@ class RedisBackend(StorageBackend):
         url: str,
         namespace: str,
         *,
+        secret: bytes,
         ttl_s: int = 0,
         page_bytes: int | None = None,
         timeout_s: float = 0.5,
@@ -123,6 +124,7 @@ class RedisBackend(StorageBackend):
         batch_keys: int = 512,
     ) -> None:
         super().__init__(namespace, page_bytes)
+        self._codec = PageCodec(secret, self.namespace)
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s < 0:
             raise ValueError(f"ttl_s must be an int >= 0 (0 = no expiry), got {ttl_s!r}")
         for name, value in (
@@ -331,7 +333,7 @@ class RedisBackend(StorageBackend):
                 for i, value in enumerate(values, start=lo):
                     if value is None:
                         continue
-                    status = decode_into(keys_b[i], value, views[i])
+                    status = self._codec.decode_into(keys_b[i], value, views[i])
                     if status is PageStatus.OK:
                         hits[i] = True
                     else:
@@ -346,11 +348,19 @@ class RedisBackend(StorageBackend):
         )
         self._stats.observe("read", time.perf_counter() - start)
         if corrupt:
-            self._drop_corrupt([keys_b[i] for i, _ in corrupt])
+            # A store shared by several instances: a page that fails only its MAC may be
+            # another instance's, written under a secret this one does not have (a
+            # misconfiguration, or a forgery); it is refused but left alone, so one instance
+            # with the wrong secret cannot wipe the pages every other one serves. Pages
+            # damaged in their structure are dropped.
+            damaged = [keys_b[i] for i, st in corrupt if st is not PageStatus.BAD_MAC]
+            if damaged:
+                self._drop_corrupt(damaged)
             i, status = corrupt[0]
             self._warn.warning(
-                f"redis storage {self.namespace}: {len(corrupt)} corrupt page(s) dropped "
-                f"(first: key {keys_b[i].hex()[:16]}..., {status.value})"
+                f"redis storage {self.namespace}: {len(corrupt)} page(s) refused, "
+                f"{len(damaged)} damaged one(s) dropped (first: key {keys_b[i].hex()[:16]}..., "
+                f"{status.value})"
             )
         return hits
 
@@ -408,8 +418,9 @@ class RedisBackend(StorageBackend):
     def _set_batch(self, keys: list[bytes], views: list[memoryview]) -> list[object]:
         ttl = self.ttl_s or None
         names = [self.redis_key(k) for k in keys]
+        encode = self._codec.encode_page
         return self._pipelined(
-            names, lambda pipe, i: pipe.set(names[i], encode_page(keys[i], views[i]), ex=ttl),
+            names, lambda pipe, i: pipe.set(names[i], encode(keys[i], views[i]), ex=ttl),
             raise_on_error=False)
 
     def delete(self, keys: Sequence[bytes]) -> int:
