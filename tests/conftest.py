@@ -34,6 +34,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.skip(reason=NO_CUDA))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """kvtier keeps generated secrets (the admin token, the storage secret) under
+    $XDG_STATE_HOME/kvtier; the suite and every process it starts use a folder of its own,
+    never the user's home. Tests about those files point it elsewhere themselves."""
+    import os
+
+    old = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = old
+
+
 @pytest.fixture
 def shm_name() -> Iterator[str]:
     """A fresh name for a host pool's shared-memory segment (`/kvtier_<id>_host_r0`); the

@@ -348,19 +348,11 @@ class RedisBackend(StorageBackend):
         )
         self._stats.observe("read", time.perf_counter() - start)
         if corrupt:
-            # A store shared by several instances: a page that fails only its MAC may be
-            # another instance's, written under a secret this one does not have (a
-            # misconfiguration, or a forgery); it is refused but left alone, so one instance
-            # with the wrong secret cannot wipe the pages every other one serves. Pages
-            # damaged in their structure are dropped.
-            damaged = [keys_b[i] for i, st in corrupt if st is not PageStatus.BAD_MAC]
-            if damaged:
-                self._drop_corrupt(damaged)
+            self._drop_corrupt([keys_b[i] for i, _ in corrupt])
             i, status = corrupt[0]
             self._warn.warning(
-                f"redis storage {self.namespace}: {len(corrupt)} page(s) refused, "
-                f"{len(damaged)} damaged one(s) dropped (first: key {keys_b[i].hex()[:16]}..., "
-                f"{status.value})"
+                f"redis storage {self.namespace}: {len(corrupt)} corrupt page(s) dropped "
+                f"(first: key {keys_b[i].hex()[:16]}..., {status.value})"
             )
         return hits
 
