@@ -73,8 +73,10 @@ class ServeProcess:
         self.env = dict(clean_env() if env is None else env)
         # Worker logs go to a temporary directory of the stack's: keep it in the test's.
         self.env["TMPDIR"] = str(log_path.parent)
-        # A generated admin token is written under XDG_STATE_HOME: keep it in the test's too.
-        self.env.setdefault("XDG_STATE_HOME", str(log_path.parent / "state"))
+        # A generated admin token is written under XDG_STATE_HOME: keep it in the test's too
+        # (over the suite's own state folder, unless the caller's env names one).
+        if env is None or "XDG_STATE_HOME" not in env:
+            self.env["XDG_STATE_HOME"] = str(log_path.parent / "state")
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.seen_pids: set[int] = set()
