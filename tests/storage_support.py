@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.manager.config import KvtierConfig
 from kvtier.manager.keys import chain_keys, storage_keys
-from kvtier.manager.replay import _Diagnostics
+from kvtier.manager.replay import ReplayReport, _Diagnostics, replay
 from kvtier.manager.scheduler import MatchResult
 from kvtier.manager.stack import Stack
 from kvtier.manager.workloads import WorkRequest
@@ -172,3 +173,26 @@ def small_chat(conversations: int = 48, turns: int = 6, system_len: int = 32,
             else:
                 open_convs.pop(k)
     return out
+
+
+def replay_in_thread(stack: Stack, progress: Callable[[int, int, ReplayReport], None],
+                     timeout: float, what: Callable[[], str] = lambda: "replay hung"
+                     ) -> ReplayReport:
+    """A verified replay of `small_chat()` on a thread of its own, bounded in wall time (a
+    test that kills workers or stops Redis must never wait forever); an error of the replay
+    is raised here; `what()` names the hang."""
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["report"] = replay(stack, small_chat(), verify=True, progress=progress)
+        except BaseException as e:  # reported by the test thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, name="replay", daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), what()
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out["report"]  # type: ignore[return-value]

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ import redis
 from kvtier.admin.metrics import StackCollector
 from kvtier.manager.config import summary
 from kvtier.manager.private_state import storage_secret
-from kvtier.manager.replay import ReplayReport, replay
+from kvtier.manager.replay import ReplayReport
 from kvtier.manager.stack import Stack
 from kvtier.worker.storage import HEADER_BYTES
 from kvtier.worker.storage.redis_backend import RedisBackend
@@ -49,6 +48,7 @@ from storage_support import (
     page_keys,
     prompt,
     redis_key,
+    replay_in_thread,
     small_chat,
     stack_config,
     storage_counters,
@@ -422,26 +422,16 @@ def _replay_bounded(stack: Stack, on_request: Callable[[int], None]) -> tuple[Re
     """A verified replay of the small chat stream in a thread, bounded in wall time; returns
     the report and the seconds each request took."""
     stamps = [time.monotonic()]
-    out: dict[str, object] = {}
 
     def progress(done: int, _total: int, _report: ReplayReport) -> None:
         stamps.append(time.monotonic())
         on_request(done)
 
-    def run() -> None:
-        try:
-            out["report"] = replay(stack, small_chat(), verify=True, progress=progress)
-        except BaseException as e:  # reported by the test thread
-            out["error"] = e
-
-    t = threading.Thread(target=run, name="replay", daemon=True)
-    t.start()
-    t.join(PASS_BOUND_S)
-    assert not t.is_alive(), f"replay hung: {len(stamps) - 1} requests done in {PASS_BOUND_S} s"
-    if "error" in out:
-        raise out["error"]  # type: ignore[misc]
+    report = replay_in_thread(
+        stack, progress, PASS_BOUND_S,
+        lambda: f"replay hung: {len(stamps) - 1} requests done in {PASS_BOUND_S} s")
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    return out["report"], gaps  # type: ignore[return-value]
+    return report, gaps
 
 
 def test_redis_outage_during_replay_degrades_to_misses_and_recovers(

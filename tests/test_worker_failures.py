@@ -36,7 +36,7 @@ from kvtier.worker.ipc import (
 from kvtier.worker.spec import WorkerSpec, host_segment_name
 from kvtier.worker.wire import TaskKind
 from stack_support import check, fill, running_stack, submit
-from storage_support import small_chat, stack_config
+from storage_support import replay_in_thread, small_chat, stack_config
 from support import (
     clean_env,
     leftovers,
@@ -262,21 +262,7 @@ def _replay_with_kills(stack: Stack, seed: int) -> tuple[ReplayReport, int]:
         threading.Thread(target=kill, daemon=True).start()
         kills[0] += 1
 
-    out: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            out["report"] = replay(stack, small_chat(), verify=True, progress=progress)
-        except BaseException as e:  # reported by the test thread
-            out["error"] = e
-
-    t = threading.Thread(target=run, name="replay", daemon=True)
-    t.start()
-    t.join(400)
-    assert not t.is_alive(), "replay hung"
-    if "error" in out:
-        raise out["error"]  # type: ignore[misc]
-    return out["report"], kills[0]  # type: ignore[return-value]
+    return replay_in_thread(stack, progress, 400), kills[0]
 
 
 @pytest.mark.timeout(600)
