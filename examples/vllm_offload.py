@@ -213,6 +213,22 @@ def main(argv: list[str] | None = None) -> int:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             report["killed_worker_pids"] = pids
+            # vLLM goes on serving while kvtier replaces its worker (misses meanwhile) ...
+            t = time.monotonic()
+            report["during_restart_tokens"] = generate(llm, others[1])["tokens"]
+            report["during_restart_seconds"] = round(time.monotonic() - t, 2)
+            # ... and once the new worker is up, A (whose host copies died with the old one)
+            # is recomputed, exactly
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                new = worker_pids(url)
+                ready = json.loads(admin_get(url, "/status"))["workers"]
+                if new and not set(new) & set(pids) and all(
+                        w.get("state") == "ready" for w in ready):
+                    report["replacement_worker_pids"] = new
+                    break
+                time.sleep(0.1)
+            before = hit_tokens(url)
         warm = generate(llm, prompt_a)
         after = hit_tokens(url)
         loaded = sum(after.get(t, 0.0) - before.get(t, 0.0) for t in ("host", "storage"))
@@ -228,8 +244,6 @@ def main(argv: list[str] | None = None) -> int:
             "admin_url": url,
             "seconds": round(time.monotonic() - t0, 2),
         })
-        if args.kill_worker:  # still serving: one more prompt after the kill
-            report["after_kill_tokens"] = generate(llm, others[0])["tokens"]
         metrics = admin_get(url, "/metrics")
         report["metrics_lines"] = [ln for ln in metrics.splitlines()
                                    if ln.startswith("kvtier_hit_tokens_total")]
