@@ -45,10 +45,10 @@ def child(extra_json: str) -> None:
     from vllm.inputs import TokensPrompt
 
     extra = json.loads(extra_json)
-    model = ex.build_model(Path(os.environ["KVTIER_BENCH_MODEL"]))
+    model = ex.build_model(Path(os.environ["TINY_LLAMA_DIR"]))
     kw: dict[str, Any] = {"model": str(model), "skip_tokenizer_init": True,
                           "enforce_eager": True, "dtype": "bfloat16", "block_size": 32,
-                          "num_gpu_blocks_override": 16, "max_model_len": 512, "seed": 0}
+                          "num_gpu_blocks_override": 16, "max_model_len": 480, "seed": 0}
     if extra is not None:
         from vllm.config import KVTransferConfig
 
@@ -98,7 +98,7 @@ def main() -> int:
         return 0
     requests = workload(args.conversations, args.turns, args.seed)
     tmp = tempfile.mkdtemp(prefix="kvtier-ttft-")
-    env = dict(os.environ, KVTIER_BENCH_MODEL=os.path.join(tempfile.gettempdir(),
+    env = dict(os.environ, TINY_LLAMA_DIR=os.path.join(tempfile.gettempdir(),
                                                            "kvtier-vllm-tiny-llama"),
                VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_LOGGING_LEVEL="ERROR")

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from kvtier.manager import native
 from kvtier.manager.cache_state import RequestState
 from kvtier.manager.errors import InvalidRequestError
 from kvtier.manager.scheduler import KVCacheManager
@@ -124,7 +125,7 @@ class KeyedHostCache:
         self._reads: dict[Node, int] = {}
         self._queries: dict[str, _Query] = {}
         self.counters = dict.fromkeys((
-            "lookups", "lookup_hits", "stores_prepared", "stores_completed", "stores_failed",
+            "stores_prepared", "stores_completed", "stores_failed",
             "stores_refused", "loads_prepared", "loads_completed", "storage_queries"), 0)
 
     # ------------------------------------------------------------------ keys
@@ -146,16 +147,16 @@ class KeyedHostCache:
         """Is this block on the host and ready? On a miss with a storage tier, the block and
         `following` (the request's next hashes, in order) are asked of storage once per
         request; the answer may start a prefetch (then the block is PENDING)."""
-        _check_hash(block_hash)
+        if type(block_hash) is not bytes or not block_hash:
+            _check_hash(block_hash)
         with self._lock:
-            self.counters["lookups"] += 1
             if not self.host_ready():
                 return Lookup.MISS
-            node = self.m.lookup(engine_key(block_hash))
+            node = self.m.lookup(int.from_bytes(block_hash[:16], "little")
+                                 if len(block_hash) >= 16 else engine_key(block_hash))
             if node is not None and node.host is not None:
                 if node.flags & (ENGINE_WRITE | PREFETCHING):
                     return Lookup.PENDING
-                self.counters["lookup_hits"] += 1
                 return Lookup.HIT
             if self.storage is None or not request_id:
                 return Lookup.MISS
@@ -170,6 +171,14 @@ class KeyedHostCache:
                 self._query(q)
                 return Lookup.RETRY
             return Lookup.MISS if q.done else Lookup.RETRY
+
+    def count_hits(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of `hashes` are on the host and ready (one lock for all:
+        the batch form of `lookup`, without storage queries)."""
+        with self._lock:
+            if not self.host_ready():
+                return 0
+            return native.keyed_hits(self.m.tree_get, hashes, ENGINE_WRITE | PREFETCHING)
 
     def _query(self, q: _Query) -> None:
         assert self.storage is not None

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -699,6 +699,11 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ key-addressed surface
     # What `kvtier.manager.keyed.KeyedHostCache` needs beyond `CacheState` (lock held).
+
+    @property
+    def tree_get(self) -> Callable[[int], Node | None]:
+        """The tree map's `get` (the map object lives as long as the manager)."""
+        return self._map.get
 
     @property
     def host_capacity(self) -> int:

@@ -60,7 +60,7 @@ def keyed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stac
 def make_cache(stack: Stack) -> KeyedHostCache:
     stack.reset(storage=True)
     return KeyedHostCache(stack.require_manager(), stack.storage, namespace=b"test-ns",
-                          host_ready=lambda: stack.ready()[0])
+                          host_ready=stack.workers_ready)
 
 
 def store(cache: KeyedHostCache, pool: HostPool, hashes: list[bytes], ok: bool = True) -> int:
@@ -107,6 +107,8 @@ def test_store_then_load_gives_back_the_bytes(keyed_stack: tuple[Stack, HostPool
     assert store(cache, pool, hashes) == 4
     assert store(cache, pool, hashes) == 0  # already cached: nothing to copy
     assert leading_hits(cache, hashes) == 4
+    assert cache.count_hits(hashes) == 4  # the batch form agrees
+    assert cache.count_hits([*hashes[:2], chain(9, 1)[0], hashes[3]]) == 2  # stops at a miss
     ids = cache.prepare_load(hashes)
     for h, hid in zip(hashes, ids, strict=True):
         assert torch.equal(pool.data[hid], content(h, pool.shape.page_bytes))
@@ -123,6 +125,7 @@ def test_a_block_being_written_is_pending_never_a_hit(
     plan = cache.prepare_store(hashes)
     assert plan is not None and len(plan.keys) == 2
     assert cache.lookup(hashes[0]) is Lookup.PENDING
+    assert cache.count_hits(hashes) == 0
     with pytest.raises(InvalidRequestError, match="not on the host and ready"):
         cache.prepare_load(hashes)
     cache.complete_store(hashes, ok=False)  # a failed copy is never served

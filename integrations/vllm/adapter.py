@@ -265,7 +265,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         manager = self.stack.require_manager()
         self.cache = KeyedHostCache(manager, self.stack.storage,
                                     namespace=namespace.encode(),
-                                    host_ready=lambda: self.stack.ready()[0])
+                                    host_ready=self.stack.workers_ready)
         self._inodes: tuple[int, tuple[int, ...]] | None = None
         self.admin: Any = None
         self.admin_url = ""
