@@ -26,7 +26,8 @@ Data structures: the manager's flat map `key -> Node` (keys are the first 16 byt
 engine's hash, an int like kvtier's own 128-bit keys); `_writers[key]` / `_readers[key]`: FIFO
 lists of the nodes an engine store / load of that key holds, so a completion always finds the
 node its preparation marked even after a reset replaced the tree (vLLM completes a key's jobs
-in submission order); `_reads[node]`: loads in flight per node.
+in submission order); `_reads[node]`: loads in flight per node; `_abandoned`: nodes of
+copies the engine gave up on when it reset itself (still marked until released).
 
 Invariants (checked by `check_invariants`, and by the manager's own check): a node marked
 ENGINE_WRITE is in exactly one `_writers` list and never readable; a node marked ENGINE_READ
@@ -123,6 +124,7 @@ class KeyedHostCache:
         self._writers: dict[bytes, list[Node]] = {}
         self._readers: dict[bytes, list[Node]] = {}
         self._reads: dict[Node, int] = {}
+        self._abandoned: list[Node] = []
         self._queries: dict[str, _Query] = {}
         self.counters = dict.fromkeys((
             "stores_prepared", "stores_completed", "stores_failed",
@@ -335,6 +337,34 @@ class KeyedHostCache:
                 self.storage.backup(landed)
             self.m.flush()
 
+    # ------------------------------------------------------------------ engine resets
+
+    def abandon_engine_io(self) -> list[Node]:
+        """The engine reset its own bookkeeping and will never complete the copies it has
+        prepared (vLLM's `reset_prefix_cache`). Their records are dropped; the nodes stay
+        marked (their host blocks stay out of the free list: a deferred copy may still run)
+        until `release_abandoned` is given them, once the engine can no longer run one."""
+        with self._lock:
+            nodes = [n for fifo in self._writers.values() for n in fifo]
+            nodes += list(self._reads)
+            self._writers.clear()
+            self._readers.clear()
+            self._reads.clear()
+            self._abandoned.extend(nodes)
+            return nodes
+
+    def release_abandoned(self, nodes: list[Node]) -> None:
+        """Give back the host blocks of nodes `abandon_engine_io` returned (never served:
+        a store that was abandoned is dropped, not made readable)."""
+        with self._lock:
+            for node in nodes:
+                self._abandoned.remove(node)
+                writing = node.flags & ENGINE_WRITE
+                node.flags &= ~(ENGINE_READ | ENGINE_WRITE)
+                if writing and node.host is not None and node.key is not None:
+                    self.m.free_host_copy(node)
+                self.m.after_transfer(node)
+
     # ------------------------------------------------------------------ checks
 
     def check_invariants(self) -> None:
@@ -353,9 +383,11 @@ class KeyedHostCache:
                 assert c > 0 and count.get(id(n)) == c, f"reader count of {n} is off"
                 assert n.flags & ENGINE_READ and n.hprev is None, f"reader {n} misflagged"
             assert len(count) == len(self._reads)
+            abandoned = {id(n) for n in self._abandoned}
             for n in self.m.cached_nodes():
                 if n.flags & ENGINE_READ:
-                    assert n in self._reads, f"{n} marked read with no load"
+                    assert n in self._reads or id(n) in abandoned, f"{n} read with no load"
                 if n.flags & ENGINE_WRITE:
-                    assert any(n is w for w in writing), f"{n} marked written with no store"
+                    assert any(n is w for w in writing) or id(n) in abandoned, (
+                        f"{n} marked written with no store")
         self.m.check_invariants()

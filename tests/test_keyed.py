@@ -211,6 +211,29 @@ def test_a_new_cache_finds_blocks_in_storage(keyed_stack: tuple[Stack, HostPool]
     fresh.check_invariants()
 
 
+def test_copies_an_engine_abandons_are_held_then_freed_never_served(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    stack, pool = keyed_stack
+    cache = make_cache(stack)
+    done = chain(10, 2)
+    store(cache, pool, done)
+    settle(stack)
+    reading = cache.prepare_load(done)
+    writing = cache.prepare_store(chain(11, 2))
+    assert writing is not None
+    nodes = cache.abandon_engine_io()  # the engine reset itself: no completions will come
+    stack.reset()
+    m = stack.require_manager()
+    held = reading + writing.host_ids
+    assert not any(m.host_block_is_free(i) for i in held)  # a late copy may still run
+    cache.check_invariants()
+    cache.release_abandoned(nodes)
+    assert all(m.host_block_is_free(i) for i in held)
+    assert cache.lookup(writing.keys[0]) is Lookup.MISS
+    cache.complete_store(writing.keys)  # a completion after all is ignored
+    cache.check_invariants()
+
+
 class KeyedMachine(RuleBasedStateMachine):
     """Random engine traffic against one keyed cache (see the module docstring)."""
 

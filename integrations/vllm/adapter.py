@@ -267,6 +267,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
                                     namespace=namespace.encode(),
                                     host_ready=self.stack.workers_ready)
         self._inodes: tuple[int, tuple[int, ...]] | None = None
+        self._abandoned: list[list[Any]] = []  # [steps left, nodes] per vLLM reset
         self.admin: Any = None
         self.admin_url = ""
         self._closed = False
@@ -384,8 +385,24 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def reset_cache(self) -> None:
         """vLLM's reset_prefix_cache: kvtier's host tier is emptied too (storage is kept;
-        `POST /reset?storage=true` on kvtier's admin empties it)."""
-        self.stack.reset()
+        `POST /reset?storage=true` on kvtier's admin empties it). vLLM never completes the
+        copies it prepared before its reset: their host blocks are held for two more
+        scheduler steps (a deferred store may still run) and then given back, never served."""
+        self._abandoned.append([2, self.cache.abandon_engine_io()])
+        try:
+            self.stack.reset()
+        except KvtierError as e:  # transfers did not drain: the host tier stays as it was
+            log.warning("kvtier: vLLM's cache reset could not empty kvtier's host tier: %s", e)
+
+    def on_schedule_end(self, context: Any) -> None:
+        keep: list[list[Any]] = []
+        for entry in self._abandoned:
+            entry[0] -= 1
+            if entry[0] <= 0:
+                self.cache.release_abandoned(entry[1])
+            else:
+                keep.append(entry)
+        self._abandoned = keep
 
     def shutdown(self) -> None:
         if self._closed:
