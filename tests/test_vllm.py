@@ -104,6 +104,23 @@ def test_reset_with_storage_makes_the_next_repeat_a_recompute(model_dir: Path,
     assert r["identical"] is True, r
 
 
+def test_the_worker_side_copies_exactly_and_never_touches_a_replaced_pool() -> None:
+    """tests/vllm_worker_check.py in vLLM's environment: the adapter's copies against a real
+    kvtier worker, and the inode checks that keep a replaced worker's pool safe."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_worker_check.py")],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["jobs_done"] == [1, 2] and r["round_trip_exact"] and r["host_page_is_block_3"], r
+    # a load planned against another segment: nothing copied, the blocks reported to vLLM
+    assert r["stale_load_errors"] == [1, 2] and r["stale_load_copied_nothing"], r
+    assert r["refused_load_errors"] == [4, 5] and r["failed_jobs_still_finish"] == [3, 4], r
+    assert r["replaced_segment"] and r["stale_store_left_new_pool_alone"], r
+    assert r["store_into_new_pool_exact"], r
+
+
 def test_a_killed_kvtier_worker_never_stops_vllm(model_dir: Path) -> None:
     r = run_example(model_dir, "--kill-worker")
     assert r["killed_worker_pids"], r

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 from kvtier.manager.config import KvtierConfig, load_config
+from kvtier.manager.errors import InvalidRequestError
 from kvtier.manager.keyed import KeyedHostCache, Lookup
 from kvtier.manager.stack import Stack
 from kvtier.manager.tree import FROM_STORAGE
@@ -354,7 +355,16 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def prepare_load(self, keys: Collection[OffloadKey],
                      req_context: ReqContext) -> LoadStoreSpec:
-        return self._spec(self.cache.prepare_load(self._hashes(keys)))
+        hashes = self._hashes(keys)
+        try:
+            return self._spec(self.cache.prepare_load(hashes))
+        except InvalidRequestError as e:
+            # A block vLLM saw as a HIT is gone since (evicted for a prefetch that landed
+            # meanwhile, or lost with a worker): a spec no worker accepts, so the load is
+            # reported failed and vLLM recomputes the blocks.
+            log.warning("kvtier: load of %d blocks for %s refused: %s", len(hashes),
+                        req_context.req_id, e)
+            return KvtierLoadStoreSpec([-1] * len(hashes), ())
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.cache.touch(self._hashes(keys))
