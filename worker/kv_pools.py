@@ -12,6 +12,11 @@ The two pools are laid out for different readers:
   large contiguous runs. It lives in a POSIX shared-memory segment so other processes on the
   machine (tests, diagnostics) can map it, and it is pinned for DMA when CUDA is present.
 
+"Every layer" means `total_layers` = the model's `num_layers`, then `num_extra_layers` (MTP
+draft layers). With `kv_scales`, the device pool also holds the blocks' float32 scales in a
+tensor of their own (`scales`), and each host page ends with its block's scales (a trailer,
+`kvtier.worker.page_layout`), so a page still holds the whole block.
+
 Sizes are validated up front against the memory the machine actually has, because a pool that
 does not fit fails late and confusingly (OOM kill, SIGBUS on a full /dev/shm) otherwise; the
 host segment's pages are also allocated at creation (`posix_fallocate`), so /dev/shm filling
