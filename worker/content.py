@@ -208,7 +208,7 @@ def _scale_planes(pool: Pool) -> list[torch.Tensor]:
 
 def _fill_scales(pool: Pool, ids: torch.Tensor, keys: Sequence[bytes], rank: int) -> None:
     planes = _scale_planes(pool)
-    words = _scale_words(keys, rank, pool.shape).to(pool_device(pool))
+    words = _scale_words(keys, rank, pool.shape).to(_pool_device(pool))
     ids = ids.to(words.device)
     for p, plane in enumerate(planes):
         plane.index_copy_(0, ids, words[:, p])
@@ -218,7 +218,7 @@ def _check_scales(pool: Pool, ids: torch.Tensor, keys: Sequence[bytes], rank: in
                   ) -> torch.Tensor:
     """`[n]` bool: block `ids[i]`'s scales differ from those of `keys[i]`."""
     planes = _scale_planes(pool)
-    words = _scale_words(keys, rank, pool.shape).to(pool_device(pool))
+    words = _scale_words(keys, rank, pool.shape).to(_pool_device(pool))
     ids = ids.to(words.device)
     bad = torch.zeros(len(keys), dtype=torch.bool, device=words.device)
     for p, plane in enumerate(planes):
@@ -226,7 +226,7 @@ def _check_scales(pool: Pool, ids: torch.Tensor, keys: Sequence[bytes], rank: in
     return bad.cpu()
 
 
-def pool_device(pool: Pool) -> torch.device:
+def _pool_device(pool: Pool) -> torch.device:
     return pool.data.device if isinstance(pool, HostPool) else pool.device
 
 

@@ -156,6 +156,7 @@ class EnginePool(PlanePool):
     def close(self) -> None:
         """Drop the views into the model runner's memory (idempotent)."""
         self.planes = []
+        self.scale_planes = []
 
 
 def _cpu_planes(recs: tuple[dict[str, Any], ...], dtype: torch.dtype,
