@@ -154,6 +154,38 @@ def test_copies_carry_every_extra_layer_and_scale_byte(host: HostPool, path: str
     assert after == before
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", ["zero_copy", "staged", "planes"])
+def test_gpu_copies_carry_every_extra_layer_and_scale_byte(host: HostPool, path: str) -> None:
+    """The same on a CUDA device pool: the zero-copy path (kernels through the pinned host
+    pool mapped on the GPU), the staged one, and an engine's planes."""
+    dev = DevicePool(shape(), N, "cuda")
+    assert dev.scales is not None
+    for t, seed in ((dev.data, 1), (dev.scales, 2)):
+        cpu = torch.empty(t.shape, dtype=t.dtype)
+        randomize(cpu, seed)
+        t.copy_(cpu)
+    pool: DevicePool | PlanePool = dev
+    if path == "planes":
+        pool = PlanePool(dev.shape, dev.planes, scale_planes=dev.scale_planes)
+        engine = CopyEngine(pool, host)
+    else:
+        engine = CopyEngine(pool, host, cuda_path=path)  # type: ignore[arg-type]
+        assert engine.cuda_path == path
+    src, mid, dst = [0, 1, 2, 3, 7, 9], [5, 6, 7, 8, 0, 11], [10, 11, 12, 13, 14, 4]
+    planes = [p.cpu() for p in dev.planes]
+    scales = [p.cpu() for p in dev.scale_planes]
+    before = [block_bytes(planes, scales, b) for b in src]
+    engine.d2h(src, mid)
+    layers: list[int] = []
+    engine.h2d(mid, dst, layers.append)
+    torch.cuda.synchronize()
+    assert layers == list(range(L + E))
+    planes = [p.cpu() for p in dev.planes]
+    scales = [p.cpu() for p in dev.scale_planes]
+    assert [block_bytes(planes, scales, b) for b in dst] == before
+
+
 def test_content_check_covers_scales_and_extra_layers(host: HostPool) -> None:
     """What `replay --verify` checks: a block whose scales or extra layers changed fails."""
     dev = DevicePool(shape(), N, "cpu")

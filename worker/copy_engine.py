@@ -591,7 +591,10 @@ class _ScaleCopier:
 
     Sizes: a block's scales are `planes * heads * 4` bytes (2 KiB for 32 layers x 8 heads),
     under 1% of its K and V at any realistic block size, so D2H moves them in a step of their
-    own and H2D before the first layer, on the same stream as the K and V."""
+    own and H2D before the first layer, on the same stream as the K and V. Measured on the
+    2-vCPU build machine (CPU pools, float8, 32 layers x 8 KV heads x 128, 4-token blocks,
+    64 and 256 random blocks, medians of 15): the scale step took 1.2-2.1% of a D2H and
+    0.1% of an H2D."""
 
     def __init__(self, engine: CopyEngine, alias_pages: torch.Tensor | None) -> None:
         self.e = engine
