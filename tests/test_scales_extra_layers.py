@@ -29,12 +29,14 @@ from kvtier.manager.config import ConfigError, load_config, page_bytes
 from kvtier.manager.stack import worker_spec
 from kvtier.worker import content, kvreg
 from kvtier.worker.copy_engine import CopyEngine
-from kvtier.worker.engine_kv import KVRegistration, shared_kv_tensor
+from kvtier.worker.engine_kv import KVRegistration, LayerWaiter, shared_kv_tensor
 from kvtier.worker.engine_pool import EnginePool, check_record
 from kvtier.worker.kv_pools import DevicePool, HostPool, KVShape, PlanePool
 from kvtier.worker.kvreg import EngineKVError
 from kvtier.worker.spec import WorkerSpec
 from kvtier.worker.storage.backend import namespace_for
+from stack_support import running_stack
+from storage_support import ModelRunner, prompt
 from support import (
     clean_env,
     leftovers,
@@ -302,6 +304,35 @@ def test_engine_scale_tensors_are_checked_when_registering(dep: str) -> None:
 
 
 # ---------------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow  # a Stack with 2 worker processes
+def test_a_load_reports_every_extra_layer_to_layer_waiters() -> None:
+    """Through worker processes: a host hit's load is reported layer by layer up to the last
+    extra layer (index num_layers + num_extra_layers - 1) on every rank, and the loaded
+    blocks hold their K, V, extra layers and scales."""
+    cfg = tiny_config(workers=2, num_layers=L, device_blocks=8, host_blocks=32,
+                      write_policy="write_through",
+                      extra={**SCALED, "KVTIER_MODEL__NUM_EXTRA_LAYERS": str(E)})
+    with running_stack(cfg) as stack:
+        m = stack.require_manager()
+        runner = ModelRunner(stack)
+        a = prompt(1, 6)
+        runner.run(a)
+        assert m.dispatcher.drain(20)
+        runner.run(prompt(2, 7))  # takes every device block: `a` only stays on the host
+        assert m.dispatcher.drain(20)
+        hit = m.match("again", a)
+        try:
+            assert hit.host_tokens == 6 * 4 and hit.handle.seqs, hit
+            with LayerWaiter(cfg.deployment_id, 2) as waiter:
+                for seq in hit.handle.seqs:
+                    waiter.wait(seq, L + E - 1, timeout=20)
+                    assert waiter.layers_done(seq) == [L + E, L + E]
+            hit.handle.wait(20)
+            assert runner.check(a, hit.block_ids) == []
+        finally:
+            m.release("again")
 
 
 def _replay(config: Path) -> dict[str, Any]:
