@@ -8,7 +8,8 @@ the storage namespace keeps deployments with another page apart.
 
 Fast tests move bytes in this process and compare them raw (not through the content checker,
 so a copy that skipped the scales or the extra layers cannot hide behind a checker that skips
-them too). The slow test runs `kvtier replay --verify` through worker processes and file
+them too). The slow tests wait for a load layer by layer up to the last extra layer through
+worker processes, and run `kvtier replay --verify` through worker processes and file
 storage on an fp8 + scales + extra-layer configuration, then a deployment with another number
 of extra layers on the same storage folder.
 """
