@@ -39,12 +39,14 @@ from urllib.parse import urlsplit
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.private_state import MIN_SECRET_BYTES
 from kvtier.worker.ipc import MAX_RANKS
+from kvtier.worker.page_layout import PageLayout
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -114,6 +116,25 @@ class ModelConfig(BaseModel):
     dtype: Literal["float16", "bfloat16", "float32", "float8_e4m3fn"] = Field(
         "float16", description="element type of K and V"
     )
+    num_extra_layers: int = Field(
+        0, ge=0, le=4096, description="KV layers beyond num_layers (the MTP draft layers of "
+        "speculative decoding); stored after them in every tier and part of the storage "
+        "namespace")
+    kv_scales: Literal["none", "per_block_head"] = Field(
+        "none", description="per_block_head: every block carries float32 dequantization "
+        "scales per layer, K and V and KV head, moved and checked with it in every tier "
+        "(needs dtype float8_e4m3fn)")
+
+    @field_validator("kv_scales")
+    @classmethod
+    def _scales_need_fp8(cls, kv_scales: str, info: ValidationInfo) -> str:
+        # Scales only mean something for quantized KV; on a float16 cache they would be dead
+        # bytes in every page that no reader uses.
+        dtype = info.data.get("dtype")
+        if kv_scales != "none" and dtype is not None and dtype != "float8_e4m3fn":
+            raise ValueError(f"scales need a quantized KV dtype, but model.dtype = {dtype!r}; "
+                             "set model.dtype = 'float8_e4m3fn' or model.kv_scales = 'none'")
+        return kv_scales
 
 
 class CacheConfig(BaseModel):
@@ -754,11 +775,12 @@ def _validate(data: Mapping[str, Any], origins: Mapping[tuple[str, ...], str]) -
 
 
 def page_bytes(cfg: KvtierConfig) -> int:
-    """Bytes of one block on one rank: K and V of every layer."""
+    """Bytes of one block on one rank: K and V of every layer (extra layers included) and
+    the block's scales, laid out as the workers lay it out (`kvtier.worker.page_layout`)."""
     m = cfg.model
-    return (
-        2 * m.num_layers * cfg.cache.block_size * m.num_kv_heads * m.head_dim * DTYPE_BYTES[m.dtype]
-    )
+    return PageLayout(m.num_layers, m.num_extra_layers, m.num_kv_heads, m.head_dim,
+                      cfg.cache.block_size, DTYPE_BYTES[m.dtype],
+                      m.kv_scales != "none").page_bytes
 
 
 def device_pool_bytes(cfg: KvtierConfig) -> int:

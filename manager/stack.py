@@ -95,6 +95,7 @@ def worker_spec(cfg: KvtierConfig, rank: int, storage_tag: str = "") -> WorkerSp
         storage_ttl_s=int(s.ttl_s), backup_one_rank=s.backup_one_rank,
         manager_timeout_s=max(3.0, c.workers.heartbeat_timeout_s), model_name=c.model.name,
         storage_tag=storage_tag, storage_secret=secret.hex(),
+        num_extra_layers=c.model.num_extra_layers, kv_scales=c.model.kv_scales,
         # the wait for the model runner's registration ends inside the supervisor's
         # ready timeout, so the worker's own error (what is missing) is the one reported
         engine_kv=c.workers.engine_kv, engine_kv_timeout_s=0.8 * c.workers.ready_timeout_s)
@@ -182,7 +183,8 @@ class Stack:
                 hit_threshold=c.cache.hit_threshold,
                 decode_reserve_blocks=c.cache.decode_reserve_blocks, dispatcher=dispatcher,
                 page_bytes=self.page_bytes,
-                num_layers=c.model.num_layers, transfer_timeout_s=self.transfer_timeout_s)
+                num_layers=c.model.num_layers + c.model.num_extra_layers,
+                transfer_timeout_s=self.transfer_timeout_s)
             if c.storage.backend != "none":
                 self.storage = StorageTier(self.manager, c)
                 self.manager.storage = self.storage

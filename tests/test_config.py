@@ -42,7 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 BRIEF_DEFAULTS = {
     "deployment_id": "default",
-    "model": {"name": "", "num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16"},
+    "model": {"name": "", "num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16",
+              "num_extra_layers": 0, "kv_scales": "none"},
     "cache": {
         "block_size": 64,
         "device_blocks": 2048,

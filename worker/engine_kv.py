@@ -20,6 +20,13 @@ row = block_size * num_kv_heads * head_dim elements, contiguous within a block):
 The bytes of a row are moved as they lie, so pages written by one layout are only ever read
 by the same layout: the workers' storage namespace includes the layout name.
 
+Every layout lists the model's layers first and then its extra layers (`model.num_extra_layers`,
+e.g. the MTP draft layers of speculative decoding): the registration holds
+`num_layers + num_extra_layers` layers. With `model.kv_scales = "per_block_head"` (float8 KV)
+the runner also registers its scale tensors, `scales=`: per layer (same order) a (K scales,
+V scales) pair of float32 `[blocks, num_kv_heads]` tensors, which kvtier moves with their blocks
+through every tier.
+
 Where the memory must live: on a GPU any tensor of the caching allocator works (its storage is
 exported through CUDA IPC, `UntypedStorage._share_cuda_`); on the CPU the worker maps the
 memory by name, so it must come from `shared_kv_tensor` (a POSIX shared-memory segment).
@@ -269,6 +276,30 @@ def kv_planes(kv: torch.Tensor | Sequence[torch.Tensor] | Sequence[tuple[torch.T
     return KVPlanes(planes, len(planes) // 2, blocks, device, dtype)
 
 
+def _scale_planes(scales: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
+                  found: KVPlanes, num_kv_heads: int) -> list[torch.Tensor]:
+    """The scale planes of `scales` (per layer a (K, V) pair of float32 `[blocks, heads]`),
+    in plane order; checked against the KV planes `found`."""
+    if scales is None:
+        return []
+    pairs = _as_list(scales, "scales")
+    if len(pairs) != found.num_layers:
+        raise EngineKVError(f"scales: {len(pairs)} layers, the KV has {found.num_layers}")
+    out: list[torch.Tensor] = []
+    for layer, pair in enumerate(pairs):
+        if isinstance(pair, torch.Tensor) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise EngineKVError(f"scales of layer {layer}: expected a (K, V) pair of tensors")
+        for h, t in zip(_HALVES, pair, strict=True):
+            where = f"layer {layer} {h} scales"
+            _check_dims(t, where, ("num_blocks", "num_kv_heads"),
+                        {"num_blocks": found.num_blocks, "num_kv_heads": num_kv_heads})
+            if t.dtype != torch.float32 or t.device != found.device:
+                raise EngineKVError(f"{where}: {t.dtype} on {t.device}, expected "
+                                    f"torch.float32 on {found.device} (where the KV is)")
+            out.append(_plane(t, where, num_kv_heads))
+    return out
+
+
 # --------------------------------------------------------------------------- registration
 
 _LIVE: dict[str, KVRegistration] = {}
@@ -282,12 +313,15 @@ class KVRegistration:
     record when it starts or stops.
 
     Attributes: `planes` (2 * num_layers views `[num_blocks, row]`, layer 0 K, layer 0 V,
-    ...), `num_blocks`, `num_layers`, `device`, `dtype`, `layout`, `nonce`, `name`."""
+    ...; `num_layers` counts extra layers too), `scale_planes` (the same order, float32
+    `[num_blocks, num_kv_heads]`; empty without `scales`), `num_blocks`, `num_layers`,
+    `device`, `dtype`, `layout`, `nonce`, `name`."""
 
     def __init__(self, deployment_id: str, rank: int,
                  kv: torch.Tensor | Sequence[torch.Tensor]
                  | Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 layout: Layout, *, block_size: int, num_kv_heads: int, head_dim: int) -> None:
+                 layout: Layout, *, block_size: int, num_kv_heads: int, head_dim: int,
+                 scales: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         validate_deployment_id(deployment_id)
         self.name = registration_name(deployment_id, rank)
         self.deployment_id, self.rank, self.layout = deployment_id, rank, layout
@@ -297,7 +331,8 @@ class KVRegistration:
         self.planes = found.planes
         self.num_layers, self.num_blocks = found.num_layers, found.num_blocks
         self.device, self.dtype = found.device, found.dtype
-        self._kv = kv  # keeps the memory alive as long as the registration
+        self.scale_planes = _scale_planes(scales, found, num_kv_heads)
+        self._kv = (kv, scales)  # keeps the memory alive as long as the registration
         if found.device.type not in ("cpu", "cuda"):
             raise EngineKVError(f"KV on {found.device}: only cpu and cuda can be registered")
         with _LOCK:
@@ -306,7 +341,9 @@ class KVRegistration:
                     f"rank {rank} of deployment {deployment_id!r} is already registered in "
                     "this process; close that registration first")
         self._take_over_stale()
-        planes, segments, device, uuid = self._describe(block_size * num_kv_heads * head_dim)
+        segments: list[str] = []
+        planes, device, uuid = self._describe(self.planes, "", segments)
+        scale_planes = self._describe(self.scale_planes, " scales", segments)[0]
         self.nonce = secrets.token_hex(16)
         itemsize = self.planes[0].element_size()
         record = Record(
@@ -314,7 +351,8 @@ class KVRegistration:
             device=device, device_uuid=uuid, dtype=_DTYPE_NAMES[self.dtype], layout=layout,
             num_layers=self.num_layers, num_blocks=self.num_blocks, block_size=block_size,
             num_kv_heads=num_kv_heads, head_dim=head_dim,
-            row_bytes=block_size * num_kv_heads * head_dim * itemsize, planes=tuple(planes))
+            row_bytes=block_size * num_kv_heads * head_dim * itemsize, planes=tuple(planes),
+            scale_planes=tuple(scale_planes))
         self.record = record
         self._segments = segments
         create_segment(self.name, encode_record(record)).close()
@@ -338,21 +376,23 @@ class KVRegistration:
                 f"running pid {old.owner_pid}; close that registration first")
         remove_registration(old)
 
-    def _describe(self, row: int) -> tuple[list[dict[str, Any]], list[str], str, str]:
+    def _describe(self, tensors: list[torch.Tensor], what: str, segments: list[str]
+                  ) -> tuple[list[dict[str, Any]], str, str]:
+        """Plane records of `tensors` (KV or scale planes), the CPU segments they live in
+        added to `segments`; the device name and the GPU's UUID."""
         planes: list[dict[str, Any]] = []
-        segments: list[str] = []
         if self.device.type == "cpu":
-            for i, p in enumerate(self.planes):
-                seg, offset = _segment_of(p, f"layer {i // 2} {_HALVES[i % 2]}")
+            for i, p in enumerate(tensors):
+                seg, offset = _segment_of(p, f"layer {i // 2} {_HALVES[i % 2]}{what}")
                 if seg not in segments:
                     segments.append(seg)
                 planes.append({"segment": seg, "offset_bytes": offset,
                                "shape": list(p.shape), "strides": list(p.stride())})
-            return planes, segments, "cpu", ""
+            return planes, "cpu", ""
         index = self.device.index if self.device.index is not None else (
             torch.cuda.current_device())
         shared: dict[tuple[int, int], dict[str, Any]] = {}
-        for i, p in enumerate(self.planes):
+        for i, p in enumerate(tensors):
             storage = p.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
             if key not in shared:
@@ -360,12 +400,12 @@ class KVRegistration:
                     fields = storage._share_cuda_()  # type: ignore[no-untyped-call]
                 except RuntimeError as e:
                     raise EngineKVError(
-                        f"layer {i // 2} {_HALVES[i % 2]}: its CUDA memory cannot be "
+                        f"layer {i // 2} {_HALVES[i % 2]}{what}: its CUDA memory cannot be "
                         f"exported through CUDA IPC ({e})") from None
                 shared[key] = encode_cuda_fields(fields)
             planes.append({"cuda": shared[key], "storage_offset": p.storage_offset(),
                            "shape": list(p.shape), "strides": list(p.stride())})
-        return planes, segments, f"cuda:{index}", _device_uuid(index)
+        return planes, f"cuda:{index}", _device_uuid(index)
 
     @property
     def closed(self) -> bool:

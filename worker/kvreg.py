@@ -18,6 +18,8 @@ Record: UTF-8 JSON, the whole segment (no pickle, nothing executable). Fields:
     device_uuid           the GPU's UUID (CUDA only; "" elsewhere)
     dtype, layout         torch dtype name ("float16"), "kvtier" | "vllm" | "fastdeploy"
     num_layers, num_blocks, block_size, num_kv_heads, head_dim, row_bytes
+                          num_layers counts every KV layer registered, extra (MTP) layers
+                          included, which come last
     planes                2 * num_layers entries, layer 0 K, layer 0 V, layer 1 K, ...; each
                           a view [num_blocks, row] of the runner's memory:
         CPU:  {"segment": name, "offset_bytes": int, "shape": [n, row], "strides": [s, 1]}
@@ -25,6 +27,10 @@ Record: UTF-8 JSON, the whole segment (no pickle, nothing executable). Fields:
                         device, handle, size_bytes, offset_bytes, ref_counter_handle,
                         ref_counter_offset, event_handle, event_sync_required},
                "storage_offset": elements, "shape": [n, row], "strides": [s, 1]}
+    scale_planes          [] without scales, else 2 * num_layers entries in the same order and
+                          format: the float32 K and V scales of every layer as views
+                          [num_blocks, num_kv_heads] (model.kv_scales = "per_block_head");
+                          CPU offsets are in bytes, CUDA storage offsets in float32 elements
 
 A KV segment starts with a `SEGMENT_HEADER_BYTES` header (magic, version, owner pid, data
 bytes; little-endian int64 words) so a stale one can be told from a live one even when no
@@ -51,7 +57,7 @@ from kvtier.worker.ipc import pid_alive, validate_deployment_id
 Layout = Literal["kvtier", "vllm", "fastdeploy"]
 LAYOUTS: tuple[str, ...] = ("kvtier", "vllm", "fastdeploy")
 RECORD_FORMAT = "kvtier-engine-kv"
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: scale_planes (a version 1 worker would drop scales silently)
 MAX_RECORD_BYTES = 16 << 20
 SEGMENT_HEADER_BYTES = 4096
 SEGMENT_MAGIC = int.from_bytes(b"KVTIERM1", "little")
@@ -111,6 +117,7 @@ class Record:
     head_dim: int
     row_bytes: int
     planes: tuple[dict[str, Any], ...]
+    scale_planes: tuple[dict[str, Any], ...] = ()
 
     @property
     def is_cuda(self) -> bool:
@@ -119,7 +126,7 @@ class Record:
     def segments(self) -> list[str]:
         """The distinct CPU segment names the planes live in, in first-use order."""
         names: list[str] = []
-        for p in self.planes:
+        for p in (*self.planes, *self.scale_planes):
             name = p.get("segment")
             if isinstance(name, str) and name not in names:
                 names.append(name)
@@ -134,7 +141,7 @@ def encode_record(rec: Record) -> bytes:
     body: dict[str, Any] = {"format": RECORD_FORMAT, "version": RECORD_VERSION}
     for name in Record.__dataclass_fields__:
         value = getattr(rec, name)
-        body[name] = list(value) if name == "planes" else value
+        body[name] = list(value) if name in ("planes", "scale_planes") else value
     return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
 
@@ -184,28 +191,43 @@ def decode_record(raw: bytes, where: str = "engine KV record") -> Record:
             f"{2 * values['num_layers']}: K and V of every layer)")
     cuda = values["device"].startswith("cuda")
     for i, p in enumerate(planes):
-        at = f"{where}: plane {i} (layer {i // 2} {'KV'[i % 2]})"
-        if not isinstance(p, dict):
-            raise EngineKVError(f"{at}: must be an object")
-        shape = _ints(p.get("shape"), "shape", at)
-        _ints(p.get("strides"), "strides", at)
-        if shape[0] != values["num_blocks"]:
-            raise EngineKVError(
-                f"{at}: {shape[0]} blocks, the record says num_blocks = {values['num_blocks']}")
-        if cuda:
-            fields = p.get("cuda")
-            if not isinstance(fields, dict) or set(fields) != set(CUDA_FIELDS):
-                raise EngineKVError(f"{at}: 'cuda' must hold the fields {list(CUDA_FIELDS)}")
-            _field(p, "storage_offset", int, at)
-        else:
-            seg = _field(p, "segment", str, at)
-            if not seg.startswith(f"/kvtier_{values['deployment_id']}_kvmem_r"):
-                raise EngineKVError(
-                    f"{at}: segment {seg!r} is not a KV segment of deployment "
-                    f"{values['deployment_id']!r}")
-            _field(p, "offset_bytes", int, at)
+        _check_plane(p, f"{where}: plane {i} (layer {i // 2} {'KV'[i % 2]})", values, cuda)
+    scale_planes = body.get("scale_planes", [])
+    if not isinstance(scale_planes, list) or len(scale_planes) not in (0, len(planes)):
+        raise EngineKVError(
+            f"{where}: scale_planes must be a list of 0 or {len(planes)} entries (K and V "
+            "scales of every layer)")
+    for i, p in enumerate(scale_planes):
+        at = f"{where}: scale plane {i} (layer {i // 2} {'KV'[i % 2]})"
+        _check_plane(p, at, values, cuda)
+        if p["shape"][1] != values["num_kv_heads"]:
+            raise EngineKVError(f"{at}: {p['shape'][1]} scales a block, the record says "
+                                f"num_kv_heads = {values['num_kv_heads']}")
+    values["scale_planes"] = tuple(scale_planes)
     values["planes"] = tuple(planes)
     return Record(**values)
+
+
+def _check_plane(p: Any, at: str, values: dict[str, Any], cuda: bool) -> None:
+    if not isinstance(p, dict):
+        raise EngineKVError(f"{at}: must be an object")
+    shape = _ints(p.get("shape"), "shape", at)
+    _ints(p.get("strides"), "strides", at)
+    if shape[0] != values["num_blocks"]:
+        raise EngineKVError(
+            f"{at}: {shape[0]} blocks, the record says num_blocks = {values['num_blocks']}")
+    if cuda:
+        fields = p.get("cuda")
+        if not isinstance(fields, dict) or set(fields) != set(CUDA_FIELDS):
+            raise EngineKVError(f"{at}: 'cuda' must hold the fields {list(CUDA_FIELDS)}")
+        _field(p, "storage_offset", int, at)
+    else:
+        seg = _field(p, "segment", str, at)
+        if not seg.startswith(f"/kvtier_{values['deployment_id']}_kvmem_r"):
+            raise EngineKVError(
+                f"{at}: segment {seg!r} is not a KV segment of deployment "
+                f"{values['deployment_id']!r}")
+        _field(p, "offset_bytes", int, at)
 
 
 def encode_cuda_fields(fields: tuple[Any, ...] | list[Any]) -> dict[str, Any]:

@@ -60,6 +60,11 @@ class WorkerSpec:
     # The deployment's storage secret (hex) that authenticates every stored page; "" only
     # with storage_backend = "none". Never in the repr (and so never in a log line).
     storage_secret: str = field(default="", repr=False)
+    # model.num_extra_layers: KV layers beyond num_layers (MTP draft layers), after them in
+    # every pool and page; model.kv_scales: "none" | "per_block_head" (float32 scales per
+    # block, layer, K/V and KV head travel with every block, see worker/page_layout.py)
+    num_extra_layers: int = 0
+    kv_scales: str = "none"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -78,7 +83,8 @@ class WorkerSpec:
         from kvtier.worker.kv_pools import KVShape, parse_dtype
 
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                       parse_dtype(self.dtype))
+                       parse_dtype(self.dtype), self.num_extra_layers,
+                       self.kv_scales != "none")
 
     def storage_namespace(self, layout: str | None = None) -> str:
         """The rank's storage namespace. With `engine_kv` the bytes of a row are in the
@@ -89,6 +95,13 @@ class WorkerSpec:
                                   "dtype": self.dtype, "block_size": self.block_size}
         if self.model_name:  # unnamed models share by shape alone
             fields["model_name"] = self.model_name
+        # Only when set, so the pages of a deployment without them keep their namespace.
+        # A different number of extra layers (or scales on / off) is a different page: the
+        # namespace, which the MAC of every stored page covers, keeps them apart.
+        if self.num_extra_layers:
+            fields["num_extra_layers"] = self.num_extra_layers
+        if self.kv_scales != "none":
+            fields["kv_scales"] = self.kv_scales
         if self.engine_kv:
             if not layout:
                 raise ValueError(

@@ -24,6 +24,12 @@ by someone without the secret fails it. The namespace is part of the MAC input (
 header), so a page moved between namespaces is refused; the secret authenticates and never
 renames anything.
 
+The payload is the host page as it lies (`kvtier.worker.page_layout`): K and V of every layer,
+extra layers included, and the block's scales when the deployment has them, so the MAC covers
+the scales too. The namespace names the page's shape (extra layers and scales included), so a
+page of a deployment with another number of extra layers fails the MAC even where its length
+happens to match.
+
 Version 1 pages (xxh3, no MAC) are refused as BAD_VERSION: a miss, counted, never served.
 BLAKE2b costs about 1 ns per byte on one core (roughly 1 GB/s), so verifying a page costs
 about as long as copying it twice; hashlib releases the GIL while hashing, so the file
