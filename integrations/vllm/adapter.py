@@ -168,6 +168,9 @@ def kvtier_config(offloading: OffloadingConfig, extra: Mapping[str, Any]) -> Kvt
         "KVTIER_MODEL__NUM_KV_HEADS": str(heads),
         "KVTIER_MODEL__HEAD_DIM": str(dim),
         "KVTIER_MODEL__DTYPE": dtype,
+        # vLLM's KV cache has no per-block scales and no layers beyond the ones it registers
+        "KVTIER_MODEL__KV_SCALES": "none",
+        "KVTIER_MODEL__NUM_EXTRA_LAYERS": "0",
         "KVTIER_CACHE__BLOCK_SIZE": str(group.tokens_per_block),
         # vLLM owns the device tier; a kvtier worker keeps a one-block device pool it never
         # uses (its host pool and storage I/O are what it is there for).
@@ -496,8 +499,10 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             host = pool.device_view(self.device) if self.device.type == "cuda" else None
             if host is None:
                 host = pool.data
-            self._host = host.view(pool.num_blocks, self.shape.num_layers,
-                                   self.shape.layer_bytes)
+            # a page may be padded past its layers (kvtier.worker.page_layout)
+            kv_bytes = self.shape.num_layers * self.shape.layer_bytes
+            self._host = host[:, :kv_bytes].view(
+                pool.num_blocks, self.shape.num_layers, self.shape.layer_bytes)
         return self._host
 
     # -- OffloadingWorker
