@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.private_state import MIN_SECRET_BYTES
+from kvtier.worker import numa
 from kvtier.worker.ipc import MAX_RANKS
 from pydantic import (
     BaseModel,
@@ -291,6 +292,23 @@ class WorkersConfig(BaseModel):
         description="the engine's model runner owns the device KV and registers it "
         "(kvtier.worker.engine_kv); workers attach to it instead of allocating a device pool",
     )
+    host_numa: Literal["auto", "off"] | int = Field(
+        "auto",
+        description="NUMA node each rank's host pool is bound to (mbind): auto: the node of "
+        "the rank's GPU (none for a CPU device or on a one-node machine); a node number: that "
+        "node, which must be online; off: never bound",
+    )
+
+    @field_validator("host_numa", mode="before")
+    @classmethod
+    def _numa(cls, value: object) -> str | int:
+        setting = numa.check_setting(value)
+        if isinstance(setting, int):
+            try:
+                numa.check_online(setting)
+            except numa.NumaError as e:
+                raise ValueError(str(e).removeprefix(f"workers.host_numa = {setting}: ")) from None
+        return setting
 
     @field_validator("cuda_devices")
     @classmethod
@@ -746,6 +764,16 @@ def _validate(data: Mapping[str, Any], origins: Mapping[tuple[str, ...], str]) -
         return KvtierConfig.model_validate(dict(data))
     except ValidationError as exc:
         raise ConfigError("; ".join(_describe(err, origins) for err in exc.errors())) from None
+
+
+def with_pool_sizes(cfg: KvtierConfig, device_blocks: int, host_blocks: int) -> KvtierConfig:
+    """`cfg` with other pool sizes (a wake after a sleep), validated as at start and checked
+    against this machine's memory now. ConfigError naming the key otherwise."""
+    data = cfg.model_dump(mode="python")
+    data["cache"] |= {"device_blocks": device_blocks, "host_blocks": host_blocks}
+    new = _validate(data, {})
+    check_memory(new)
+    return new
 
 
 # --------------------------------------------------------------------------------------------
