@@ -37,8 +37,15 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
 from kvtier.admin.metrics import build_registry
 from kvtier.manager.config import AdminConfig, ConfigError
-from kvtier.manager.errors import AsleepError, InvalidRequestError, KvtierError, ResetBusyError
+from kvtier.manager.errors import (
+    AsleepError,
+    InvalidRequestError,
+    KvtierError,
+    ResetBusyError,
+    TransferTimeoutError,
+)
 from kvtier.manager.keys import MAX_CONTENT_HASH_BYTES
+from kvtier.manager.launcher import WorkerStartError
 from kvtier.manager.stack import Stack
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import (
@@ -581,27 +588,29 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
     @app.post("/sleep", tags=["operations"], dependencies=post_security,
               response_model=SleepResult, responses={
                   **POST_RESPONSES,
-                  503: _error("a rank did not free its pools within `timeout`, or the stack "
-                              "is not running (the deployment stays asleep)")})
+                  409: _error("already asleep; or a rank did not free its pools within "
+                              "`timeout` (the deployment is asleep all the same: wake it)")})
     def sleep(
         timeout: Annotated[float, Query(gt=0, le=300, description="seconds every rank has "
                                         "to cancel its tasks and free its pools")] = 30.0,
-    ) -> dict[str, Any]:
+    ) -> Any:
         """Free the KV pools for a weight update, without waiting for transfers: pause,
         empty the prefix tree, cancel active requests and in-flight transfers (their blocks
         are reclaimed, never served), free every rank's device and host pools. Scheduler
         calls, /reset, /pin, /unpin and /resume answer 409 until POST /wake."""
         stack.require_manager()
-        return {"asleep": True, "cleared": stack.sleep(timeout)}
+        try:
+            return {"asleep": True, "cleared": stack.sleep(timeout)}
+        except (TransferTimeoutError, WorkerStartError) as e:
+            return JSONResponse({"detail": f"asleep, but {e}"}, status_code=409)
 
     @app.post("/wake", tags=["operations"], dependencies=post_security,
               response_model=WakeResult, responses={
                   **POST_RESPONSES,
-                  422: _error("a bad query parameter, or pool sizes that are invalid or do not "
-                              "fit this machine (still asleep, nothing changed)",
-                              ValidationErrorBody),
-                  503: _error("a rank could not re-create its pools (still asleep: wake "
-                              "again, e.g. smaller), or the stack is not running")})
+                  409: _error("not asleep; pool sizes the configuration refuses or that do "
+                              "not fit this machine now (still asleep, nothing changed); or a "
+                              "rank could not re-create its pools within `timeout` (still "
+                              "asleep: wake again, e.g. smaller)")})
     def wake(
         device_blocks: Annotated[int | None, Query(ge=1, le=2**31 - 1, description="device "
                                  "blocks per rank (default: as now)")] = None,
@@ -616,10 +625,8 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
         stack.require_manager()
         try:
             sizes = stack.wake(device_blocks, host_blocks, timeout)
-        except ConfigError as e:
-            detail = " ".join(str(e).split())
-            return JSONResponse({"detail": detail, "errors": [
-                {"loc": ["query"], "msg": detail, "type": "value_error"}]}, status_code=422)
+        except (ConfigError, TransferTimeoutError, WorkerStartError) as e:
+            return JSONResponse({"detail": f"still asleep: {e}"}, status_code=409)
         return JSONResponse({"asleep": False, **sizes})
 
     def pin(body: PrefixBody) -> dict[str, int]:

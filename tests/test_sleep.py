@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from engine_runner import RunnerKV
 from kvtier.manager.errors import (
     AsleepError,
-    KvtierError,
     RequestCancelledError,
     TransferFailedError,
 )
@@ -39,8 +39,16 @@ from kvtier.worker.engine_kv import LayerWaiter
 from kvtier.worker.ipc import DeploymentAsleep
 from kvtier.worker.process import host_segment_name
 from kvtier.worker.wire import TaskKind
-from stack_support import attached_host_pools, fill, kv_shape, running_stack, submit
-from support import tiny_config, wait_until
+from stack_support import (
+    assert_clean_exits,
+    attached_host_pools,
+    fill,
+    kv_shape,
+    running_stack,
+    submit,
+    worker_pids,
+)
+from support import leftovers, new_deployment_id, tiny_config, wait_until
 
 pytestmark = pytest.mark.slow  # real worker processes
 
@@ -66,6 +74,15 @@ def compute(m: KVCacheManager, rid: str, tokens: list[int]) -> None:
 
 def segment_exists(name: str) -> bool:
     return Path("/dev/shm", name.lstrip("/")).exists()
+
+
+def mapped_segments(pid: int, dep: str) -> list[str]:
+    """The deployment's shared-memory segments process `pid` still maps (unlinked or not):
+    memory a sleep must have handed back."""
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    paths = {line.split(maxsplit=5)[-1] for line in maps}
+    return sorted(p for p in paths if f"/kvtier_{dep}_" in p and "_ctl" not in p
+                  and "_arena" not in p)
 
 
 @dataclass
@@ -171,7 +188,7 @@ def test_a_held_load_is_cancelled_by_sleep_and_never_served(tmp_path: Path) -> N
         cleared = stack.sleep(timeout=WAIT_S)
         assert cleared["tasks_cancelled"] >= 1 and cleared["requests_cancelled"] == 1
         assert cleared["nodes"] >= 6
-        with pytest.raises(TransferFailedError, match="PoolsFreedError.*cancelled") as e:
+        with pytest.raises(TransferFailedError, match=r"PoolsFreedError.*cancelled") as e:
             hit.handle.wait(timeout=WAIT_S)
         assert e.value.valid_tokens == 0
         with pytest.raises(DeploymentAsleep, match="is asleep"):
@@ -192,6 +209,8 @@ def test_a_held_load_is_cancelled_by_sleep_and_never_served(tmp_path: Path) -> N
             stack.sleep()
         for r in range(2):
             assert not segment_exists(host_segment_name(cfg.deployment_id, r))
+        for pid in worker_pids(stack):
+            assert mapped_segments(pid, cfg.deployment_id) == [], pid
         seq2, got = submit(m, TaskKind.FILL, [0, 1], chain_keys(p, BS)[:2])
         m.dispatcher.wait([seq2], WAIT_S)
         assert not got[0].ok and got[0].error.count("pools are freed") == 2, got
@@ -237,7 +256,6 @@ def test_two_sleep_wake_cycles_under_verified_load_corrupt_nothing() -> None:
             assert load.refused.get("AsleepError", 0) > 0, load.refused
         assert not load.corrupt, load.corrupt
         assert m.counters.sleeps == 2, cleared
-        print("LOADSTATS", load.done, load.hit_blocks, load.host_hits, load.refused, cleared)
         st = stack.status()
         assert st["tiers"]["device"]["capacity"] == 20 and st["tiers"]["host"]["capacity"] == 64
         assert [w["host_numa_node"] for w in st["workers"]] == [0, 0]
@@ -246,3 +264,45 @@ def test_two_sleep_wake_cycles_under_verified_load_corrupt_nothing() -> None:
                 assert pool.num_blocks == 64
                 assert numa.policy_at(pool.data.data_ptr()) == (numa.MPOL_BIND, [0])
         assert kv_shape(stack.cfg).page_bytes == kv_shape(cfg).page_bytes
+
+
+def test_engine_kv_is_let_go_while_asleep_and_the_new_registration_attached_at_wake() -> None:
+    """With `workers.engine_kv` the runner owns the device KV: asleep, the worker maps none of
+    it (the runner can free it), and the wake attaches the KV the runner registered anew, of
+    another size, without the manager taking the new registration for a lost runner."""
+    dep = new_deployment_id("slkv")
+    cfg = tiny_config(deployment_id=dep, workers=1, device_blocks=16, host_blocks=16,
+                      write_policy="write_through",
+                      extra={"KVTIER_WORKERS__ENGINE_KV": "true",
+                             "KVTIER_WORKERS__DEVICE": "cpu"})
+    runner = RunnerKV(dep, 1, "vllm", layers=2, blocks=16)
+    stack = Stack(cfg, transfer_timeout_s=20)
+    seen: list[int] = []
+    try:
+        stack.start()
+        seen += worker_pids(stack)
+        m = stack.require_manager()
+        p = prompt(7, 3)
+        compute(m, "a", p)
+        [pid] = worker_pids(stack)
+        assert any("_kvmem_" in name for name in mapped_segments(pid, dep))
+        stack.sleep(timeout=WAIT_S)
+        assert mapped_segments(pid, dep) == []  # neither the runner's KV nor the host pool
+        runner.close()  # the runner frees its KV, updates its weights, allocates anew
+        runner = RunnerKV(dep, 1, "vllm", layers=2, blocks=24)
+        assert stack.wake(device_blocks=24) == {"device_blocks": 24, "host_blocks": 16}
+        assert worker_pids(stack) == [pid]  # the same process, attached again
+        time.sleep(1.2)  # the manager's registration check runs twice a second
+        assert m.counters.lost_all == 0
+        compute(m, "b", p)
+        hit = m.match("c", p)
+        assert hit.num_tokens == 3 * BS
+        ok_seq, got = submit(m, TaskKind.CHECK, hit.block_ids, chain_keys(p, BS)[:3])
+        m.dispatcher.wait([ok_seq], WAIT_S)
+        assert got[0].ok and got[0].detail == [], got
+        m.release("c")
+    finally:
+        stack.close()
+        runner.close()
+    assert_clean_exits(stack)
+    wait_until(lambda: not leftovers(dep, 1, seen), 10, "the deployment leaves nothing")

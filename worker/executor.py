@@ -6,6 +6,7 @@ in its own process can run it directly (`kvtier.worker.embedded`).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -244,6 +245,9 @@ class RankResources:
         if self.host is not None:
             self.host.close()
             self.host = None
+        # Views caught in reference cycles keep their mappings until collected: without this
+        # the engine KV segments stayed mapped in the worker after a sleep (test_sleep).
+        gc.collect()
         if self.spec.device.startswith("cuda"):
             import torch
 
