@@ -36,7 +36,7 @@ from kvtier.manager.scheduler import TREE_NORMAL, KVCacheManager
 from kvtier.manager.stack import Stack
 from kvtier.worker import numa
 from kvtier.worker.engine_kv import LayerWaiter
-from kvtier.worker.ipc import DeploymentAsleep
+from kvtier.worker.ipc import DeploymentAsleep, TreeStatus
 from kvtier.worker.process import host_segment_name
 from kvtier.worker.wire import TaskKind
 from stack_support import (
@@ -193,6 +193,7 @@ def test_a_held_load_is_cancelled_by_sleep_and_never_served(tmp_path: Path) -> N
         assert e.value.valid_tokens == 0
         with pytest.raises(DeploymentAsleep, match="is asleep"):
             waiter.wait(seq, 0, timeout=WAIT_S)
+        assert waiter.asleep and waiter.tree_status == TreeStatus.CLEARED
         with pytest.raises(RequestCancelledError, match="went to sleep"):
             m.commit("held", p, len(p))
         m.release("held")  # no-op
@@ -221,6 +222,7 @@ def test_a_held_load_is_cancelled_by_sleep_and_never_served(tmp_path: Path) -> N
             assert [h.num_blocks for h in pools] == [40, 40]
         st = stack.status()
         assert not st["asleep"] and not st["paused"] and st["tree_status"] == TREE_NORMAL
+        assert not waiter.asleep and waiter.tree_status == TreeStatus.NORMAL
         assert st["tiers"]["device"]["capacity"] == 24
         assert st["config"]["cache"]["device_blocks"] == 24
         again = m.match("after", p)

@@ -1620,6 +1620,16 @@ class LayerProgress:
         failed there)."""
         return _layers_done(self._require_open(), seq)
 
+    @property
+    def tree_status(self) -> TreeStatus:
+        """The manager's prefix-tree status (clearing / cleared during a sleep or reset)."""
+        return TreeStatus(self._require_open().words[_W_TREE])
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the deployment's pools are freed (a sleep for a weight update)."""
+        return bool(self._require_open().words[_W_POOLS] % 2)
+
     def wait_layer(self, seq: int, layer: int, timeout: float) -> None:
         """Return once every rank has loaded layer `layer` (0-based) of H2D task `seq`."""
         if layer < 0 or layer >= MAX_LAYERS:
