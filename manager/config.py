@@ -302,13 +302,7 @@ class WorkersConfig(BaseModel):
     @field_validator("host_numa", mode="before")
     @classmethod
     def _numa(cls, value: object) -> str | int:
-        setting = numa.check_setting(value)
-        if isinstance(setting, int):
-            try:
-                numa.check_online(setting)
-            except numa.NumaError as e:
-                raise ValueError(str(e).removeprefix(f"workers.host_numa = {setting}: ")) from None
-        return setting
+        return numa.check_setting(value)  # a node's presence is a machine check (check_memory)
 
     @field_validator("cuda_devices")
     @classmethod
@@ -905,11 +899,18 @@ def check_memory(
     meminfo: Path = MEMINFO,
     shm_dir: Path = SHM_DIR,
 ) -> None:
-    """Refuse block counts whose pools cannot be allocated on this machine.
+    """Refuse block counts whose pools cannot be allocated on this machine (and a
+    `workers.host_numa` node it does not have).
 
     A pool that does not fit would otherwise fail deep inside a worker (SIGBUS on a shared-memory
     page, or the OOM killer), long after start and far from the key that caused it.
     """
+    node = cfg.workers.host_numa
+    if isinstance(node, int):
+        try:
+            numa.check_online(node)
+        except numa.NumaError as e:
+            raise ConfigError(str(e)) from None
     page = page_bytes(cfg)
     count = cfg.workers.count
     mem = mem_available_bytes(meminfo)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kvtier.manager.config import ConfigError
+from kvtier.manager.config import ConfigError, load_config
 from kvtier.worker import numa
 from kvtier.worker.executor import RankResources
 from kvtier.worker.kv_pools import HostPool, KVShape
@@ -93,6 +93,9 @@ def test_settings_are_checked_with_one_line_naming_the_key() -> None:
             tiny_config(extra={"KVTIER_WORKERS__HOST_NUMA": bad})
         msg = str(e.value)
         assert "workers.host_numa" in msg and why in msg and "\n" not in msg, msg
+    # a node is a machine check: a file validated for another machine may name any node
+    other = load_config(None, {"KVTIER_WORKERS__HOST_NUMA": str(absent)}, check_resources=False)
+    assert other.workers.host_numa == absent
 
 
 def test_a_pool_bound_to_node_0_carries_the_policy_on_its_segment(shm_name: str) -> None:
