@@ -107,12 +107,28 @@ def _load() -> tuple[ModuleType | None, str]:
     return _native, ""
 
 
+def py_keyed_hits(get: Callable[[int], Node | None], hashes: Sequence[bytes], busy: int) -> int:
+    """Leading blocks of an engine's `hashes` held on the host and ready (no `busy` flag):
+    the key is the hash's first 16 bytes, little-endian (`kvtier.manager.keyed.engine_key`)."""
+    n = 0
+    from_bytes = int.from_bytes
+    for h in hashes:
+        if len(h) < 16:
+            break  # short hashes are keyed by a digest: the one-by-one lookup handles them
+        node = get(from_bytes(h[:16], "little"))
+        if node is None or node.host is None or node.flags & busy:
+            break
+        n += 1
+    return n
+
+
 _ext, UNAVAILABLE = _load()
 
 chain_keys: ChainKeys | None = None
 """The compiled key chain (None on the pure-Python path: keys.py computes them itself)."""
 walk_hits = py_walk_hits
 release_walk = py_release_walk
+keyed_hits = py_keyed_hits
 
 
 def available() -> bool:
@@ -139,3 +155,4 @@ def use(native: bool) -> None:
 
 
 use(_ext is not None)
+

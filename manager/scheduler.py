@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -59,6 +59,8 @@ from kvtier.manager.tree import (
     BACKING,
     CANCEL_EVICT,
     DEVICE_BUSY,
+    ENGINE_READ,
+    ENGINE_WRITE,
     EVICTING,
     FROM_STORAGE,
     HOST_BUSY,
@@ -74,7 +76,8 @@ from kvtier.manager.tree import (
 from kvtier.worker.wire import Completion, Priority, Task, TaskKind
 
 _monotonic = time.monotonic
-IN_FLIGHT = LOADING | SAVING | EVICTING | PREFETCHING | BACKING
+# ENGINE_READ / ENGINE_WRITE: host copies an engine's own process is copying (manager.keyed).
+IN_FLIGHT = LOADING | SAVING | EVICTING | PREFETCHING | BACKING | ENGINE_READ | ENGINE_WRITE
 
 TREE_NORMAL, TREE_CLEARING, TREE_CLEARED = 0, 1, 2
 
@@ -268,7 +271,7 @@ class KVCacheManager:
                         break
                     node = tree[keys[len(nodes)]]
                     if node.dev is None:
-                        if node.host is None or node.flags & PREFETCHING:
+                        if node.host is None or node.flags & (PREFETCHING | ENGINE_WRITE):
                             break
                         host_hits.append(len(nodes))
                         if node.flags & FROM_STORAGE:
@@ -794,6 +797,40 @@ class KVCacheManager:
         self._refresh(node)
         self._forget(node)
         self._settle(node)
+
+    # ------------------------------------------------------------------ key-addressed surface
+    # What `kvtier.manager.keyed.KeyedHostCache` needs beyond `CacheState` (lock held).
+
+    @property
+    def tree_get(self) -> Callable[[int], Node | None]:
+        """The tree map's `get` (the map object lives as long as the manager)."""
+        return self._map.get
+
+    @property
+    def host_capacity(self) -> int:
+        return self._host_pool.capacity
+
+    @property
+    def host_free(self) -> int:
+        return self._host_pool.num_free
+
+    def host_block_is_free(self, host_id: int) -> bool:
+        return self._host_pool.is_free(host_id)
+
+    def give_host_blocks(self, ids: list[int]) -> None:
+        """Return host blocks taken with `take_host_block` and never used."""
+        if ids:
+            self._host_pool.free(ids)
+
+    def relist_tail(self, node: Node) -> None:
+        """Make an evictable host copy the most recently used."""
+        if node.hprev is not None:
+            self._host_lru.unlink(node)
+            self._host_lru.append(node)
+
+    def flush(self) -> None:
+        """Send the tasks queued so far (the scheduler API calls do it when they end)."""
+        self._flush()
 
     # ------------------------------------------------------------------ internals
 

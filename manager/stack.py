@@ -289,6 +289,14 @@ class Stack:
             return False, why
         return True, "manager threads running"
 
+    def workers_ready(self) -> bool:
+        """Every rank's worker is up (cheap: for per-block callers such as
+        `KeyedHostCache`'s `host_ready`)."""
+        if self.manager is None:
+            return False
+        sup = self.supervisor
+        return sup is None or all(w.state == "ready" for w in sup.workers)
+
     def ready(self) -> tuple[bool, str]:
         if self.manager is None:
             return False, "starting"

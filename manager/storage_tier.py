@@ -33,6 +33,7 @@ in one BACKUP task per batch; BACKING keeps its host copy alive meanwhile.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvtier.manager.cache_state import CacheState, RequestState
@@ -133,9 +134,10 @@ class StorageTier:
 
     # ------------------------------------------------------------------ query and prefetch
 
-    def query(self, req: RequestState, token_ids: Any, start: int, cap: int) -> int:
+    def query(self, req: RequestState, token_ids: Any, start: int, cap: int,
+              on_answer: Callable[[], None] | None = None) -> int:
         """Ask storage how many of blocks start..cap it holds; the answer starts a prefetch
-        when it is worth one. Returns the query's seq."""
+        when it is worth one (`on_answer` runs then, lock held). Returns the query's seq."""
         skeys = self.request_skeys(req, token_ids, cap)[start:cap]
         keys = req.keys[start:cap]
         m = self.m
@@ -144,7 +146,11 @@ class StorageTier:
         self.counters["queries"] += 1
 
         def done(ok: bool, comp: Completion) -> None:
-            self._on_query(ok, comp, keys, skeys)
+            try:
+                self._on_query(ok, comp, keys, skeys)
+            finally:
+                if on_answer is not None:
+                    on_answer()
 
         m.track(task, [], on_done=done)
         return seq

@@ -312,7 +312,8 @@ DeviceKV = DevicePool | PlanePool
 class HostPool:
     """The host tier of one rank: `page_first` pages in a POSIX shared-memory segment.
 
-    Data structures: `data` is a uint8 tensor `[num_blocks, page_bytes]` over the mmapped
+    Data structures: `inode` identifies the segment (a replacement under the same name is
+    another inode); `data` is a uint8 tensor `[num_blocks, page_bytes]` over the mmapped
     segment; `kv` is the same memory typed as `[num_blocks, num_layers, 2, block_size,
     num_kv_heads, head_dim]`. Invariants: the segment exists under `name` from construction
     until `close()` (owner only); `close()` is idempotent and, for the owner, always unlinks
@@ -363,6 +364,7 @@ class HostPool:
             with contextlib.suppress(posix_ipc.ExistentialError):
                 posix_ipc.unlink_shared_memory(name)
             raise
+        self.inode = os.fstat(shm.fd).st_ino
         shm.close_fd()
         self._arm_finalizer()
 
@@ -406,6 +408,9 @@ class HostPool:
             self.pinned = False
             self._closed = True
             self.numa_node = None  # the owner's binding holds; not known here
+            # Which segment this is: a worker replaced under the same name creates a new one
+            # (another inode), so an attacher can tell its mapping is of a dead worker's pool.
+            self.inode = os.fstat(shm.fd).st_ino
             self._map(shm.fd)
         finally:
             shm.close_fd()
