@@ -636,9 +636,10 @@ class KVCacheManager:
             return cleared
 
     def settled(self) -> bool:
-        """Asleep, whether every task of before the sleep has been answered."""
+        """Asleep, whether every task of before the sleep has been answered and every block
+        written off has come back (an engine's own host copies, `manager.keyed`, included)."""
         with self._lock:
-            return not self._inflight
+            return not self._inflight and not self._written_off
 
     def rebuild(self, device_blocks: int, host_blocks: int) -> None:
         """Asleep, with nothing in flight: empty free lists of these sizes (the workers'
@@ -648,9 +649,11 @@ class KVCacheManager:
         with self._lock:
             if not self.asleep:
                 raise AsleepError("rebuild: the deployment is awake (sleep first)")
-            if self._inflight:
-                raise ResetBusyError(f"rebuild: {len(self._inflight)} task(s) of before the "
-                                     "sleep are still in flight")
+            if self._inflight or self._written_off:
+                raise ResetBusyError(
+                    f"rebuild: {len(self._inflight)} task(s) and {len(self._written_off)} "
+                    "written-off block(s) of before the sleep are still in flight (an engine's "
+                    "own copies must complete first)")
             self._dev_pool = BlockPool("device", device_blocks)
             self._host_pool = BlockPool("host", host_blocks)
             self._dev_lru = DeviceLRU()

@@ -395,8 +395,8 @@ class Stack:
                                   c.host_blocks if host_blocks is None else host_blocks)
             wait = self.cfg.workers.ready_timeout_s if timeout is None else timeout
             if not m.dispatcher.drain(wait) or not m.settled():
-                raise TransferTimeoutError("wake: tasks of before the sleep are still in "
-                                           "flight; try again")
+                raise TransferTimeoutError("wake: tasks (or an engine's own host copies) of "
+                                           "before the sleep are still in flight; try again")
             ipc = sup.ipc
             if ipc.pools_generation % 2 == 0:  # a failed wake: free what it made first
                 ipc.set_pools_generation(ipc.pools_generation + 1)
