@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.private_state import MIN_SECRET_BYTES
+from kvtier.worker import numa
 from kvtier.worker.ipc import MAX_RANKS
 from kvtier.worker.page_layout import PageLayout
 from pydantic import (
@@ -312,6 +313,17 @@ class WorkersConfig(BaseModel):
         description="the engine's model runner owns the device KV and registers it "
         "(kvtier.worker.engine_kv); workers attach to it instead of allocating a device pool",
     )
+    host_numa: Literal["auto", "off"] | int = Field(
+        "auto",
+        description="NUMA node each rank's host pool is bound to (mbind): auto: the node of "
+        "the rank's GPU (none for a CPU device or on a one-node machine); a node number: that "
+        "node, which must be online; off: never bound",
+    )
+
+    @field_validator("host_numa", mode="before")
+    @classmethod
+    def _numa(cls, value: object) -> str | int:
+        return numa.check_setting(value)  # a node's presence is a machine check (check_memory)
 
     @field_validator("cuda_devices")
     @classmethod
@@ -769,6 +781,16 @@ def _validate(data: Mapping[str, Any], origins: Mapping[tuple[str, ...], str]) -
         raise ConfigError("; ".join(_describe(err, origins) for err in exc.errors())) from None
 
 
+def with_pool_sizes(cfg: KvtierConfig, device_blocks: int, host_blocks: int) -> KvtierConfig:
+    """`cfg` with other pool sizes (a wake after a sleep), validated as at start and checked
+    against this machine's memory now. ConfigError naming the key otherwise."""
+    data = cfg.model_dump(mode="python")
+    data["cache"] |= {"device_blocks": device_blocks, "host_blocks": host_blocks}
+    new = _validate(data, {})
+    check_memory(new)
+    return new
+
+
 # --------------------------------------------------------------------------------------------
 # Sizes and machine checks
 # --------------------------------------------------------------------------------------------
@@ -899,11 +921,18 @@ def check_memory(
     meminfo: Path = MEMINFO,
     shm_dir: Path = SHM_DIR,
 ) -> None:
-    """Refuse block counts whose pools cannot be allocated on this machine.
+    """Refuse block counts whose pools cannot be allocated on this machine (and a
+    `workers.host_numa` node it does not have).
 
     A pool that does not fit would otherwise fail deep inside a worker (SIGBUS on a shared-memory
     page, or the OOM killer), long after start and far from the key that caused it.
     """
+    node = cfg.workers.host_numa
+    if isinstance(node, int):
+        try:
+            numa.check_online(node)
+        except numa.NumaError as e:
+            raise ConfigError(str(e)) from None
     page = page_bytes(cfg)
     count = cfg.workers.count
     mem = mem_available_bytes(meminfo)

@@ -210,6 +210,7 @@ class WorkerStatus(TypedDict):
     start_failures: int  # failed starts of a replacement in a row (0 once one is ready)
     next_start_in_s: float | None  # state start_failed: seconds to the next try
     last_error: str  # why the last start failed ("" if none did)
+    host_numa_node: int | None  # NUMA node its host pool is bound to (workers.host_numa)
 
 
 @dataclass
@@ -250,6 +251,8 @@ class WorkerSupervisor:
         self._engine_kv = spec_for_rank(0).engine_kv
         self._kv_nonce: dict[int, str | None] = {}
         self._kv_checked = 0.0
+        # While the pools sleep the runner may free its KV and register anew: not a loss
+        self.pools_asleep = False
         self.restarts_total = 0
         self.start_failures_total = 0
         self._stop = threading.Event()
@@ -406,7 +409,7 @@ class WorkerSupervisor:
             first = rank not in self._kv_nonce
             seen = self._kv_nonce.get(rank)
             self._kv_nonce[rank] = nonce
-            if first or nonce == seen:
+            if first or nonce == seen or self.pools_asleep:
                 continue
             reason = ("the model runner's KV registration was replaced" if nonce is not None
                       else "the model runner's KV registration is gone")
@@ -416,6 +419,31 @@ class WorkerSupervisor:
                     self.on_worker_lost(rank, reason)
                 except Exception:
                     log.exception("handling the lost KV memory of rank %d failed", rank)
+
+    def wait_pools(self, generation: int, timeout: float) -> None:
+        """Wait until every rank's worker reached pools generation `generation` (freed its
+        pools when odd, re-created them when even). WorkerStartError naming the ranks that
+        failed (with their last log lines) or did not answer within `timeout`."""
+        deadline = time.monotonic() + timeout
+        what = "free" if generation % 2 else "re-create"
+        while True:
+            states = [self.ipc.rank_state(r) for r in range(self.num_ranks)]
+            failed = [s.rank for s in states if s.pools_generation == -generation]
+            waiting = [s.rank for s in states if s.pools_generation != generation]
+            if failed:
+                raise WorkerStartError(
+                    f"rank(s) {failed} could not {what} their pools; last log lines:\n"
+                    + "\n".join(self.last_log_lines(r, 5) for r in failed))
+            if not waiting:
+                if generation % 2 == 0 and self._engine_kv:
+                    self._kv_nonce.clear()  # the registrations attached now are the baseline
+                    self._kv_checked = 0.0
+                return
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(
+                    f"rank(s) {waiting} did not {what} their pools within {timeout:.3g} s: "
+                    + "; ".join(s.describe() for s in states if s.rank in waiting))
+            time.sleep(0.01)
 
     def seen_kv_nonce(self, rank: int) -> str | None:
         """The registration nonce of `rank` the last engine-KV check saw (None: none live)."""
@@ -567,7 +595,7 @@ class WorkerSupervisor:
                 "heartbeat_age_s": None if age is None else round(age, 3),
                 "tasks_inflight": st.tasks_inflight, "restarts": w.restarts,
                 "start_failures": w.start_failures, "next_start_in_s": retry,
-                "last_error": w.last_error,
+                "last_error": w.last_error, "host_numa_node": st.host_numa_node,
             })
         return out
 

@@ -17,6 +17,16 @@ Request life cycle::
     release(rid)               references dropped tail first (leaves age first); blocks
                                that never joined the tree go back to the free list
 
+Sleep (weight updates; `kvtier.manager.stack.Stack.sleep` / `wake` drive it)::
+
+    awake --sleep()--> asleep: tree cleared without waiting, active requests cancelled
+      (RequestCancelledError; release() of one is a no-op), transfers in flight cancelled by
+      the workers; their blocks come back as each is answered, never served
+    asleep --(nothing in flight) rebuild(device, host)--> asleep, empty pools of new sizes
+    asleep --wake()--> awake
+    While asleep, match / prefetch / pin / unpin / reset raise AsleepError; a call that was
+    waiting (lock released) when the sleep began raises RequestCancelledError.
+
 Block ownership (the invariant the tests check after every operation): each block id of a
 tier is exactly one of free (in the pool), held by the tree (a node in the map has it), or
 owned by a request (allocated to it and not in the tree, or held by a detached node).
@@ -34,8 +44,10 @@ from kvtier.manager import native
 from kvtier.manager.block_pool import BlockPool
 from kvtier.manager.cache_state import OnDone, RequestState, StorageHooks
 from kvtier.manager.errors import (
+    AsleepError,
     InvalidRequestError,
     OutOfBlocksError,
+    RequestCancelledError,
     ResetBusyError,
     TransferTimeoutError,
     UnknownRequestError,
@@ -103,6 +115,7 @@ class Counters:
     failed_tasks: int = 0
     resets: int = 0
     lost_all: int = 0
+    sleeps: int = 0
 
 
 class SchedulerStats(TypedDict):
@@ -200,6 +213,10 @@ class KVCacheManager:
         self.counters = Counters()
         self.tree_status = TREE_NORMAL
         self.paused = False
+        # Sleep (see the module docstring): `asleep` refuses scheduler calls; `_cancelled`
+        # holds the requests a sleep cancelled until they are released or matched again.
+        self.asleep = False
+        self._cancelled: set[str] = set()
         self._dev_in_tree = 0
         self._host_in_tree = 0
         # The storage tier, handed in by whoever builds the manager (`kvtier.manager.stack`)
@@ -213,8 +230,12 @@ class KVCacheManager:
         """Find the longest cached prefix of `token_ids` (at most len-1 tokens: the model
         must compute at least one) and reserve it for `request_id`."""
         with self._lock:
+            if self.asleep:
+                self._refuse_asleep("match")
             if request_id in self._requests:
                 raise InvalidRequestError(f"request {request_id!r} is already active")
+            self._cancelled.discard(request_id)
+            sleeps = self.counters.sleeps
             bs = self.block_size
             try:
                 keys = chain_keys(token_ids, bs, extra_keys=extra_keys)
@@ -286,6 +307,8 @@ class KVCacheManager:
                 if not storage.on_miss(req, token_ids, len(nodes), limit):
                     break
             self._dev_lru.size -= unlinked
+            if self.counters.sleeps != sleeps:
+                raise self._cancelled_during_wait(request_id)
             n_host = self._load_host_hits(req, host_hits, waits) if host_hits else 0
             n_storage = min(n_storage, n_host)
             req.blocks = [n.dev for n in nodes]  # type: ignore[union-attr,misc]
@@ -430,6 +453,9 @@ class KVCacheManager:
         with self._lock:
             req = self._requests.pop(request_id, None)
             if req is None:
+                if request_id in self._cancelled:  # a sleep reclaimed its blocks already
+                    self._cancelled.discard(request_id)
+                    return
                 raise UnknownRequestError(
                     f"request {request_id!r} is not active (never matched or already "
                     f"released)")
@@ -464,6 +490,8 @@ class KVCacheManager:
         if self.storage is None:
             return False
         with self._lock:
+            if self.asleep:
+                self._refuse_asleep("prefetch")
             keys = self._keys_or_error(token_ids, extra_keys)
             req = RequestState(keys, extra_keys)
             n = len(token_ids)
@@ -488,6 +516,8 @@ class KVCacheManager:
         blocks are loaded. Returns the number of blocks pinned (the prefix stops at the first
         block that is not cached)."""
         with self._lock:
+            if self.asleep:
+                self._refuse_asleep("pin")
             keys = self._keys_or_error(token_ids, extra_keys)
             pinned: list[Node] = []
             for key in keys:
@@ -519,6 +549,8 @@ class KVCacheManager:
     def unpin(self, token_ids: Sequence[int], extra_keys: Sequence[object] | None = None) -> int:
         """Undo one `pin` of this prefix. Returns the number of blocks unpinned."""
         with self._lock:
+            if self.asleep:
+                self._refuse_asleep("unpin")
             keys = self._keys_or_error(token_ids, extra_keys)
             count = 0
             freed: list[Node] = []
@@ -542,6 +574,8 @@ class KVCacheManager:
         """Empty the tree and both tiers' caches once in-flight transfers have finished.
         Requests in flight keep their blocks (they become the requests' own). Raises
         ResetBusyError, with nothing cleared, if transfers do not finish in `timeout`."""
+        if self.asleep:
+            self._refuse_asleep("reset")
         self.tree_status = TREE_CLEARING
         try:
             deadline = _monotonic() + timeout
@@ -577,6 +611,76 @@ class KVCacheManager:
             self._lost_requests.update(self._requests)
             self.counters.lost_all += 1
             return cleared
+
+    # ------------------------------------------------------------------ sleep
+
+    def sleep(self) -> dict[str, int]:
+        """Go to sleep at once (see the module docstring): every scheduler call is refused
+        from now on, the tree is emptied without waiting, active requests are cancelled and
+        transfers in flight are left to the workers to cancel; their blocks come back as
+        they are answered and are never served. Returns what was cleared and cancelled."""
+        with self._lock:
+            if self.asleep:
+                raise AsleepError("sleep: the deployment is already asleep (wake it first)")
+            self.asleep = True
+            self.paused = True
+            self.tree_status = TREE_CLEARING
+            self.counters.sleeps += 1
+            tasks = len(self._inflight)
+            cleared = self._clear_all()
+            cleared["requests_cancelled"] = len(self._requests)
+            cleared["tasks_cancelled"] = tasks
+            self._cancelled.update(self._requests)
+            self._requests.clear()
+            self._lost_requests.clear()
+            return cleared
+
+    def settled(self) -> bool:
+        """Asleep, whether every task of before the sleep has been answered and every block
+        written off has come back (an engine's own host copies, `manager.keyed`, included)."""
+        with self._lock:
+            return not self._inflight and not self._written_off
+
+    def rebuild(self, device_blocks: int, host_blocks: int) -> None:
+        """Asleep, with nothing in flight: empty free lists of these sizes (the workers'
+        pools are re-created to match). ResetBusyError while tasks are still in flight."""
+        if device_blocks <= 0 or host_blocks < 0:
+            raise ValueError(f"rebuild: {device_blocks} device / {host_blocks} host blocks")
+        with self._lock:
+            if not self.asleep:
+                raise AsleepError("rebuild: the deployment is awake (sleep first)")
+            if self._inflight or self._written_off:
+                raise ResetBusyError(
+                    f"rebuild: {len(self._inflight)} task(s) and {len(self._written_off)} "
+                    "written-off block(s) of before the sleep are still in flight (an engine's "
+                    "own copies must complete first)")
+            self._dev_pool = BlockPool("device", device_blocks)
+            self._host_pool = BlockPool("host", host_blocks)
+            self._dev_lru = DeviceLRU()
+            self._host_lru = HostLRU()
+            self._node_cls = Node if host_blocks else DeviceNode  # type: ignore[assignment]
+            self._map.clear()
+            self._pins.clear()
+            self._written_off.clear()
+            self._dev_in_tree = self._host_in_tree = 0
+            self.tree_status = TREE_CLEARED
+
+    def wake(self) -> None:
+        """Serve again (after `rebuild` and the workers' pools are back)."""
+        with self._lock:
+            self.asleep = False
+            self.paused = False
+            self.tree_status = TREE_NORMAL
+
+    def _refuse_asleep(self, what: str) -> None:
+        raise AsleepError(f"{what}: the deployment is asleep (its KV pools are freed for a "
+                          "weight update); wake it first")
+
+    def _cancelled_during_wait(self, request_id: str) -> RequestCancelledError:
+        self._cancelled.add(request_id)
+        return RequestCancelledError(
+            f"request {request_id!r} was cancelled: the deployment went to sleep while it "
+            "waited for a transfer; match it again after the wake")
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -736,6 +840,10 @@ class KVCacheManager:
     def _get(self, request_id: str) -> RequestState:
         req = self._requests.get(request_id)
         if req is None:
+            if request_id in self._cancelled:
+                raise RequestCancelledError(
+                    f"request {request_id!r} was cancelled: the deployment went to sleep "
+                    "(weight update); its blocks were reclaimed, match it again after the wake")
             raise UnknownRequestError(
                 f"request {request_id!r} is not active (never matched or already released)")
         return req
@@ -1026,6 +1134,7 @@ class KVCacheManager:
         """Send what is queued, then wait for tasks with the lock released, so the completion
         thread can apply them."""
         self._flush()
+        sleeps = self.counters.sleeps
         depth = 0
         while True:  # release however many times the calling thread holds the lock
             try:
@@ -1038,6 +1147,11 @@ class KVCacheManager:
         finally:
             for _ in range(depth):
                 self._lock.acquire()
+        if self.counters.sleeps != sleeps:
+            # Everything this call held was reclaimed by the sleep: it must not go on.
+            raise RequestCancelledError(
+                "the deployment went to sleep while this call waited for a transfer; "
+                "match again after the wake")
 
     # ------------------------------------------------------------------ completions
 
@@ -1051,14 +1165,14 @@ class KVCacheManager:
                 self.counters.failed_tasks += 1
             kind = rec.task.kind
             if kind == TaskKind.H2D:
-                self._finish_load(rec, ok)
+                self._finish_load(rec, ok, comp.error)
             elif kind == TaskKind.D2H:
                 self._finish_d2h(rec, ok)
             if rec.on_done is not None:
                 rec.on_done(ok, comp)
             self._flush()
 
-    def _finish_load(self, rec: _Inflight, ok: bool) -> None:
+    def _finish_load(self, rec: _Inflight, ok: bool, error: str = "") -> None:
         exclusive = self.policy.exclusive
         for node in reversed(rec.nodes):  # tail first: leaves age first
             node.flags &= ~LOADING
@@ -1097,7 +1211,7 @@ class KVCacheManager:
             self._settle(node)
         if not ok:
             for h, idx in rec.handles:
-                h.note_failure(idx)
+                h.note_failure(idx, error)
         rec.handles.clear()
 
     def _finish_d2h(self, rec: _Inflight, ok: bool) -> None:

@@ -22,6 +22,24 @@ Either way the workers get the same `WorkerSpec`s (`worker_specs(cfg)`), the man
 same `KVCacheManager`, and a `StorageTier` is built and handed to it when a storage backend
 is configured.
 
+Sleep and wake (weight updates, FastDeploy's "clear the tree, free the KV, re-create it"):
+
+    stack.sleep()      pause; the manager clears its tree without waiting and cancels active
+                       requests (`KVCacheManager.sleep`); tree status CLEARING; every worker
+                       cancels the tasks it holds and frees its device and host pools (pools
+                       generation odd, see `kvtier.worker.ipc`); once every rank freed them
+                       and every cancelled task is answered (blocks reclaimed, never
+                       served): tree status CLEARED
+    ... the engine updates its weights (with engine KV: frees its KV, re-registers) ...
+    stack.wake(device_blocks=None, host_blocks=None)
+                       sizes checked like the configuration; the manager's free lists and
+                       every worker's pools re-created at them (pools generation even); the
+                       configuration takes the sizes; tree status NORMAL; resumed
+
+While asleep every scheduler call raises AsleepError, a task reaching a worker fails at once,
+and a model runner's `LayerWaiter.wait` raises `DeploymentAsleep`. A failed wake (a rank
+could not re-create its pools) leaves the deployment asleep: wake again, e.g. smaller.
+
 Start order: IPC names (stale ones of this deployment removed) -> worker processes (each
 builds its pools and reports ready) -> dispatcher -> manager (-> storage tier). Stop order is
 the reverse, and `close()` is safe to call from any state: it always ends with every process
@@ -34,14 +52,22 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvtier.manager.config import ConfigError, KvtierConfig, page_bytes, rank_device, summary
-from kvtier.manager.errors import KvtierError
+from kvtier.manager.config import (
+    ConfigError,
+    KvtierConfig,
+    page_bytes,
+    rank_device,
+    summary,
+    with_pool_sizes,
+)
+from kvtier.manager.errors import AsleepError, KvtierError, TransferTimeoutError
 from kvtier.manager.launcher import WorkerSupervisor
 from kvtier.manager.private_state import storage_secret
-from kvtier.manager.scheduler import KVCacheManager
+from kvtier.manager.scheduler import TREE_CLEARED, KVCacheManager
 from kvtier.manager.storage_tier import StorageTier
 from kvtier.manager.transfers import Dispatcher, ImmediateDispatcher
 from kvtier.worker.ipc import TreeStatus
@@ -96,6 +122,7 @@ def worker_spec(cfg: KvtierConfig, rank: int, storage_tag: str = "") -> WorkerSp
         manager_timeout_s=max(3.0, c.workers.heartbeat_timeout_s), model_name=c.model.name,
         storage_tag=storage_tag, storage_secret=secret.hex(),
         num_extra_layers=c.model.num_extra_layers, kv_scales=c.model.kv_scales,
+        host_numa=str(c.workers.host_numa),
         # the wait for the model runner's registration ends inside the supervisor's
         # ready timeout, so the worker's own error (what is missing) is the one reported
         engine_kv=c.workers.engine_kv, engine_kv_timeout_s=0.8 * c.workers.ready_timeout_s)
@@ -141,6 +168,7 @@ class Stack:
         self.storage: StorageTier | None = None
         self._closed = False
         self._lock = threading.Lock()
+        self._sleep_lock = threading.Lock()  # one sleep or wake at a time
         self._transfer_observers: list[TransferObserver] = []
 
     # ------------------------------------------------------------------ life cycle
@@ -295,6 +323,8 @@ class Stack:
 
     def resume(self) -> None:
         m = self.require_manager()
+        if m.asleep:
+            raise AsleepError("resume: the deployment is asleep; wake it (which resumes)")
         m.paused = False
         if self.supervisor is not None:
             self.supervisor.ipc.paused = False
@@ -306,6 +336,8 @@ class Stack:
         seconds, default `timeout`). Raises ResetBusyError (nothing cleared) when transfers do
         not finish in time."""
         m = self.require_manager()
+        if m.asleep:  # the sleep cleared everything; its tree status must stand
+            raise AsleepError("reset: the deployment is asleep (its pools are freed); wake it")
         self._publish_tree_status(TreeStatus.CLEARING)
         try:
             cleared: dict[str, Any] = dict(m.reset(timeout))
@@ -317,6 +349,74 @@ class Stack:
             return cleared
         finally:
             self._publish_tree_status(TreeStatus.NORMAL)
+
+    def sleep(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Free every pool for a weight update (see the module docstring): returns what was
+        cleared and cancelled. AsleepError when already asleep; TransferTimeoutError when a
+        rank did not free its pools or cancelled tasks were not answered within `timeout`
+        (the deployment stays asleep: wake it, or sleep again)."""
+        m = self.require_manager()
+        sup = self.supervisor
+        if sup is None:
+            raise KvtierError("sleep needs worker processes: embedded ranks live in the "
+                              "engine's process, which frees and re-creates them itself")
+        with self._sleep_lock:
+            cleared: dict[str, Any] = dict(m.sleep())
+            sup.pools_asleep = True
+            sup.ipc.paused = True
+            self._publish_tree_status(TreeStatus.CLEARING)
+            generation = sup.ipc.pools_generation + 1  # even while awake; odd: freed
+            sup.ipc.set_pools_generation(generation)
+            deadline = time.monotonic() + timeout
+            sup.wait_pools(generation, timeout)
+            if not m.dispatcher.drain(max(0.0, deadline - time.monotonic())):
+                raise TransferTimeoutError(
+                    f"sleep: {m.dispatcher.pending()} cancelled task(s) not answered within "
+                    f"{timeout:.3g} s (the pools are freed; wake when they are)")
+            m.tree_status = TREE_CLEARED
+            self._publish_tree_status(TreeStatus.CLEARED)
+            log.info("asleep: pools freed on every rank (%s)", cleared)
+            return cleared
+
+    def wake(self, device_blocks: int | None = None, host_blocks: int | None = None,
+             timeout: float | None = None) -> dict[str, Any]:
+        """Re-create the pools (at new sizes when given) and serve again. ConfigError (still
+        asleep, nothing changed) when the sizes are invalid or do not fit this machine;
+        AsleepError when not asleep; WorkerStartError / TransferTimeoutError when a rank could
+        not re-create its pools (still asleep). Returns the sizes now in force."""
+        m = self.require_manager()
+        sup = self.supervisor
+        if sup is None:
+            raise KvtierError("wake needs worker processes (see sleep)")
+        with self._sleep_lock:
+            if not m.asleep:
+                raise AsleepError("wake: the deployment is not asleep")
+            c = self.cfg.cache
+            cfg = with_pool_sizes(self.cfg, c.device_blocks if device_blocks is None
+                                  else device_blocks,
+                                  c.host_blocks if host_blocks is None else host_blocks)
+            wait = self.cfg.workers.ready_timeout_s if timeout is None else timeout
+            if not m.dispatcher.drain(wait) or not m.settled():
+                raise TransferTimeoutError("wake: tasks (or an engine's own host copies) of "
+                                           "before the sleep are still in flight; try again")
+            ipc = sup.ipc
+            if ipc.pools_generation % 2 == 0:  # a failed wake: free what it made first
+                ipc.set_pools_generation(ipc.pools_generation + 1)
+                sup.wait_pools(ipc.pools_generation, wait)
+            generation = ipc.pools_generation + 1
+            dev, host = cfg.cache.device_blocks, cfg.cache.host_blocks
+            m.rebuild(dev, host)
+            ipc.set_pools_generation(generation, dev, host)
+            sup.wait_pools(generation, wait)
+            self.cfg = cfg  # replacements of workers start at these sizes
+            if self.storage is not None:
+                self.storage.resize(cfg)
+            sup.pools_asleep = False
+            m.wake()
+            ipc.paused = False
+            self._publish_tree_status(TreeStatus.NORMAL)
+            log.info("awake: %d device / %d host blocks per rank", dev, host)
+            return {"device_blocks": dev, "host_blocks": host}
 
     def _publish_tree_status(self, status: TreeStatus) -> None:
         """Tell the worker processes (a shared-memory flag); embedded ranks need no telling."""
@@ -350,6 +450,7 @@ class Stack:
             "hit_rate": {k: (v / lookup if lookup else 0.0) for k, v in hits.items()}
             | {"total": (sum(hits.values()) / lookup if lookup else 0.0)},
             "paused": m.paused,
+            "asleep": m.asleep,
             "tree_status": st["tree_status"],
             "requests_active": st["requests_active"],
             "tasks_inflight": st["tasks_inflight"],

@@ -213,6 +213,14 @@ class StorageTier:
                 m.free_host_copy(node)
             m.after_transfer(node)
 
+    def resize(self, cfg: KvtierConfig) -> None:
+        """The host tier was re-created (a wake, nothing in flight): take its new size."""
+        with self.m.lock:
+            self.limit = cfg.effective_prefetch_host_blocks_limit()
+            self.prefetching_blocks = 0
+            self._prefetch_of.clear()
+            self._revoked.clear()
+
     def revoke(self) -> int:
         """Throw away the result of every prefetch in flight (their blocks become misses and
         are freed when they land). Returns how many prefetches were revoked."""

@@ -68,7 +68,7 @@ BRIEF_DEFAULTS = {
         "secret_file": "",
     },
     "workers": {"count": 1, "device": "auto", "cuda_devices": "", "ready_timeout_s": 60,
-                "engine_kv": False, "heartbeat_timeout_s": 5},
+                "engine_kv": False, "heartbeat_timeout_s": 5, "host_numa": "auto"},
     "admin": {"host": "127.0.0.1", "port": 8080, "auth": "token", "token": "",
               "max_body_bytes": 4 * 1024**2, "max_pin_tokens": 262144, "max_extra_keys": 1024,
               "request_timeout_s": 10.0, "keep_alive_s": 5, "max_connections": 64},

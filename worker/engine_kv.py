@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvtier.worker.ipc import LayerProgress, pid_alive, validate_deployment_id
+from kvtier.worker.ipc import LayerProgress, TreeStatus, pid_alive, validate_deployment_id
 from kvtier.worker.kv_pools import DTYPES, PoolConfigError, parse_dtype
 from kvtier.worker.kvreg import (
     LAYOUTS,
@@ -460,7 +460,9 @@ class LayerWaiter:
     reading the per-layer progress the workers publish in the deployment's control segment
     (read-only; no manager object needed). `wait` raises `LayerWaitTimeout` after `timeout`
     seconds, `TaskAborted` when the load failed on a rank or a rank's worker died during it,
-    `IPCError` when the deployment stopped."""
+    `DeploymentAsleep` while the deployment sleeps (or when it slept during the wait: the load
+    was cancelled), `IPCError` when the deployment stopped. `tree_status` and `asleep` read the
+    manager's flags."""
 
     def __init__(self, deployment_id: str, num_ranks: int) -> None:
         self._progress = LayerProgress(deployment_id, num_ranks)
@@ -471,6 +473,18 @@ class LayerWaiter:
     def layers_done(self, seq: int) -> list[int | None]:
         """Per rank, the layers of load `seq` on the device (None: not started there)."""
         return self._progress.layers_done(seq)
+
+    @property
+    def tree_status(self) -> TreeStatus:
+        """The manager's prefix-tree status: NORMAL, or CLEARING / CLEARED while a sleep or a
+        reset empties it (block ids of before it are no longer the manager's)."""
+        return self._progress.tree_status
+
+    @property
+    def asleep(self) -> bool:
+        """True while the deployment sleeps (the workers' pools are freed, loads fail with
+        `DeploymentAsleep`); False once a wake re-created them."""
+        return self._progress.asleep
 
     def close(self) -> None:
         self._progress.close()

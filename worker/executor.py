@@ -5,11 +5,13 @@ in its own process can run it directly (`kvtier.worker.embedded`).
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import logging
 import time
 from collections.abc import Callable
 
-from kvtier.worker import content
+from kvtier.worker import content, numa
 from kvtier.worker.copy_engine import CopyEngine
 from kvtier.worker.delays import STORAGE_DELAY_ENV, delay_from_env
 from kvtier.worker.engine_pool import EngineKVGone, EnginePool
@@ -44,12 +46,26 @@ class TaskExecutor:
     def __init__(self, rank: int, device: DeviceKV, host: HostPool | None,
                  storage: StorageBackend | None, *, backup_one_rank: bool = False) -> None:
         self.rank = rank
-        self.device = device
+        self.device: DeviceKV | None = device
         self.host = host
         self.storage = storage
         self.backup_one_rank = backup_one_rank
         self.engine = CopyEngine(device, host) if host is not None else None
         self.storage_delay_s = delay_from_env(STORAGE_DELAY_ENV)
+        self.freed = False  # the pools were released (sleep): no task may run on them
+
+    def release_pools(self) -> None:
+        """Drop every reference to the device and host pools (a sleep frees them); from now
+        on every task that would touch them fails with PoolsFreedError."""
+        self.freed = True
+        self.device = None
+        self.host = None
+        self.engine = None
+
+    def _freed_error(self, kind: TaskKind) -> PoolsFreedError:
+        return PoolsFreedError(
+            f"rank {self.rank}: {kind.name} refused: the pools are freed (the deployment is "
+            "asleep for a weight update); task cancelled")
 
     def set_device(self, device: DeviceKV) -> None:
         """Work on another device tier from the next task on (an engine's KV attached
@@ -62,6 +78,9 @@ class TaskExecutor:
                      ) -> list[tuple[int, list[int]]]:
         """Run same-kind device tasks as one batch; one (result, detail) per task.
         `on_layer_done(seqs, layer)` fires as each layer of an H2D batch lands."""
+        device = self.device
+        if device is None:
+            raise self._freed_error(kind)
         if kind in (TaskKind.D2H, TaskKind.H2D):
             if self.engine is None:
                 raise RuntimeError(f"{kind.name} needs a host tier, and this rank has none")
@@ -80,10 +99,10 @@ class TaskExecutor:
         if not (task.src or task.dst):
             return [(0, [])]  # nothing to fill or check
         if kind == TaskKind.FILL:
-            content.fill(self.device, task.dst, task.keys, self.rank)
+            content.fill(device, task.dst, task.keys, self.rank)
             return [(0, [])]
         if kind == TaskKind.CHECK:
-            bad = content.check(self.device, task.src, task.keys, self.rank)
+            bad = content.check(device, task.src, task.keys, self.rank)
             return [(len(bad), bad)]
         raise ValueError(f"not a device task kind: {kind!r}")
 
@@ -115,6 +134,8 @@ class TaskExecutor:
             return store.clear()
         host = self.host
         if host is None:
+            if self.freed:
+                raise self._freed_error(task.kind)
             raise RuntimeError(f"{task.kind.name} needs a host tier")
         if task.kind == TaskKind.PREFETCH:
             got = store.get_into(task.keys, [host.page_view(h) for h in task.dst])
@@ -138,23 +159,30 @@ class RankResources:
 
     With `spec.engine_kv` the device tier is the model runner's registered KV
     (`EnginePool`, waited for at most `spec.engine_kv_timeout_s`) instead of a `DevicePool`;
-    `ensure_device()` checks it is still current before each device task."""
+    `ensure_device()` checks it is still current before each device task. The host pool is
+    bound to the NUMA node `numa` names (`workers.host_numa`; `topology` reads a fake sysfs
+    in tests)."""
 
-    def __init__(self, spec: WorkerSpec, host_segment: str) -> None:
+    def __init__(self, spec: WorkerSpec, host_segment: str,
+                 topology: numa.Topology | None = None) -> None:
         self.spec = spec
+        self.host_segment = host_segment
         self.host: HostPool | None = None
         self.storage: StorageBackend | None = None
+        self.device: DeviceKV | None = None
         try:
             shape = spec.shape
             layout = None
-            self.device: DeviceKV
             if spec.engine_kv:
                 attached = EnginePool.attach(spec, spec.engine_kv_timeout_s)
                 self.device, layout = attached, attached.layout
             else:
                 self.device = DevicePool(shape, spec.device_blocks, spec.device)
+            self.layout = layout
+            self.topology = topology
+            self.numa = self._numa_choice(self.device, topology)
             if spec.host_blocks:
-                self.host = HostPool(shape, spec.host_blocks, host_segment)
+                self.host = HostPool(shape, spec.host_blocks, host_segment, self.numa.node)
             self.storage = make_backend(
                 spec.storage_backend, namespace=spec.storage_namespace(layout),
                 secret=spec.storage_secret_bytes, path=spec.storage_path, url=spec.storage_url,
@@ -166,13 +194,29 @@ class RankResources:
             self.close()
             raise
 
+    def _numa_choice(self, device_kv: DeviceKV,
+                     topology: numa.Topology | None) -> numa.NumaChoice:
+        """The NUMA node of the host pool (`workers.host_numa`), logged with the reason."""
+        spec = self.spec
+        setting = numa.check_setting(spec.host_numa)
+        where = device_kv.device
+        device = str(where)
+        pci = None
+        if setting == "auto" and where.type == "cuda":
+            pci = numa.cuda_pci_address(where.index or 0, topology)
+        choice = numa.choose_node(setting, device, topology, pci)
+        if spec.host_blocks:
+            log.info("rank %d: host pool %s (%s)", spec.rank, "not bound to a NUMA node"
+                     if choice.node is None else f"on NUMA node {choice.node}", choice.reason)
+        return choice
+
     def ensure_device(self) -> None:
         """Before a device task: with engine KV, make sure the registration attached is the
         current one. A replaced registration (the model runner restarted) is attached in
         its place; one that is gone with none in its place raises EngineKVGone (the task
         fails with that reason; the next task looks again)."""
         dev = self.device
-        if not isinstance(dev, EnginePool):
+        if not isinstance(dev, EnginePool) or self.executor.freed:
             return
         reason = dev.problem()
         if reason is None:
@@ -191,6 +235,56 @@ class RankResources:
         self.device = fresh
         self.executor.set_device(fresh)
 
+    def free_pools(self) -> None:
+        """Release the device pool (or the engine's KV, attached) and the host pool, whose
+        segment is unlinked: the memory goes back to the system (sleep). Idempotent."""
+        self.executor.release_pools()
+        if isinstance(self.device, EnginePool):
+            self.device.close()
+        self.device = None
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+        # Views caught in reference cycles keep their mappings until collected: without this
+        # the engine KV segments stayed mapped in the worker after a sleep (test_sleep).
+        gc.collect()
+        if self.spec.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()  # hand the device pool back to the driver, not the cache
+
+    def rebuild(self, device_blocks: int, host_blocks: int) -> None:
+        """Re-create freed pools at these sizes (wake); the storage backend is kept. With
+        engine KV the current registration is attached (its layout must be the same).
+        On failure the pools stay freed and the error propagates."""
+        if self.device is not None:
+            self.free_pools()
+        spec = dataclasses.replace(self.spec, device_blocks=device_blocks,
+                                   host_blocks=host_blocks)
+        shape = spec.shape
+        device: DeviceKV
+        if spec.engine_kv:
+            attached = EnginePool.attach(spec, spec.engine_kv_timeout_s)
+            if attached.layout != self.layout:
+                attached.close()
+                raise EngineKVGone(
+                    f"rank {spec.rank}: the new registration has layout {attached.layout!r} "
+                    f"but this rank's storage pages are in layout {self.layout!r}")
+            device = attached
+        else:
+            device = DevicePool(shape, device_blocks, spec.device)
+        try:
+            choice = self._numa_choice(device, self.topology)
+            host = (HostPool(shape, host_blocks, self.host_segment, choice.node)
+                    if host_blocks else None)
+        except BaseException:
+            if isinstance(device, EnginePool):
+                device.close()
+            raise
+        self.spec, self.device, self.host, self.numa = spec, device, host, choice
+        self.executor = TaskExecutor(spec.rank, device, host, self.storage,
+                                     backup_one_rank=spec.backup_one_rank)
+
     def close(self) -> None:
         if isinstance(self.device, EnginePool):
             self.device.close()
@@ -203,6 +297,10 @@ class RankResources:
         if self.host is not None:
             self.host.close()
             self.host = None
+
+
+class PoolsFreedError(KvtierError, RuntimeError):
+    """A task reached a rank whose pools are freed (the deployment sleeps)."""
 
 
 class StorageError(KvtierError, RuntimeError):

@@ -30,13 +30,14 @@ import mmap
 import os
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Literal
 
 import posix_ipc
 import torch
+from kvtier.worker import numa
 from kvtier.worker.errors import KvtierError
 from kvtier.worker.page_layout import PageLayout
 
@@ -414,7 +415,8 @@ class HostPool:
     memory.
     """
 
-    def __init__(self, shape: KVShape, num_blocks: int, name: str) -> None:
+    def __init__(self, shape: KVShape, num_blocks: int, name: str,
+                 numa_node: int | None = None) -> None:
         _check_positive("host_blocks", num_blocks)
         _check_name(name)
         self.shape = shape
@@ -424,6 +426,7 @@ class HostPool:
         self.owner = True
         self.pinned = False
         self._closed = True
+        self.numa_node = numa_node  # None: not bound (see kvtier.worker.numa)
         shm_free = _shm_free_bytes()
         if shm_free is not None and self.nbytes > shm_free:
             raise PoolConfigError(
@@ -441,8 +444,15 @@ class HostPool:
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=self.nbytes)
         try:
             os.fchmod(shm.fd, 0o600)  # shm_open applies the umask; make the mode exact
-            self._reserve(shm.fd)
-            self._map(shm.fd)
+            fd = shm.fd
+
+            def place(address: int) -> None:
+                # Before any page exists: the NUMA policy, then every page allocated under it.
+                if numa_node is not None:
+                    numa.bind(address, self.nbytes, numa_node)
+                self._reserve(fd)
+
+            self._map(fd, place)
         except BaseException:
             shm.close_fd()
             with contextlib.suppress(posix_ipc.ExistentialError):
@@ -459,10 +469,12 @@ class HostPool:
         try:
             os.posix_fallocate(fd, 0, self.nbytes)
         except OSError as e:
+            on = "" if self.numa_node is None else f" on NUMA node {self.numa_node}"
             raise PoolConfigError(
                 f"cache.host_blocks: {self.num_blocks} blocks need {_gib(self.nbytes)} of "
-                f"/dev/shm but reserving them failed ({os.strerror(e.errno or 0)}): raise the "
-                "container's shm_size or lower cache.host_blocks"
+                f"/dev/shm{on} but reserving them failed ({os.strerror(e.errno or 0)}): raise "
+                "the container's shm_size or lower cache.host_blocks"
+                + ("" if self.numa_node is None else " (or set workers.host_numa)")
             ) from None
 
     @classmethod
@@ -489,6 +501,7 @@ class HostPool:
             self.owner = False
             self.pinned = False
             self._closed = True
+            self.numa_node = None  # the owner's binding holds; not known here
             # Which segment this is: a worker replaced under the same name creates a new one
             # (another inode), so an attacher can tell its mapping is of a dead worker's pool.
             self.inode = os.fstat(shm.fd).st_ino
@@ -510,11 +523,15 @@ class HostPool:
             self.data.data_ptr() if self.pinned else 0,
         )
 
-    def _map(self, fd: int) -> None:
+    def _map(self, fd: int, place: Callable[[int], None] | None = None) -> None:
+        """Map the segment; `place(address)` runs before anything touches a page (the
+        owner's NUMA binding and reservation)."""
         self._mm: mmap.mmap | None = mmap.mmap(fd, self.nbytes)
         self._closed = False
         try:
             raw = torch.frombuffer(self._mm, dtype=torch.uint8)
+            if place is not None:
+                place(raw.data_ptr())
             self.data = raw.view(self.num_blocks, self.shape.page_bytes)
             self.kv = page_kv_view(self.data, self.shape, self.shape.dtype).view(
                 self.num_blocks, self.shape.total_layers, 2, *self.shape.block_shape

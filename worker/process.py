@@ -26,6 +26,18 @@ rank's registration before it reports ready, and checks before every device task
 registration is still current (a task fails with "engine KV registration of rank r is gone
 (model runner pid N exited)" otherwise, and a new registration is attached when it appears).
 
+Sleep (a weight update, see the "Sleep" section of `kvtier.worker.ipc`): when the manager
+makes the pools generation odd, the worker fails every task it holds or receives from then on
+("... the pools are freed ...; task cancelled"; a cancelled load is published as failed to
+layer waiters), lets the storage thread finish the one task it may be running, frees its
+device and host pools (the host segment is unlinked) and publishes the generation. When the
+generation turns even again it re-creates the pools at the sizes the manager wrote (with
+engine KV: attaches the runner's current registration) and publishes it; a failure is
+published as the negated generation and logged, and the rank stays asleep.
+
+    awake --(odd generation)--> cancelling --(storage thread idle)--> asleep (pools freed)
+    asleep --(even generation)--> awake (pools re-created) | asleep (re-creation failed)
+
 It exits on SIGTERM/SIGINT, or by itself when the manager stops beating (no orphans), and
 always unlinks its host-pool segment on the way out.
 """
@@ -69,7 +81,7 @@ class Worker:
         self._stop = threading.Event()
         self._heap: list[tuple[int, int, Task]] = []
         self._arrival = itertools.count()
-        self._storage_q: queue.Queue[Task | None] = queue.Queue()
+        self._storage_q: queue.Queue[Task | threading.Event | None] = queue.Queue()
         self._inflight = 0
         self._inflight_lock = threading.Lock()
         self.ipc = WorkerIPC(spec.deployment_id, spec.rank,
@@ -81,6 +93,8 @@ class Worker:
             self.ipc.close()
             raise
         self.executor = self.res.executor
+        self._asleep = False  # the pools are freed: every task fails (read by both threads)
+        self._generation = 0  # the pools generation this worker reached
         self._storage_thread = threading.Thread(target=self._storage_loop, daemon=True,
                                                 name=f"kvtier-storage-r{self.rank}")
 
@@ -99,12 +113,20 @@ class Worker:
         threading.Thread(target=self._beat_loop, daemon=True,
                          name=f"kvtier-beat-r{self.rank}").start()
         self._publish_storage_figures()
+        self.ipc.publish_host_numa(self.res.numa.node if self.res.host is not None else None)
+        generation, _, _ = self.ipc.pools_request()
+        if generation % 2:  # started while the deployment sleeps
+            self._sleep(generation)
+        else:
+            self._generation = generation
+            self.ipc.publish_pools_generation(generation)
         self.ipc.set_ready(True)
         log.info("rank %d ready (pid %d, device %s, %d device / %d host blocks, storage %s)",
-                 self.rank, os.getpid(), self.res.device.device, self.spec.device_blocks,
+                 self.rank, os.getpid(), self.spec.device, self.spec.device_blocks,
                  self.spec.host_blocks, self.spec.storage_backend)
         try:
             while not self._stop.is_set():
+                self._follow_pools()
                 wait = 0.0 if self._heap and not self.ipc.paused else 0.2
                 task = self.ipc.recv_task(timeout=wait)
                 while task is not None:
@@ -124,7 +146,9 @@ class Worker:
         with self._inflight_lock:
             self._inflight += 1
             self.ipc.set_inflight(self._inflight)
-        if task.kind in STORAGE_KINDS:
+        if self._asleep:  # never touch a freed pool
+            self._cancel(task)
+        elif task.kind in STORAGE_KINDS:
             self._storage_q.put(task)
         else:
             heapq.heappush(self._heap, (-task.priority, next(self._arrival), task))
@@ -156,6 +180,60 @@ class Worker:
         for t, (result, detail) in zip(batch, results, strict=True):
             self._answer(Completion(t.seq, self.rank, True, result, detail))
 
+    def _cancel(self, task: Task) -> None:
+        """Answer `task` failed without running it (the pools are or are about to be freed)."""
+        if task.kind == TaskKind.H2D:  # layer waiters outside the manager give up now
+            self.ipc.publish_load_failed(task.seq)
+        self._answer(Completion(
+            task.seq, self.rank, False,
+            error=f"PoolsFreedError: rank {self.rank}: the pools are freed (the deployment is "
+            f"asleep for a weight update); {task.kind.name} task cancelled"))
+
+    # ------------------------------------------------------------------ sleep
+
+    def _follow_pools(self) -> None:
+        """Free or re-create the pools when the manager's pools generation changed."""
+        generation, device_blocks, host_blocks = self.ipc.pools_request()
+        if generation == self._generation:
+            return
+        if generation % 2:
+            self._sleep(generation)
+        else:
+            self._wake(generation, device_blocks, host_blocks)
+
+    def _sleep(self, generation: int) -> None:
+        self._asleep = True
+        cancelled = len(self._heap)
+        while self._heap:
+            self._cancel(heapq.heappop(self._heap)[2])
+        parked = threading.Event()  # set by the storage thread once its queue is behind it
+        self._storage_q.put(parked)
+        while not parked.wait(5.0):  # a storage call is bounded by its backend's timeout
+            log.warning("rank %d: sleep waits for a storage task to finish", self.rank)
+        self.res.free_pools()
+        self.executor = self.res.executor
+        self.ipc.publish_host_numa(None)
+        self._generation = generation
+        self.ipc.publish_pools_generation(generation)
+        log.info("rank %d asleep: %d queued task(s) cancelled, device and host pools freed",
+                 self.rank, cancelled)
+
+    def _wake(self, generation: int, device_blocks: int, host_blocks: int) -> None:
+        self._generation = generation
+        try:
+            self.res.rebuild(device_blocks, host_blocks)
+        except Exception as e:
+            log.error("rank %d: re-creating the pools (%d device / %d host blocks) failed: "
+                      "%s: %s", self.rank, device_blocks, host_blocks, type(e).__name__, e)
+            self.ipc.publish_pools_generation(-generation)
+            return
+        self.executor = self.res.executor
+        self.ipc.publish_host_numa(self.res.numa.node if self.res.host is not None else None)
+        self._asleep = False
+        self.ipc.publish_pools_generation(generation)
+        log.info("rank %d awake: %d device / %d host blocks", self.rank, device_blocks,
+                 host_blocks)
+
     def _layer_done(self, seqs: list[int], layer: int) -> None:
         for s in seqs:
             self.ipc.publish_layers_done(s, layer + 1)
@@ -167,6 +245,12 @@ class Worker:
             task = self._storage_q.get()
             if task is None:
                 return
+            if isinstance(task, threading.Event):  # a sleep waits for this point
+                task.set()
+                continue
+            if self._asleep:
+                self._cancel(task)
+                continue
             try:
                 result = self.executor.storage_task(task)
             except Exception as e:

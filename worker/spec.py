@@ -57,6 +57,8 @@ class WorkerSpec:
     # The instance nonce of the manager IPC the worker must attach to (0: any): a worker
     # started by a manager whose names a successor took over never joins the successor.
     ipc_instance: int = 0
+    # workers.host_numa: "auto", "off" or a node number, as a string (kvtier.worker.numa)
+    host_numa: str = "auto"
     # The deployment's storage secret (hex) that authenticates every stored page; "" only
     # with storage_backend = "none". Never in the repr (and so never in a log line).
     storage_secret: str = field(default="", repr=False)
