@@ -23,10 +23,11 @@ copy is synchronous and the callback follows it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -142,9 +143,15 @@ class CopyEngine:
     is one block of one layer's K or V); one staging buffer per direction (CPU path), reused
     across calls; on CUDA one stream per direction. Invariants: ids are fully validated before
     the first byte moves; H2D callbacks fire once per layer, in layer order, only after that
-    layer's bytes are in place. On CPU, copies of both directions are serialised by one lock
-    (two concurrent multi-threaded copies only fight over the same cores and memory bus); a
-    call holds it per step (one run, one staged chunk), so a long backup cannot hold off a load.
+    layer's bytes are in place.
+
+    Concurrency (a worker runs loads and backups on two threads): on CPU, copy steps of both
+    directions are serialised by `_lock` (two concurrent multi-threaded copies only fight
+    over the same cores and memory bus), and loads go first: while an `h2d` call runs
+    (`_loading` > 0, `_no_load` clear), a `d2h` waits before its next step, and a D2H step
+    moves at most `stage_bytes` (a long run is cut into such steps), so a load waits for at
+    most one backup step. On CUDA each direction has its own stream and the load stream has
+    the higher priority; nothing waits on the host side.
     """
 
     def __init__(
@@ -196,6 +203,10 @@ class CopyEngine:
         assert self._host_w.shape[-1] == row
         self._cuda = device_pool.device.type == "cuda"
         self._lock = threading.Lock()
+        self._load_count_lock = threading.Lock()
+        self._loading = 0
+        self._no_load = threading.Event()
+        self._no_load.set()
         self._stage: dict[str, torch.Tensor] = {}
         # On CUDA, kernels gather and scatter straight through the pinned host pool mapped
         # into the device address space ("zero_copy": one pass over the bus per byte, 0.87-0.91
@@ -208,7 +219,10 @@ class CopyEngine:
                 f"cuda_path: {cuda_path!r} is not one of 'auto', 'zero_copy', 'staged'")
         if self._cuda:
             self._d2h_stream = torch.cuda.Stream(device_pool.device)
-            self._h2d_stream = torch.cuda.Stream(device_pool.device)
+            # A load is what a request waits on: its kernels are scheduled ahead of a
+            # backup's when both streams have work (CUDA priorities: lower is higher; the
+            # value is clamped to the device's range).
+            self._h2d_stream = torch.cuda.Stream(device_pool.device, priority=-1)
             if cuda_path != "staged":
                 alias = host_pool.device_view(device_pool.device)
                 if alias is None and cuda_path == "zero_copy":
@@ -261,6 +275,25 @@ class CopyEngine:
             self._stage[key] = buf
         return buf[:numel].view(shape)
 
+    def _backup_step(self) -> threading.Lock:
+        """Before each CPU D2H step: wait while a load runs, then the step takes `_lock`."""
+        self._no_load.wait()
+        return self._lock
+
+    @contextlib.contextmanager
+    def _load_call(self) -> Iterator[None]:
+        """Around a whole `h2d`: backups pause between their steps until it returns."""
+        with self._load_count_lock:
+            self._loading += 1
+            self._no_load.clear()
+        try:
+            yield
+        finally:
+            with self._load_count_lock:
+                self._loading -= 1
+                if not self._loading:
+                    self._no_load.set()
+
     # ---------------------------------------------------------------- D2H
 
     def d2h(self, dev_ids: BlockIds, host_ids: BlockIds) -> None:
@@ -286,9 +319,13 @@ class CopyEngine:
 
     def _d2h_cpu(self, plan: CopyPlan) -> None:
         dev, host = self._dev_w, self._host_w
+        step = max(1, self.stage_bytes // self.shape.page_bytes)  # blocks per locked step
         for s0, d0, k in zip(plan.run_src, plan.run_dst, plan.run_len, strict=True):
-            with self._lock:
-                host[d0 : d0 + k].copy_(dev[:, :, s0 : s0 + k].permute(2, 0, 1, 3))
+            for i in range(0, k, step):
+                j = min(k, i + step)
+                with self._backup_step():
+                    host[d0 + i : d0 + j].copy_(
+                        dev[:, :, s0 + i : s0 + j].permute(2, 0, 1, 3))
         g = int(plan.gather_src.numel())
         if not g:
             return
@@ -302,7 +339,7 @@ class CopyEngine:
         for i in range(0, g, c):
             gs, gd = plan.gather_src[i : i + c], plan.gather_dst[i : i + c]
             part = self._staging("d2h", (rows, gs.numel(), self._row), host.device)
-            with self._lock:
+            with self._backup_step():
                 torch.index_select(dev3, 1, gs, out=part)
                 host3.index_put_((gd,), part.transpose(0, 1))
 
@@ -341,6 +378,10 @@ class CopyEngine:
         empty task, so nobody waits on a layer that will never come)."""
         src, dst = self._pairs("h2d", host_ids, dev_ids, "host")
         done = on_layer_done if on_layer_done is not None else _ignore_layer
+        with self._load_call():
+            self._h2d(src, dst, done)
+
+    def _h2d(self, src: torch.Tensor, dst: torch.Tensor, done: Callable[[int], None]) -> None:
         if self._planes is not None:
             self._planes.h2d(src, dst, done)
             self.bytes_h2d += int(src.numel()) * self.shape.page_bytes
@@ -483,7 +524,7 @@ class _PlaneCopier:
         for i in range(0, n, c):
             gs, gd = src[i : i + c], dst[i : i + c]
             part = e._staging("d2h", (rows, gs.numel(), row), host3.device)
-            with e._lock:
+            with e._backup_step():
                 for p, plane in enumerate(planes):
                     torch.index_select(plane, 0, gs, out=part[p])
                 host3.index_put_((gd,), part.transpose(0, 1))
