@@ -11,7 +11,7 @@ from collections.abc import Callable
 from enum import IntEnum
 
 from kvtier.worker import content
-from kvtier.worker.copy_engine import CopyEngine
+from kvtier.worker.copy_engine import CopyEngine, LoadGate
 from kvtier.worker.delays import (
     BACKUP_DELAY_ENV,
     PREFETCH_PAGE_DELAY_ENV,
@@ -94,7 +94,9 @@ class TaskExecutor:
         self.host = host
         self.storage = storage
         self.backup_one_rank = backup_one_rank
-        self.engine = CopyEngine(device, host) if host is not None else None
+        self.load_gate = LoadGate()  # shared by every copy engine of this rank
+        self.engine = (CopyEngine(device, host, gate=self.load_gate) if host is not None
+                       else None)
         self.storage_delay_s = delay_from_env(STORAGE_DELAY_ENV)
         self.storage_write_delay_s = delay_from_env(STORAGE_WRITE_DELAY_ENV)
         self.prefetch_page_delay_s = delay_from_env(PREFETCH_PAGE_DELAY_ENV)
@@ -104,7 +106,8 @@ class TaskExecutor:
         """Work on another device tier from the next task on (an engine's KV attached
         again after its model runner registered anew). Storage tasks never touch it."""
         self.device = device
-        self.engine = CopyEngine(device, self.host) if self.host is not None else None
+        self.engine = (CopyEngine(device, self.host, gate=self.load_gate)
+                       if self.host is not None else None)
 
     def device_batch(self, kind: TaskKind, batch: list[Task],
                      on_layer_done: Callable[[list[int], int], None] | None = None,
