@@ -89,6 +89,18 @@ def _lower_thread_priority(nice: int) -> None:
         log.debug("could not lower the priority of %s: %s", threading.current_thread().name, e)
 
 
+def _use_cuda_device(device: str) -> None:
+    """Make `cuda:N` the calling thread's current CUDA device (as `main` does for the main
+    thread), so what a copy allocates or records without naming a device lands on it."""
+    if not device.startswith("cuda:"):
+        return
+    import torch
+
+    index = int(device[5:])
+    if torch.cuda.is_available() and index < torch.cuda.device_count():
+        torch.cuda.set_device(index)
+
+
 class _Lane:
     """One class of tasks and the thread that runs them.
 
@@ -287,6 +299,8 @@ class Worker:
                                                 TaskClass.STORAGE_WRITE) else self._run_device
         if lane.cls in BACKGROUND_LANES:
             _lower_thread_priority(BACKGROUND_NICE)
+        if lane.cls in (TaskClass.LOAD, TaskClass.BACKUP):
+            _use_cuda_device(self.spec.device)  # the current device is per thread
         try:
             while True:
                 batch = lane.take(self._stop, lambda: self.ipc.paused)
