@@ -139,9 +139,13 @@ class _Lane:
                     batch.append(heapq.heappop(heap)[2])
             return batch
 
-    def wake(self) -> None:
+    def drop_all(self) -> list[Task]:
+        """The worker stops: empty the heap (returns what was in it) and wake the thread."""
         with self.cond:
+            dropped = [t for _, _, t in self.heap]
+            self.heap.clear()
             self.cond.notify_all()
+            return dropped
 
 
 class _DeviceUse:
@@ -255,7 +259,9 @@ class Worker:
             self._stop.set()  # ends the heartbeat thread before the IPC handles close
             self.ipc.set_ready(False)
             for lane in self._lanes.values():
-                lane.wake()
+                for task in lane.drop_all():  # never run now: a backup must not wait on them
+                    if task.kind == TaskKind.H2D:
+                        self.executor.load_gate.exit()
             for t in self._threads:
                 t.join(timeout=5)
 
