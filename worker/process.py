@@ -73,9 +73,10 @@ storage writes: the file backend's I/O threads, which reads share, would inherit
 # Nice value of the backup lane's thread (and of the copy threads it starts: on Linux a
 # thread's nice value is its own and new threads inherit it). On a busy machine the receiver,
 # the load lane and the manager then get a core first when they wake. Measured with
-# bench/load_under_backup.py on 2 cores shared with other jobs (load average 4-6): a load
-# under a 512-block backup at 1.6-2.3x an idle worker's latency (median of paired ratios)
-# with every lane at one priority, 1.0-1.34x with this. Backups still use every idle cycle.
+# bench/load_under_backup.py on 2 cores shared with other jobs (load average 5-7.5): a load
+# under a 512-block backup at 1.8-3.5x an idle worker's latency (median of paired ratios)
+# with every lane at one priority, 0.95-1.4x in 10 of 11 runs with this (nice 19 measured
+# the same). Backups still use every idle cycle.
 # The copy engine never makes a load wait for a backup's lock (that would be a priority
 # inversion); what is left is the GIL, which a backup holds only between two copy calls.
 BACKGROUND_NICE = 10
