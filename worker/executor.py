@@ -72,6 +72,7 @@ _TASK_OPS: dict[TaskKind, tuple[str, ...]] = {
     TaskKind.CLEAR: ("clear", "delete"),
 }
 
+
 class TaskExecutor:
     """Executes tasks on one rank's pools and storage backend.
 
