@@ -220,6 +220,20 @@ class StackCollector(Collector):
         for outcome in ("issued", "completed", "revoked"):
             prefetch.add_metric([outcome], get(f"prefetch_pages_{outcome}"))
         yield prefetch
+        revoked = CounterMetricFamily(
+            "kvtier_storage_revoked",
+            "Storage queries and prefetches a scheduler revoked (revoke_prefetch), by what.",
+            labels=["what"])
+        revoked.add_metric(["query"], get("revoked_queries"))
+        revoked.add_metric(["prefetch"], get("revoked_prefetches"))
+        yield revoked
+        revoked_pages = CounterMetricFamily(
+            "kvtier_storage_revoked_pages",
+            "Pages of revoked prefetches: kept (read before the revoke took effect, host "
+            "copies) or dropped (never read, freed).", labels=["outcome"])
+        revoked_pages.add_metric(["kept"], get("revoked_pages_kept"))
+        revoked_pages.add_metric(["dropped"], get("revoked_pages_dropped"))
+        yield revoked_pages
         yield CounterMetricFamily(
             "kvtier_storage_backup_pages", "Pages backed up from the host tier to storage.",
             value=get("backup_pages"))

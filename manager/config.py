@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.private_state import MIN_SECRET_BYTES
 from kvtier.worker import numa
+from kvtier.worker.delays import DELAY_ENVS
 from kvtier.worker.ipc import MAX_RANKS
 from kvtier.worker.page_layout import PageLayout
 from pydantic import (
@@ -614,8 +615,7 @@ class TomlFileSource(PydanticBaseSettingsSource):
 
 # Variables with the prefix that are not configuration keys: the log level and the test hooks
 # the launcher passes through to workers.
-NON_CONFIG_ENV = frozenset({"KVTIER_LOG_LEVEL", "KVTIER_TEST_LAYER_DELAY_MS",
-                            "KVTIER_TEST_STORAGE_DELAY_MS"})
+NON_CONFIG_ENV = frozenset({"KVTIER_LOG_LEVEL", *DELAY_ENVS})
 
 
 class EnvironmentSource(PydanticBaseSettingsSource):

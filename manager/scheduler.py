@@ -509,6 +509,25 @@ class KVCacheManager:
             self._flush()
             return True
 
+    def revoke_prefetch(self, token_ids: Sequence[int],
+                        extra_keys: Sequence[object] | None = None) -> int:
+        """Cancel the storage work under way for this prompt (what `prefetch`, or a `match`
+        that missed, started for it): the scheduler calls it with the prompt it gave
+        `prefetch` when that queued request is aborted, or when it is scheduled and should
+        take what has landed rather than wait. Queries not answered yet start no prefetch;
+        prefetches stop on every worker after the page batch they are reading. Pages already
+        read stay on the host and are served as storage hits; blocks not read are freed when
+        their task answers, never served. Only work filling blocks of this prompt alone is
+        revoked (a prefetch reaching past it fills a longer prompt and goes on). Returns how
+        many queries and prefetches were revoked (0 without a storage tier)."""
+        if self.storage is None:
+            return 0
+        with self._lock:
+            keys = self._keys_or_error(token_ids, extra_keys)
+            n = self.storage.revoke(keys)
+            self._flush()
+            return n
+
     # ------------------------------------------------------------------ admin API
 
     def pin(self, token_ids: Sequence[int], extra_keys: Sequence[object] | None = None) -> int:

@@ -45,7 +45,8 @@ REQUIRED_METRICS = (
     "kvtier_transfer_tasks_inflight", "kvtier_worker_up", "kvtier_worker_restarts_total",
     "kvtier_resets_total", "kvtier_paused", "kvtier_storage_prefetch_pages_total",
     "kvtier_storage_backup_pages_total", "kvtier_storage_errors_total",
-    "kvtier_storage_queries_total", "process_cpu_seconds_total",
+    "kvtier_storage_queries_total", "kvtier_storage_revoked_total",
+    "kvtier_storage_revoked_pages_total", "process_cpu_seconds_total",
     "process_resident_memory_bytes",
     # what the file backend of rank 0 publishes (Redis reports outages instead of bytes)
     "kvtier_storage_backend_corrupt_pages_total", "kvtier_storage_backend_evicted_pages_total",

@@ -23,10 +23,11 @@ copy is synchronous and the callback follows it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,6 +54,9 @@ BlockIds = Sequence[int] | torch.Tensor
 D2H_MIN_RUN_BYTES = 256 << 10
 H2D_MIN_RUN_BYTES = 512 << 10
 STAGE_BYTES = 4 << 20
+# A CPU D2H (backup) moves at most this much per locked step, so a load arriving meanwhile
+# waits for at most one such step (see bench/load_under_backup.py).
+BACKUP_STEP_BYTES = 1 << 20
 # CUDA zero-copy path: device-side temporaries of one gather are bounded by this much (the
 # gather reads the pinned host pool over the bus; the scatter is a device-memory copy).
 ZERO_COPY_CHUNK_BYTES = 64 << 20
@@ -141,6 +145,51 @@ def plan_copy(
 
 
 
+class LoadGate:
+    """Loads before backups, on the CPU: while any load is pending (`enter` .. `exit`, or
+    inside `load()`), a backup waits before its next copy step (`wait_no_load`).
+
+    Data: `_pending` the loads entered and not exited (under `_lock`); `_clear` set exactly
+    when it is 0. A worker enters a load as soon as it receives it and exits once it has
+    answered it, so a backup also keeps off the cores while the load is decoded, planned and
+    answered (on 2 shared cores that was half of a load's slowdown under a backup, measured
+    with bench/load_under_backup.py); the copy engine enters around every `h2d` as well."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._clear = threading.Event()
+        self._clear.set()
+
+    def enter(self) -> None:
+        with self._lock:
+            self._pending += 1
+            self._clear.clear()
+
+    def exit(self) -> None:
+        with self._lock:
+            if self._pending <= 0:
+                raise RuntimeError("LoadGate.exit without a matching enter")
+            self._pending -= 1
+            if not self._pending:
+                self._clear.set()
+
+    @contextlib.contextmanager
+    def load(self) -> Iterator[None]:
+        self.enter()
+        try:
+            yield
+        finally:
+            self.exit()
+
+    def wait_no_load(self) -> None:
+        self._clear.wait()
+
+    @property
+    def loads_pending(self) -> bool:
+        return not self._clear.is_set()
+
+
 class CopyEngine:
     """D2H and H2D block copies between one rank's device tier and `HostPool`: kvtier's own
     `DevicePool` (the fast paths below) or any `PlanePool` (an engine's KV, `_PlaneCopier`).
@@ -150,9 +199,17 @@ class CopyEngine:
     is one block of one layer's K or V); one staging buffer per direction (CPU path), reused
     across calls; on CUDA one stream per direction. Invariants: ids are fully validated before
     the first byte moves; H2D callbacks fire once per layer, in layer order, only after that
-    layer's bytes are in place. On CPU, copies of both directions are serialised by one lock
-    (two concurrent multi-threaded copies only fight over the same cores and memory bus); a
-    call holds it per step (one run, one staged chunk), so a long backup cannot hold off a load.
+    layer's bytes are in place.
+
+    Concurrency (a worker runs loads and backups on two threads): on CPU, loads go first.
+    While a load is pending on `gate` (a `LoadGate`: an `h2d` call, or a load the worker has
+    received and not answered yet), a `d2h` waits before its next step (two copies at once
+    only fight over the same cores and memory bus); a D2H step moves at most
+    `backup_step_bytes` (a long run is cut into such steps) under `_lock`, so at most one
+    backup step overlaps the start of a load, and a load never waits for one (a backup
+    thread may run at a lower CPU priority: a load waiting on its lock would inherit that).
+    On CUDA each direction has its own stream and the load stream has the higher priority;
+    nothing waits on the host side.
     """
 
     def __init__(
@@ -162,9 +219,11 @@ class CopyEngine:
         *,
         strategy: Strategy = "auto",
         stage_bytes: int = STAGE_BYTES,
+        backup_step_bytes: int = BACKUP_STEP_BYTES,
         d2h_min_run_bytes: int = D2H_MIN_RUN_BYTES,
         h2d_min_run_bytes: int = H2D_MIN_RUN_BYTES,
         cuda_path: CudaPath = "auto",
+        gate: LoadGate | None = None,
     ) -> None:
         if device_pool.shape != host_pool.shape:
             raise ValueError(
@@ -175,11 +234,14 @@ class CopyEngine:
             raise ValueError(f"strategy: {strategy!r} is not one of 'auto', 'runs', 'gather'")
         if stage_bytes <= 0:
             raise ValueError(f"stage_bytes: must be positive, got {stage_bytes}")
+        if backup_step_bytes <= 0:
+            raise ValueError(f"backup_step_bytes: must be positive, got {backup_step_bytes}")
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.shape = shape = device_pool.shape
         self.strategy: Strategy = strategy
         self.stage_bytes = stage_bytes
+        self.backup_step_bytes = backup_step_bytes
         self.d2h_min_run_bytes = d2h_min_run_bytes
         self.h2d_min_run_bytes = h2d_min_run_bytes
         self.layer_delay_s = delay_from_env(LAYER_DELAY_ENV)
@@ -202,6 +264,7 @@ class CopyEngine:
         assert self._host_w.shape[-1] == row
         self._cuda = device_pool.device.type == "cuda"
         self._lock = threading.Lock()
+        self.gate = gate if gate is not None else LoadGate()
         self._stage: dict[str, torch.Tensor] = {}
         # On CUDA, kernels gather and scatter straight through the pinned host pool mapped
         # into the device address space ("zero_copy": one pass over the bus per byte, 0.87-0.91
@@ -215,7 +278,10 @@ class CopyEngine:
                 f"cuda_path: {cuda_path!r} is not one of 'auto', 'zero_copy', 'staged'")
         if self._cuda:
             self._d2h_stream = torch.cuda.Stream(device_pool.device)
-            self._h2d_stream = torch.cuda.Stream(device_pool.device)
+            # A load is what a request waits on: its kernels are scheduled ahead of a
+            # backup's when both streams have work (CUDA priorities: lower is higher; the
+            # value is clamped to the device's range).
+            self._h2d_stream = torch.cuda.Stream(device_pool.device, priority=-1)
             if cuda_path != "staged":
                 alias = host_pool.device_view(device_pool.device)
                 if alias is None and cuda_path == "zero_copy":
@@ -269,6 +335,22 @@ class CopyEngine:
             self._stage[key] = buf
         return buf[:numel].view(shape)
 
+    @contextlib.contextmanager
+    def _backup_step(self) -> Iterator[None]:
+        """One CPU D2H step: wait while a load runs, then hold `_lock` for the step. A load
+        that started while this waited for the lock goes first (the lock is given back)."""
+        gate = self.gate
+        while True:
+            gate.wait_no_load()
+            self._lock.acquire()
+            if not gate.loads_pending:
+                break
+            self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     # ---------------------------------------------------------------- D2H
 
     def d2h(self, dev_ids: BlockIds, host_ids: BlockIds) -> None:
@@ -299,9 +381,13 @@ class CopyEngine:
 
     def _d2h_cpu(self, plan: CopyPlan) -> None:
         dev, host = self._dev_w, self._host_w
+        step = max(1, self.backup_step_bytes // self.shape.page_bytes)  # blocks per step
         for s0, d0, k in zip(plan.run_src, plan.run_dst, plan.run_len, strict=True):
-            with self._lock:
-                host[d0 : d0 + k].copy_(dev[:, :, s0 : s0 + k].permute(2, 0, 1, 3))
+            for i in range(0, k, step):
+                j = min(k, i + step)
+                with self._backup_step():
+                    host[d0 + i : d0 + j].copy_(
+                        dev[:, :, s0 + i : s0 + j].permute(2, 0, 1, 3))
         g = int(plan.gather_src.numel())
         if not g:
             return
@@ -311,11 +397,11 @@ class CopyEngine:
         rows = self.shape.total_layers * 2
         dev3 = dev.view(rows, self.device_pool.num_blocks, self._row)
         host3 = host.view(self.host_pool.num_blocks, rows, self._row)
-        c = max(1, min(g, self.stage_bytes // self.shape.page_bytes))
+        c = max(1, min(g, self.backup_step_bytes // self.shape.page_bytes))
         for i in range(0, g, c):
             gs, gd = plan.gather_src[i : i + c], plan.gather_dst[i : i + c]
             part = self._staging("d2h", (rows, gs.numel(), self._row), host.device)
-            with self._lock:
+            with self._backup_step():
                 torch.index_select(dev3, 1, gs, out=part)
                 host3.index_put_((gd,), part.transpose(0, 1))
 
@@ -356,10 +442,14 @@ class CopyEngine:
         reported."""
         src, dst = self._pairs("h2d", host_ids, dev_ids, "host")
         done = on_layer_done if on_layer_done is not None else _ignore_layer
-        if self._scales is not None and src.numel():
-            # Every layer's scales land before layer 0's K and V (they are a few KiB per
-            # block), so a layer reported done always has its scales in place.
-            self._scales.h2d(src, dst)
+        with self.gate.load():
+            if self._scales is not None and src.numel():
+                # Every layer's scales land before layer 0's K and V (they are a few KiB per
+                # block), so a layer reported done always has its scales in place.
+                self._scales.h2d(src, dst)
+            self._h2d(src, dst, done)
+
+    def _h2d(self, src: torch.Tensor, dst: torch.Tensor, done: Callable[[int], None]) -> None:
         if self._planes is not None:
             self._planes.h2d(src, dst, done)
             self.bytes_h2d += int(src.numel()) * self.shape.page_bytes
@@ -394,12 +484,11 @@ class CopyEngine:
         for layer in range(self.shape.total_layers):
             dev_l, host_l = dev[layer], host[:, layer]
             by_block = dev_l.transpose(0, 1)  # [blocks, 2, row]: the block index on dim 0
-            with self._lock:
-                for s0, d0, k in runs:
-                    dev_l[:, d0 : d0 + k].copy_(host_l[s0 : s0 + k].transpose(0, 1))
-                for gs, gd, part in chunks:
-                    torch.index_select(host_l, 0, gs, out=part)
-                    by_block.index_put_(gd, part)
+            for s0, d0, k in runs:
+                dev_l[:, d0 : d0 + k].copy_(host_l[s0 : s0 + k].transpose(0, 1))
+            for gs, gd, part in chunks:
+                torch.index_select(host_l, 0, gs, out=part)
+                by_block.index_put_(gd, part)
             done(layer)
             if self.layer_delay_s:
                 time.sleep(self.layer_delay_s)
@@ -498,11 +587,11 @@ class _PlaneCopier:
             self._d2h_cuda(src, dst)
             return
         host3 = e._host_w.view(e.host_pool.num_blocks, rows, row)
-        c = max(1, min(n, e.stage_bytes // e.shape.page_bytes))
+        c = max(1, min(n, e.backup_step_bytes // e.shape.page_bytes))
         for i in range(0, n, c):
             gs, gd = src[i : i + c], dst[i : i + c]
             part = e._staging("d2h", (rows, gs.numel(), row), host3.device)
-            with e._lock:
+            with e._backup_step():
                 for p, plane in enumerate(planes):
                     torch.index_select(plane, 0, gs, out=part[p])
                 host3.index_put_((gd,), part.transpose(0, 1))
@@ -518,13 +607,12 @@ class _PlaneCopier:
         for layer in range(e.shape.total_layers):
             host_l = e._host_w[:, layer]  # [pages, 2, row]
             k, v = planes[2 * layer], planes[2 * layer + 1]
-            with e._lock:
-                for i in range(0, n, c):
-                    gs, gd = src[i : i + c], dst[i : i + c]
-                    part = stage[: gs.numel()]
-                    torch.index_select(host_l, 0, gs, out=part)
-                    k.index_copy_(0, gd, part[:, 0])
-                    v.index_copy_(0, gd, part[:, 1])
+            for i in range(0, n, c):
+                gs, gd = src[i : i + c], dst[i : i + c]
+                part = stage[: gs.numel()]
+                torch.index_select(host_l, 0, gs, out=part)
+                k.index_copy_(0, gd, part[:, 0])
+                v.index_copy_(0, gd, part[:, 1])
             done(layer)
             if e.layer_delay_s:
                 time.sleep(e.layer_delay_s)

@@ -10,10 +10,17 @@ import gc
 import logging
 import time
 from collections.abc import Callable
+from enum import IntEnum
 
 from kvtier.worker import content, numa
-from kvtier.worker.copy_engine import CopyEngine
-from kvtier.worker.delays import STORAGE_DELAY_ENV, delay_from_env
+from kvtier.worker.copy_engine import CopyEngine, LoadGate
+from kvtier.worker.delays import (
+    BACKUP_DELAY_ENV,
+    PREFETCH_PAGE_DELAY_ENV,
+    STORAGE_DELAY_ENV,
+    STORAGE_WRITE_DELAY_ENV,
+    delay_from_env,
+)
 from kvtier.worker.engine_pool import EngineKVGone, EnginePool
 from kvtier.worker.errors import KvtierError
 from kvtier.worker.kv_pools import DeviceKV, DevicePool, HostPool
@@ -28,10 +35,44 @@ DEVICE_KINDS = frozenset({TaskKind.D2H, TaskKind.H2D, TaskKind.FILL, TaskKind.CH
 STORAGE_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP, TaskKind.CLEAR})
 MERGEABLE = frozenset({TaskKind.D2H, TaskKind.H2D})
 
-"""Test hook: milliseconds to sleep before every storage read (QUERY, PREFETCH) on this rank,
-so tests can show what each prefetch policy does with a slow store."""
+
+class TaskClass(IntEnum):
+    """The lanes of a worker: each has its own queue and thread, so a task of one class never
+    waits behind a task of another. Loads are what a request waits on; a backup of 512 blocks
+    or a slow storage write must not hold them (nor a storage hit query) up."""
+
+    LOAD = 1  # H2D, and the FILL / CHECK diagnostics (a request waits on them)
+    BACKUP = 2  # D2H: write-through backups and write-back demotions
+    STORAGE_READ = 3  # QUERY, PREFETCH
+    STORAGE_WRITE = 4  # BACKUP (host -> storage), CLEAR
 
 
+TASK_CLASSES: dict[TaskKind, TaskClass] = {
+    TaskKind.H2D: TaskClass.LOAD,
+    TaskKind.FILL: TaskClass.LOAD,
+    TaskKind.CHECK: TaskClass.LOAD,
+    TaskKind.D2H: TaskClass.BACKUP,
+    TaskKind.QUERY: TaskClass.STORAGE_READ,
+    TaskKind.PREFETCH: TaskClass.STORAGE_READ,
+    TaskKind.BACKUP: TaskClass.STORAGE_WRITE,
+    TaskKind.CLEAR: TaskClass.STORAGE_WRITE,
+}
+"""The lane of every task kind but REVOKE, which a worker applies as it receives it."""
+
+# A PREFETCH reads its pages in batches of about this many bytes and looks for a revoke
+# between batches: large enough that the file backend's I/O threads and a Redis pipeline
+# stay busy (a batch is one backend call), small enough that a revoked prefetch stops within
+# a few milliseconds of storage time.
+PREFETCH_BATCH_BYTES = 8 << 20
+
+# The backend error counters (`errors_<op>`) each task kind may raise: with storage reads
+# and writes on two threads, a task is failed only by errors of its own operations.
+_TASK_OPS: dict[TaskKind, tuple[str, ...]] = {
+    TaskKind.QUERY: ("exists",),
+    TaskKind.PREFETCH: ("get", "delete"),  # a damaged page is deleted as it is read
+    TaskKind.BACKUP: ("set", "delete"),  # the file backend deletes pages beyond capacity
+    TaskKind.CLEAR: ("clear", "delete"),
+}
 
 
 class TaskExecutor:
@@ -39,8 +80,14 @@ class TaskExecutor:
 
     `device`, `host` (None: no host tier), `engine` (copies between them), `storage` (None:
     no storage tier). `backup_one_rank`: only rank 0 writes pages (every rank holds the same
-    KV, as in MLA models), the others report success without writing. `storage_delay_s`
-    (from `KVTIER_TEST_STORAGE_DELAY_MS`, read once) slows every storage read, for tests.
+    KV, as in MLA models), the others report success without writing. Test hooks, read once
+    from the environment (`kvtier.worker.delays`): `storage_delay_s` slows every storage
+    read, `storage_write_delay_s` every BACKUP, `prefetch_page_delay_s` every page a PREFETCH
+    reads (one page a batch then), `backup_delay_s` every D2H batch.
+
+    Thread safety: the worker runs each `TaskClass` on its own thread, so `device_batch` may
+    run a D2H and an H2D at once (the copy engine orders their steps) and `storage_task` a
+    read and a write at once (backends are thread-safe).
     """
 
     def __init__(self, rank: int, device: DeviceKV, host: HostPool | None,
@@ -50,8 +97,13 @@ class TaskExecutor:
         self.host = host
         self.storage = storage
         self.backup_one_rank = backup_one_rank
-        self.engine = CopyEngine(device, host) if host is not None else None
+        self.load_gate = LoadGate()  # shared by every copy engine of this rank
+        self.engine = (CopyEngine(device, host, gate=self.load_gate) if host is not None
+                       else None)
         self.storage_delay_s = delay_from_env(STORAGE_DELAY_ENV)
+        self.storage_write_delay_s = delay_from_env(STORAGE_WRITE_DELAY_ENV)
+        self.prefetch_page_delay_s = delay_from_env(PREFETCH_PAGE_DELAY_ENV)
+        self.backup_delay_s = delay_from_env(BACKUP_DELAY_ENV)
         self.freed = False  # the pools were released (sleep): no task may run on them
 
     def release_pools(self) -> None:
@@ -71,7 +123,8 @@ class TaskExecutor:
         """Work on another device tier from the next task on (an engine's KV attached
         again after its model runner registered anew). Storage tasks never touch it."""
         self.device = device
-        self.engine = CopyEngine(device, self.host) if self.host is not None else None
+        self.engine = (CopyEngine(device, self.host, gate=self.load_gate)
+                       if self.host is not None else None)
 
     def device_batch(self, kind: TaskKind, batch: list[Task],
                      on_layer_done: Callable[[list[int], int], None] | None = None,
@@ -84,14 +137,17 @@ class TaskExecutor:
         if kind in (TaskKind.D2H, TaskKind.H2D):
             if self.engine is None:
                 raise RuntimeError(f"{kind.name} needs a host tier, and this rank has none")
+            engine = self.engine  # set_device may swap it; this batch keeps its own
             src = [i for t in batch for i in t.src]
             dst = [i for t in batch for i in t.dst]
             if kind == TaskKind.D2H:
-                self.engine.d2h(src, dst)
+                if self.backup_delay_s:
+                    time.sleep(self.backup_delay_s)
+                engine.d2h(src, dst)
             else:
                 seqs = [t.seq for t in batch]
                 cb = None if on_layer_done is None else (lambda layer: on_layer_done(seqs, layer))
-                self.engine.h2d(src, dst, cb)
+                engine.h2d(src, dst, cb)
             return [(0, [])] * len(batch)
         if len(batch) != 1:
             raise ValueError(f"{kind.name} tasks are not merged")
@@ -106,21 +162,24 @@ class TaskExecutor:
             return [(len(bad), bad)]
         raise ValueError(f"not a device task kind: {kind!r}")
 
-    def storage_task(self, task: Task) -> int:
+    def storage_task(self, task: Task, revoked: Callable[[int], bool] | None = None) -> int:
         """Run one storage task; returns its result (see `kvtier.worker.wire`). A backend that
         degrades to misses (Redis down, disk errors) answers anyway; the errors it counted
-        during the call fail the task, so the manager counts storage errors by operation."""
+        during the call fail the task, so the manager counts storage errors by operation.
+        `revoked(seq)`: a PREFETCH asks it before each page batch and, once it says True,
+        stops and answers with the pages read so far."""
         store = self.storage
-        before = _backend_errors(store)
-        result = self._storage_call(task)
-        errors = _backend_errors(store) - before
+        ops = _TASK_OPS.get(task.kind, ())
+        before = _backend_errors(store, ops)
+        result = self._storage_call(task, revoked)
+        errors = _backend_errors(store, ops) - before
         if errors:
             raise StorageError(
                 f"storage {task.kind.name.lower()}: {errors} backend error(s) (see this rank's "
                 f"log); {result} of {len(task.keys)} pages went through")
         return result
 
-    def _storage_call(self, task: Task) -> int:
+    def _storage_call(self, task: Task, revoked: Callable[[int], bool] | None) -> int:
         store = self.storage
         if store is None:
             if task.kind in (TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.CLEAR):
@@ -138,18 +197,40 @@ class TaskExecutor:
                 raise self._freed_error(task.kind)
             raise RuntimeError(f"{task.kind.name} needs a host tier")
         if task.kind == TaskKind.PREFETCH:
-            got = store.get_into(task.keys, [host.page_view(h) for h in task.dst])
-            n = 0
-            for ok in got:
-                if not ok:
-                    break
-                n += 1
-            return n
+            return self._prefetch(task, store, host, revoked)
         if task.kind == TaskKind.BACKUP:
+            if self.storage_write_delay_s:
+                time.sleep(self.storage_write_delay_s)
             if self.backup_one_rank and self.rank != 0:
                 return len(task.keys)  # rank 0 writes the pages every rank shares
             return store.set(task.keys, [host.page_view(h) for h in task.src])
         raise ValueError(f"not a storage task kind: {task.kind!r}")
+
+    def _prefetch(self, task: Task, store: StorageBackend, host: HostPool,
+                  revoked: Callable[[int], bool] | None) -> int:
+        """Read the task's pages into its host blocks batch by batch; stop at the first page
+        missing or damaged, or once the task is revoked. Returns the leading pages read."""
+        keys, dst = task.keys, task.dst
+        per_batch = max(1, PREFETCH_BATCH_BYTES // max(1, host.shape.page_bytes))
+        if self.prefetch_page_delay_s:
+            per_batch = 1
+        n = 0
+        while n < len(keys):
+            if revoked is not None and revoked(task.seq):
+                break
+            part = keys[n : n + per_batch]
+            got = store.get_into(part, [host.page_view(h) for h in dst[n : n + len(part)]])
+            if self.prefetch_page_delay_s:
+                time.sleep(self.prefetch_page_delay_s)
+            lead = 0
+            for ok in got:
+                if not ok:
+                    break
+                lead += 1
+            n += lead
+            if lead < len(part):
+                break
+        return n
 
 
 class RankResources:
@@ -209,6 +290,12 @@ class RankResources:
             log.info("rank %d: host pool %s (%s)", spec.rank, "not bound to a NUMA node"
                      if choice.node is None else f"on NUMA node {choice.node}", choice.reason)
         return choice
+
+    def device_current(self) -> bool:
+        """Whether the device tier attached is still good to use (always, unless it is an
+        engine's KV whose registration changed or went away: then `ensure_device`)."""
+        dev = self.device
+        return not isinstance(dev, EnginePool) or dev.problem() is None
 
     def ensure_device(self) -> None:
         """Before a device task: with engine KV, make sure the registration attached is the
@@ -307,8 +394,10 @@ class StorageError(KvtierError, RuntimeError):
     """The storage backend reported errors during a task (it degraded to misses)."""
 
 
-def _backend_errors(store: StorageBackend | None) -> int:
+def _backend_errors(store: StorageBackend | None, ops: tuple[str, ...]) -> int:
+    """The backend's error count of operations `ops` (every failed call, a fast-failed one
+    during a Redis outage included, counts one `errors_<op>`)."""
     if store is None:
         return 0
-    return int(sum(v for k, v in store.stats().items()
-                   if k.startswith("errors_") or k == "fast_failed_calls"))
+    stats = store.stats()
+    return int(sum(stats.get(f"errors_{op}", 0) for op in ops))
