@@ -37,7 +37,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from kvtier.manager.errors import KvtierError
-from kvtier.manager.private_state import MIN_SECRET_BYTES
+from kvtier.manager.private_state import MIN_SECRET_BYTES, default_storage_path
 from kvtier.worker.ipc import MAX_RANKS
 from pydantic import (
     BaseModel,
@@ -161,7 +161,12 @@ class StorageConfig(BaseModel):
     backend: Literal["none", "file", "redis"] = Field(
         "file", description="where the storage tier lives"
     )
-    path: str = Field(".kvtier/storage", min_length=1, description="directory of the file backend")
+    path: str = Field(
+        "",
+        description="directory of the file backend; empty: $XDG_CACHE_HOME/kvtier/"
+        "<deployment_id>/storage (else ~/.cache/kvtier/<deployment_id>/storage); a relative "
+        "path is taken from the folder kvtier is started in",
+    )
     url: str = Field(
         "redis://127.0.0.1:6379/0",
         description="Redis URL of the redis backend: redis:// or rediss:// for one server, "
@@ -248,7 +253,7 @@ class StorageConfig(BaseModel):
     @classmethod
     def _path_is_a_path(cls, path: str) -> str:
         """Refuse what no file system call accepts, before a worker trips over it."""
-        problem = path_problem(path)
+        problem = path_problem(path) if path else None
         if problem:
             raise ValueError(problem)
         return path
@@ -464,6 +469,15 @@ class KvtierConfig(BaseSettings):
                 "the host tier blocks"
             )
         return self
+
+    def storage_dir(self, env: Mapping[str, str] | None = None) -> str:
+        """The absolute directory of the file backend: `storage.path` made absolute against
+        the current folder, or, when empty, the default under the user's cache directory
+        (`default_storage_path`, read from `env`, default os.environ, at call time: the
+        manager resolves it once and hands the result to its workers)."""
+        if self.storage.path:
+            return os.path.abspath(self.storage.path)
+        return str(default_storage_path(self.deployment_id, env))
 
     def effective_prefetch_host_blocks_limit(self) -> int:
         """The prefetch limit in host blocks: the configured one, else host_blocks // 4."""
@@ -1047,9 +1061,12 @@ def check_storage_reachable(cfg: KvtierConfig, timeout: float = 2.0) -> None:
     if backend == "none":
         return
     if backend == "file":
-        problem = _writable_directory_problem(Path(cfg.storage.path), page_bytes(cfg))
+        path = cfg.storage_dir()
+        problem = _writable_directory_problem(Path(path), page_bytes(cfg))
         if problem:
-            raise ConfigError(f"storage.path = {_short_repr(cfg.storage.path)}: {problem}")
+            key = (f"storage.path = {_short_repr(cfg.storage.path)}" if cfg.storage.path
+                   else f"storage.path (default {_short_repr(path)})")
+            raise ConfigError(f"{key}: {problem}")
         return
     shown = redact_url(cfg.storage.url)
     outcome: list[BaseException | None] = []

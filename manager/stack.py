@@ -90,7 +90,7 @@ def worker_spec(cfg: KvtierConfig, rank: int, storage_tag: str = "") -> WorkerSp
         num_layers=c.model.num_layers, num_kv_heads=c.model.num_kv_heads,
         head_dim=c.model.head_dim, dtype=c.model.dtype, block_size=c.cache.block_size,
         device_blocks=c.cache.device_blocks, host_blocks=c.cache.host_blocks,
-        device=rank_device(c, rank), storage_backend=s.backend, storage_path=s.path,
+        device=rank_device(c, rank), storage_backend=s.backend, storage_path=c.storage_dir(),
         storage_url=s.url, storage_capacity_bytes=s.capacity_bytes,
         storage_ttl_s=int(s.ttl_s), backup_one_rank=s.backup_one_rank,
         manager_timeout_s=max(3.0, c.workers.heartbeat_timeout_s), model_name=c.model.name,
