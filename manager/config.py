@@ -34,7 +34,7 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.private_state import MIN_SECRET_BYTES, default_storage_path
@@ -169,8 +169,11 @@ class StorageConfig(BaseModel):
     )
     url: str = Field(
         "redis://127.0.0.1:6379/0",
-        description="Redis URL of the redis backend: redis:// or rediss:// for one server, "
-        "redis+cluster:// or rediss+cluster:// and any one node for a Redis Cluster",
+        description="Redis URL of the redis backend: redis:// or rediss:// (TLS) for one server, "
+        "redis+cluster:// or rediss+cluster:// and any one node for a Redis Cluster; an ACL user "
+        "and password as redis://user:password@host:port/0; TLS options as a query, e.g. "
+        "rediss://host:6380/0?ssl_ca_certs=/path/ca.pem (also ssl_cert_reqs, "
+        "ssl_check_hostname, ssl_certfile, ssl_keyfile, ssl_ca_path)",
     )
     prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = Field(
         "best_effort",
@@ -995,6 +998,52 @@ def redis_url_problem(url: str) -> str | None:
         return f"the database {database!r} is not a number"
     if database not in ("", "0") and parts.scheme.endswith("+cluster"):
         return f"a Redis Cluster has only database 0, not {database}"
+    return _redis_tls_problem(parts.scheme.startswith("rediss"), parts.query)
+
+
+# The query options a Redis URL may carry: redis-py's TLS settings. redis-py passes any other
+# query key to its connection class (a TypeError deep in the first connect) or lets it override
+# the timeouts and retries kvtier sets, so everything else is refused here, by name.
+_TLS_FILE_OPTIONS = {"ssl_ca_certs": "file", "ssl_certfile": "file", "ssl_keyfile": "file",
+                     "ssl_ca_path": "directory"}
+_TLS_CHOICES = {"ssl_cert_reqs": ("none", "optional", "required"),
+                "ssl_check_hostname": ("true", "false")}
+
+
+def _redis_tls_problem(tls: bool, query: str) -> str | None:
+    """Why the query part of a Redis URL is not a usable set of TLS options, or None. Only a
+    rediss:// URL takes them (a plain connection would ignore a CA silently); each file must
+    be readable now, not at the first backup."""
+    if not query:
+        return None
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=True)
+    except ValueError:
+        return f"cannot parse the query {query!r} (expected name=value&...)"
+    allowed = sorted([*_TLS_FILE_OPTIONS, *_TLS_CHOICES])
+    seen: set[str] = set()
+    for name, value in pairs:
+        if name not in _TLS_FILE_OPTIONS and name not in _TLS_CHOICES:
+            return (f"unknown URL option {name!r}; a Redis URL takes only the TLS options "
+                    f"{', '.join(allowed)}")
+        if name in seen:
+            return f"the URL option {name!r} is given twice"
+        seen.add(name)
+        if not tls:
+            return f"the TLS option {name!r} needs a rediss:// URL (this one is not TLS)"
+        if name in _TLS_CHOICES:
+            if value.lower() not in _TLS_CHOICES[name]:
+                return (f"{name} = {value!r}: expected one of "
+                        f"{', '.join(_TLS_CHOICES[name])}")
+            continue
+        kind = _TLS_FILE_OPTIONS[name]
+        if not value:
+            return f"{name} is empty: expected the path of a {kind}"
+        if not os.path.isabs(value):
+            return f"{name} = {value!r}: expected an absolute path"
+        is_kind = os.path.isdir(value) if kind == "directory" else os.path.isfile(value)
+        if not is_kind or not os.access(value, os.R_OK):
+            return f"{name} = {value!r}: not a readable {kind}"
     return None
 
 
