@@ -13,7 +13,11 @@ over ranks, because a page is only usable where every rank has it. Completions a
 a thread of their own, so the IPC reader never waits for the manager's lock (which a
 scheduler call may hold while it sends).
 
-Worker states:  starting -> ready -> (dead -> starting ...) | stopped
+Worker states (`WORKER_STATES`; exported per rank as `kvtier_worker_state`):
+
+    starting --ready--> ready --died / no heartbeat--> dead --respawn--> starting
+    starting --exited / not ready in time--> start_failed --backoff over--> starting
+    any --stop()--> stopped
 A replacement that does not become ready (it exits, or `ready_timeout_s` passes) is
 `start_failed`: tasks for the deployment fail at once (the rank is down) and the start is
 tried again after a backoff (`restart_backoff_s`, doubling up to `max_restart_backoff_s`).
@@ -198,6 +202,10 @@ class ProcessDispatcher(Dispatcher):
         self._applier.join(timeout=5)
 
 
+WORKER_STATES = ("starting", "ready", "dead", "start_failed", "stopped")
+"""Every value `WorkerHandle.state` takes (the module docstring draws the transitions)."""
+
+
 class WorkerStatus(TypedDict):
     """One rank's row of `WorkerSupervisor.status()` (the admin API's `workers`)."""
 
@@ -208,6 +216,7 @@ class WorkerStatus(TypedDict):
     tasks_inflight: int
     restarts: int
     start_failures: int  # failed starts of a replacement in a row (0 once one is ready)
+    start_failures_total: int  # failed starts of the rank since the supervisor started
     next_start_in_s: float | None  # state start_failed: seconds to the next try
     last_error: str  # why the last start failed ("" if none did)
 
@@ -221,6 +230,7 @@ class WorkerHandle:
     restarts: int = 0
     started_at: float = 0.0
     start_failures: int = 0
+    start_failures_total: int = 0
     next_start_at: float = 0.0
     last_error: str = ""
 
@@ -518,6 +528,7 @@ class WorkerSupervisor:
         """A replacement did not start: the rank is down (tasks fail at once) until the next
         try, `restart_backoff_s` doubling per failure in a row."""
         w.start_failures += 1
+        w.start_failures_total += 1
         self.start_failures_total += 1
         w.last_error = reason
         delay = min(self.max_restart_backoff_s,
@@ -566,7 +577,8 @@ class WorkerSupervisor:
                 "rank": w.rank, "pid": w.proc.pid if w.proc else None, "state": w.state,
                 "heartbeat_age_s": None if age is None else round(age, 3),
                 "tasks_inflight": st.tasks_inflight, "restarts": w.restarts,
-                "start_failures": w.start_failures, "next_start_in_s": retry,
+                "start_failures": w.start_failures,
+                "start_failures_total": w.start_failures_total, "next_start_in_s": retry,
                 "last_error": w.last_error,
             })
         return out
