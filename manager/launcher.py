@@ -243,13 +243,21 @@ class WorkerSupervisor:
                  heartbeat_timeout_s: float = 5.0, log_dir: str | None = None,
                  on_worker_lost: Callable[[int, str], None] | None = None,
                  restart_backoff_s: float = 1.0, max_restart_backoff_s: float = 30.0,
-                 max_start_failures: int = 5, keep_logs: bool = False) -> None:
+                 max_start_failures: int = 5, keep_logs: bool = False,
+                 on_device_lost: Callable[[int, str], None] | None = None,
+                 device_copy_mark: Callable[[], int] | None = None,
+                 on_device_confirmed: Callable[[int], None] | None = None) -> None:
         self.deployment_id = deployment_id
         self.num_ranks = num_ranks
         self.spec_for_rank = spec_for_rank
         self.ready_timeout_s = ready_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.on_worker_lost = on_worker_lost
+        # workers.engine_kv: a registration change costs the device tier only (the host pools
+        # are the workers' own and live on); see _check_engine_kv
+        self.on_device_lost = on_device_lost
+        self.device_copy_mark = device_copy_mark
+        self.on_device_confirmed = on_device_confirmed
         self.restart_backoff_s = restart_backoff_s
         self.max_restart_backoff_s = max_restart_backoff_s
         self.max_start_failures = max_start_failures
@@ -397,15 +405,25 @@ class WorkerSupervisor:
 
     def _check_engine_kv(self) -> None:
         """A safety net under the engine's own duty (a restarted model runner means a new
-        scheduler side, or `manager.lose_all()`): when a rank's registration disappears or is
-        replaced, the manager forgets every cached block, so a block id is never served over
-        memory that no longer holds its KV. Checked twice a second, and at start; every change
-        counts: gone (closed, or its runner dead), replaced, or back after a gap (blocks cached
-        in the gap were never backed by live memory). `seen_kv_nonce` tells what was seen."""
+        scheduler side, or `manager.lose_device()`): when a rank's registration disappears or
+        is replaced, the manager forgets every device copy (`on_device_lost`), so a block id
+        is never served over memory that no longer holds its KV. The host pools are the
+        workers' own and outlive the model runner, so host copies (and storage) stay, except
+        those not yet confirmed. Checked twice a second, and at start; every change counts:
+        gone (closed, or its runner dead), replaced, or back after a gap (blocks cached in the
+        gap were never backed by live memory). `seen_kv_nonce` tells what was seen.
+
+        Confirmation: a D2H copy that completed before a check began, and that check found
+        every registration unchanged, was read from the memory the manager cached: the
+        record showed the old nonce after the copy ended, so no worker could yet have attached
+        a new one. Such copies are trusted (`on_device_confirmed(mark)`); copies completed
+        later wait for the next check, and a change drops them with the device copies."""
         now = time.monotonic()
         if now - self._kv_checked < 0.5:
             return
         self._kv_checked = now
+        mark = self.device_copy_mark() if self.device_copy_mark is not None else 0
+        changed = False
         for rank in range(self.num_ranks):
             try:
                 rec = read_record(self.deployment_id, rank)
@@ -418,14 +436,22 @@ class WorkerSupervisor:
             self._kv_nonce[rank] = nonce
             if first or nonce == seen:
                 continue
+            changed = True
             reason = ("the model runner's KV registration was replaced" if nonce is not None
                       else "the model runner's KV registration is gone")
-            log.error("rank %d: %s; every cached block is dropped", rank, reason)
-            if self.on_worker_lost is not None:
+            lost = self.on_device_lost or self.on_worker_lost
+            log.error("rank %d: %s; every device block is dropped%s", rank, reason,
+                      " (host copies kept)" if self.on_device_lost is not None else "")
+            if lost is not None:
                 try:
-                    self.on_worker_lost(rank, reason)
+                    lost(rank, reason)
                 except Exception:
                     log.exception("handling the lost KV memory of rank %d failed", rank)
+        if not changed and self.on_device_confirmed is not None:
+            try:
+                self.on_device_confirmed(mark)
+            except Exception:
+                log.exception("confirming host copies failed")
 
     def seen_kv_nonce(self, rank: int) -> str | None:
         """The registration nonce of `rank` the last engine-KV check saw (None: none live)."""

@@ -761,11 +761,52 @@ class TestLifeCycle:
         out = diagnose(m, TaskKind.CHECK, [1], [1])  # and the next task fails the same way
         assert not out.ok and "is gone" in out.error
         runner.regs[0] = runner.register(0)  # the model runner is back, with new memory
-        assert m.match("again", tokens).num_tokens == 0  # nothing served from the old memory
+        # nothing served from the old device memory (write_through host copies, kvtier's
+        # own, may be: see test_host_copies_survive_a_runner_that_registers_again)
+        assert m.match("again", tokens).device_tokens == 0
         m.release("again")
         manager_noticed_new_registrations(stack, stack.cfg.deployment_id)
         round_trip(stack, runner)
         assert stack.ready()[0]
+
+    def test_host_copies_survive_a_runner_that_registers_again(
+            self, slow_loads: tuple[Stack, RunnerKV]) -> None:
+        """Issue 9: the host pools are the workers' own, so a model runner that closes its
+        registration and registers new memory costs the device tier only: a prefix cached
+        on the host (confirmed by a registration check) is still a host hit, loaded into the
+        new memory byte for byte; a prefix cached only on the device is a miss."""
+        stack, runner = slow_loads
+        m = stack.require_manager()
+        tokens, want = _host_only(stack, runner)
+        bs = stack.cfg.cache.block_size
+        dev_only = list(range(9000, 9000 + 2 * bs))
+        m.match("d", dev_only)
+        m.allocate("d", len(dev_only), 0)
+        m.commit("d", dev_only, len(dev_only))  # write_through: its D2H may be in flight
+        m.release("d")
+        wait_until(lambda: m.unconfirmed_device_copies() == 0, 10,
+                   "the host copies confirmed by a registration check")
+        host_before = m.stats()["host"]["cached"]
+        counters = dict(m.stats()["counters"])  # type: ignore[call-overload]
+        for r in range(2):  # the model runner registers new memory on both ranks
+            runner.reregister(r)
+        manager_noticed_new_registrations(stack, stack.cfg.deployment_id)
+        wait_until(lambda: m.stats()["counters"]["lost_device"] > counters["lost_device"],
+                   10, "the manager dropped the device tier")
+        after = m.stats()
+        assert after["counters"]["lost_all"] == counters["lost_all"]  # type: ignore[index]
+        assert after["device"]["cached"] == 0
+        assert after["host"]["cached"] >= 4 and after["host"]["cached"] <= host_before
+        res = m.match("again", [*tokens, 1])
+        assert (res.device_tokens, res.host_tokens) == (0, 4 * bs)
+        res.handle.wait(20)  # H2D into the new registration's memory
+        for r in range(2):
+            assert runner.digests(r, res.block_ids) == want[r], f"rank {r}: host copy differs"
+        m.release("again")
+        gone = m.match("gone", [*dev_only, 1])
+        assert gone.device_tokens == 0
+        m.release("gone")
+        m.check_invariants()
 
     def test_kill_9_of_a_worker_is_replaced_and_reattaches(
             self, slow_loads: tuple[Stack, RunnerKV]) -> None:
