@@ -268,6 +268,7 @@ class WorkerSupervisor:
         self._engine_kv = spec_for_rank(0).engine_kv
         self._kv_nonce: dict[int, str | None] = {}
         self._kv_checked = 0.0
+        self._kv_lock = threading.Lock()  # the watcher and check_engine_kv_now
         self.restarts_total = 0
         self.start_failures_total = 0
         self._stop = threading.Event()
@@ -418,6 +419,18 @@ class WorkerSupervisor:
         record showed the old nonce after the copy ended, so no worker could yet have attached
         a new one. Such copies are trusted (`on_device_confirmed(mark)`); copies completed
         later wait for the next check, and a change drops them with the device copies."""
+        with self._kv_lock:
+            self._check_engine_kv_locked()
+
+    def check_engine_kv_now(self) -> None:
+        """Check the registrations at once (a stack closing confirms the host copies its last
+        D2H tasks made, so their storage backups are written before the workers stop)."""
+        if self._engine_kv:
+            with self._kv_lock:
+                self._kv_checked = 0.0
+                self._check_engine_kv_locked()
+
+    def _check_engine_kv_locked(self) -> None:
         now = time.monotonic()
         if now - self._kv_checked < 0.5:
             return

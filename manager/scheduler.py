@@ -607,6 +607,7 @@ class KVCacheManager:
                     confirmed.append(node)
             if confirmed and self.storage is not None:
                 self.storage.backup(confirmed)
+                self._flush()  # the backup tasks go out now, not with the next API call
             return len(confirmed)
 
     def lose_device(self) -> dict[str, int]:

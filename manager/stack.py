@@ -231,6 +231,11 @@ class Stack:
             self._closed = True
         if self.manager is not None:
             self.manager.dispatcher.drain(5.0)
+            if self.supervisor is not None and self.manager.track_device_copies:
+                # engine KV: host copies wait for a registration check before their storage
+                # backups start; check now, then let those backups finish
+                self.supervisor.check_engine_kv_now()
+                self.manager.dispatcher.drain(5.0)
         if self.supervisor is not None:
             self.supervisor.stop()
         if self.workers is not None:
