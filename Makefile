@@ -40,7 +40,8 @@ system-deps:
 	bash scripts/system-deps.sh
 
 # The main job on embedded defaults: replay the built-in chat workload through a manager, one
-# worker and the file storage tier (.kvtier/), checking every hit byte for byte. A second
+# worker and the file storage tier (default storage.path: ~/.cache/kvtier/default/storage, or
+# under $XDG_CACHE_HOME), checking every hit byte for byte; the plot goes to .kvtier/. A second
 # `make run` finds the first run's pages in storage.
 run: install
 	$(VENV)/bin/kvtier replay --workload chat --limit 400 --verify --plot .kvtier/replay.png

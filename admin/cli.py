@@ -88,7 +88,7 @@ def _mib(n: int) -> str:
 def config_line(cfg: KvtierConfig) -> str:
     """The configuration in one log line (no secrets)."""
     m, c, s, w, a = cfg.model, cfg.cache, cfg.storage, cfg.workers, cfg.admin
-    storage = {"none": "none", "file": f"file {s.path}",
+    storage = {"none": "none", "file": f"file {cfg.storage_dir()}",
                "redis": f"redis {redact_url(s.url)}"}[s.backend]
     return (
         f"config: deployment {cfg.deployment_id!r}; {w.count} worker(s) on "

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypedDict
@@ -68,6 +69,7 @@ from kvtier.manager.tree import (
     PINNED,
     PREFETCHING,
     SAVING,
+    STORED,
     DeviceLRU,
     DeviceNode,
     HostLRU,
@@ -116,6 +118,7 @@ class Counters:
     resets: int = 0
     lost_all: int = 0
     sleeps: int = 0
+    lost_device: int = 0  # the device memory was replaced, host copies kept (`lose_device`)
 
 
 class SchedulerStats(TypedDict):
@@ -205,6 +208,13 @@ class KVCacheManager:
         # Requests active when every cached byte was lost (`lose_all`): what they computed
         # before is gone on some rank, so their commits join nothing.
         self._lost_requests: set[str] = set()
+        # Engine KV (`track_device_copies`): host copies whose D2H completed after the last
+        # registration check that confirmed the device memory they were read from, as
+        # (completion number, node, host block); trusted, and backed up to storage, only
+        # once `confirm_device_copies` covers them, dropped by `lose_device`.
+        self.track_device_copies = False
+        self._unconfirmed: deque[tuple[int, Node, int]] = deque()
+        self._d2h_done = 0
         self._seq = 0
         self._outbox: list[Task] = []
         self._lock = threading.RLock()
@@ -245,7 +255,7 @@ class KVCacheManager:
                 raise InvalidRequestError(
                     f"request {request_id!r}: token_ids must be a sequence of ints") from None
             req = RequestState(keys, extra_keys)
-            lost_before = self.counters.lost_all
+            lost_before = self.counters.lost_all + self.counters.lost_device
             n_tokens = len(token_ids)
             cap = (n_tokens - 1) // bs if n_tokens else 0
             now = _monotonic()
@@ -327,7 +337,7 @@ class KVCacheManager:
             handle = LoadHandle(self.dispatcher if waits else None, waits, n_hit * bs, bs,
                                 self.transfer_timeout_s)
             req.handle = handle
-            if self.counters.lost_all != lost_before:
+            if self.counters.lost_all + self.counters.lost_device != lost_before:
                 # A worker was lost while this match waited (lock released): what it found
                 # is gone on that rank. Nothing of it is valid, and nothing it computes is
                 # cached.
@@ -681,6 +691,7 @@ class KVCacheManager:
             self._map.clear()
             self._pins.clear()
             self._written_off.clear()
+            self._unconfirmed.clear()  # their nodes went with the tree
             self._dev_in_tree = self._host_in_tree = 0
             self.tree_status = TREE_CLEARED
 
@@ -700,6 +711,127 @@ class KVCacheManager:
         return RequestCancelledError(
             f"request {request_id!r} was cancelled: the deployment went to sleep while it "
             "waited for a transfer; match it again after the wake")
+
+    def device_copy_mark(self) -> int:
+        """Taken before a registration check reads the records: every host copy completed so
+        far was read from the device memory that check will see (or an older one)."""
+        return self._d2h_done
+
+    def unconfirmed_device_copies(self) -> int:
+        """Host copies waiting for a registration check to confirm them (engine KV)."""
+        return len(self._unconfirmed)
+
+    def confirm_device_copies(self, mark: int) -> int:
+        """A registration check that started at `mark` found every rank's device memory
+        unchanged: the host copies completed before `mark` were read from live, current
+        memory. They become trusted and go on to storage. Returns how many were confirmed."""
+        with self._lock:
+            confirmed: list[Node] = []
+            queue = self._unconfirmed
+            while queue and queue[0][0] < mark:
+                _, node, host = queue.popleft()
+                if node.key is not None and node.host == host:
+                    confirmed.append(node)
+            if confirmed and self.storage is not None:
+                self.storage.backup(confirmed)
+                self._flush()  # the backup tasks go out now, not with the next API call
+            return len(confirmed)
+
+    def lose_device(self) -> dict[str, int]:
+        """The device tier's memory was replaced (the model runner restarted, or closed and
+        registered its KV again) while kvtier's own host pools live on: forget every device
+        copy, keep the host copies and what storage holds. Not kept, since their bytes may
+        come from the new memory or be garbage: host copies not yet confirmed
+        (`confirm_device_copies`), and nodes with a device transfer in flight (written off:
+        their blocks return when the transfer is answered; they are never matched again).
+        Requests active now commit nothing more (what they computed is in the old memory)."""
+        with self._lock:
+            host_dropped = written_off = dev_dropped = detached = 0
+            while self._unconfirmed:
+                _, node, host = self._unconfirmed.popleft()
+                if node.key is None or node.host != host:
+                    continue
+                if node.flags & (HOST_BUSY & ~PINNED):
+                    self._write_off(node)
+                    written_off += 1
+                    continue
+                self._drop_host_copy(node)
+                host_dropped += 1
+                self._refresh(node)
+                self._forget(node)
+            for node in list(self._map.values()):
+                if node.dev is None:
+                    continue
+                if node.flags & (LOADING | SAVING | EVICTING):
+                    self._write_off(node)
+                    written_off += 1
+                    continue
+                if node.ref == 0:
+                    if node.dprev is not None:
+                        self._dev_lru.unlink(node)
+                    self._dev_pool.free_one(node.dev)
+                    node.dev = None
+                    self._dev_in_tree -= 1
+                    dev_dropped += 1
+                    self._refresh(node)
+                    self._forget(node)
+                    continue
+                # Requests hold the block: it becomes theirs (a detached node); a host copy
+                # stays cached under a fresh node, unless a host transfer uses it now.
+                if node.host is not None and node.flags & (PREFETCHING | BACKING):
+                    self._write_off(node)
+                    written_off += 1
+                    continue
+                detached += 1
+                key = node.key
+                assert key is not None
+                if node.host is not None:
+                    fresh = self._node_cls(key, None, node.host, node.last)
+                    fresh.hits = node.hits
+                    fresh.skey = node.skey
+                    fresh.flags = node.flags & (STORED | FROM_STORAGE | PINNED)
+                    if node.hprev is not None:
+                        self._host_lru.unlink(node)
+                    self._map[key] = fresh
+                    if node in self._pins:
+                        self._pins[fresh] = self._pins.pop(node)
+                    node.host = None
+                    self._refresh(fresh)
+                else:
+                    del self._map[key]
+                    self._pins.pop(node, None)
+                if node.dprev is not None:
+                    self._dev_lru.unlink(node)
+                node.key = None
+                node.flags &= ~(PINNED | STORED | FROM_STORAGE)
+                self._dev_in_tree -= 1
+            self._lost_requests.update(self._requests)
+            self.counters.lost_device += 1
+            return {"device_blocks": dev_dropped, "detached_in_use": detached,
+                    "unconfirmed_host_blocks": host_dropped, "written_off": written_off,
+                    "nodes_kept": len(self._map)}
+
+    def _write_off(self, node: Node) -> None:
+        """Take an attached node out of the tree now. Blocks a transfer in flight uses come
+        back when it is answered (`_written_off`, `_settle`); a device block requests hold
+        becomes theirs. Caller holds the lock."""
+        if node.dprev is not None:
+            self._dev_lru.unlink(node)
+        if node.hprev is not None:
+            self._host_lru.unlink(node)
+        if node.dev is not None:
+            self._dev_in_tree -= 1
+        if node.host is not None:
+            self._host_in_tree -= 1
+        if node.key is not None and self._map.get(node.key) is node:
+            del self._map[node.key]
+        self._pins.pop(node, None)
+        node.key = None
+        node.flags &= ~PINNED
+        if node.flags & IN_FLIGHT:
+            self._written_off.add(node)
+        else:
+            self._settle(node)
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -1252,7 +1384,15 @@ class KVCacheManager:
             self._refresh(node)
             self._forget(node)
             self._settle(node)
-        if ok and self.storage is not None:
+        if ok and self.track_device_copies:
+            # Read from the model runner's memory, which may have been replaced under the
+            # task: trusted (and backed up) once a registration check confirms it.
+            done = self._d2h_done
+            self._d2h_done = done + 1
+            for node in rec.nodes:
+                if node.key is not None and node.host is not None:
+                    self._unconfirmed.append((done, node, node.host))
+        elif ok and self.storage is not None:
             self.storage.backup(rec.nodes)
 
     def _settle(self, node: Node) -> None:
@@ -1305,6 +1445,7 @@ class KVCacheManager:
             node.key = None
         nodes = len(self._map)
         pins = len(self._pins)
+        self._unconfirmed.clear()
         self._map.clear()
         self._pins.clear()
         self._dev_in_tree = 0

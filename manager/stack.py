@@ -116,7 +116,7 @@ def worker_spec(cfg: KvtierConfig, rank: int, storage_tag: str = "") -> WorkerSp
         num_layers=c.model.num_layers, num_kv_heads=c.model.num_kv_heads,
         head_dim=c.model.head_dim, dtype=c.model.dtype, block_size=c.cache.block_size,
         device_blocks=c.cache.device_blocks, host_blocks=c.cache.host_blocks,
-        device=rank_device(c, rank), storage_backend=s.backend, storage_path=s.path,
+        device=rank_device(c, rank), storage_backend=s.backend, storage_path=c.storage_dir(),
         storage_url=s.url, storage_capacity_bytes=s.capacity_bytes,
         storage_ttl_s=int(s.ttl_s), backup_one_rank=s.backup_one_rank,
         manager_timeout_s=max(3.0, c.workers.heartbeat_timeout_s), model_name=c.model.name,
@@ -199,7 +199,10 @@ class Stack:
                     self.worker_spec, c.workers.count, c.deployment_id,
                     ready_timeout_s=c.workers.ready_timeout_s,
                     heartbeat_timeout_s=c.workers.heartbeat_timeout_s, log_dir=self.log_dir,
-                    on_worker_lost=self._on_worker_lost, keep_logs=self.keep_worker_logs)
+                    on_worker_lost=self._on_worker_lost, keep_logs=self.keep_worker_logs,
+                    on_device_lost=self._on_device_lost,
+                    device_copy_mark=self._device_copy_mark,
+                    on_device_confirmed=self._on_device_confirmed)
                 to_processes = self.supervisor.make_dispatcher()
                 to_processes.transfer_seconds = _ObservedTransferLog(
                     to_processes.transfer_seconds.maxlen, self._transfer_observers)
@@ -213,6 +216,9 @@ class Stack:
                 page_bytes=self.page_bytes,
                 num_layers=c.model.num_layers + c.model.num_extra_layers,
                 transfer_timeout_s=self.transfer_timeout_s)
+            # engine KV: host copies read from the model runner's memory are trusted once a
+            # registration check confirms that memory (see WorkerSupervisor._check_engine_kv)
+            self.manager.track_device_copies = c.workers.engine_kv and not self.embedded
             if c.storage.backend != "none":
                 self.storage = StorageTier(self.manager, c)
                 self.manager.storage = self.storage
@@ -232,6 +238,21 @@ class Stack:
             log.error("rank %d lost (%s): every cached block is gone with its pools (%s)",
                       rank, reason, cleared)
 
+    def _on_device_lost(self, rank: int, reason: str) -> None:
+        """A model runner's KV registration changed: its device memory is gone, kvtier's own
+        host pools (the workers') and storage are not."""
+        if self.manager is not None:
+            kept = self.manager.lose_device()
+            log.error("rank %d: %s: device copies dropped, host copies kept (%s)", rank, reason,
+                      kept)
+
+    def _device_copy_mark(self) -> int:
+        return 0 if self.manager is None else self.manager.device_copy_mark()
+
+    def _on_device_confirmed(self, mark: int) -> None:
+        if self.manager is not None:
+            self.manager.confirm_device_copies(mark)
+
     def close(self) -> None:
         """Stop everything (idempotent): drain transfers briefly, stop workers, unlink."""
         with self._lock:
@@ -240,6 +261,11 @@ class Stack:
             self._closed = True
         if self.manager is not None:
             self.manager.dispatcher.drain(5.0)
+            if self.supervisor is not None and self.manager.track_device_copies:
+                # engine KV: host copies wait for a registration check before their storage
+                # backups start; check now, then let those backups finish
+                self.supervisor.check_engine_kv_now()
+                self.manager.dispatcher.drain(5.0)
         if self.supervisor is not None:
             self.supervisor.stop()
         if self.workers is not None:

@@ -43,6 +43,8 @@ REQUIRED_METRICS = (
     "kvtier_transfer_bytes_total", "kvtier_transfer_seconds_bucket",
     "kvtier_transfer_seconds_count", "kvtier_transfer_seconds_sum",
     "kvtier_transfer_tasks_inflight", "kvtier_worker_up", "kvtier_worker_restarts_total",
+    "kvtier_worker_start_failures_total", "kvtier_worker_consecutive_start_failures",
+    "kvtier_worker_state", "kvtier_workers_unrecoverable",
     "kvtier_resets_total", "kvtier_paused", "kvtier_storage_prefetch_pages_total",
     "kvtier_storage_backup_pages_total", "kvtier_storage_errors_total",
     "kvtier_storage_queries_total", "kvtier_storage_revoked_total",
@@ -201,6 +203,11 @@ def test_metrics_parse_agree_with_the_stack_and_pass_promtool(stack: Stack,
     assert value(samples, "kvtier_capacity_blocks", tier="device") == 64
     assert value(samples, "kvtier_capacity_blocks", tier="host") == 64
     assert value(samples, "kvtier_worker_up", rank="0") == 1
+    assert value(samples, "kvtier_worker_state", rank="0", state="ready") == 1
+    assert {lab["state"] for lab, v in samples["kvtier_worker_state"] if v == 0} == {
+        "starting", "dead", "start_failed", "stopped"}
+    assert value(samples, "kvtier_worker_start_failures_total", rank="0") == 0
+    assert value(samples, "kvtier_workers_unrecoverable") == 0
     assert value(samples, "kvtier_lookup_tokens_total") == c["lookup_tokens"]
     assert value(samples, "kvtier_requests_total") == c["requests"]
     assert value(samples, "kvtier_hit_tokens_total", tier="device") == c["hit_device_tokens"]

@@ -15,10 +15,13 @@ dashboard queries.
 from __future__ import annotations
 
 import ast
+import os
+import shutil
 import signal
 import subprocess
 import tomllib
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -52,8 +55,14 @@ from compose_support import (
     promql_without_grafana_variables,
 )
 from kvtier.admin.auth import token_path
-from kvtier.manager.config import host_pool_bytes, load_config, page_bytes
+from kvtier.manager.config import (
+    check_storage_reachable,
+    host_pool_bytes,
+    load_config,
+    page_bytes,
+)
 from prometheus_client.parser import text_string_to_metric_families
+from redis_server import RedisServer
 from serve_support import ServeProcess, tiny_toml
 from support import (
     kvtier_script,
@@ -67,14 +76,32 @@ from support import (
 CONTAINER_CONFIG = "/etc/kvtier/kvtier.toml"
 
 
-def _compose_config(path: Path) -> subprocess.CompletedProcess[str]:
+REDIS_PASSWORD = "0123456789abcdef0123456789abcdef"  # what `openssl rand -hex 16` gives
+
+
+def _compose_config(path: Path, redis_password: str | None = REDIS_PASSWORD
+                    ) -> subprocess.CompletedProcess[str]:
+    """`docker-compose config` of `path`, with KVTIER_REDIS_PASSWORD set as an operator sets
+    it (or unset with redis_password=None)."""
+    env = {k: v for k, v in os.environ.items() if k != "KVTIER_REDIS_PASSWORD"}
+    if redis_password is not None:
+        env["KVTIER_REDIS_PASSWORD"] = redis_password
     return subprocess.run(
         [require_tool("docker-compose", "docker-compose"), "-f", str(path), "config"],
         cwd=path.parent,
+        env=env,
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+@pytest.fixture(scope="module")
+def resolved_compose() -> dict[str, Any]:
+    """compose.yaml as compose runs it: validated and interpolated with a Redis password."""
+    result = _compose_config(COMPOSE_FILE)
+    assert result.returncode == 0, result.stderr
+    return dict(yaml.safe_load(result.stdout))
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +129,8 @@ def _urls_in(code: str) -> list[str]:
 # --- compose.yaml ----------------------------------------------------------------------------
 
 
-def test_compose_file_is_valid_compose():
-    result = _compose_config(COMPOSE_FILE)
-    assert result.returncode == 0, result.stderr
-    resolved = yaml.safe_load(result.stdout)
-    assert set(resolved["services"]) == {"kvtier", "redis", "prometheus", "grafana"}
+def test_compose_file_is_valid_compose(resolved_compose):
+    assert set(resolved_compose["services"]) == {"kvtier", "redis", "prometheus", "grafana"}
 
 
 def test_compose_validation_rejects_a_broken_file(tmp_path):
@@ -181,6 +205,70 @@ def test_redis_service_is_checked_with_redis_cli():
     redis = compose()["services"]["redis"]
     assert redis["image"].split(":")[0] == "redis"
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+
+
+def test_compose_refuses_to_start_without_a_redis_password():
+    """Issue 11 item 9: compose's Redis has a password, and there is no default one to forget
+    about: without KVTIER_REDIS_PASSWORD (or an empty one) compose stops, saying what to set."""
+    for missing in (None, ""):
+        result = _compose_config(COMPOSE_FILE, redis_password=missing)
+        assert result.returncode != 0
+        assert "set KVTIER_REDIS_PASSWORD" in result.stderr, result.stderr
+
+
+def _redis_args(resolved: dict[str, Any]) -> list[str]:
+    command = resolved["services"]["redis"]["command"]
+    assert command[0] == "redis-server", command
+    return list(command[1:])
+
+
+def test_redis_wants_the_password_that_kvtier_and_the_healthcheck_use(resolved_compose, tmp_path):
+    """The password compose was given reaches all three places: redis-server's requirepass,
+    the healthcheck's redis-cli (REDISCLI_AUTH) and the Redis URL kvtier loads (the service's
+    environment overrides docker/kvtier.toml)."""
+    args = _redis_args(resolved_compose)
+    assert args[args.index("--requirepass") + 1] == REDIS_PASSWORD
+    redis_env = resolved_compose["services"]["redis"]["environment"]
+    assert redis_env["REDISCLI_AUTH"] == REDIS_PASSWORD
+    kvtier_env = resolved_compose["services"]["kvtier"]["environment"]
+    cfg = load_config(KVTIER_TOML, env=kvtier_env, check_resources=False)
+    url = urlsplit(cfg.storage.url)
+    assert url.hostname == "redis" and url.password == REDIS_PASSWORD and url.port == 6379
+    assert "redis" in resolved_compose["services"]
+
+
+def test_redis_run_with_the_compose_command_refuses_clients_without_the_password(
+        resolved_compose):
+    """redis-server run here with the compose service's arguments (on a free loopback port):
+    a client without the password is refused (NOAUTH), kvtier's URL from the compose file
+    passes kvtier's start-up check, and the healthcheck's `redis-cli ping` answers PONG with
+    REDISCLI_AUTH set (and fails without it)."""
+    import redis
+
+    args = _redis_args(resolved_compose)
+    with RedisServer(extra_args=args) as server:
+        bare = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=2.0)
+        try:
+            with pytest.raises(redis.exceptions.AuthenticationError):
+                bare.ping()
+        finally:
+            bare.close()
+        kvtier_env = dict(resolved_compose["services"]["kvtier"]["environment"])
+        url = kvtier_env["KVTIER_STORAGE__URL"].replace("@redis:6379", f"@127.0.0.1:{server.port}")
+        kvtier_env["KVTIER_STORAGE__URL"] = url
+        check_storage_reachable(load_config(KVTIER_TOML, env=kvtier_env, check_resources=False))
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            return
+        health = resolved_compose["services"]["redis"]["healthcheck"]["test"][1:]
+        argv = [cli, "-p", str(server.port), *health[1:]]
+        env = {**os.environ, "REDISCLI_AUTH": resolved_compose["services"]["redis"]["environment"]
+               ["REDISCLI_AUTH"]}
+        answer = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=10)
+        assert answer.stdout.strip() == "PONG", answer.stdout + answer.stderr
+        env.pop("REDISCLI_AUTH")
+        refused = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=10)
+        assert "NOAUTH" in refused.stdout + refused.stderr
 
 
 # --- Prometheus ------------------------------------------------------------------------------

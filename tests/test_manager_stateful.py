@@ -48,7 +48,7 @@ tokens_st = st.builds(
 # What the randomized runs reached, summed over all of them (checked by the last test).
 REACHED = dict.fromkeys(("hit_device_tokens", "hit_host_tokens", "evicted_device_drop",
                          "evicted_device_demote", "evicted_host_drop", "failed_tasks",
-                         "resets", "lost_all", "steps"), 0)
+                         "resets", "lost_all", "lost_device", "steps"), 0)
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -66,6 +66,8 @@ class ManagerMachine(RuleBasedStateMachine):
                                 host_blocks=self.host_blocks, write_policy=self.policy,
                                 hit_threshold=2, dispatcher=self.dispatcher,
                                 transfer_timeout_s=5.0)
+        # as with engine KV: host copies wait for a registration check (`confirm` below)
+        self.m.track_device_copies = True
         self.reqs: dict[str, dict] = {}
         self.next_id = 0
         self.fail_next_blocking = False
@@ -266,6 +268,39 @@ class ManagerMachine(RuleBasedStateMachine):
         # The engine goes on at once: a new request takes whatever blocks are free now,
         # possibly while transfers of the lost tree are still pending.
         self.whole_request(PREFIXES[0] + (2, 1, 0, 2, 1, 0, 2, 1, 0, 2), None)
+
+    @rule(roll=st.integers(0, 2))
+    def confirm(self, roll: int) -> None:
+        """A registration check found the model runner's memory unchanged."""
+        if not roll:
+            self.m.confirm_device_copies(self.m.device_copy_mark())
+
+    @rule(roll=st.integers(0, 14))
+    def device_lost(self, roll: int) -> None:
+        """The model runner registered new (zeroed) KV memory: every device byte is gone,
+        copies from the device in flight read the new memory, kvtier's host blocks keep
+        their bytes. The host copies the manager keeps must still hold their keys (the
+        content invariant checks it), requests active at the loss commit nothing, and the
+        engine drops them."""
+        if roll:
+            return
+        self.m.lose_device()
+        for k in self.model.device:
+            self.model.device[k] = GARBAGE
+        for seq, task in self.dispatcher.tasks.items():
+            if task.kind == TaskKind.D2H and seq in self.model.snapshots:
+                self.model.snapshots[seq] = [GARBAGE] * len(task.src)
+        for rid in list(self.reqs):
+            self.release_rid(rid)
+        self.pins = [(t, n) for t, n in self.pins if self._pinned(t)]
+        self.whole_request(PREFIXES[1] + (0, 2, 1, 0, 2, 1, 0, 2, 1, 0), None)
+
+    def _pinned(self, tokens: tuple[int, ...]) -> bool:
+        """Whether every block of a pinned prefix is still in the tree (a pin lives on with
+        its host copy; without one it went with the device)."""
+        from kvtier.manager.keys import chain_keys
+
+        return all(k in self.m._map for k in chain_keys(list(tokens), BS))
 
     @rule(tokens=tokens_st)
     def pin(self, tokens: tuple[int, ...]) -> None:

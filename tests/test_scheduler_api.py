@@ -995,3 +995,95 @@ def test_revoked_query_starts_no_prefetch(make: Factory, tmp_path: Path) -> None
     # Without a storage tier there is nothing to revoke.
     plain = make(device_blocks=4)
     assert plain.revoke_prefetch(p) == 0
+
+
+# ---------------------------------------------------------------------- lose_device (engine KV)
+
+
+def _confirmed_host_and_device(make: Factory) -> tuple[KVCacheManager, ManualDispatcher,
+                                                        list[int], list[int]]:
+    """Engine-KV tracking on; `a` (3 blocks) cached on device and host with its D2H copies
+    confirmed; `b` (2 blocks) cached on the device with its D2H backup still in flight."""
+    d = ManualDispatcher()
+    m = make(device_blocks=8, host_blocks=8, write_policy="write_through", dispatcher=d)
+    m.track_device_copies = True
+    a = prompt(1, 3 * BS)
+    serve(m, "a", a)
+    for seq in list(d.tasks):
+        d.complete(seq)
+    m.confirm_device_copies(m.device_copy_mark())
+    b = prompt(2, 2 * BS)
+    serve(m, "b", b)  # its D2H stays pending in `d`
+    return m, d, a, b
+
+
+def test_lose_device_keeps_confirmed_host_copies(make: Factory) -> None:
+    """Issue 9: a model-runner restart costs the device tier only: a's confirmed host copies
+    are still a host hit (loaded into new device blocks), b (device only, its backup in
+    flight) is a miss and never served, and the counters tell lose_device from lose_all."""
+    m, d, a, b = _confirmed_host_and_device(make)
+    assert where(m, a) == ["both"] * 3
+    saving = [n for n in (node(m, b, i) for i in range(2)) if n is not None]
+    assert all(n.flags & SAVING for n in saving)
+    out = m.lose_device()
+    assert out["written_off"] == 2 and out["device_blocks"] == 3, out
+    m.check_invariants()
+    assert where(m, a) == ["host"] * 3 and where(m, b) == ["-", "-"]
+    assert m.stats()["counters"]["lost_device"] == 1  # type: ignore[index]
+    assert m.stats()["counters"]["lost_all"] == 0  # type: ignore[index]
+    res = m.match("a2", [*a, 1])
+    assert (res.device_tokens, res.host_tokens) == (0, 3 * BS)
+    assert tasks_of(d, TaskKind.H2D)
+    m.release("a2")
+    assert m.match("b2", [*b, 1]).num_tokens == 0
+    m.release("b2")
+    for seq in list(d.tasks):  # b's backup answers after the loss (read from old memory)
+        d.complete(seq)
+    assert where(m, b) == ["-", "-"]  # written off: never served
+    assert_no_leak(m)
+
+
+def test_lose_device_drops_host_copies_not_yet_confirmed(make: Factory) -> None:
+    """A D2H copy that completed after the last registration check may have been read from
+    the new memory: until a check confirms it, a change drops it too, and it is not backed up
+    to storage meanwhile (confirm_device_copies is what hands it on)."""
+    d = ManualDispatcher()
+    m = make(device_blocks=8, host_blocks=8, write_policy="write_through", dispatcher=d)
+    m.track_device_copies = True
+    a = prompt(1, 2 * BS)
+    serve(m, "a", a)
+    mark = m.device_copy_mark()
+    for seq in list(d.tasks):
+        d.complete(seq)  # completed after the mark: not covered by a check begun at `mark`
+    assert m.confirm_device_copies(mark) == 0
+    assert where(m, a) == ["both", "both"]
+    m.lose_device()
+    m.check_invariants()
+    assert where(m, a) == ["-", "-"]
+    assert m.match("a2", a).num_tokens == 0
+    m.release("a2")
+    # the same copies confirmed by a later check survive a later change
+    serve(m, "c", a)
+    for seq in list(d.tasks):
+        d.complete(seq)
+    assert m.confirm_device_copies(m.device_copy_mark()) == 2
+    m.lose_device()
+    assert where(m, a) == ["host", "host"]
+    m.check_invariants()
+
+
+def test_lose_device_hands_blocks_held_by_requests_to_them(make: Factory) -> None:
+    """A request holding a cached block when the device memory is replaced keeps the block
+    (detached, returned at its release); the host copy stays cached under a fresh node and
+    the request's later commit joins nothing."""
+    m, d, a, _ = _confirmed_host_and_device(make)
+    res = m.match("h", [*a, 1])
+    assert res.device_tokens == 3 * BS
+    m.lose_device()
+    m.check_invariants()
+    assert where(m, a) == ["host"] * 3
+    assert m.request_lost("h")
+    m.release("h")
+    for seq in list(d.tasks):
+        d.complete(seq, ok=False)
+    assert_no_leak(m)

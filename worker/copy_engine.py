@@ -434,12 +434,16 @@ class CopyEngine:
         host_ids: BlockIds,
         dev_ids: BlockIds,
         on_layer_done: Callable[[int], None] | None = None,
+        on_layer_enqueued: Callable[[int, torch.cuda.Stream], None] | None = None,
     ) -> None:
         """Copy host pages `host_ids[i]` to device blocks `dev_ids[i]` layer by layer, calling
         `on_layer_done(layer)` as soon as each layer is complete (in layer order, the extra
         layers after the model's; also for an empty task, so nobody waits on a layer that
         will never come). With scales, every layer's scales are in place before layer 0 is
-        reported."""
+        reported. On CUDA with an engine's planes, `on_layer_enqueued(layer, stream)` runs
+        right after each layer's copies are enqueued on the copy stream (the engine's
+        inter-process layer events are recorded there:
+        `kvtier.worker.engine_pool.WorkerLayerEvents`); elsewhere it is not called."""
         src, dst = self._pairs("h2d", host_ids, dev_ids, "host")
         done = on_layer_done if on_layer_done is not None else _ignore_layer
         with self.gate.load():
@@ -447,11 +451,12 @@ class CopyEngine:
                 # Every layer's scales land before layer 0's K and V (they are a few KiB per
                 # block), so a layer reported done always has its scales in place.
                 self._scales.h2d(src, dst)
-            self._h2d(src, dst, done)
+            self._h2d(src, dst, done, on_layer_enqueued)
 
-    def _h2d(self, src: torch.Tensor, dst: torch.Tensor, done: Callable[[int], None]) -> None:
+    def _h2d(self, src: torch.Tensor, dst: torch.Tensor, done: Callable[[int], None],
+             on_layer_enqueued: Callable[[int, torch.cuda.Stream], None] | None) -> None:
         if self._planes is not None:
-            self._planes.h2d(src, dst, done)
+            self._planes.h2d(src, dst, done, on_layer_enqueued)
             self.bytes_h2d += int(src.numel()) * self.shape.page_bytes
             return
         if self._host_dev is not None:
@@ -596,10 +601,11 @@ class _PlaneCopier:
                     torch.index_select(plane, 0, gs, out=part[p])
                 host3.index_put_((gd,), part.transpose(0, 1))
 
-    def h2d(self, src: torch.Tensor, dst: torch.Tensor, done: Callable[[int], None]) -> None:
+    def h2d(self, src: torch.Tensor, dst: torch.Tensor, done: Callable[[int], None],
+            enqueued: Callable[[int, torch.cuda.Stream], None] | None = None) -> None:
         e, planes = self.e, self.planes
         if e._cuda:
-            self._h2d_cuda(src, dst, done)
+            self._h2d_cuda(src, dst, done, enqueued)
             return
         n = int(src.numel())
         c = max(1, min(max(n, 1), e.stage_bytes // e.shape.layer_bytes))
@@ -643,14 +649,14 @@ class _PlaneCopier:
                 host3.index_copy_(0, d_all[i : i + c], pages)
         stream.synchronize()
 
-    def _h2d_cuda(self, src: torch.Tensor, dst: torch.Tensor,
-                  done: Callable[[int], None]) -> None:
+    def _h2d_cuda(self, src: torch.Tensor, dst: torch.Tensor, done: Callable[[int], None],
+                  enqueued: Callable[[int, torch.cuda.Stream], None] | None = None) -> None:
         e, planes, dev = self.e, self.planes, self.device
         host = self._host()
         stream = e._h2d_stream
         n = int(src.numel())
         c = max(1, ZERO_COPY_CHUNK_BYTES // e.shape.layer_bytes)
-        layers = _LayerEvents(done)
+        layers = _LayerEvents(done, enqueued)
         stream.wait_stream(torch.cuda.current_stream(dev))  # readers of old content
         with torch.cuda.stream(stream):
             s_all, d_all = src.to(host.device), dst.to(dev)
@@ -752,13 +758,17 @@ class _LayerEvents:
     layer; `done(layer)` fires once that layer's event has completed, in layer order, as early
     as the enqueueing loop notices (queried after every layer) and at the latest in `finish`."""
 
-    def __init__(self, done: Callable[[int], None]) -> None:
+    def __init__(self, done: Callable[[int], None],
+                 enqueued: Callable[[int, torch.cuda.Stream], None] | None = None) -> None:
         self.done = done
+        self.enqueued = enqueued
         self.pending: deque[tuple[int, torch.cuda.Event]] = deque()
 
     def recorded(self, layer: int, stream: torch.cuda.Stream) -> None:
         event = torch.cuda.Event()
         event.record(stream)
+        if self.enqueued is not None:  # the engine's inter-process event, no host sync
+            self.enqueued(layer, stream)
         self.pending.append((layer, event))
         while self.pending and self.pending[0][1].query():
             self.done(self.pending.popleft()[0])

@@ -9,6 +9,8 @@ manager; the engine imports it in its own (model runner) process.
         ...                                             # start the stack with workers.engine_kv
         waiter = LayerWaiter(dep, num_ranks)
         waiter.wait(hit.handle.seq, layer, timeout=5.0)  # per layer, before attention reads it
+        # on a GPU, without a host sync: the compute stream waits on the worker's copy
+        waiter.wait_stream(hit.handle.seq, layer, 5.0, registration=reg, stream=compute)
 
 Layouts (every one without a copy; a *plane* is one layer's K or V as `[num_blocks, row]`,
 row = block_size * num_kv_heads * head_dim elements, contiguous within a block):
@@ -31,12 +33,23 @@ Where the memory must live: on a GPU any tensor of the caching allocator works (
 exported through CUDA IPC, `UntypedStorage._share_cuda_`); on the CPU the worker maps the
 memory by name, so it must come from `shared_kv_tensor` (a POSIX shared-memory segment).
 The registration record format is described in `kvtier.worker.kvreg`.
+
+Per-layer readiness on CUDA: a CUDA registration also exports `layer_event_slots` (default 4)
+sets of per-layer inter-process events and a word table (see `kvtier.worker.kvreg`, "Layer
+events"); the worker records event [seq % slots][layer] on its copy stream after enqueueing
+that layer and publishes seq in the table; `LayerWaiter.wait_stream` polls the table (host
+memory, no GPU call) and then has the compute stream wait on the event, so no host thread
+waits for a copy. Where events are missing (CPU KV, a torch or driver that cannot export or
+open them) it waits on the host as `wait` does. What has run: the record field, the word
+table and the fallback, on the CPU; the GPU path is tested only where a GPU is (`cuda`
+marker).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import math
 import mmap
 import os
@@ -49,12 +62,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvtier.worker.ipc import LayerProgress, TreeStatus, pid_alive, validate_deployment_id
+from kvtier.worker.ipc import (
+    LayerProgress,
+    LayerWaitTimeout,
+    TreeStatus,
+    pid_alive,
+    validate_deployment_id,
+)
 from kvtier.worker.kv_pools import DTYPES, PoolConfigError, parse_dtype
 from kvtier.worker.kvreg import (
     LAYOUTS,
     SEGMENT_HEADER_BYTES,
     EngineKVError,
+    LayerEventWords,
     Layout,
     Record,
     create_segment,
@@ -78,7 +98,12 @@ __all__ = [
     "shared_kv_tensor",
 ]
 
+log = logging.getLogger(__name__)
+
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DEFAULT_LAYER_EVENT_SLOTS = 4
+"""Event sets a CUDA registration exports: loads `seq` and `seq + 4` share one (the later
+only makes a wait longer); more slots cost 64 bytes of IPC handle and one event each."""
 _HALVES = ("K", "V")
 
 
@@ -321,7 +346,8 @@ class KVRegistration:
                  kv: torch.Tensor | Sequence[torch.Tensor]
                  | Sequence[tuple[torch.Tensor, torch.Tensor]],
                  layout: Layout, *, block_size: int, num_kv_heads: int, head_dim: int,
-                 scales: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+                 scales: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 layer_event_slots: int = DEFAULT_LAYER_EVENT_SLOTS) -> None:
         validate_deployment_id(deployment_id)
         self.name = registration_name(deployment_id, rank)
         self.deployment_id, self.rank, self.layout = deployment_id, rank, layout
@@ -344,6 +370,14 @@ class KVRegistration:
         segments: list[str] = []
         planes, device, uuid = self._describe(self.planes, "", segments)
         scale_planes = self._describe(self.scale_planes, " scales", segments)[0]
+        self.events: list[list[Any]] = []  # [slot][layer] torch.cuda.Event (CUDA only)
+        self.event_words: LayerEventWords | None = None
+        owned: list[str] = []
+        layer_events = None
+        if self.device.type == "cuda" and layer_event_slots:
+            layer_events = self._export_layer_events(layer_event_slots)
+            if layer_events is not None:
+                owned.append(layer_events["segment"])
         self.nonce = secrets.token_hex(16)
         itemsize = self.planes[0].element_size()
         record = Record(
@@ -352,15 +386,43 @@ class KVRegistration:
             num_layers=self.num_layers, num_blocks=self.num_blocks, block_size=block_size,
             num_kv_heads=num_kv_heads, head_dim=head_dim,
             row_bytes=block_size * num_kv_heads * head_dim * itemsize, planes=tuple(planes),
-            scale_planes=tuple(scale_planes))
+            scale_planes=tuple(scale_planes), layer_events=layer_events)
         self.record = record
         self._segments = segments
+        self._owned = owned
         create_segment(self.name, encode_record(record)).close()
         self._closed = False
         with _LOCK:
             _LIVE[self.name] = self
         self._finalizer = weakref.finalize(self, _finalize, self.name, self.deployment_id,
-                                           rank, self.nonce, segments, os.getpid())
+                                           rank, self.nonce, segments, os.getpid(), owned)
+
+    def _export_layer_events(self, slots: int) -> dict[str, Any] | None:
+        """Create `slots x num_layers` inter-process CUDA events on the KV's device and the
+        word table the worker publishes into; the record field describing them. None (the
+        runner then waits on the host, `LayerWaiter.wait_stream`'s fallback) when this
+        torch or driver cannot export events."""
+        index = self.device.index if self.device.index is not None else (
+            torch.cuda.current_device())
+        try:
+            with torch.cuda.device(index):
+                events = [[torch.cuda.Event(interprocess=True) for _ in range(self.num_layers)]
+                          for _ in range(slots)]
+                handles = [[bytes(e.ipc_handle()).hex() for e in row] for row in events]
+        except (RuntimeError, AttributeError) as e:
+            log.warning("rank %d: CUDA layer events cannot be exported (%s); per-layer waits "
+                        "fall back to the host", self.rank, e)
+            return None
+        words = LayerEventWords.create(self.deployment_id, self.rank, slots, self.num_layers)
+        self.events, self.event_words = events, words
+        return {"segment": words.name, "slots": slots, "handles": handles}
+
+    def layer_event(self, seq: int, layer: int) -> Any:
+        """The CUDA event the worker records after enqueueing layer `layer` of load `seq`
+        (None without layer events)."""
+        if not self.events:
+            return None
+        return self.events[seq % len(self.events)][layer]
 
     def _take_over_stale(self) -> None:
         try:
@@ -418,8 +480,10 @@ class KVRegistration:
             return
         self._closed = True
         self._finalizer.detach()
+        if self.event_words is not None:
+            self.event_words.close()
         _finalize(self.name, self.deployment_id, self.rank, self.nonce, self._segments,
-                  os.getpid())
+                  os.getpid(), self._owned)
 
     def __enter__(self) -> KVRegistration:
         return self
@@ -433,9 +497,12 @@ class KVRegistration:
 
 
 def _finalize(name: str, deployment_id: str, rank: int, nonce: str, segments: list[str],
-              pid: int) -> None:
+              pid: int, owned: Sequence[str] = ()) -> None:
     if os.getpid() != pid:  # a forked child never removes its parent's registration
         return
+    for seg in owned:  # the layer-event word table: made for this registration only
+        if segment_owner(seg) in (None, pid):
+            unlink(seg)
     with _LOCK:
         _LIVE.pop(name, None)
     with contextlib.suppress(EngineKVError):
@@ -485,6 +552,43 @@ class LayerWaiter:
         """True while the deployment sleeps (the workers' pools are freed, loads fail with
         `DeploymentAsleep`); False once a wake re-created them."""
         return self._progress.asleep
+
+    def wait_stream(self, seq: int, layer: int, timeout: float, *,
+                    registration: KVRegistration | None = None, stream: Any = None) -> bool:
+        """Make `stream` (default: the current stream of the registration's device) wait for
+        layer `layer` of load `seq` on this runner's rank without a host sync: once the
+        worker has enqueued the layer's copy and recorded the registration's layer event
+        (`LayerEventWords.covers`), the stream waits on that event on the GPU. Returns True
+        then. Without layer events (a CPU registration, or events that could not be
+        exported or opened), or when the layer is already on every rank's device, it waits
+        on the host like `wait` and returns False. Raises like `wait` (LayerWaitTimeout,
+        TaskAborted when the load failed, IPCError)."""
+        words = registration.event_words if registration is not None else None
+        if registration is None or words is None:
+            self.wait(seq, layer, timeout)
+            return False
+        deadline = time.monotonic() + timeout
+        pause = 50e-6
+        while True:
+            if words.covers(seq, layer):
+                if stream is None:
+                    stream = torch.cuda.current_stream(registration.device)
+                stream.wait_event(registration.layer_event(seq, layer))
+                return True
+            try:  # the load failed (raises), or was copied without recording an event
+                self._progress.wait_layer(seq, layer, 0.0)
+                return False
+            except LayerWaitTimeout:
+                pass
+            now = time.monotonic()
+            if now > deadline:
+                raise LayerWaitTimeout(
+                    f"task seq={seq}: layer {layer} not enqueued on rank "
+                    f"{registration.rank} after {timeout:.1f}s", seq=seq, layer=layer,
+                    ranks=[registration.rank])
+            time.sleep(min(pause, max(0.0, deadline - now)))
+            pause = min(pause * 2, 1e-3)
+
 
     def close(self) -> None:
         self._progress.close()

@@ -16,8 +16,10 @@ both values. `problem()` tells whether the registration attached is still the cu
 
 from __future__ import annotations
 
+import logging
 import mmap
 import time
+from collections.abc import Callable
 from typing import Any
 
 import posix_ipc
@@ -28,12 +30,15 @@ from kvtier.worker.kvreg import (
     SEGMENT_HEADER_BYTES,
     SEGMENT_MAGIC,
     EngineKVError,
+    LayerEventWords,
     Record,
     decode_cuda_fields,
     read_record,
     registration_name,
 )
 from kvtier.worker.spec import WorkerSpec
+
+log = logging.getLogger(__name__)
 
 
 class EngineKVGone(KvtierError, RuntimeError):
@@ -98,6 +103,9 @@ class EnginePool(PlanePool):
             planes = _cpu_planes(rec.planes, shape.dtype, mapped, "")
             scale_planes = _cpu_planes(rec.scale_planes, torch.float32, mapped, " scales")
         super().__init__(shape, planes, layout=rec.layout, scale_planes=scale_planes)
+        self.layer_events: WorkerLayerEvents | None = None
+        if rec.layer_events is not None:
+            self.layer_events = WorkerLayerEvents.open(rec, planes[0].device, spec.rank)
 
     # ------------------------------------------------------------------ attach
 
@@ -157,6 +165,60 @@ class EnginePool(PlanePool):
         """Drop the views into the model runner's memory (idempotent)."""
         self.planes = []
         self.scale_planes = []
+        if self.layer_events is not None:
+            self.layer_events.close()
+            self.layer_events = None
+
+
+class WorkerLayerEvents:
+    """The worker's side of a registration's layer events (`kvtier.worker.kvreg`, "Layer
+    events"): the runner's inter-process events opened on this worker's device,
+    `events[slot][layer]`, and its word table. `hook(seqs)` is what the copy engine calls
+    after enqueueing each layer of an H2D batch: record the event of every slot the batch's
+    loads use on the copy stream, then publish each load's seq, in that order."""
+
+    def __init__(self, events: list[list[Any]], words: LayerEventWords) -> None:
+        self.events, self.words = events, words
+
+    @classmethod
+    def open(cls, rec: Record, device: torch.device, rank: int) -> WorkerLayerEvents | None:
+        """Open them, or None when they cannot be (logged): the runner's `wait_stream` then
+        finds its words never covering a load and waits on the host instead."""
+        assert rec.layer_events is not None
+        try:
+            words = LayerEventWords.open(rec.layer_events["segment"], rec.layer_events["slots"],
+                                         rec.num_layers)
+        except EngineKVError as e:
+            log.warning("rank %d: layer events not used: %s", rank, e)
+            return None
+        try:
+            events = [[torch.cuda.Event.from_ipc_handle(device, h) for h in row]
+                      for row in rec.event_handles()]
+        except (RuntimeError, AttributeError) as e:
+            words.close()
+            log.warning("rank %d: the runner's CUDA layer events cannot be opened (%s); its "
+                        "per-layer waits fall back to the host", rank, e)
+            return None
+        return cls(events, words)
+
+    def hook(self, seqs: list[int]) -> Callable[[int, Any], None]:
+        slots = len(self.events)
+        newest: dict[int, int] = {}
+        for seq in seqs:
+            slot = seq % slots
+            newest[slot] = max(seq, newest.get(slot, -1))
+
+        def enqueued(layer: int, stream: Any) -> None:
+            for slot in newest:
+                self.events[slot][layer].record(stream)
+            for seq in seqs:  # after every record call: a covered word means "issued"
+                self.words.publish(seq, layer)
+
+        return enqueued
+
+    def close(self) -> None:
+        self.words.close()
+        self.events = []
 
 
 def _cpu_planes(recs: tuple[dict[str, Any], ...], dtype: torch.dtype,

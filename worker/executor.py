@@ -147,7 +147,8 @@ class TaskExecutor:
             else:
                 seqs = [t.seq for t in batch]
                 cb = None if on_layer_done is None else (lambda layer: on_layer_done(seqs, layer))
-                engine.h2d(src, dst, cb)
+                events = getattr(self.device, "layer_events", None)  # an engine's CUDA KV
+                engine.h2d(src, dst, cb, None if events is None else events.hook(seqs))
             return [(0, [])] * len(batch)
         if len(batch) != 1:
             raise ValueError(f"{kind.name} tasks are not merged")

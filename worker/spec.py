@@ -38,7 +38,7 @@ class WorkerSpec:
     host_blocks: int
     device: str = "auto"
     storage_backend: str = "none"
-    storage_path: str = ".kvtier/storage"
+    storage_path: str = ""  # absolute, resolved by the manager (KvtierConfig.storage_dir)
     storage_url: str = "redis://127.0.0.1:6379/0"
     storage_capacity_bytes: int = 0
     storage_ttl_s: int = 0
