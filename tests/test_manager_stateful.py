@@ -406,6 +406,9 @@ class StorageMachine(ManagerMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        # kvtier's own device pools here: host copies are trusted (and backed up) at once;
+        # copies awaiting a registration check are the base machine's engine-KV case
+        self.m.track_device_copies = False
         cfg = _storage_config()
         self.tier = StorageTier(self.m, cfg)
         self.m.storage = self.tier
