@@ -514,7 +514,7 @@ class StorageMachine(ManagerMachine):
 
 
 TestWithStorage = StorageMachine.TestCase
-TestWithStorage.settings = settings(SETTINGS, max_examples=30)
+TestWithStorage.settings = settings(SETTINGS, max_examples=100)
 
 
 def test_storage_runs_reached_every_path() -> None:
