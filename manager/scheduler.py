@@ -55,7 +55,6 @@ from kvtier.manager.tree import (
     PREFETCHING,
     SAVING,
     DeviceLRU,
-    DeviceNode,
     HostLRU,
     Node,
 )
@@ -65,6 +64,10 @@ _monotonic = time.monotonic
 IN_FLIGHT = LOADING | SAVING | EVICTING | PREFETCHING | BACKING
 
 TREE_NORMAL, TREE_CLEARING, TREE_CLEARED = 0, 1, 2
+
+
+def _node_key(node: Node) -> int:
+    return node.key or 0
 
 
 @dataclass(slots=True)
@@ -132,7 +135,8 @@ class KVCacheManager:
     """Prefix tree, free lists and policies of the device and host tiers of one deployment.
 
     Data structures:
-      * `_map`: dict tree key (int) -> Node; the whole prefix tree (keys are chained).
+      * `_map`: tree key (int) -> Node, the whole prefix tree (keys are chained): a dict, or
+        the compiled `KeyMap` with compiled nodes (see manager.native).
       * `_dev_pool` / `_host_pool`: BlockPool free lists of each tier.
       * `_dev_lru` / `_host_lru`: intrusive LRU lists of evictable nodes (see manager.tree).
       * `_requests`: request id -> RequestState (`kvtier.manager.cache_state`).
@@ -172,14 +176,20 @@ class KVCacheManager:
                        else make_write_policy(write_policy, hit_threshold))
         self._dev_pool = BlockPool("device", device_blocks)
         self._host_pool = BlockPool("host", host_blocks)
-        self._dev_lru = DeviceLRU()
+        # The tree map, node classes and per-block loops, compiled or pure Python, fixed for
+        # this manager's lifetime (see manager.native): nodes and maps of one kind only ever
+        # meet loops of the same kind.
+        self._loops = loops = native.bound()
+        self._dev_lru = DeviceLRU(loops.node_class)
         # Device-only deployments use the leaner node (no host links, no storage key). The
         # scheduler handles it as a Node (same attributes, host ones class constants). The
         # narrow ignores on the hot paths below stand for what the types cannot say without
         # a per-block check: a node linked in an LRU list has its `dev` (or `host`) and links.
-        self._node_cls: type[Node] = Node if host_blocks else DeviceNode  # type: ignore[assignment]
-        self._host_lru = HostLRU()
-        self._map: dict[int, Node] = {}
+        self._node_cls = loops.node_class if host_blocks else loops.device_node_class
+        self._host_lru = HostLRU(loops.node_class)
+        # Sized for the most nodes the tree can hold (each holds a block of its own), so the
+        # compiled map never grows while serving: no resize pause at 10M blocks.
+        self._map: native.TreeMap = loops.new_tree(device_blocks + host_blocks)
         self._requests: dict[str, RequestState] = {}
         self._inflight: dict[int, _Inflight] = {}
         self._pins: dict[Node, int] = {}
@@ -236,12 +246,13 @@ class KVCacheManager:
             limit = min(cap, len(keys))
             storage = self.storage
             tree = self._map
+            walk_hits = self._loops.walk_hits
             while True:
                 while True:
                     # Plain device hits in one call (compiled or not, see manager.native);
                     # it stops at a miss, at the limit, or at a node handled here.
-                    stop, n_unlinked = native.walk_hits(tree, keys, nodes, limit, now,
-                                                        hit_threshold, backups)
+                    stop, n_unlinked = walk_hits(tree, keys, nodes, limit, now,
+                                                 hit_threshold, backups)
                     unlinked += n_unlinked
                     if stop != 2:
                         break
@@ -386,8 +397,14 @@ class KVCacheManager:
             new_nodes: list[Node] = []
             exclusive = self.policy.exclusive
             new_node = self._node_cls
+            commit_walk = self._loops.commit_walk
             joined = 0
-            for i in range(start, n_full):
+            while True:
+                # New nodes and duplicates in one call (compiled or not, see manager.native);
+                # it stops at a node cached on the host only, handled here.
+                i = commit_walk(m, keys, blocks, nodes, n_full, now, new_node, new_nodes)
+                if i >= n_full:
+                    break
                 key = keys[i]
                 node = m.get(key)
                 if node is None:
@@ -395,7 +412,6 @@ class KVCacheManager:
                     node.ref = 1
                     m[key] = node
                     new_nodes.append(node)
-                    joined += 1
                 elif node.dev is None:
                     # Cached on the host only: our freshly computed block becomes its
                     # device copy.
@@ -409,6 +425,7 @@ class KVCacheManager:
                 else:
                     node = None  # a duplicate: the request keeps its own block
                 nodes.append(node)
+            joined += len(new_nodes)
             self._dev_in_tree += len(new_nodes)
             if self.storage is not None and new_nodes:
                 skeys = self.storage.request_skeys(req, token_ids, n_full)
@@ -443,7 +460,7 @@ class KVCacheManager:
             # nodes join the device LRU's tail in one pass (compiled or not, see
             # manager.native), which leaves the request's own blocks to free here.
             lru = self._dev_lru
-            rest, appended = native.release_walk(nodes, lru.head, now, DEVICE_BUSY)
+            rest, appended = self._loops.release_walk(nodes, lru.head, now, DEVICE_BUSY)
             lru.size += appended
             for i in rest:
                 node = nodes[i]
@@ -676,6 +693,9 @@ class KVCacheManager:
     def take_host_block(self) -> int | None:
         return self._host_block()
 
+    def new_host_node(self, key: int, host: int, now: float) -> Node:
+        return self._loops.node_class(key, None, host, now)
+
     def adopt_host_node(self, node: Node) -> None:
         assert node.key is not None and node.host is not None and node.dev is None
         self._map[node.key] = node
@@ -856,20 +876,9 @@ class KVCacheManager:
         c = self.counters
         if not host_tier:
             # Device only: every victim is dropped. Unlink a run of victims from the head of
-            # the list in one pass and free their blocks in one call.
-            head = lru.head
-            m = self._map
-            freed: list[int] = []
-            node = head.dnext
-            while len(freed) < n and node is not head:
-                nxt = node.dnext  # type: ignore[union-attr]
-                freed.append(node.dev)  # type: ignore[union-attr,arg-type]
-                node.dev = node.dprev = node.dnext = None  # type: ignore[union-attr]
-                del m[node.key]  # type: ignore[union-attr,arg-type]
-                node.key = None  # type: ignore[union-attr]
-                node = nxt
-            head.dnext = node
-            node.dprev = head  # type: ignore[union-attr]
+            # the list in one pass (compiled or not, see manager.native) and free their
+            # blocks in one call.
+            freed = self._loops.evict_drop(self._map, lru.head, n)
             lru.size -= len(freed)
             self._dev_in_tree -= len(freed)
             c.evicted_device_drop += len(freed)
@@ -1103,7 +1112,8 @@ class KVCacheManager:
         requests' own); nodes a transfer still uses keep their blocks until it is answered
         (`_written_off`). Caller holds the lock."""
         dev_freed = host_freed = detached = 0
-        for node in list(self._map.values()):
+        # In key order: the free lists come out the same whichever map holds the tree.
+        for node in sorted(self._map.values(), key=_node_key):
             if node.dprev is not None:
                 self._dev_lru.unlink(node)
             if node.hprev is not None:

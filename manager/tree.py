@@ -126,11 +126,14 @@ class IntrusiveLRU:
 
     __slots__ = ("_get_next", "_get_prev", "_set_next", "_set_prev", "head", "size")
 
-    def __init__(self, prev: str, nxt: str) -> None:
-        prev_slot, next_slot = getattr(Node, prev), getattr(Node, nxt)  # slot descriptors
+    def __init__(self, prev: str, nxt: str, node_class: type[Node] = Node) -> None:
+        # `node_class`: the nodes' class with the host fields (tree.Node, or the compiled one
+        # of kvtier.manager.native); the sentinel is one of them.
+        prev_slot = getattr(node_class, prev)  # slot (member) descriptors
+        next_slot = getattr(node_class, nxt)
         self._get_prev, self._set_prev = prev_slot.__get__, prev_slot.__set__
         self._get_next, self._set_next = next_slot.__get__, next_slot.__set__
-        self.head = head = Node(None, None, None, 0.0)
+        self.head = head = node_class(None, None, None, 0.0)
         self._set_prev(head, head)
         self._set_next(head, head)
         self.size = 0
@@ -164,11 +167,11 @@ class IntrusiveLRU:
             n = self._get_next(n)
 
 
-def DeviceLRU() -> IntrusiveLRU:
+def DeviceLRU(node_class: type[Node] = Node) -> IntrusiveLRU:
     """The device tier's list (links `dprev`/`dnext`)."""
-    return IntrusiveLRU("dprev", "dnext")
+    return IntrusiveLRU("dprev", "dnext", node_class)
 
 
-def HostLRU() -> IntrusiveLRU:
+def HostLRU(node_class: type[Node] = Node) -> IntrusiveLRU:
     """The host tier's list (links `hprev`/`hnext`)."""
-    return IntrusiveLRU("hprev", "hnext")
+    return IntrusiveLRU("hprev", "hnext", node_class)
