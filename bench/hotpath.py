@@ -19,8 +19,9 @@ prints kvtier/peer ratios from that one run.
 `--scale` asks what a big tree costs instead: a manager of N device blocks is filled with N
 distinct cached blocks (prompts of 256 blocks, each starting with its own token), its memory
 read from the process's resident set (growth per cached block, and with the manager's
-preallocated free list), then the chat workload runs on top of it (evicting filler) and its
-us/block is timed as above. 10M blocks of 16 tokens take about 4 GiB.
+preallocated free list) and one full garbage collection timed, then the chat workload runs on
+top of it (evicting filler) and its us/block is timed as above. 10M blocks of 16 tokens take
+about 1.4 GiB compiled (the pure-Python nodes and dict: about 4 GiB).
 
 The hot loops run compiled (`kvtier.manager._native`) when the extension is built;
 KVTIER_NATIVE=0 runs the pure-Python ones (the first output line says which).
@@ -148,7 +149,9 @@ def run_scale(block_size: int, n_blocks: int, reqs: list[list[int]]) -> dict[str
     finally:
         gc.enable()
     fill_s = time.perf_counter() - t0
-    gc.collect()
+    t1 = time.perf_counter()
+    gc.collect()  # a full collection with the filled tree alive: what a gen-2 pass costs
+    gc_ms = (time.perf_counter() - t1) * 1e3
     rss2 = _rss_bytes()
     cached = runner.cached_blocks()
     timed = Runner.__new__(Runner)  # the filled manager, timed on the chat workload
@@ -170,6 +173,7 @@ def run_scale(block_size: int, n_blocks: int, reqs: list[list[int]]) -> dict[str
             "fill_us_per_block": fill_s * 1e6 / cached,
             "rss_growth_bytes_per_cached_block": (rss2 - rss1) / cached,
             "rss_total_bytes_per_cached_block": (rss2 - rss0) / cached,
+            "full_gc_ms": gc_ms,
             "us_per_block": tot_ns / 1e3 / tot_blk}
 
 
@@ -243,14 +247,15 @@ def main() -> int:
             return 0
         print(f"hot loops: {loops}")
         print(f"{'block':>6}{'cached':>11}{'fill s':>8}{'fill us/blk':>12}{'us/block':>10}"
-              f"{'RSS B/blk':>11}{'w/ pool':>9}")
+              f"{'RSS B/blk':>11}{'w/ pool':>9}{'gc ms':>8}")
         for b, _, r in rows:
             print(f"{b:>6}{int(r['cached_blocks']):>11}{r['fill_s']:>8.1f}"
                   f"{r['fill_us_per_block']:>12.3f}{r['us_per_block']:>10.3f}"
                   f"{r['rss_growth_bytes_per_cached_block']:>11.0f}"
-                  f"{r['rss_total_bytes_per_cached_block']:>9.0f}")
+                  f"{r['rss_total_bytes_per_cached_block']:>9.0f}{r['full_gc_ms']:>8.0f}")
         print("us/block: the chat workload on the filled manager; RSS B/blk: resident growth "
-              "per cached block while filling (w/ pool: including the manager's free list)")
+              "per cached block while filling (w/ pool: including the manager's free list); "
+              "gc ms: one full gc.collect() on the filled manager")
         return 0
     venv = peers_venv() if args.peers else None
     if args.peers and venv is None:

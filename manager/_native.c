@@ -23,6 +23,7 @@
 #include <Python.h>
 #include <structmember.h>
 #include <dlfcn.h>
+#include <sys/mman.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -261,11 +262,16 @@ key_halves(PyObject *key, uint64_t *lo, uint64_t *hi)
 #endif
 }
 
-/* DeviceNode: what a device-only deployment stores per cached block, in 96 bytes with the
- * GC header (the pure-Python twin, tree.DeviceNode, is 96 bytes plus its 48-byte int key).
- * The key is held as two 64-bit halves (`has_key` 0: detached); block ids as int32 with -1
- * for None; `last` as a double. The LRU links stay object references, so Python code and the
- * IntrusiveLRU descriptors handle them as before. */
+/* DeviceNode: what a device-only deployment stores per cached block, in 80 bytes (the
+ * pure-Python twin, tree.DeviceNode, is 96 bytes plus its 48-byte int key). The key is held
+ * as two 64-bit halves (`has_key` 0: detached); block ids as int32 with -1 for None; `last`
+ * as a double. The LRU links stay object references, so Python code and the IntrusiveLRU
+ * descriptors handle them as before.
+ *
+ * Nodes are not tracked by the garbage collector (no GC header, and a full collection does
+ * not walk millions of them: at 10M cached blocks that walk was a pause of its own). The
+ * only cycles among nodes are the LRU rings, which tree.IntrusiveLRU breaks when it is
+ * freed; a node's other references (its storage key) lead to no container. */
 typedef struct {
     PyObject_HEAD
     uint64_t klo, khi;
@@ -276,7 +282,7 @@ typedef struct {
     uint8_t has_key;
 } DNodeObject;
 
-/* Node: a DeviceNode plus the host LRU links and the storage key (128 bytes). */
+/* Node: a DeviceNode plus the host LRU links and the storage key (112 bytes). */
 typedef struct {
     DNodeObject base;
     PyObject *hprev, *hnext, *skey;
@@ -305,7 +311,7 @@ static PyObject *
 alloc_node(PyTypeObject *type, uint64_t lo, uint64_t hi, int has_key, int32_t dev,
            int32_t host, double last)
 {
-    DNodeObject *n = PyObject_GC_New(DNodeObject, type);
+    DNodeObject *n = PyObject_New(DNodeObject, type);
     if (n == NULL) {
         return NULL;
     }
@@ -331,7 +337,6 @@ alloc_node(PyTypeObject *type, uint64_t lo, uint64_t hi, int has_key, int32_t de
         Py_INCREF(Py_None);
         h->skey = Py_None;
     }
-    PyObject_GC_Track(n);
     return (PyObject *)n;
 }
 
@@ -435,25 +440,6 @@ node_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 }
 
 static int
-dnode_traverse(PyObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(DN(self)->dprev);
-    Py_VISIT(DN(self)->dnext);
-    return 0;
-}
-
-static int
-hnode_traverse(PyObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(DN(self)->dprev);
-    Py_VISIT(DN(self)->dnext);
-    Py_VISIT(HN(self)->hprev);
-    Py_VISIT(HN(self)->hnext);
-    Py_VISIT(HN(self)->skey);
-    return 0;
-}
-
-static int
 dnode_clear(PyObject *self)
 {
     Py_CLEAR(DN(self)->dprev);
@@ -470,14 +456,10 @@ hnode_clear(PyObject *self)
     return dnode_clear(self);
 }
 
-/* The trashcan keeps a long chain of nodes freed one by one (an LRU list let go) from
- * recursing once per node, as CPython does for the pure-Python twin. */
 static void
 node_dealloc(PyObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    Py_TRASHCAN_BEGIN(self, node_dealloc)
     if (PyType_IsSubtype(tp, &HNode_Type)) {
         hnode_clear(self);
     }
@@ -485,7 +467,6 @@ node_dealloc(PyObject *self)
         dnode_clear(self);
     }
     tp->tp_free(self);
-    Py_TRASHCAN_END
 }
 
 static PyObject *
@@ -658,11 +639,9 @@ static PyTypeObject DNode_Type = {
     .tp_doc = PyDoc_STR("DeviceNode(key, dev, host, last): a cached block-sized prefix of a "
                         "device-only deployment (kvtier.manager.tree.DeviceNode, compiled)."),
     .tp_basicsize = sizeof(DNodeObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_new = node_new,
     .tp_dealloc = node_dealloc,
-    .tp_traverse = dnode_traverse,
-    .tp_clear = dnode_clear,
     .tp_repr = node_repr,
     .tp_getset = dnode_getset,
     .tp_members = dnode_members,
@@ -674,11 +653,9 @@ static PyTypeObject HNode_Type = {
     .tp_doc = PyDoc_STR("Node(key, dev, host, last): a cached block-sized prefix with the host "
                         "tier's fields (kvtier.manager.tree.Node, compiled)."),
     .tp_basicsize = sizeof(HNodeObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_new = node_new,
     .tp_dealloc = node_dealloc,
-    .tp_traverse = hnode_traverse,
-    .tp_clear = hnode_clear,
     .tp_repr = node_repr,
     .tp_getset = hnode_getset,
     .tp_members = hnode_members,
@@ -689,7 +666,9 @@ static PyTypeObject HNode_Type = {
 /* KeyMap: the tree's map, tree key -> node, as an open-addressing table (linear probing,
  * load <= 3/4, deletion by backward shift, so no tombstones). A slot is the key's two halves
  * and a reference to the value: 24 bytes, and no int object per key (a dict holds the key's
- * 48-byte int and a 24-byte entry plus its index). Values may be any object. */
+ * 48-byte int and a 24-byte entry plus its index). Values may be any object that does not
+ * lead back to the map: like the nodes it holds, the map is not tracked by the garbage
+ * collector (a full collection would otherwise read every slot). */
 typedef struct {
     uint64_t lo, hi;
     PyObject *val;  /* NULL: empty */
@@ -729,10 +708,39 @@ km_find(KeyMapObject *m, uint64_t lo, uint64_t hi)
     }
 }
 
+/* Start loading the home slot of a key a few blocks ahead (a walk's lookups are independent,
+ * so at scale their cache misses overlap instead of queueing). */
+static inline void
+km_prefetch(KeyMapObject *m, PyObject *key)
+{
+    uint64_t lo, hi;
+    if (key_halves(key, &lo, &hi) == 0) {
+        __builtin_prefetch(&m->slots[mhash(lo, hi) & m->mask]);
+    }
+}
+
+#define PREFETCH_AHEAD 6
+
 static inline PyObject *
 km_get(KeyMapObject *m, uint64_t lo, uint64_t hi)
 {
     return km_find(m, lo, hi)->val;  /* borrowed */
+}
+
+/* Ask for transparent huge pages over the 2 MiB-aligned inside of a big table: a lookup in
+ * a table of hundreds of MiB is a cache miss either way, and with 4 KiB pages a TLB miss and
+ * a page walk on top (measured: the chat workload on a 10M-block tree, xx). */
+static void
+advise_huge(void *p, size_t bytes)
+{
+#ifdef MADV_HUGEPAGE
+    const uintptr_t huge = (uintptr_t)2 << 20;
+    uintptr_t start = ((uintptr_t)p + huge - 1) & ~(huge - 1);
+    uintptr_t end = ((uintptr_t)p + bytes) & ~(huge - 1);
+    if (end > start) {
+        (void)madvise((void *)start, end - start, MADV_HUGEPAGE);  /* advice only */
+    }
+#endif
 }
 
 static int
@@ -742,6 +750,9 @@ km_resize(KeyMapObject *m, uint64_t cap)
     if (fresh == NULL) {
         PyErr_NoMemory();
         return -1;
+    }
+    if (cap * sizeof(mslot) >= ((size_t)8 << 20)) {
+        advise_huge(fresh, (size_t)cap * sizeof(mslot));
     }
     mslot *old = m->slots;
     uint64_t old_cap = m->slots ? m->mask + 1 : 0;
@@ -843,18 +854,6 @@ keymap_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 }
 
 static int
-keymap_traverse(PyObject *self, visitproc visit, void *arg)
-{
-    KeyMapObject *m = (KeyMapObject *)self;
-    if (m->slots != NULL) {
-        for (uint64_t i = 0; i <= m->mask; i++) {
-            Py_VISIT(m->slots[i].val);
-        }
-    }
-    return 0;
-}
-
-static int
 keymap_clear_refs(PyObject *self)
 {
     KeyMapObject *m = (KeyMapObject *)self;
@@ -871,7 +870,6 @@ static void
 keymap_dealloc(PyObject *self)
 {
     KeyMapObject *m = (KeyMapObject *)self;
-    PyObject_GC_UnTrack(self);
     if (m->slots != NULL) {
         for (uint64_t i = 0; i <= m->mask; i++) {
             Py_XDECREF(m->slots[i].val);
@@ -1059,11 +1057,9 @@ static PyTypeObject KeyMap_Type = {
     .tp_doc = PyDoc_STR("KeyMap(capacity=0): tree key (int in [0, 2**128)) -> node, an "
                         "open-addressing table presized for `capacity` entries."),
     .tp_basicsize = sizeof(KeyMapObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = keymap_new,
     .tp_dealloc = keymap_dealloc,
-    .tp_traverse = keymap_traverse,
-    .tp_clear = keymap_clear_refs,
     .tp_as_mapping = &keymap_as_mapping,
     .tp_as_sequence = &keymap_as_sequence,
     .tp_iter = keymap_iter,
@@ -1109,8 +1105,15 @@ walk_hits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     long stop = 0;
     Py_ssize_t unlinked = 0;
-    for (Py_ssize_t i = PyList_GET_SIZE(nodes); i < limit; i++) {
+    Py_ssize_t first = PyList_GET_SIZE(nodes);
+    for (Py_ssize_t j = first; j < limit && j < first + PREFETCH_AHEAD; j++) {
+        km_prefetch(tree, PyList_GET_ITEM(keys, j));
+    }
+    for (Py_ssize_t i = first; i < limit; i++) {
         uint64_t lo, hi;
+        if (i + PREFETCH_AHEAD < limit) {
+            km_prefetch(tree, PyList_GET_ITEM(keys, i + PREFETCH_AHEAD));
+        }
         PyObject *node = key_halves(PyList_GET_ITEM(keys, i), &lo, &hi) < 0 ? NULL
             : km_get(tree, lo, hi);
         if (node == NULL) {
@@ -1200,6 +1203,9 @@ release_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_INCREF(tail);  /* our reference while the chain grows */
     for (Py_ssize_t i = n - 1; i >= 0; i--) {
         PyObject *node = PyList_GET_ITEM(nodes, i);
+        if (i >= PREFETCH_AHEAD) {
+            __builtin_prefetch(PyList_GET_ITEM(nodes, i - PREFETCH_AHEAD), 1);
+        }
         if (node != Py_None) {
             DNodeObject *nd = DN(node);
             if (--nd->ref != 0) {
@@ -1269,8 +1275,14 @@ commit_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t i = PyList_GET_SIZE(nodes);
+    for (Py_ssize_t j = i; j < end && j < i + PREFETCH_AHEAD; j++) {
+        km_prefetch(tree, PyList_GET_ITEM(keys, j));
+    }
     for (; i < end; i++) {
         uint64_t lo, hi;
+        if (i + PREFETCH_AHEAD < end) {
+            km_prefetch(tree, PyList_GET_ITEM(keys, i + PREFETCH_AHEAD));
+        }
         if (key_halves(PyList_GET_ITEM(keys, i), &lo, &hi) < 0) {
             break;  /* not a tree key: Python raises the error */
         }
@@ -1318,6 +1330,9 @@ PyDoc_STRVAR(evict_drop_doc,
 "`head`: each leaves the list and `tree` and is detached with no device block. Returns\n"
 "their device block ids, oldest first (the caller frees them and fixes the counts).");
 
+/* Two passes: the victims are collected first (the chain must be followed one node at a
+ * time) and their map slots prefetched, so the second pass's deletions overlap their cache
+ * misses (at 10M cached blocks every victim's slot is a miss). */
 static PyObject *
 evict_drop(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1331,47 +1346,127 @@ evict_drop(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (n == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    PyObject *freed = PyList_New(0);
-    if (freed == NULL) {
-        return NULL;
+    if (n < 0) {
+        n = 0;
     }
+    /* pass 1: the victims (borrowed: the ring holds them until pass 2 unlinks them) */
+    PyObject *stack_victims[256];
+    PyObject **victims = stack_victims;
+    Py_ssize_t cap = 256, k = 0;
     PyObject *node = DN(head)->dnext;
-    while (PyList_GET_SIZE(freed) < n && node != head) {
+    while (k < n && node != head && node != NULL) {
         if (!IS_NODE(node) || DN(node)->dev < 0 || !DN(node)->has_key) {
-            /* not what a device-only LRU holds: hand back what was dropped so far; with
-             * nothing dropped, say so (a caller looping until enough is free must stop) */
-            if (PyList_GET_SIZE(freed) == 0) {
-                Py_DECREF(freed);
+            if (k == 0) {  /* a caller looping until enough is free must stop */
                 PyErr_Format(PyExc_RuntimeError, "evict_drop: %R is not an evictable "
                              "device node", node);
                 return NULL;
             }
-            break;
+            break;  /* not what a device-only LRU holds: hand back what came before */
         }
-        DNodeObject *nd = DN(node);
-        PyObject *dev = PyLong_FromLong(nd->dev);
-        if (dev == NULL || PyList_Append(freed, dev) < 0) {
-            Py_XDECREF(dev);
-            Py_DECREF(freed);
-            return NULL;
+        if (k == cap) {
+            PyObject **grown = PyMem_Malloc((size_t)cap * 2 * sizeof(PyObject *));
+            if (grown == NULL) {
+                break;  /* drop what fits; the caller asks again */
+            }
+            memcpy(grown, victims, (size_t)cap * sizeof(PyObject *));
+            if (victims != stack_victims) {
+                PyMem_Free(victims);
+            }
+            victims = grown;
+            cap *= 2;
         }
-        Py_DECREF(dev);
-        PyObject *nxt = nd->dnext;
-        Py_INCREF(nxt);
-        /* unlink from the head: head -> nxt */
-        link_set(&DN(head)->dnext, nxt);
-        link_set(&DN(nxt)->dprev, head);
-        nd->dev = -1;
-        nd->has_key = 0;
-        PyObject *held = km_pop(tree, nd->klo, nd->khi);  /* the map's reference */
-        nd->klo = nd->khi = 0;
-        link_set(&nd->dprev, Py_None);
-        link_set(&nd->dnext, Py_None);
-        Py_XDECREF(held);
-        node = nxt;
-        Py_DECREF(nxt);  /* still held by head.dnext */
+        __builtin_prefetch(&tree->slots[mhash(DN(node)->klo, DN(node)->khi) & tree->mask], 1);
+        victims[k++] = node;
+        node = DN(node)->dnext;
+    }
+    PyObject *freed = PyList_New(k);
+    if (freed == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *dev = PyLong_FromLong(DN(victims[i])->dev);
+        if (dev == NULL) {
+            Py_CLEAR(freed);
+            goto done;
+        }
+        PyList_SET_ITEM(freed, i, dev);
+    }
+    if (k > 0) {
+        /* pass 2: head -> first survivor, then each victim leaves the ring and the map */
+        PyObject *rest = DN(victims[k - 1])->dnext;
+        Py_INCREF(head);
+        Py_INCREF(rest);
+        for (Py_ssize_t i = 0; i < k; i++) {
+            DNodeObject *nd = DN(victims[i]);
+            Py_INCREF(nd);
+            PyObject *held = km_pop(tree, nd->klo, nd->khi);  /* the map's reference */
+            nd->dev = -1;
+            nd->has_key = 0;
+            nd->klo = nd->khi = 0;
+            link_set(&nd->dprev, Py_None);
+            link_set(&nd->dnext, Py_None);
+            Py_XDECREF(held);
+            victims[i] = (PyObject *)nd;  /* our reference, dropped below */
+        }
+        link_set(&DN(head)->dnext, rest);
+        link_set(&DN(rest)->dprev, head);
+        Py_DECREF(rest);
+        Py_DECREF(head);
+        for (Py_ssize_t i = 0; i < k; i++) {
+            Py_DECREF(victims[i]);
+        }
+    }
+done:
+    if (victims != stack_victims) {
+        PyMem_Free(victims);
     }
     return freed;
+}
+
+PyDoc_STRVAR(pool_free_doc,
+"pool_free(used, free, ids) -> bool\n\n"
+"Give `ids` (a list) back to a block pool: `used` its bytearray (1 per id out of the pool),\n"
+"`free` its free list. Only when every id is an exact int in range, out of the pool and\n"
+"given once: marks them free, appends them to `free` and returns True. Otherwise changes\n"
+"nothing and returns False (kvtier.manager.block_pool then raises the precise error).");
+
+static PyObject *
+pool_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyByteArray_CheckExact(args[0]) || !PyList_CheckExact(args[1])
+            || !PyList_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "pool_free(bytearray, list, list) expected");
+        return NULL;
+    }
+    PyObject *ids = args[2];
+    unsigned char *used = (unsigned char *)PyByteArray_AS_STRING(args[0]);
+    Py_ssize_t cap = PyByteArray_GET_SIZE(args[0]), n = PyList_GET_SIZE(ids), i;
+    for (i = 0; i < n; i++) {  /* check, marking each id seen (2) to catch repeats */
+        PyObject *o = PyList_GET_ITEM(ids, i);
+        int overflow = 0;
+        long v = PyLong_CheckExact(o) ? PyLong_AsLongAndOverflow(o, &overflow) : -1;
+        if (overflow || v < 0 || v >= cap || used[v] != 1) {
+            PyErr_Clear();
+            break;
+        }
+        used[v] = 2;
+    }
+    int ok = i == n;
+    for (Py_ssize_t j = 0; j < i; j++) {
+        used[PyLong_AsLong(PyList_GET_ITEM(ids, j))] = ok ? 0 : 1;
+    }
+    if (!ok) {
+        Py_RETURN_FALSE;
+    }
+    PyObject *free_list = args[1];
+    Py_ssize_t at = PyList_GET_SIZE(free_list);
+    if (PyList_SetSlice(free_list, at, at, ids) < 0) {
+        for (Py_ssize_t j = 0; j < n; j++) {  /* back out: nothing changed */
+            used[PyLong_AsLong(PyList_GET_ITEM(ids, j))] = 1;
+        }
+        return NULL;
+    }
+    Py_RETURN_TRUE;
 }
 
 /* ------------------------------------------------------------------ module */
@@ -1458,6 +1553,7 @@ static PyMethodDef methods[] = {
      release_walk_doc},
     {"commit_walk", (PyCFunction)(void (*)(void))commit_walk, METH_FASTCALL, commit_walk_doc},
     {"evict_drop", (PyCFunction)(void (*)(void))evict_drop, METH_FASTCALL, evict_drop_doc},
+    {"pool_free", (PyCFunction)(void (*)(void))pool_free, METH_FASTCALL, pool_free_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -187,6 +187,9 @@ _ext, UNAVAILABLE = _load()
 
 chain_keys: ChainKeys | None = None
 """The compiled key chain (None on the pure-Python path: keys.py computes them itself)."""
+pool_free: Callable[[bytearray, list[int], list[int]], bool] | None = None
+"""The compiled check-and-free of a block pool (None on the pure-Python path: block_pool.py
+checks and frees itself)."""
 walk_hits: WalkHits = py_walk_hits
 release_walk: ReleaseWalk = py_release_walk
 _loops = PY_LOOPS
@@ -210,7 +213,7 @@ def active() -> bool:
 def use(native: bool) -> None:
     """Switch between the compiled loops and the pure-Python ones (takes effect for the next
     call of any manager). Raises RuntimeError when asked for an extension that is not there."""
-    global chain_keys, walk_hits, release_walk, _loops
+    global chain_keys, walk_hits, release_walk, _loops, pool_free
     if native:
         if _ext is None:
             raise RuntimeError(f"the native extension is not available: {UNAVAILABLE}")
@@ -220,9 +223,11 @@ def use(native: bool) -> None:
                        cast(Any, ext.walk_hits), cast(Any, ext.release_walk),
                        cast(Any, ext.commit_walk), cast(Any, ext.evict_drop))
         chain_keys, walk_hits, release_walk = ext.chain_keys, _loops.walk_hits, _loops.release_walk
+        pool_free = ext.pool_free
     else:
         chain_keys, walk_hits, release_walk = None, py_walk_hits, py_release_walk
         _loops = PY_LOOPS
+        pool_free = None
 
 
 use(_ext is not None)

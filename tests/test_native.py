@@ -182,6 +182,42 @@ def test_managers_reach_identical_states(seed: int, host_blocks: int, policy: st
     assert a == b
 
 
+def _pool_run(seed: int) -> list[object]:
+    """Random allocations and frees (bad ones included) through a block pool."""
+    from kvtier.manager.block_pool import BlockPool
+    rng = random.Random(seed)
+    pool = BlockPool("device", 24)
+    out: list[object] = []
+    held: list[int] = []
+    for _ in range(300):
+        if rng.random() < 0.4 and pool.num_free:
+            held += pool.allocate(rng.randrange(1, pool.num_free + 1))
+            continue
+        rng.shuffle(held)
+        ids: list[object] = held[: rng.randrange(len(held) + 1)]
+        if rng.random() < 0.3:
+            ids.insert(rng.randrange(len(ids) + 1),
+                       rng.choice([-1, 24, 2**70, True, 3.0, "1", *(ids or [0])]))
+        try:
+            pool.free(ids)  # type: ignore[arg-type]
+            held = [i for i in held if i not in ids]
+            out.append("ok")
+        except Exception as e:
+            out.append(str(e))
+        out.append(pool.free_ids())
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(8))
+def test_block_pool_frees_identically(seed: int) -> None:
+    """The compiled check-and-free declines whatever Python rejects: same errors, same
+    free lists."""
+    a, b = both(_pool_run, seed)
+    assert a == b
+    assert any(x != "ok" and isinstance(x, str) for x in a)
+
+
 # ---------------------------------------------------------------------- tree map and nodes
 
 
@@ -282,6 +318,35 @@ def test_compiled_tree_holds_a_cached_block_in_under_150_bytes() -> None:
     native.use(False)
     python = per_block()
     assert compiled <= 150 < python, (compiled, python)
+
+
+@needs_native
+@pytest.mark.parametrize("host_blocks", [0, 300])
+def test_a_dropped_manager_frees_its_compiled_nodes(host_blocks: int) -> None:
+    """Compiled nodes are not tracked by the garbage collector: the LRU rings are broken when
+    the lists are freed, so a manager let go leaves nothing behind."""
+    import gc
+    import tracemalloc
+    native.use(True)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        m = KVCacheManager(block_size=4, device_blocks=3000, host_blocks=host_blocks,
+                           dispatcher=ManualDispatcher())
+        for i in range(40):
+            toks = [i] * 4 + list(range(4 * 100))
+            m.match(f"r{i}", toks)
+            m.allocate(f"r{i}", len(toks), 0)
+            m.commit(f"r{i}", toks, len(toks))
+            m.release(f"r{i}")
+        assert m.stats()["device"]["cached"] >= 2900
+        del m
+        gc.collect()
+        left = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert left < 20_000, left  # bytes; the tree alone held about 300 KB
 
 
 # ---------------------------------------------------------------------- stateful, pure Python
