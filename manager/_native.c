@@ -1424,6 +1424,79 @@ done:
     return freed;
 }
 
+PyDoc_STRVAR(clear_walk_doc,
+"clear_walk(nodes, dev_free, host_free, in_flight) -> (int, int, int, list)\n\n"
+"Detach every node of `nodes` (the tree being cleared, out of both LRU lists already)\n"
+"that has no `in_flight` flag: its host block is marked in `host_free` (a bytearray by\n"
+"block id) and dropped; its device block too unless requests hold the node (then it stays,\n"
+"the requests' own); flags and key cleared. Returns (device blocks marked, host blocks\n"
+"marked, nodes left holding a device block for requests, the nodes with a transfer in\n"
+"flight, untouched).");
+
+static PyObject *
+clear_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyList_CheckExact(args[0]) || !PyByteArray_CheckExact(args[1])
+            || !PyByteArray_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "clear_walk(list, bytearray, bytearray, int) expected");
+        return NULL;
+    }
+    PyObject *nodes = args[0];
+    unsigned char *dmark = (unsigned char *)PyByteArray_AS_STRING(args[1]);
+    unsigned char *hmark = (unsigned char *)PyByteArray_AS_STRING(args[2]);
+    Py_ssize_t dcap = PyByteArray_GET_SIZE(args[1]), hcap = PyByteArray_GET_SIZE(args[2]);
+    long in_flight = PyLong_AsLong(args[3]);
+    if (in_flight == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(nodes);
+    /* Check first, so an unexpected entry changes nothing. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PyList_GET_ITEM(nodes, i);
+        if (!IS_NODE(o) || DN(o)->dev >= dcap || DN(o)->host >= hcap) {
+            PyErr_Format(PyExc_ValueError, "clear_walk: unexpected entry %R at %zd", o, i);
+            return NULL;
+        }
+    }
+    PyObject *busy = PyList_New(0);
+    if (busy == NULL) {
+        return NULL;
+    }
+    Py_ssize_t dev_freed = 0, host_freed = 0, detached = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) {
+            __builtin_prefetch(PyList_GET_ITEM(nodes, i + PREFETCH_AHEAD), 1);
+        }
+        DNodeObject *nd = DN(PyList_GET_ITEM(nodes, i));
+        if (nd->flags & in_flight) {
+            if (PyList_Append(busy, (PyObject *)nd) < 0) {
+                Py_DECREF(busy);
+                return NULL;
+            }
+            continue;
+        }
+        if (nd->host >= 0) {
+            hmark[nd->host] = 1;
+            nd->host = -1;
+            host_freed++;
+        }
+        if (nd->dev >= 0) {
+            if (nd->ref > 0) {
+                detached++;
+            }
+            else {
+                dmark[nd->dev] = 1;
+                nd->dev = -1;
+                dev_freed++;
+            }
+        }
+        nd->flags = 0;
+        nd->has_key = 0;
+        nd->klo = nd->khi = 0;
+    }
+    return Py_BuildValue("(nnnN)", dev_freed, host_freed, detached, busy);
+}
+
 PyDoc_STRVAR(pool_free_doc,
 "pool_free(used, free, ids) -> bool\n\n"
 "Give `ids` (a list) back to a block pool: `used` its bytearray (1 per id out of the pool),\n"
@@ -1555,6 +1628,7 @@ static PyMethodDef methods[] = {
     {"commit_walk", (PyCFunction)(void (*)(void))commit_walk, METH_FASTCALL, commit_walk_doc},
     {"evict_drop", (PyCFunction)(void (*)(void))evict_drop, METH_FASTCALL, evict_drop_doc},
     {"pool_free", (PyCFunction)(void (*)(void))pool_free, METH_FASTCALL, pool_free_doc},
+    {"clear_walk", (PyCFunction)(void (*)(void))clear_walk, METH_FASTCALL, clear_walk_doc},
     {NULL, NULL, 0, NULL},
 };
 

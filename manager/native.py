@@ -38,6 +38,7 @@ ReleaseWalk = Callable[[list[Node | None], Node, float, int], tuple[list[int], i
 CommitWalk = Callable[[TreeMap, list[int], list[int], list[Node | None], int, float, type[Node],
                        list[Node]], int]
 EvictDrop = Callable[[TreeMap, Node, int], list[int]]
+ClearWalk = Callable[[list[Node], bytearray, bytearray, int], tuple[int, int, int, list[Node]]]
 
 
 def py_walk_hits(tree: TreeMap, keys: list[int], nodes: list[Node | None],
@@ -147,6 +148,36 @@ def py_evict_drop(tree: TreeMap, head: Node, n: int) -> list[int]:
     return freed
 
 
+def py_clear_walk(nodes: list[Node], dev_free: bytearray, host_free: bytearray,
+                  in_flight: int) -> tuple[int, int, int, list[Node]]:
+    """Detach every node of `nodes` (the tree being cleared, out of both LRU lists already)
+    that has no `in_flight` flag: its host block is marked in `host_free` (a bytearray by
+    block id) and dropped; its device block too unless requests hold the node (then it
+    stays, the requests' own); flags and key cleared. Returns (device blocks marked, host
+    blocks marked, nodes left holding a device block for requests, the nodes with a
+    transfer in flight, untouched)."""
+    dev_freed = host_freed = detached = 0
+    busy: list[Node] = []
+    for node in nodes:
+        if node.flags & in_flight:
+            busy.append(node)
+            continue
+        if node.host is not None:
+            host_free[node.host] = 1
+            node.host = None
+            host_freed += 1
+        if node.dev is not None:
+            if node.ref > 0:
+                detached += 1
+            else:
+                dev_free[node.dev] = 1
+                node.dev = None
+                dev_freed += 1
+        node.flags = 0
+        node.key = None
+    return dev_freed, host_freed, detached, busy
+
+
 def py_new_tree(capacity: int) -> TreeMap:
     """An empty tree map (`capacity`: the most nodes it will hold, a hint)."""
     return {}
@@ -164,10 +195,11 @@ class Loops(NamedTuple):
     release_walk: ReleaseWalk
     commit_walk: CommitWalk
     evict_drop: EvictDrop
+    clear_walk: ClearWalk
 
 
 PY_LOOPS = Loops(py_new_tree, cast("type[Node]", DeviceNode), Node, py_walk_hits,
-                 py_release_walk, py_commit_walk, py_evict_drop)
+                 py_release_walk, py_commit_walk, py_evict_drop, py_clear_walk)
 
 
 def _load() -> tuple[ModuleType | None, str]:
@@ -221,7 +253,8 @@ def use(native: bool) -> None:
         _loops = Loops(lambda capacity: cast(TreeMap, ext.KeyMap(capacity)),
                        cast("type[Node]", ext.DeviceNode), cast("type[Node]", ext.Node),
                        cast(Any, ext.walk_hits), cast(Any, ext.release_walk),
-                       cast(Any, ext.commit_walk), cast(Any, ext.evict_drop))
+                       cast(Any, ext.commit_walk), cast(Any, ext.evict_drop),
+                       cast(Any, ext.clear_walk))
         chain_keys, walk_hits, release_walk = ext.chain_keys, _loops.walk_hits, _loops.release_walk
         pool_free = ext.pool_free
     else:

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import TypedDict
 
 from kvtier.manager import native
@@ -1107,45 +1108,30 @@ class KVCacheManager:
         """Drop every node. Nodes held by requests become detached (their device blocks the
         requests' own); nodes a transfer still uses keep their blocks until it is answered
         (`_written_off`). Caller holds the lock."""
-        dev_freed = host_freed = detached = 0
-        # Freed ids go back in id order, so the free lists come out the same whichever map
-        # (dict or compiled, iterated in different orders) holds the tree.
-        dev_ids: list[int] = []
-        host_ids: list[int] = []
-        for node in list(self._map.values()):
-            if node.dprev is not None:
-                self._dev_lru.unlink(node)
-            if node.hprev is not None:
-                self._host_lru.unlink(node)
-            if node.flags & IN_FLIGHT:
-                node.flags &= IN_FLIGHT
-                node.key = None
-                self._written_off.add(node)
-                if (node.dev is not None and node.ref == 0
-                        and not node.flags & (LOADING | SAVING | EVICTING)):
-                    # Only its host copy is in use (a storage backup reads it): the device
-                    # block is free now, not when that slower task is answered.
-                    dev_ids.append(node.dev)
-                    node.dev = None
-                    dev_freed += 1
-                continue
-            if node.host is not None:
-                host_ids.append(node.host)
-                node.host = None
-                host_freed += 1
-            if node.dev is not None:
-                if node.ref > 0:
-                    detached += 1
-                else:
-                    dev_ids.append(node.dev)
-                    node.dev = None
-                    dev_freed += 1
-            node.flags = 0
+        # Freed ids go back in id order (marked here, listed in one pass below), so the free
+        # lists come out the same whichever map (dict or compiled, iterated in different
+        # orders) holds the tree.
+        dev_ids = bytearray(self._dev_pool.capacity)
+        host_ids = bytearray(self._host_pool.capacity)
+        # Every node in the LRU lists is in the tree: both lists empty in one pass each.
+        self._dev_lru.clear()
+        self._host_lru.clear()
+        # Nodes with no transfer in flight in one call (compiled or not, see manager.native).
+        dev_freed, host_freed, detached, busy = self._loops.clear_walk(
+            list(self._map.values()), dev_ids, host_ids, IN_FLIGHT)
+        for node in busy:  # a transfer still uses its blocks
+            node.flags &= IN_FLIGHT
             node.key = None
-        dev_ids.sort()
-        host_ids.sort()
-        self._dev_pool.free(dev_ids)
-        self._host_pool.free(host_ids)
+            self._written_off.add(node)
+            if (node.dev is not None and node.ref == 0
+                    and not node.flags & (LOADING | SAVING | EVICTING)):
+                # Only its host copy is in use (a storage backup reads it): the device
+                # block is free now, not when that slower task is answered.
+                dev_ids[node.dev] = 1
+                node.dev = None
+                dev_freed += 1
+        self._dev_pool.free(compress(range(len(dev_ids)), dev_ids))
+        self._host_pool.free(compress(range(len(host_ids)), host_ids))
         nodes = len(self._map)
         pins = len(self._pins)
         self._map.clear()

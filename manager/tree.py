@@ -156,20 +156,27 @@ class IntrusiveLRU:
         self._set_next(node, None)
         self.size -= 1
 
-    def __del__(self) -> None:
-        # Break the ring (sentinel included) one node at a time: the compiled nodes are not
-        # tracked by the garbage collector, so a ring left closed would never be freed; and
-        # letting go of a long chain at once would free it recursively.
+    def clear(self) -> None:
+        """Empty the list (every node unlinked), one pass."""
         head = self.head
         get_next, set_prev, set_next = self._get_next, self._set_prev, self._set_next
         n = get_next(head)
-        set_next(head, None)
         while n is not None and n is not head:
             nxt = get_next(n)
             set_prev(n, None)
             set_next(n, None)
             n = nxt
-        set_prev(head, None)
+        set_prev(head, head)
+        set_next(head, head)
+        self.size = 0
+
+    def __del__(self) -> None:
+        # Break the ring (sentinel included) one node at a time: the compiled nodes are not
+        # tracked by the garbage collector, so a ring left closed would never be freed; and
+        # letting go of a long chain at once would free it recursively.
+        self.clear()
+        self._set_prev(self.head, None)
+        self._set_next(self.head, None)
 
     def oldest(self) -> Node | None:
         n = self._get_next(self.head)
