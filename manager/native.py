@@ -1,16 +1,21 @@
-"""Which code runs the scheduler thread's per-block loops: compiled or pure Python.
+"""Which code runs the scheduler thread's per-block work: compiled or pure Python.
 
-Three loops run once per block of every request: turning token ids into chained tree keys,
-match's walk over cached device blocks, and release's reference drops. The compiled module
+Per block of every request the manager turns token ids into chained tree keys, walks match's
+device hits, joins committed blocks to the tree, drops references on release and evicts LRU
+victims; it keeps one node per cached block in one map. The compiled module
 `kvtier.manager._native` (manager/_native.c, built by `pip install` / `make install` from
-setup.py) runs them in C; the functions below are their pure-Python twins, with the same
-arguments, results and effects on nodes, so keys and manager states are identical either way
-(tests/test_native.py runs both on the same randomized inputs and the stateful machines with
-each).
+setup.py) provides all of it: the loops, and compact nodes (`DeviceNode` / `Node`, 80 / 104
+bytes, no int key object, untracked by the garbage collector) in an open-addressing `KeyMap`.
+The functions below are the pure-Python twins (with tree.py's slots nodes in a dict), with
+the same arguments, results and effects on nodes, so keys and manager states are identical
+either way (tests/test_native.py runs both on the same randomized inputs and the stateful
+machines with each).
 
 Selection, at import: `KVTIER_NATIVE=0` means pure Python; `KVTIER_NATIVE=1` requires the
 extension (the import fails without it); unset, the extension is used when it imports.
-`UNAVAILABLE` says why it is not in use. `use(False)` / `use(True)` switch at run time (tests).
+`UNAVAILABLE` says why it is not in use. `use(False)` / `use(True)` switch at run time
+(tests): the key chain and the pool's free at once; the tree's map, node classes and loops
+(`Loops`, from `bound()`) for managers built afterwards, since a manager keeps its own.
 
 Keys: the extension hashes with the xxhash package's own xxh3-128 (resolved from its loaded
 extension module and checked against `xxhash.xxh3_128_intdigest` at import), so a tree key is

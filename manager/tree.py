@@ -34,6 +34,11 @@ Node residency and transfer state machine (one node = one block-sized prefix):
   (reset, or a failed load). Its device block then belongs to those requests and returns to
   the free list with the last release.
 
+The classes here are the pure-Python nodes. With the compiled extension a manager uses their
+twins, `kvtier.manager._native.DeviceNode` / `Node` (same attributes and states, 80 / 104
+bytes instead of 96 / 128 plus a 48-byte key int, not tracked by the garbage collector: the
+LRU rings, their only cycles, are broken when a list is freed); see kvtier.manager.native.
+
 Evictable = in the LRU list of its tier. Device list: has a device block, no references, not
 pinned, no device-side transfer. Host list: has a host block, not pinned, no host-side
 transfer. Lists are intrusive doubly-linked lists (links live in the node): append, unlink
