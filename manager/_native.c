@@ -15,6 +15,7 @@
  *   evict_drop    device-only eviction: a run of LRU victims leaves the list and the tree
  *   clear_walk    clearing the tree (reset, a lost worker)
  *   pool_free     a block pool's check-and-free
+ *   dev_ids       the device block ids of a request's nodes
  *
  * Memory, per cached block of a device-only manager (bench/hotpath.py): 229 bytes of heap
  * with the pure-Python twins (96-byte slots node, its 48-byte int key, the dict's entry and
@@ -1509,6 +1510,34 @@ clear_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(nnnN)", dev_freed, host_freed, detached, busy);
 }
 
+PyDoc_STRVAR(dev_ids_doc,
+"dev_ids(nodes) -> list[int | None]\n\n"
+"The device block id (or None) of each node of `nodes`.");
+
+static PyObject *
+dev_ids(PyObject *self, PyObject *nodes)
+{
+    if (!PyList_CheckExact(nodes)) {
+        PyErr_SetString(PyExc_TypeError, "dev_ids(list) expected");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(nodes);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PyList_GET_ITEM(nodes, i);
+        PyObject *v = IS_NODE(o) ? id_or_none(DN(o)->dev) : PyObject_GetAttrString(o, "dev");
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
 PyDoc_STRVAR(pool_free_doc,
 "pool_free(used, free, ids) -> bool\n\n"
 "Give `ids` (a list) back to a block pool: `used` its bytearray (1 per id out of the pool),\n"
@@ -1640,6 +1669,7 @@ static PyMethodDef methods[] = {
     {"commit_walk", (PyCFunction)(void (*)(void))commit_walk, METH_FASTCALL, commit_walk_doc},
     {"evict_drop", (PyCFunction)(void (*)(void))evict_drop, METH_FASTCALL, evict_drop_doc},
     {"pool_free", (PyCFunction)(void (*)(void))pool_free, METH_FASTCALL, pool_free_doc},
+    {"dev_ids", dev_ids, METH_O, dev_ids_doc},
     {"clear_walk", (PyCFunction)(void (*)(void))clear_walk, METH_FASTCALL, clear_walk_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -43,6 +43,7 @@ ReleaseWalk = Callable[[list[Node | None], Node, float, int], tuple[list[int], i
 CommitWalk = Callable[[TreeMap, list[int], list[int], list[Node | None], int, float, type[Node],
                        list[Node]], int]
 EvictDrop = Callable[[TreeMap, Node, int], list[int]]
+DevIds = Callable[[list[Node]], "list[int | None]"]
 ClearWalk = Callable[[list[Node], bytearray, bytearray, int], tuple[int, int, int, list[Node]]]
 
 
@@ -183,6 +184,11 @@ def py_clear_walk(nodes: list[Node], dev_free: bytearray, host_free: bytearray,
     return dev_freed, host_freed, detached, busy
 
 
+def py_dev_ids(nodes: list[Node]) -> list[int | None]:
+    """The device block id (or None) of each node of `nodes`."""
+    return [n.dev for n in nodes]
+
+
 def py_new_tree(capacity: int) -> TreeMap:
     """An empty tree map (`capacity`: the most nodes it will hold, a hint)."""
     return {}
@@ -201,10 +207,12 @@ class Loops(NamedTuple):
     commit_walk: CommitWalk
     evict_drop: EvictDrop
     clear_walk: ClearWalk
+    dev_ids: DevIds
 
 
 PY_LOOPS = Loops(py_new_tree, cast("type[Node]", DeviceNode), Node, py_walk_hits,
-                 py_release_walk, py_commit_walk, py_evict_drop, py_clear_walk)
+                 py_release_walk, py_commit_walk, py_evict_drop, py_clear_walk,
+                 py_dev_ids)
 
 
 def _load() -> tuple[ModuleType | None, str]:
@@ -259,7 +267,7 @@ def use(native: bool) -> None:
                        cast("type[Node]", ext.DeviceNode), cast("type[Node]", ext.Node),
                        cast(Any, ext.walk_hits), cast(Any, ext.release_walk),
                        cast(Any, ext.commit_walk), cast(Any, ext.evict_drop),
-                       cast(Any, ext.clear_walk))
+                       cast(Any, ext.clear_walk), cast(Any, ext.dev_ids))
         chain_keys, walk_hits, release_walk = ext.chain_keys, _loops.walk_hits, _loops.release_walk
         pool_free = ext.pool_free
     else:

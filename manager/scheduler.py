@@ -293,7 +293,7 @@ class KVCacheManager:
             self._dev_lru.size -= unlinked
             n_host = self._load_host_hits(req, host_hits, waits) if host_hits else 0
             n_storage = min(n_storage, n_host)
-            req.blocks = [n.dev for n in nodes]  # type: ignore[union-attr,misc]
+            req.blocks = self._loops.dev_ids(nodes)  # type: ignore[arg-type,assignment]
             n_hit = len(nodes)
             req.length = n_hit * bs
             self._requests[request_id] = req
