@@ -19,7 +19,7 @@
  *
  * Memory, per cached block of a device-only manager (bench/hotpath.py): 229 bytes of heap
  * with the pure-Python twins (96-byte slots node, its 48-byte int key, the dict's entry and
- * index), about 135 compiled (80-byte node, a KeyMap slot at load <= 3/4, the pool's ids).
+ * index), about 120 compiled (80-byte node, a KeyMap slot at load <= 3/4, the pool's ids).
  *
  * Hashing: xxh3-128 is not reimplemented here. The `xxhash` package (a dependency) ships its
  * C library inside its extension module, with the library's public entry points exported;

@@ -292,7 +292,7 @@ def test_compiled_nodes_read_and_write_as_python_nodes(host: bool) -> None:
 @needs_native
 def test_compiled_tree_holds_a_cached_block_in_under_150_bytes() -> None:
     """The whole manager heap (free lists, tree map and nodes) per cached block, device only,
-    as bench/hotpath.py counts it: 229 bytes with the pure-Python nodes and dict, about 135
+    as bench/hotpath.py counts it: 229 bytes with the pure-Python nodes and dict, about 120
     compiled."""
     import tracemalloc
 
