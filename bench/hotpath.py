@@ -45,7 +45,10 @@ from kvtier.manager import native
 from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.workloads import WARMUP_FRAC, capacity_blocks, make_chat_workload
 
-PEERS_DIR = Path(__file__).resolve().parents[2] / "shared" / "peers"
+# `../shared/peers` beside the checkout; from a worktree under `../wt/<name>`, one level up.
+PEERS_DIR = next((p / "shared" / "peers" for p in Path(__file__).resolve().parents[2:4]
+                  if (p / "shared" / "peers").is_dir()),
+                 Path(__file__).resolve().parents[2] / "shared" / "peers")
 
 
 class Runner:
