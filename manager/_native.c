@@ -962,6 +962,27 @@ keymap_get(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return v;
 }
 
+static PyObject *
+keymap_pop(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
+        return NULL;
+    }
+    uint64_t lo, hi;
+    PyObject *v = key_halves(args[0], &lo, &hi) < 0 ? NULL
+        : km_pop((KeyMapObject *)self, lo, hi);  /* the map's reference, now ours */
+    if (v != NULL) {
+        return v;
+    }
+    if (nargs == 2) {
+        Py_INCREF(args[1]);
+        return args[1];
+    }
+    PyErr_SetObject(PyExc_KeyError, args[0]);
+    return NULL;
+}
+
 /* 0: keys, 1: values, 2: items; a list (a snapshot: the map may change while it is used). */
 static PyObject *
 keymap_list(KeyMapObject *m, int what)
@@ -1047,6 +1068,7 @@ keymap_sizeof(PyObject *self, PyObject *unused)
 
 static PyMethodDef keymap_methods[] = {
     {"get", (PyCFunction)(void (*)(void))keymap_get, METH_FASTCALL, "get(key, default=None)"},
+    {"pop", (PyCFunction)(void (*)(void))keymap_pop, METH_FASTCALL, "pop(key[, default])"},
     {"keys", keymap_keys, METH_NOARGS, "the keys, as a list"},
     {"values", keymap_values, METH_NOARGS, "the values, as a list"},
     {"items", keymap_items, METH_NOARGS, "(key, value) pairs, as a list"},

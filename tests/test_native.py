@@ -236,12 +236,14 @@ def test_keymap_behaves_as_a_dict(bits: int, seed: int, capacity: int) -> None:
         op = rng.random()
         if op < 0.5:
             km[k] = d[k] = i  # type: ignore[assignment]
-        elif op < 0.8:
+        elif op < 0.7:
             if k in d:
                 del km[k], d[k]
             else:
                 with pytest.raises(KeyError):
                     del km[k]
+        elif op < 0.8:
+            assert km.pop(k, None) == d.pop(k, None)
         else:
             assert km.get(k) == d.get(k)
             assert (k in km) == (k in d)
