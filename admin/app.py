@@ -6,9 +6,10 @@ handler reads the manager's state directly:
 
 * GET handlers read lock-free snapshots only (`KVCacheManager.stats()`, the supervisor's worker
   table, the storage counters), so polling the admin never delays a scheduler call.
-* POST handlers are operations (reset, pause, resume, pin, unpin) that take the manager's lock
-  like any scheduler call. They are plain `def` handlers: FastAPI runs them on its thread pool,
-  so a reset waiting for transfers never stalls the event loop serving /healthz and /metrics.
+* POST handlers are operations (reset, pause, resume, sleep, wake, pin, unpin) that take the
+  manager's lock like any scheduler call. They are plain `def` handlers: FastAPI runs them on
+  its thread pool, so a reset waiting for transfers never stalls the event loop serving
+  /healthz and /metrics.
 
 Every POST passes one gate (an ASGI middleware, so it runs before the body is parsed): 503 once
 the server is shutting down; 401 unless it carries `Authorization: Bearer <token>` (compared in
@@ -35,9 +36,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
 from kvtier.admin.metrics import build_registry
-from kvtier.manager.config import AdminConfig
-from kvtier.manager.errors import InvalidRequestError, KvtierError, ResetBusyError
+from kvtier.manager.config import AdminConfig, ConfigError
+from kvtier.manager.errors import (
+    AsleepError,
+    InvalidRequestError,
+    KvtierError,
+    ResetBusyError,
+    TransferTimeoutError,
+)
 from kvtier.manager.keys import MAX_CONTENT_HASH_BYTES
+from kvtier.manager.launcher import WorkerStartError
 from kvtier.manager.stack import Stack
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import (
@@ -232,6 +240,18 @@ class Paused(BaseModel):
     paused: bool
 
 
+class SleepResult(BaseModel):
+    asleep: bool
+    cleared: dict[str, int] = Field(description="tree nodes, device and host blocks cleared; "
+                                    "requests and transfer tasks cancelled")
+
+
+class WakeResult(BaseModel):
+    asleep: bool
+    device_blocks: int = Field(description="device blocks per rank now")
+    host_blocks: int = Field(description="host blocks per rank now")
+
+
 class PinResult(BaseModel):
     pinned_blocks: int
     prefix_blocks: int
@@ -257,6 +277,8 @@ POST_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _error("the body cannot be parsed (JSON nested too deeply, a number too long)"),
     401: UNAUTHORIZED,
     413: _error("the body is larger than admin.max_body_bytes"),
+    409: _error("the deployment is asleep (POST /wake first), or for /sleep and /wake: "
+                "already asleep / not asleep"),
     422: _error("a bad body or query parameter", ValidationErrorBody),
     503: _error("kvtier is shutting down, or the stack is not running"),
 }
@@ -463,6 +485,10 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
     async def busy(request: Request, exc: ResetBusyError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=409)
 
+    @app.exception_handler(AsleepError)
+    async def asleep(request: Request, exc: AsleepError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=409)
+
     @app.exception_handler(KvtierError)
     async def unavailable(request: Request, exc: KvtierError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=503)
@@ -537,7 +563,7 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
         try:
             cleared = stack.reset(storage=storage, timeout=timeout,
                                   storage_timeout=max(timeout, STORAGE_CLEAR_MIN_S))
-        except ResetBusyError:
+        except (ResetBusyError, AsleepError):
             raise
         except Exception as e:  # only the storage step fails after the caches were emptied
             return JSONResponse(
@@ -555,9 +581,53 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
     @app.post("/resume", tags=["operations"], dependencies=post_security,
               response_model=Paused, responses=POST_RESPONSES)
     def resume() -> dict[str, bool]:
-        """Let held transfers run again."""
+        """Let held transfers run again (409 while asleep: POST /wake resumes)."""
         stack.resume()
         return {"paused": False}
+
+    @app.post("/sleep", tags=["operations"], dependencies=post_security,
+              response_model=SleepResult, responses={
+                  **POST_RESPONSES,
+                  409: _error("already asleep; or a rank did not free its pools within "
+                              "`timeout` (the deployment is asleep all the same: wake it)")})
+    def sleep(
+        timeout: Annotated[float, Query(gt=0, le=300, description="seconds every rank has "
+                                        "to cancel its tasks and free its pools")] = 30.0,
+    ) -> Any:
+        """Free the KV pools for a weight update, without waiting for transfers: pause,
+        empty the prefix tree, cancel active requests and in-flight transfers (their blocks
+        are reclaimed, never served), free every rank's device and host pools. Scheduler
+        calls, /reset, /pin, /unpin and /resume answer 409 until POST /wake."""
+        stack.require_manager()
+        try:
+            return {"asleep": True, "cleared": stack.sleep(timeout)}
+        except (TransferTimeoutError, WorkerStartError) as e:
+            return JSONResponse({"detail": f"asleep, but {e}"}, status_code=409)
+
+    @app.post("/wake", tags=["operations"], dependencies=post_security,
+              response_model=WakeResult, responses={
+                  **POST_RESPONSES,
+                  409: _error("not asleep; pool sizes the configuration refuses or that do "
+                              "not fit this machine now (still asleep, nothing changed); or a "
+                              "rank could not re-create its pools within `timeout` (still "
+                              "asleep: wake again, e.g. smaller)")})
+    def wake(
+        device_blocks: Annotated[int | None, Query(ge=1, le=2**31 - 1, description="device "
+                                 "blocks per rank (default: as now)")] = None,
+        host_blocks: Annotated[int | None, Query(ge=0, le=2**31 - 1, description="host "
+                               "blocks per rank (default: as now)")] = None,
+        timeout: Annotated[float | None, Query(gt=0, le=3600, description="seconds every "
+                           "rank has to re-create its pools (default: "
+                           "workers.ready_timeout_s)")] = None,
+    ) -> JSONResponse:
+        """Re-create the pools freed by /sleep, at new sizes when given (checked as at
+        start: they must fit this machine), and serve again (resumed, tree status normal)."""
+        stack.require_manager()
+        try:
+            sizes = stack.wake(device_blocks, host_blocks, timeout)
+        except (ConfigError, TransferTimeoutError, WorkerStartError) as e:
+            return JSONResponse({"detail": f"still asleep: {e}"}, status_code=409)
+        return JSONResponse({"asleep": False, **sizes})
 
     def pin(body: PrefixBody) -> dict[str, int]:
         """Keep the cached full blocks of this prefix on the device until unpinned (host-only

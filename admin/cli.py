@@ -88,12 +88,15 @@ def _mib(n: int) -> str:
 def config_line(cfg: KvtierConfig) -> str:
     """The configuration in one log line (no secrets)."""
     m, c, s, w, a = cfg.model, cfg.cache, cfg.storage, cfg.workers, cfg.admin
-    storage = {"none": "none", "file": f"file {s.path}",
+    storage = {"none": "none", "file": f"file {cfg.storage_dir()}",
                "redis": f"redis {redact_url(s.url)}"}[s.backend]
     return (
         f"config: deployment {cfg.deployment_id!r}; {w.count} worker(s) on "
-        f"{resolve_device(cfg)}; model {m.num_layers} layers x {m.num_kv_heads} kv heads x "
-        f"{m.head_dim} {m.dtype}; block {c.block_size} tokens = {page_bytes(cfg)} bytes/rank; "
+        f"{resolve_device(cfg)}; model {m.num_layers} layers"
+        f"{f' (+{m.num_extra_layers} extra)' if m.num_extra_layers else ''} x "
+        f"{m.num_kv_heads} kv heads x {m.head_dim} {m.dtype}"
+        f"{' with per-block scales' if m.kv_scales != 'none' else ''}; block {c.block_size} "
+        f"tokens = {page_bytes(cfg)} bytes/rank; "
         f"device {c.device_blocks} blocks ({_mib(device_pool_bytes(cfg))}), host "
         f"{c.host_blocks} blocks ({_mib(host_pool_bytes(cfg))}); write policy "
         f"{c.write_policy}; storage {storage} (prefetch {s.prefetch_policy} >= "

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final
 
 from kvtier.manager.config import resolve_device
+from kvtier.manager.launcher import WORKER_STATES
 from kvtier.worker.wire import TaskKind
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -220,6 +221,20 @@ class StackCollector(Collector):
         for outcome in ("issued", "completed", "revoked"):
             prefetch.add_metric([outcome], get(f"prefetch_pages_{outcome}"))
         yield prefetch
+        revoked = CounterMetricFamily(
+            "kvtier_storage_revoked",
+            "Storage queries and prefetches a scheduler revoked (revoke_prefetch), by what.",
+            labels=["what"])
+        revoked.add_metric(["query"], get("revoked_queries"))
+        revoked.add_metric(["prefetch"], get("revoked_prefetches"))
+        yield revoked
+        revoked_pages = CounterMetricFamily(
+            "kvtier_storage_revoked_pages",
+            "Pages of revoked prefetches: kept (read before the revoke took effect, host "
+            "copies) or dropped (never read, freed).", labels=["outcome"])
+        revoked_pages.add_metric(["kept"], get("revoked_pages_kept"))
+        revoked_pages.add_metric(["dropped"], get("revoked_pages_dropped"))
+        yield revoked_pages
         yield CounterMetricFamily(
             "kvtier_storage_backup_pages", "Pages backed up from the host tier to storage.",
             value=get("backup_pages"))
@@ -278,6 +293,22 @@ class StackCollector(Collector):
         restarts = CounterMetricFamily(
             "kvtier_worker_restarts", "Times the worker of the rank was replaced after dying.",
             labels=["rank"])
+        # Issue 11 item 1: a replacement that fails to start is retried with backoff; these
+        # make that visible to alerts (the /status rows hold the same figures).
+        start_failures = CounterMetricFamily(
+            "kvtier_worker_start_failures",
+            "Starts of a worker for the rank that failed (exited or not ready in time) since "
+            "the manager started.", labels=["rank"])
+        in_a_row = GaugeMetricFamily(
+            "kvtier_worker_consecutive_start_failures",
+            "Failed starts of the rank's worker in a row (0 once one is ready); the deployment "
+            "counts as unable to recover from the supervisor's max_start_failures (5).",
+            labels=["rank"])
+        state = GaugeMetricFamily(
+            "kvtier_worker_state",
+            "1 for the state the worker of the rank is in, 0 for the others: starting, ready, "
+            "dead (lost, a replacement is being started), start_failed (waiting for the next "
+            "try), stopped.", labels=["rank", "state"])
         for w in workers:
             rank = [str(w["rank"])]
             up.add_metric(rank, 1 if w["state"] == "ready" else 0)
@@ -285,10 +316,23 @@ class StackCollector(Collector):
                 age.add_metric(rank, float(w["heartbeat_age_s"]))
             inflight.add_metric(rank, int(w["tasks_inflight"]))
             restarts.add_metric(rank, int(w["restarts"]))
+            start_failures.add_metric(rank, int(w["start_failures_total"]))
+            in_a_row.add_metric(rank, int(w["start_failures"]))
+            for name in WORKER_STATES:
+                state.add_metric([*rank, name], 1 if w["state"] == name else 0)
+        unrecoverable = GaugeMetricFamily(
+            "kvtier_workers_unrecoverable",
+            "1 once some rank failed max_start_failures (5) starts in a row (/healthz is 503; "
+            "retries go on), else 0.")
+        unrecoverable.add_metric([], 1 if sup.unrecoverable()[0] else 0)
         yield up
         yield age
         yield inflight
         yield restarts
+        yield start_failures
+        yield in_a_row
+        yield state
+        yield unrecoverable
 
 
 def build_registry(stack: Stack) -> CollectorRegistry:

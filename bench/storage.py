@@ -1,7 +1,7 @@
 """Prefetch throughput of the storage backends against a plain read of the same bytes.
 
 A prefetch moves N stored pages into host memory. What kvtier adds on top of the raw store is
-the page header check, the MAC (keyed BLAKE2b) over every byte and the LRU bookkeeping, so
+the page header check, the MAC (keyed BLAKE3) over every byte and the LRU bookkeeping, so
 this measures `backend.get_into(keys, host page views)` against the plainest way to fetch the
 same bytes in the same run:
 

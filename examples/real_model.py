@@ -21,7 +21,15 @@ does every copy (device <-> host, host <-> storage). For each request:
 
 The logits of every request served with a kvtier prefix must be bitwise equal to those of the
 same request whose prefix KV is computed fresh in this process (a forward over the prefix,
-then over the rest with that cache), in float32 and bfloat16. The prefix is served from the
+then over the rest with that cache), in float32 and bfloat16.
+
+`--dtypes float8_e4m3fn` runs the float32 model with a quantized paged KV: each block of each
+layer's K and V is stored as float8 with one float32 scale per KV head (its absolute maximum
+/ 448), in scale tensors of the runner's own (per layer a K and a V tensor `[num_blocks,
+kv_heads]`) that it registers with the KV (`model.kv_scales = "per_block_head"`); the runner
+dequantizes on read. The reference then quantizes and dequantizes the fresh prefix the same
+way, so the logits are bitwise equal only if every fp8 byte and every scale came back from
+the tier exactly as it went out. The prefix is served from the
 device, from the host (evicted from the device by another request, loaded back), from file
 storage after a restart of everything (new stack, new registration, fresh KV tensors, same
 storage folder), and from Redis when a `redis-server` binary is on PATH (the example runs its
@@ -29,7 +37,8 @@ own on a free port). Everything lives under one temp folder and is stopped and r
 end. Run it from the repository root:
 
     python examples/real_model.py [--json] [--dtypes float32,bfloat16]
-                                  [--negative-control wrong-block-table|foreign-block]
+                                  [--negative-control wrong-block-table|foreign-block|
+                                                      foreign-scales]
 
 Exit status 0 when every difference is 0.0, 1 otherwise (what a negative control must give).
 """
@@ -68,7 +77,10 @@ DEVICE_BLOCKS, HOST_BLOCKS = 16, 64
 PREFIX = 4 * BLOCK  # the shared prompt prefix kvtier serves: 4 full blocks
 SUFFIX = BLOCK + 4  # each request's own tail: one more full block and a partial one
 LOAD_TIMEOUT_S = 30.0
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the model's and the KV's
+FP8 = "float8_e4m3fn"  # a float32 model over a float8 paged KV with per-block scales
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+ALL_DTYPES = (*DTYPES, FP8)
 COPY_KINDS = (TaskKind.D2H, TaskKind.H2D, TaskKind.BACKUP, TaskKind.PREFETCH)
 # Where the model and its paged KV live (--device): "cpu" (the KV in POSIX shared memory the
 # worker maps by name) or "cuda" (the KV allocated by torch on cuda:0; the worker process opens
@@ -102,11 +114,23 @@ def forward(model: LlamaForCausalLM, tokens: list[int], start: int,
     return out.logits[0].float().cpu()
 
 
-def reference(model: LlamaForCausalLM, tokens: list[int], prefix: int) -> torch.Tensor:
-    """Logits of `tokens[prefix:]` with the prefix's KV computed fresh in this process."""
+def reference(model: LlamaForCausalLM, tokens: list[int], prefix: int,
+              quantized: bool = False) -> torch.Tensor:
+    """Logits of `tokens[prefix:]` with the prefix's KV computed fresh in this process
+    (`quantized`: then stored as float8 blocks with scales and read back, as the runner
+    stores and reads it)."""
     cache = DynamicCache()
     if prefix:
         forward(model, tokens[:prefix], 0, cache)
+    if quantized and prefix:
+        fresh, cache = cache, DynamicCache()
+        for layer in range(LAYERS):
+            kv = []
+            for t in (fresh.layers[layer].keys, fresh.layers[layer].values):
+                blocks = t[0].permute(1, 0, 2).reshape(-1, BLOCK, KV_HEADS, HEAD_DIM)
+                back = dequantize(*quantize(blocks)).to(t.dtype)
+                kv.append(back.flatten(0, 1).permute(1, 0, 2).unsqueeze(0).contiguous())
+            cache.update(kv[0], kv[1], layer)
     return forward(model, tokens, prefix, cache)
 
 
@@ -115,27 +139,40 @@ def reference(model: LlamaForCausalLM, tokens: list[int], prefix: int) -> torch.
 
 class PagedKV:
     """The model runner's paged KV memory: per layer, K and V blocks viewed as
-    [num_blocks, block_size, kv_heads, head_dim]."""
+    [num_blocks, block_size, kv_heads, head_dim]; with `k_scales` / `v_scales` (float8 KV),
+    per layer a float32 [num_blocks, kv_heads] scale tensor for each, and blocks hold
+    `round(x / scale)` in float8."""
 
-    def __init__(self, k_blocks: list[torch.Tensor], v_blocks: list[torch.Tensor]) -> None:
+    def __init__(self, k_blocks: list[torch.Tensor], v_blocks: list[torch.Tensor],
+                 k_scales: list[torch.Tensor] | None = None,
+                 v_scales: list[torch.Tensor] | None = None, dtype: torch.dtype = torch.float32,
+                 ) -> None:
         self.k, self.v = k_blocks, v_blocks
+        self.k_scales, self.v_scales = k_scales, v_scales
+        self.dtype = dtype  # the model's
 
-    def gather(self, layer: int, block_ids: list[int], num_tokens: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, block_ids: list[int], num_tokens: int,
+               scale_ids: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `num_tokens` tokens of the blocks, as the cache wants them:
-        [1, kv_heads, num_tokens, head_dim]."""
+        [1, kv_heads, num_tokens, head_dim] (dequantized with the scales of `scale_ids`,
+        by default the same blocks)."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=DEVICE)
+        sids = ids if scale_ids is None else torch.tensor(scale_ids, dtype=torch.long,
+                                                          device=DEVICE)
 
-        def one(blocks: torch.Tensor) -> torch.Tensor:
-            rows = blocks[ids].flatten(0, 1)[:num_tokens]  # [T, kv_heads, head_dim]
+        def one(blocks: torch.Tensor, scales: list[torch.Tensor] | None) -> torch.Tensor:
+            got = blocks[ids]
+            if scales is not None:
+                got = dequantize(got, scales[layer][sids]).to(self.dtype)
+            rows = got.flatten(0, 1)[:num_tokens]  # [T, kv_heads, head_dim]
             return rows.permute(1, 0, 2).unsqueeze(0).contiguous()
 
-        return one(self.k[layer]), one(self.v[layer])
+        return one(self.k[layer], self.k_scales), one(self.v[layer], self.v_scales)
 
     def scatter(self, layer: int, block_ids: list[int], first_block: int,
                 keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write tokens [first_block * BLOCK, len(block_ids) * BLOCK) of a layer's cache
-        tensors ([1, kv_heads, T, head_dim]) into their blocks."""
+        tensors ([1, kv_heads, T, head_dim]) into their blocks (quantized, with scales)."""
         ids = torch.tensor(block_ids[first_block:], dtype=torch.long, device=DEVICE)
         if not len(ids):
             return
@@ -144,8 +181,26 @@ class PagedKV:
         def blocks_of(t: torch.Tensor) -> torch.Tensor:
             return t[0, :, a:b].permute(1, 0, 2).reshape(len(ids), BLOCK, KV_HEADS, HEAD_DIM)
 
-        self.k[layer][ids] = blocks_of(keys)
-        self.v[layer][ids] = blocks_of(values)
+        for blocks, scales, t in ((self.k, self.k_scales, keys), (self.v, self.v_scales, values)):
+            if scales is None:
+                blocks[layer][ids] = blocks_of(t)
+            else:
+                q, scale = quantize(blocks_of(t))
+                blocks[layer][ids] = q
+                scales[layer][ids] = scale
+
+
+def quantize(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [n, BLOCK, kv_heads, head_dim] as float8 and their float32 scales [n, kv_heads]:
+    one scale per block and KV head, its absolute maximum over the block's tokens / 448."""
+    x = blocks.float()
+    scale = (x.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(1e-12)
+    q = (x / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None, :, None]
 
 
 @dataclass
@@ -179,6 +234,9 @@ def serve(r: Runner, request_id: str, tokens: list[int]) -> Served:
             table[0], table[1] = table[1], table[0]
         elif r.control == "foreign-block" and table and new_blocks:
             table[-1] = new_blocks[0]  # a block that does not hold this prefix's KV
+        scale_table = list(table)
+        if r.control == "foreign-scales" and table and new_blocks:
+            scale_table[-1] = new_blocks[0]  # the right fp8 bytes, another block's scales
         # Rebuild the model's cache from the blocks, layer by layer as each one lands.
         prefix, cache = hit.num_tokens, DynamicCache()
         for layer in range(LAYERS):
@@ -193,7 +251,7 @@ def serve(r: Runner, request_id: str, tokens: list[int]) -> Served:
                 if not prefix:
                     cache = DynamicCache()
                     break
-            cache.update(*r.kv.gather(layer, table, prefix), layer)
+            cache.update(*r.kv.gather(layer, table, prefix, scale_table), layer)
         logits = forward(r.model, tokens, prefix, cache)
         # The newly computed full blocks' K/V, from the cache into their blocks.
         full = len(tokens) // BLOCK
@@ -213,7 +271,8 @@ def kvtier_config(tag: str, dtype: str, storage: dict[str, Any]) -> KvtierConfig
     return KvtierConfig(
         deployment_id=f"realmodel-{os.getpid()}-{tag}",
         model={"name": "real-model-example", "num_layers": LAYERS, "num_kv_heads": KV_HEADS,
-               "head_dim": HEAD_DIM, "dtype": dtype},
+               "head_dim": HEAD_DIM, "dtype": dtype,
+               "kv_scales": "per_block_head" if dtype == FP8 else "none"},
         cache={"block_size": BLOCK, "device_blocks": DEVICE_BLOCKS, "host_blocks": HOST_BLOCKS,
                "write_policy": "write_through", "decode_reserve_blocks": 0},
         storage={"prefetch_policy": "wait_complete", "prefetch_threshold": BLOCK, **storage},
@@ -228,7 +287,8 @@ def deployment(cfg: KvtierConfig, model: LlamaForCausalLM, control: str | None,
     layout and registered; the stack (manager + one worker process per rank, which attaches
     to that memory); a layer waiter reading the workers' per-layer progress."""
     dep, rank, ranks = cfg.deployment_id, 0, cfg.workers.count
-    dtype = DTYPES[cfg.model.dtype]
+    fp8 = cfg.model.dtype == FP8
+    dtype = torch.float8_e4m3fn if fp8 else DTYPES[cfg.model.dtype]
     # Model-runner side: per layer one [2, num_blocks, block_size, kv_heads, head_dim]
     # tensor (K then V), in shared memory so the rank's worker process can map it.
     shape = (2, DEVICE_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
@@ -237,8 +297,20 @@ def deployment(cfg: KvtierConfig, model: LlamaForCausalLM, control: str | None,
     else:
         kv = [shared_kv_tensor(dep, rank, shape, dtype, tag=f"l{layer}")
               for layer in range(LAYERS)]
+    # float8: per layer a K and a V scale tensor [num_blocks, kv_heads], beside the caches.
+    scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    if fp8:
+        if DEVICE.type == "cuda":
+            scales = [(torch.zeros((DEVICE_BLOCKS, KV_HEADS), device=DEVICE),
+                       torch.zeros((DEVICE_BLOCKS, KV_HEADS), device=DEVICE))
+                      for _ in range(LAYERS)]
+        else:
+            scales = [(shared_kv_tensor(dep, rank, (DEVICE_BLOCKS, KV_HEADS), torch.float32,
+                                        tag=f"s{layer}k"),
+                       shared_kv_tensor(dep, rank, (DEVICE_BLOCKS, KV_HEADS), torch.float32,
+                                        tag=f"s{layer}v")) for layer in range(LAYERS)]
     with (KVRegistration(dep, rank, kv, "vllm", block_size=BLOCK, num_kv_heads=KV_HEADS,
-                         head_dim=HEAD_DIM),
+                         head_dim=HEAD_DIM, scales=scales),
           Stack(cfg) as stack,  # scheduler side: the manager, its workers attach to `kv`
           LayerWaiter(dep, ranks) as waiter):
         copies: list[TaskKind] = []  # copy tasks every rank's worker process finished
@@ -258,8 +330,11 @@ def deployment(cfg: KvtierConfig, model: LlamaForCausalLM, control: str | None,
                 hit.handle.wait(LOAD_TIMEOUT_S)  # raises TransferFailedError(valid_tokens)
                 raise
 
-        runner = Runner(stack.require_manager(), PagedKV([t[0] for t in kv], [t[1] for t in kv]),
-                        model, wait_layer, lambda: wait_backups(stack), control)
+        paged = PagedKV([t[0] for t in kv], [t[1] for t in kv],
+                        None if scales is None else [k for k, _ in scales],
+                        None if scales is None else [v for _, v in scales])
+        runner = Runner(stack.require_manager(), paged, model, wait_layer,
+                        lambda: wait_backups(stack), control)
         yield runner
         wait_backups(stack)
         if copies:  # the worker processes (not this one) moved the blocks
@@ -342,7 +417,7 @@ class Report:
         if tokens_from_tier < PREFIX or got.prefix != PREFIX:
             raise AssertionError(f"{dtype} {tier}: the prefix was not served by {tier} "
                                  f"({got.hit}, {got.prefix} tokens used)")
-        want = reference(model, tokens, got.prefix)
+        want = reference(model, tokens, got.prefix, quantized=dtype == FP8)
         diff = (got.logits - want).abs().max().item()
         self.diffs.setdefault(tier, {})[dtype] = diff
         self.served.setdefault(tier, {})[dtype] = tokens_from_tier
@@ -352,7 +427,7 @@ class Report:
 
 def run_dtype(dtype: str, tmp: Path, redis_url: str | None, control: str | None,
               report: Report) -> None:
-    model = build_model(DTYPES[dtype])
+    model = build_model(DTYPES.get(dtype, torch.float32))
     g = torch.Generator().manual_seed(1)
 
     def draw(n: int) -> list[int]:
@@ -362,7 +437,8 @@ def run_dtype(dtype: str, tmp: Path, redis_url: str | None, control: str | None,
     prompts = {name: prefix + draw(SUFFIX) for name in ("a", "b", "c", "d", "e")}
     filler = draw(DEVICE_BLOCKS * BLOCK)  # takes every device block
     file_storage = {"backend": "file", "path": str(tmp / f"storage-{dtype}")}
-    with deployment(kvtier_config(f"{dtype[:4]}1", dtype, file_storage), model, control,
+    tag = "fp8" if dtype == FP8 else dtype[:4]  # deployment ids: realmodel-<pid>-<tag><life>
+    with deployment(kvtier_config(f"{tag}1", dtype, file_storage), model, control,
                     report) as r:
         cold = serve(r, "cold", prompts["a"])
         if cold.hit.num_tokens:
@@ -376,17 +452,17 @@ def run_dtype(dtype: str, tmp: Path, redis_url: str | None, control: str | None,
         r.settle()
         report.check("host", dtype, model, prompts["c"], serve(r, "host", prompts["c"]))
     # A restart of everything: new stack, new KV memory, the same storage folder.
-    with deployment(kvtier_config(f"{dtype[:4]}2", dtype, file_storage), model, control,
+    with deployment(kvtier_config(f"{tag}2", dtype, file_storage), model, control,
                     report) as r:
         report.check("storage_file", dtype, model, prompts["d"],
                      serve(r, "storage", prompts["d"]))
     if redis_url is None:
         return
     redis_storage = {"backend": "redis", "url": redis_url}
-    with deployment(kvtier_config(f"{dtype[:4]}3", dtype, redis_storage), model, control,
+    with deployment(kvtier_config(f"{tag}3", dtype, redis_storage), model, control,
                     report) as r:
         serve(r, "cold", prompts["a"])
-    with deployment(kvtier_config(f"{dtype[:4]}4", dtype, redis_storage), model, control,
+    with deployment(kvtier_config(f"{tag}4", dtype, redis_storage), model, control,
                     report) as r:
         report.check("storage_redis", dtype, model, prompts["e"],
                      serve(r, "storage", prompts["e"]))
@@ -395,19 +471,25 @@ def run_dtype(dtype: str, tmp: Path, redis_url: str | None, control: str | None,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    p.add_argument("--negative-control", choices=["wrong-block-table", "foreign-block"],
+    p.add_argument("--negative-control",
+                   choices=["wrong-block-table", "foreign-block", "foreign-scales"],
                    help="read every served prefix wrongly, so the logits must differ and the "
                    "exit status be 1: wrong-block-table swaps its first two block ids, "
-                   "foreign-block reads its last block from a block that holds other KV")
+                   "foreign-block reads its last block from a block that holds other KV, "
+                   f"foreign-scales ({FP8} only) reads its last block's scales from such a "
+                   "block")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the model and its paged KV live (cuda: cuda:0, the KV reaches "
                    "kvtier's worker process through CUDA IPC)")
     p.add_argument("--dtypes", default=",".join(DTYPES),
-                   help="comma-separated model dtypes (default: %(default)s)")
+                   help=f"comma-separated model dtypes, {FP8}: a float32 model over a float8 "
+                   "KV with per-block scales (default: %(default)s)")
     args = p.parse_args(argv)
     dtypes = [d for d in args.dtypes.split(",") if d]
-    if not dtypes or any(d not in DTYPES for d in dtypes):
-        p.error(f"--dtypes {args.dtypes!r}: a comma-separated subset of {', '.join(DTYPES)}")
+    if not dtypes or any(d not in ALL_DTYPES for d in dtypes):
+        p.error(f"--dtypes {args.dtypes!r}: a comma-separated subset of {', '.join(ALL_DTYPES)}")
+    if args.negative_control == "foreign-scales" and dtypes != [FP8]:
+        p.error(f"--negative-control foreign-scales needs --dtypes {FP8} (only it has scales)")
     global DEVICE
     DEVICE = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     report = Report()

@@ -138,3 +138,8 @@ class StorageHooks(Protocol):
     def backup(self, nodes: list[Node]) -> None:
         """Write the host copies among `nodes` that storage does not hold yet."""
         ...
+
+    def revoke(self, keys: Iterable[int] | None = None) -> int:
+        """Cancel the queries and prefetches in flight that fill only blocks of `keys` (every
+        one when None), keeping the pages already read; returns how many."""
+        ...

@@ -34,17 +34,21 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from kvtier.manager.errors import KvtierError
-from kvtier.manager.private_state import MIN_SECRET_BYTES
+from kvtier.manager.private_state import MIN_SECRET_BYTES, default_storage_path
+from kvtier.worker import numa
+from kvtier.worker.delays import DELAY_ENVS
 from kvtier.worker.ipc import MAX_RANKS
+from kvtier.worker.page_layout import PageLayout
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -114,6 +118,25 @@ class ModelConfig(BaseModel):
     dtype: Literal["float16", "bfloat16", "float32", "float8_e4m3fn"] = Field(
         "float16", description="element type of K and V"
     )
+    num_extra_layers: int = Field(
+        0, ge=0, le=4096, description="KV layers beyond num_layers (the MTP draft layers of "
+        "speculative decoding); stored after them in every tier and part of the storage "
+        "namespace")
+    kv_scales: Literal["none", "per_block_head"] = Field(
+        "none", description="per_block_head: every block carries float32 dequantization "
+        "scales per layer, K and V and KV head, moved and checked with it in every tier "
+        "(needs dtype float8_e4m3fn)")
+
+    @field_validator("kv_scales")
+    @classmethod
+    def _scales_need_fp8(cls, kv_scales: str, info: ValidationInfo) -> str:
+        # Scales only mean something for quantized KV; on a float16 cache they would be dead
+        # bytes in every page that no reader uses.
+        dtype = info.data.get("dtype")
+        if kv_scales != "none" and dtype is not None and dtype != "float8_e4m3fn":
+            raise ValueError(f"scales need a quantized KV dtype, but model.dtype = {dtype!r}; "
+                             "set model.dtype = 'float8_e4m3fn' or model.kv_scales = 'none'")
+        return kv_scales
 
 
 class CacheConfig(BaseModel):
@@ -161,11 +184,19 @@ class StorageConfig(BaseModel):
     backend: Literal["none", "file", "redis"] = Field(
         "file", description="where the storage tier lives"
     )
-    path: str = Field(".kvtier/storage", min_length=1, description="directory of the file backend")
+    path: str = Field(
+        "",
+        description="directory of the file backend; empty: $XDG_CACHE_HOME/kvtier/"
+        "<deployment_id>/storage (else ~/.cache/kvtier/<deployment_id>/storage); a relative "
+        "path is taken from the folder kvtier is started in",
+    )
     url: str = Field(
         "redis://127.0.0.1:6379/0",
-        description="Redis URL of the redis backend: redis:// or rediss:// for one server, "
-        "redis+cluster:// or rediss+cluster:// and any one node for a Redis Cluster",
+        description="Redis URL of the redis backend: redis:// or rediss:// (TLS) for one server, "
+        "redis+cluster:// or rediss+cluster:// and any one node for a Redis Cluster; an ACL user "
+        "and password as redis://user:password@host:port/0; TLS options as a query, e.g. "
+        "rediss://host:6380/0?ssl_ca_certs=/path/ca.pem (also ssl_cert_reqs, "
+        "ssl_check_hostname, ssl_certfile, ssl_keyfile, ssl_ca_path)",
     )
     prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = Field(
         "best_effort",
@@ -248,7 +279,7 @@ class StorageConfig(BaseModel):
     @classmethod
     def _path_is_a_path(cls, path: str) -> str:
         """Refuse what no file system call accepts, before a worker trips over it."""
-        problem = path_problem(path)
+        problem = path_problem(path) if path else None
         if problem:
             raise ValueError(problem)
         return path
@@ -291,6 +322,17 @@ class WorkersConfig(BaseModel):
         description="the engine's model runner owns the device KV and registers it "
         "(kvtier.worker.engine_kv); workers attach to it instead of allocating a device pool",
     )
+    host_numa: Literal["auto", "off"] | int = Field(
+        "auto",
+        description="NUMA node each rank's host pool is bound to (mbind): auto: the node of "
+        "the rank's GPU (none for a CPU device or on a one-node machine); a node number: that "
+        "node, which must be online; off: never bound",
+    )
+
+    @field_validator("host_numa", mode="before")
+    @classmethod
+    def _numa(cls, value: object) -> str | int:
+        return numa.check_setting(value)  # a node's presence is a machine check (check_memory)
 
     @field_validator("cuda_devices")
     @classmethod
@@ -465,6 +507,15 @@ class KvtierConfig(BaseSettings):
             )
         return self
 
+    def storage_dir(self, env: Mapping[str, str] | None = None) -> str:
+        """The absolute directory of the file backend: `storage.path` made absolute against
+        the current folder, or, when empty, the default under the user's cache directory
+        (`default_storage_path`, read from `env`, default os.environ, at call time: the
+        manager resolves it once and hands the result to its workers)."""
+        if self.storage.path:
+            return os.path.abspath(self.storage.path)
+        return str(default_storage_path(self.deployment_id, env))
+
     def effective_prefetch_host_blocks_limit(self) -> int:
         """The prefetch limit in host blocks: the configured one, else host_blocks // 4."""
         limit = self.storage.prefetch_host_blocks_limit
@@ -581,8 +632,7 @@ class TomlFileSource(PydanticBaseSettingsSource):
 
 # Variables with the prefix that are not configuration keys: the log level and the test hooks
 # the launcher passes through to workers.
-NON_CONFIG_ENV = frozenset({"KVTIER_LOG_LEVEL", "KVTIER_TEST_LAYER_DELAY_MS",
-                            "KVTIER_TEST_STORAGE_DELAY_MS"})
+NON_CONFIG_ENV = frozenset({"KVTIER_LOG_LEVEL", *DELAY_ENVS})
 
 
 class EnvironmentSource(PydanticBaseSettingsSource):
@@ -748,17 +798,28 @@ def _validate(data: Mapping[str, Any], origins: Mapping[tuple[str, ...], str]) -
         raise ConfigError("; ".join(_describe(err, origins) for err in exc.errors())) from None
 
 
+def with_pool_sizes(cfg: KvtierConfig, device_blocks: int, host_blocks: int) -> KvtierConfig:
+    """`cfg` with other pool sizes (a wake after a sleep), validated as at start and checked
+    against this machine's memory now. ConfigError naming the key otherwise."""
+    data = cfg.model_dump(mode="python")
+    data["cache"] |= {"device_blocks": device_blocks, "host_blocks": host_blocks}
+    new = _validate(data, {})
+    check_memory(new)
+    return new
+
+
 # --------------------------------------------------------------------------------------------
 # Sizes and machine checks
 # --------------------------------------------------------------------------------------------
 
 
 def page_bytes(cfg: KvtierConfig) -> int:
-    """Bytes of one block on one rank: K and V of every layer."""
+    """Bytes of one block on one rank: K and V of every layer (extra layers included) and
+    the block's scales, laid out as the workers lay it out (`kvtier.worker.page_layout`)."""
     m = cfg.model
-    return (
-        2 * m.num_layers * cfg.cache.block_size * m.num_kv_heads * m.head_dim * DTYPE_BYTES[m.dtype]
-    )
+    return PageLayout(m.num_layers, m.num_extra_layers, m.num_kv_heads, m.head_dim,
+                      cfg.cache.block_size, DTYPE_BYTES[m.dtype],
+                      m.kv_scales != "none").page_bytes
 
 
 def device_pool_bytes(cfg: KvtierConfig) -> int:
@@ -877,11 +938,18 @@ def check_memory(
     meminfo: Path = MEMINFO,
     shm_dir: Path = SHM_DIR,
 ) -> None:
-    """Refuse block counts whose pools cannot be allocated on this machine.
+    """Refuse block counts whose pools cannot be allocated on this machine (and a
+    `workers.host_numa` node it does not have).
 
     A pool that does not fit would otherwise fail deep inside a worker (SIGBUS on a shared-memory
     page, or the OOM killer), long after start and far from the key that caused it.
     """
+    node = cfg.workers.host_numa
+    if isinstance(node, int):
+        try:
+            numa.check_online(node)
+        except numa.NumaError as e:
+            raise ConfigError(str(e)) from None
     page = page_bytes(cfg)
     count = cfg.workers.count
     mem = mem_available_bytes(meminfo)
@@ -981,6 +1049,52 @@ def redis_url_problem(url: str) -> str | None:
         return f"the database {database!r} is not a number"
     if database not in ("", "0") and parts.scheme.endswith("+cluster"):
         return f"a Redis Cluster has only database 0, not {database}"
+    return _redis_tls_problem(parts.scheme.startswith("rediss"), parts.query)
+
+
+# The query options a Redis URL may carry: redis-py's TLS settings. redis-py passes any other
+# query key to its connection class (a TypeError deep in the first connect) or lets it override
+# the timeouts and retries kvtier sets, so everything else is refused here, by name.
+_TLS_FILE_OPTIONS = {"ssl_ca_certs": "file", "ssl_certfile": "file", "ssl_keyfile": "file",
+                     "ssl_ca_path": "directory"}
+_TLS_CHOICES = {"ssl_cert_reqs": ("none", "optional", "required"),
+                "ssl_check_hostname": ("true", "false")}
+
+
+def _redis_tls_problem(tls: bool, query: str) -> str | None:
+    """Why the query part of a Redis URL is not a usable set of TLS options, or None. Only a
+    rediss:// URL takes them (a plain connection would ignore a CA silently); each file must
+    be readable now, not at the first backup."""
+    if not query:
+        return None
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=True)
+    except ValueError:
+        return f"cannot parse the query {query!r} (expected name=value&...)"
+    allowed = sorted([*_TLS_FILE_OPTIONS, *_TLS_CHOICES])
+    seen: set[str] = set()
+    for name, value in pairs:
+        if name not in _TLS_FILE_OPTIONS and name not in _TLS_CHOICES:
+            return (f"unknown URL option {name!r}; a Redis URL takes only the TLS options "
+                    f"{', '.join(allowed)}")
+        if name in seen:
+            return f"the URL option {name!r} is given twice"
+        seen.add(name)
+        if not tls:
+            return f"the TLS option {name!r} needs a rediss:// URL (this one is not TLS)"
+        if name in _TLS_CHOICES:
+            if value.lower() not in _TLS_CHOICES[name]:
+                return (f"{name} = {value!r}: expected one of "
+                        f"{', '.join(_TLS_CHOICES[name])}")
+            continue
+        kind = _TLS_FILE_OPTIONS[name]
+        if not value:
+            return f"{name} is empty: expected the path of a {kind}"
+        if not os.path.isabs(value):
+            return f"{name} = {value!r}: expected an absolute path"
+        is_kind = os.path.isdir(value) if kind == "directory" else os.path.isfile(value)
+        if not is_kind or not os.access(value, os.R_OK):
+            return f"{name} = {value!r}: not a readable {kind}"
     return None
 
 
@@ -1047,9 +1161,12 @@ def check_storage_reachable(cfg: KvtierConfig, timeout: float = 2.0) -> None:
     if backend == "none":
         return
     if backend == "file":
-        problem = _writable_directory_problem(Path(cfg.storage.path), page_bytes(cfg))
+        path = cfg.storage_dir()
+        problem = _writable_directory_problem(Path(path), page_bytes(cfg))
         if problem:
-            raise ConfigError(f"storage.path = {_short_repr(cfg.storage.path)}: {problem}")
+            key = (f"storage.path = {_short_repr(cfg.storage.path)}" if cfg.storage.path
+                   else f"storage.path (default {_short_repr(path)})")
+            raise ConfigError(f"{key}: {problem}")
         return
     shown = redact_url(cfg.storage.url)
     outcome: list[BaseException | None] = []

@@ -8,7 +8,9 @@ Errors defined elsewhere that also derive from `KvtierError`: `ConfigError`
 (`kvtier.manager.workloads`), `WorkerStartError` (`kvtier.manager.launcher`), `IPCError` and
 its subclasses, `SendTimeout`, `LayerWaitTimeout` (`kvtier.worker.ipc`), `StorageError`
 (`kvtier.worker.executor`), `PoolConfigError`, `BlockIdError` (`kvtier.worker.kv_pools`),
-`AdminBindError`, `AdminStartError` (`kvtier.admin.server`). Each keeps its built-in base
+`AdminBindError`, `AdminStartError` (`kvtier.admin.server`), `NumaError`
+(`kvtier.worker.numa`), `PoolsFreedError` (`kvtier.worker.executor`), `DeploymentAsleep`
+(`kvtier.worker.ipc`). Each keeps its built-in base
 (`ValueError`, `TimeoutError`, `OSError`, `RuntimeError`) where it has one.
 """
 
@@ -17,10 +19,12 @@ from __future__ import annotations
 from kvtier.worker.errors import KvtierError
 
 __all__ = [
+    "AsleepError",
     "BlockPoolError",
     "InvalidRequestError",
     "KvtierError",
     "OutOfBlocksError",
+    "RequestCancelledError",
     "ResetBusyError",
     "TransferFailedError",
     "TransferTimeoutError",
@@ -61,3 +65,13 @@ class TransferTimeoutError(KvtierError, TimeoutError):
 
 class ResetBusyError(KvtierError):
     """A reset could not run because transfers did not finish in time; nothing was cleared."""
+
+
+class AsleepError(KvtierError):
+    """The deployment is asleep (its pools are freed for a weight update) or going to sleep
+    or waking: scheduler calls are refused until the wake is complete."""
+
+
+class RequestCancelledError(UnknownRequestError):
+    """The request was active when the deployment went to sleep: its blocks were reclaimed
+    and nothing it computed is cached (match it again after the wake; `release` is a no-op)."""

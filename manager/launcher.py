@@ -13,7 +13,11 @@ over ranks, because a page is only usable where every rank has it. Completions a
 a thread of their own, so the IPC reader never waits for the manager's lock (which a
 scheduler call may hold while it sends).
 
-Worker states:  starting -> ready -> (dead -> starting ...) | stopped
+Worker states (`WORKER_STATES`; exported per rank as `kvtier_worker_state`):
+
+    starting --ready--> ready --died / no heartbeat--> dead --respawn--> starting
+    starting --exited / not ready in time--> start_failed --backoff over--> starting
+    any --stop()--> stopped
 A replacement that does not become ready (it exits, or `ready_timeout_s` passes) is
 `start_failed`: tasks for the deployment fail at once (the rank is down) and the start is
 tried again after a backoff (`restart_backoff_s`, doubling up to `max_restart_backoff_s`).
@@ -198,6 +202,10 @@ class ProcessDispatcher(Dispatcher):
         self._applier.join(timeout=5)
 
 
+WORKER_STATES = ("starting", "ready", "dead", "start_failed", "stopped")
+"""Every value `WorkerHandle.state` takes (the module docstring draws the transitions)."""
+
+
 class WorkerStatus(TypedDict):
     """One rank's row of `WorkerSupervisor.status()` (the admin API's `workers`)."""
 
@@ -208,8 +216,10 @@ class WorkerStatus(TypedDict):
     tasks_inflight: int
     restarts: int
     start_failures: int  # failed starts of a replacement in a row (0 once one is ready)
+    start_failures_total: int  # failed starts of the rank since the supervisor started
     next_start_in_s: float | None  # state start_failed: seconds to the next try
     last_error: str  # why the last start failed ("" if none did)
+    host_numa_node: int | None  # NUMA node its host pool is bound to (workers.host_numa)
 
 
 @dataclass
@@ -221,6 +231,7 @@ class WorkerHandle:
     restarts: int = 0
     started_at: float = 0.0
     start_failures: int = 0
+    start_failures_total: int = 0
     next_start_at: float = 0.0
     last_error: str = ""
 
@@ -233,13 +244,21 @@ class WorkerSupervisor:
                  heartbeat_timeout_s: float = 5.0, log_dir: str | None = None,
                  on_worker_lost: Callable[[int, str], None] | None = None,
                  restart_backoff_s: float = 1.0, max_restart_backoff_s: float = 30.0,
-                 max_start_failures: int = 5, keep_logs: bool = False) -> None:
+                 max_start_failures: int = 5, keep_logs: bool = False,
+                 on_device_lost: Callable[[int, str], None] | None = None,
+                 device_copy_mark: Callable[[], int] | None = None,
+                 on_device_confirmed: Callable[[int], None] | None = None) -> None:
         self.deployment_id = deployment_id
         self.num_ranks = num_ranks
         self.spec_for_rank = spec_for_rank
         self.ready_timeout_s = ready_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.on_worker_lost = on_worker_lost
+        # workers.engine_kv: a registration change costs the device tier only (the host pools
+        # are the workers' own and live on); see _check_engine_kv
+        self.on_device_lost = on_device_lost
+        self.device_copy_mark = device_copy_mark
+        self.on_device_confirmed = on_device_confirmed
         self.restart_backoff_s = restart_backoff_s
         self.max_restart_backoff_s = max_restart_backoff_s
         self.max_start_failures = max_start_failures
@@ -250,6 +269,9 @@ class WorkerSupervisor:
         self._engine_kv = spec_for_rank(0).engine_kv
         self._kv_nonce: dict[int, str | None] = {}
         self._kv_checked = 0.0
+        # While the pools sleep the runner may free its KV and register anew: not a loss
+        self.pools_asleep = False
+        self._kv_lock = threading.Lock()  # the watcher and check_engine_kv_now
         self.restarts_total = 0
         self.start_failures_total = 0
         self._stop = threading.Event()
@@ -387,15 +409,37 @@ class WorkerSupervisor:
 
     def _check_engine_kv(self) -> None:
         """A safety net under the engine's own duty (a restarted model runner means a new
-        scheduler side, or `manager.lose_all()`): when a rank's registration disappears or is
-        replaced, the manager forgets every cached block, so a block id is never served over
-        memory that no longer holds its KV. Checked twice a second, and at start; every change
-        counts: gone (closed, or its runner dead), replaced, or back after a gap (blocks cached
-        in the gap were never backed by live memory). `seen_kv_nonce` tells what was seen."""
+        scheduler side, or `manager.lose_device()`): when a rank's registration disappears or
+        is replaced, the manager forgets every device copy (`on_device_lost`), so a block id
+        is never served over memory that no longer holds its KV. The host pools are the
+        workers' own and outlive the model runner, so host copies (and storage) stay, except
+        those not yet confirmed. Checked twice a second, and at start; every change counts:
+        gone (closed, or its runner dead), replaced, or back after a gap (blocks cached in the
+        gap were never backed by live memory). `seen_kv_nonce` tells what was seen.
+
+        Confirmation: a D2H copy that completed before a check began, and that check found
+        every registration unchanged, was read from the memory the manager cached: the
+        record showed the old nonce after the copy ended, so no worker could yet have attached
+        a new one. Such copies are trusted (`on_device_confirmed(mark)`); copies completed
+        later wait for the next check, and a change drops them with the device copies."""
+        with self._kv_lock:
+            self._check_engine_kv_locked()
+
+    def check_engine_kv_now(self) -> None:
+        """Check the registrations at once (a stack closing confirms the host copies its last
+        D2H tasks made, so their storage backups are written before the workers stop)."""
+        if self._engine_kv:
+            with self._kv_lock:
+                self._kv_checked = 0.0
+                self._check_engine_kv_locked()
+
+    def _check_engine_kv_locked(self) -> None:
         now = time.monotonic()
         if now - self._kv_checked < 0.5:
             return
         self._kv_checked = now
+        mark = self.device_copy_mark() if self.device_copy_mark is not None else 0
+        changed = False
         for rank in range(self.num_ranks):
             try:
                 rec = read_record(self.deployment_id, rank)
@@ -406,16 +450,49 @@ class WorkerSupervisor:
             first = rank not in self._kv_nonce
             seen = self._kv_nonce.get(rank)
             self._kv_nonce[rank] = nonce
-            if first or nonce == seen:
+            if first or nonce == seen or self.pools_asleep:
                 continue
+            changed = True
             reason = ("the model runner's KV registration was replaced" if nonce is not None
                       else "the model runner's KV registration is gone")
-            log.error("rank %d: %s; every cached block is dropped", rank, reason)
-            if self.on_worker_lost is not None:
+            lost = self.on_device_lost or self.on_worker_lost
+            log.error("rank %d: %s; every device block is dropped%s", rank, reason,
+                      " (host copies kept)" if self.on_device_lost is not None else "")
+            if lost is not None:
                 try:
-                    self.on_worker_lost(rank, reason)
+                    lost(rank, reason)
                 except Exception:
                     log.exception("handling the lost KV memory of rank %d failed", rank)
+        if not changed and self.on_device_confirmed is not None:
+            try:
+                self.on_device_confirmed(mark)
+            except Exception:
+                log.exception("confirming host copies failed")
+
+    def wait_pools(self, generation: int, timeout: float) -> None:
+        """Wait until every rank's worker reached pools generation `generation` (freed its
+        pools when odd, re-created them when even). WorkerStartError naming the ranks that
+        failed (with their last log lines) or did not answer within `timeout`."""
+        deadline = time.monotonic() + timeout
+        what = "free" if generation % 2 else "re-create"
+        while True:
+            states = [self.ipc.rank_state(r) for r in range(self.num_ranks)]
+            failed = [s.rank for s in states if s.pools_generation == -generation]
+            waiting = [s.rank for s in states if s.pools_generation != generation]
+            if failed:
+                raise WorkerStartError(
+                    f"rank(s) {failed} could not {what} their pools; last log lines:\n"
+                    + "\n".join(self.last_log_lines(r, 5) for r in failed))
+            if not waiting:
+                if generation % 2 == 0 and self._engine_kv:
+                    self._kv_nonce.clear()  # the registrations attached now are the baseline
+                    self._kv_checked = 0.0
+                return
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(
+                    f"rank(s) {waiting} did not {what} their pools within {timeout:.3g} s: "
+                    + "; ".join(s.describe() for s in states if s.rank in waiting))
+            time.sleep(0.01)
 
     def seen_kv_nonce(self, rank: int) -> str | None:
         """The registration nonce of `rank` the last engine-KV check saw (None: none live)."""
@@ -518,6 +595,7 @@ class WorkerSupervisor:
         """A replacement did not start: the rank is down (tasks fail at once) until the next
         try, `restart_backoff_s` doubling per failure in a row."""
         w.start_failures += 1
+        w.start_failures_total += 1
         self.start_failures_total += 1
         w.last_error = reason
         delay = min(self.max_restart_backoff_s,
@@ -566,8 +644,9 @@ class WorkerSupervisor:
                 "rank": w.rank, "pid": w.proc.pid if w.proc else None, "state": w.state,
                 "heartbeat_age_s": None if age is None else round(age, 3),
                 "tasks_inflight": st.tasks_inflight, "restarts": w.restarts,
-                "start_failures": w.start_failures, "next_start_in_s": retry,
-                "last_error": w.last_error,
+                "start_failures": w.start_failures,
+                "start_failures_total": w.start_failures_total, "next_start_in_s": retry,
+                "last_error": w.last_error, "host_numa_node": st.host_numa_node,
             })
         return out
 

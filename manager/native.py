@@ -228,6 +228,21 @@ def _load() -> tuple[ModuleType | None, str]:
     return _native, ""
 
 
+def py_keyed_hits(get: Callable[[int], Node | None], hashes: Sequence[bytes], busy: int) -> int:
+    """Leading blocks of an engine's `hashes` held on the host and ready (no `busy` flag):
+    the key is the hash's first 16 bytes, little-endian (`kvtier.manager.keyed.engine_key`)."""
+    n = 0
+    from_bytes = int.from_bytes
+    for h in hashes:
+        if len(h) < 16:
+            break  # short hashes are keyed by a digest: the one-by-one lookup handles them
+        node = get(from_bytes(h[:16], "little"))
+        if node is None or node.host is None or node.flags & busy:
+            break
+        n += 1
+    return n
+
+
 _ext, UNAVAILABLE = _load()
 
 chain_keys: ChainKeys | None = None
@@ -237,6 +252,7 @@ pool_free: Callable[[bytearray, list[int], list[int]], bool] | None = None
 checks and frees itself)."""
 walk_hits: WalkHits = py_walk_hits
 release_walk: ReleaseWalk = py_release_walk
+keyed_hits = py_keyed_hits
 _loops = PY_LOOPS
 
 
@@ -277,3 +293,4 @@ def use(native: bool) -> None:
 
 
 use(_ext is not None)
+

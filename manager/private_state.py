@@ -71,6 +71,26 @@ def private_dir(path: Path, error: type[PrivateStateError] = PrivateStateError) 
         path.chmod(0o700)
 
 
+def cache_base(env: Mapping[str, str] | None = None) -> Path:
+    """`$XDG_CACHE_HOME/kvtier`, or `~/.cache/kvtier` when XDG_CACHE_HOME is unset or not
+    absolute (the XDG rule: a relative value is ignored)."""
+    environ = os.environ if env is None else env
+    base = environ.get("XDG_CACHE_HOME", "")
+    if not base or not os.path.isabs(base):
+        home = environ.get("HOME") or str(Path.home())
+        base = os.path.join(home, ".cache")
+    return Path(base) / "kvtier"
+
+
+def default_storage_path(deployment_id: str, env: Mapping[str, str] | None = None) -> Path:
+    """Where the file storage tier lives when `storage.path` is empty:
+    `<cache_base>/<deployment_id>/storage`. Stored pages can always be recomputed, so they
+    are cache data (XDG_CACHE_HOME), not state; the path is absolute, so it does not depend
+    on the folder kvtier was started from (the old default, `.kvtier/storage` under the
+    current folder, gave one deployment a different store per working directory)."""
+    return cache_base(env) / deployment_id / "storage"
+
+
 def default_secret_file(env: Mapping[str, str] | None = None) -> Path:
     """Where the storage secret lives when `storage.secret_file` is empty."""
     return state_base(env) / SECRET_FILE_NAME

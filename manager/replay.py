@@ -310,8 +310,13 @@ def plot_hit_rates(report: ReplayReport, path: str) -> None:
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        # `make run` plots to .kvtier/replay.png; the folder used to exist because the file
+        # storage tier defaulted to .kvtier/storage, which it no longer does.
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
 
 
 def _print_report(report: ReplayReport, stack: Stack) -> None:
@@ -375,7 +380,11 @@ def _run_replay_command(args: argparse.Namespace) -> int:
         else:
             _print_report(report, stack)
     if args.plot:
-        plot_hit_rates(report, args.plot)
+        try:
+            plot_hit_rates(report, args.plot)
+        except OSError as e:  # one line, never a traceback; the report is already printed
+            print(f"kvtier replay: --plot {args.plot!r}: {e.strerror or e}", file=sys.stderr)
+            return 1 if report.corrupt_blocks else 3
         if not args.json:
             print(f"plot written to {Path(args.plot).resolve()}")
     return 1 if report.corrupt_blocks else 0

@@ -17,6 +17,16 @@ Request life cycle::
     release(rid)               references dropped tail first (leaves age first); blocks
                                that never joined the tree go back to the free list
 
+Sleep (weight updates; `kvtier.manager.stack.Stack.sleep` / `wake` drive it)::
+
+    awake --sleep()--> asleep: tree cleared without waiting, active requests cancelled
+      (RequestCancelledError; release() of one is a no-op), transfers in flight cancelled by
+      the workers; their blocks come back as each is answered, never served
+    asleep --(nothing in flight) rebuild(device, host)--> asleep, empty pools of new sizes
+    asleep --wake()--> awake
+    While asleep, match / prefetch / pin / unpin / reset raise AsleepError; a call that was
+    waiting (lock released) when the sleep began raises RequestCancelledError.
+
 Block ownership (the invariant the tests check after every operation): each block id of a
 tier is exactly one of free (in the pool), held by the tree (a node in the map has it), or
 owned by a request (allocated to it and not in the tree, or held by a detached node).
@@ -26,7 +36,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from typing import TypedDict
@@ -35,8 +46,10 @@ from kvtier.manager import native
 from kvtier.manager.block_pool import BlockPool
 from kvtier.manager.cache_state import OnDone, RequestState, StorageHooks
 from kvtier.manager.errors import (
+    AsleepError,
     InvalidRequestError,
     OutOfBlocksError,
+    RequestCancelledError,
     ResetBusyError,
     TransferTimeoutError,
     UnknownRequestError,
@@ -48,6 +61,8 @@ from kvtier.manager.tree import (
     BACKING,
     CANCEL_EVICT,
     DEVICE_BUSY,
+    ENGINE_READ,
+    ENGINE_WRITE,
     EVICTING,
     FROM_STORAGE,
     HOST_BUSY,
@@ -55,6 +70,7 @@ from kvtier.manager.tree import (
     PINNED,
     PREFETCHING,
     SAVING,
+    STORED,
     DeviceLRU,
     HostLRU,
     Node,
@@ -62,7 +78,8 @@ from kvtier.manager.tree import (
 from kvtier.worker.wire import Completion, Priority, Task, TaskKind
 
 _monotonic = time.monotonic
-IN_FLIGHT = LOADING | SAVING | EVICTING | PREFETCHING | BACKING
+# ENGINE_READ / ENGINE_WRITE: host copies an engine's own process is copying (manager.keyed).
+IN_FLIGHT = LOADING | SAVING | EVICTING | PREFETCHING | BACKING | ENGINE_READ | ENGINE_WRITE
 
 TREE_NORMAL, TREE_CLEARING, TREE_CLEARED = 0, 1, 2
 
@@ -100,6 +117,8 @@ class Counters:
     failed_tasks: int = 0
     resets: int = 0
     lost_all: int = 0
+    sleeps: int = 0
+    lost_device: int = 0  # the device memory was replaced, host copies kept (`lose_device`)
 
 
 class SchedulerStats(TypedDict):
@@ -196,6 +215,13 @@ class KVCacheManager:
         # Requests active when every cached byte was lost (`lose_all`): what they computed
         # before is gone on some rank, so their commits join nothing.
         self._lost_requests: set[str] = set()
+        # Engine KV (`track_device_copies`): host copies whose D2H completed after the last
+        # registration check that confirmed the device memory they were read from, as
+        # (completion number, node, host block); trusted, and backed up to storage, only
+        # once `confirm_device_copies` covers them, dropped by `lose_device`.
+        self.track_device_copies = False
+        self._unconfirmed: deque[tuple[int, Node, int]] = deque()
+        self._d2h_done = 0
         self._seq = 0
         self._outbox: list[Task] = []
         self._lock = threading.RLock()
@@ -204,6 +230,10 @@ class KVCacheManager:
         self.counters = Counters()
         self.tree_status = TREE_NORMAL
         self.paused = False
+        # Sleep (see the module docstring): `asleep` refuses scheduler calls; `_cancelled`
+        # holds the requests a sleep cancelled until they are released or matched again.
+        self.asleep = False
+        self._cancelled: set[str] = set()
         self._dev_in_tree = 0
         self._host_in_tree = 0
         # The storage tier, handed in by whoever builds the manager (`kvtier.manager.stack`)
@@ -217,8 +247,12 @@ class KVCacheManager:
         """Find the longest cached prefix of `token_ids` (at most len-1 tokens: the model
         must compute at least one) and reserve it for `request_id`."""
         with self._lock:
+            if self.asleep:
+                self._refuse_asleep("match")
             if request_id in self._requests:
                 raise InvalidRequestError(f"request {request_id!r} is already active")
+            self._cancelled.discard(request_id)
+            sleeps = self.counters.sleeps
             bs = self.block_size
             try:
                 keys = chain_keys(token_ids, bs, extra_keys=extra_keys)
@@ -228,7 +262,7 @@ class KVCacheManager:
                 raise InvalidRequestError(
                     f"request {request_id!r}: token_ids must be a sequence of ints") from None
             req = RequestState(keys, extra_keys)
-            lost_before = self.counters.lost_all
+            lost_before = self.counters.lost_all + self.counters.lost_device
             n_tokens = len(token_ids)
             cap = (n_tokens - 1) // bs if n_tokens else 0
             now = _monotonic()
@@ -255,7 +289,7 @@ class KVCacheManager:
                         break
                     node = tree[keys[len(nodes)]]
                     if node.dev is None:
-                        if node.host is None or node.flags & PREFETCHING:
+                        if node.host is None or node.flags & (PREFETCHING | ENGINE_WRITE):
                             break
                         host_hits.append(len(nodes))
                         if node.flags & FROM_STORAGE:
@@ -291,6 +325,8 @@ class KVCacheManager:
                 if not storage.on_miss(req, token_ids, len(nodes), limit):
                     break
             self._dev_lru.size -= unlinked
+            if self.counters.sleeps != sleeps:
+                raise self._cancelled_during_wait(request_id)
             n_host = self._load_host_hits(req, host_hits, waits) if host_hits else 0
             n_storage = min(n_storage, n_host)
             req.blocks = self._loops.dev_ids(nodes)  # type: ignore[arg-type,assignment]
@@ -309,7 +345,7 @@ class KVCacheManager:
             handle = LoadHandle(self.dispatcher if waits else None, waits, n_hit * bs, bs,
                                 self.transfer_timeout_s)
             req.handle = handle
-            if self.counters.lost_all != lost_before:
+            if self.counters.lost_all + self.counters.lost_device != lost_before:
                 # A worker was lost while this match waited (lock released): what it found
                 # is gone on that rank. Nothing of it is valid, and nothing it computes is
                 # cached.
@@ -441,6 +477,9 @@ class KVCacheManager:
         with self._lock:
             req = self._requests.pop(request_id, None)
             if req is None:
+                if request_id in self._cancelled:  # a sleep reclaimed its blocks already
+                    self._cancelled.discard(request_id)
+                    return
                 raise UnknownRequestError(
                     f"request {request_id!r} is not active (never matched or already "
                     f"released)")
@@ -475,6 +514,8 @@ class KVCacheManager:
         if self.storage is None:
             return False
         with self._lock:
+            if self.asleep:
+                self._refuse_asleep("prefetch")
             keys = self._keys_or_error(token_ids, extra_keys)
             req = RequestState(keys, extra_keys)
             n = len(token_ids)
@@ -492,6 +533,25 @@ class KVCacheManager:
             self._flush()
             return True
 
+    def revoke_prefetch(self, token_ids: Sequence[int],
+                        extra_keys: Sequence[object] | None = None) -> int:
+        """Cancel the storage work under way for this prompt (what `prefetch`, or a `match`
+        that missed, started for it): the scheduler calls it with the prompt it gave
+        `prefetch` when that queued request is aborted, or when it is scheduled and should
+        take what has landed rather than wait. Queries not answered yet start no prefetch;
+        prefetches stop on every worker after the page batch they are reading. Pages already
+        read stay on the host and are served as storage hits; blocks not read are freed when
+        their task answers, never served. Only work filling blocks of this prompt alone is
+        revoked (a prefetch reaching past it fills a longer prompt and goes on). Returns how
+        many queries and prefetches were revoked (0 without a storage tier)."""
+        if self.storage is None:
+            return 0
+        with self._lock:
+            keys = self._keys_or_error(token_ids, extra_keys)
+            n = self.storage.revoke(keys)
+            self._flush()
+            return n
+
     # ------------------------------------------------------------------ admin API
 
     def pin(self, token_ids: Sequence[int], extra_keys: Sequence[object] | None = None) -> int:
@@ -499,6 +559,8 @@ class KVCacheManager:
         blocks are loaded. Returns the number of blocks pinned (the prefix stops at the first
         block that is not cached)."""
         with self._lock:
+            if self.asleep:
+                self._refuse_asleep("pin")
             keys = self._keys_or_error(token_ids, extra_keys)
             pinned: list[Node] = []
             for key in keys:
@@ -530,6 +592,8 @@ class KVCacheManager:
     def unpin(self, token_ids: Sequence[int], extra_keys: Sequence[object] | None = None) -> int:
         """Undo one `pin` of this prefix. Returns the number of blocks unpinned."""
         with self._lock:
+            if self.asleep:
+                self._refuse_asleep("unpin")
             keys = self._keys_or_error(token_ids, extra_keys)
             count = 0
             freed: list[Node] = []
@@ -553,6 +617,8 @@ class KVCacheManager:
         """Empty the tree and both tiers' caches once in-flight transfers have finished.
         Requests in flight keep their blocks (they become the requests' own). Raises
         ResetBusyError, with nothing cleared, if transfers do not finish in `timeout`."""
+        if self.asleep:
+            self._refuse_asleep("reset")
         self.tree_status = TREE_CLEARING
         try:
             deadline = _monotonic() + timeout
@@ -588,6 +654,199 @@ class KVCacheManager:
             self._lost_requests.update(self._requests)
             self.counters.lost_all += 1
             return cleared
+
+    # ------------------------------------------------------------------ sleep
+
+    def sleep(self) -> dict[str, int]:
+        """Go to sleep at once (see the module docstring): every scheduler call is refused
+        from now on, the tree is emptied without waiting, active requests are cancelled and
+        transfers in flight are left to the workers to cancel; their blocks come back as
+        they are answered and are never served. Returns what was cleared and cancelled."""
+        with self._lock:
+            if self.asleep:
+                raise AsleepError("sleep: the deployment is already asleep (wake it first)")
+            self.asleep = True
+            self.paused = True
+            self.tree_status = TREE_CLEARING
+            self.counters.sleeps += 1
+            tasks = len(self._inflight)
+            cleared = self._clear_all()
+            cleared["requests_cancelled"] = len(self._requests)
+            cleared["tasks_cancelled"] = tasks
+            self._cancelled.update(self._requests)
+            self._requests.clear()
+            self._lost_requests.clear()
+            return cleared
+
+    def settled(self) -> bool:
+        """Asleep, whether every task of before the sleep has been answered and every block
+        written off has come back (an engine's own host copies, `manager.keyed`, included)."""
+        with self._lock:
+            return not self._inflight and not self._written_off
+
+    def rebuild(self, device_blocks: int, host_blocks: int) -> None:
+        """Asleep, with nothing in flight: empty free lists of these sizes (the workers'
+        pools are re-created to match). ResetBusyError while tasks are still in flight."""
+        if device_blocks <= 0 or host_blocks < 0:
+            raise ValueError(f"rebuild: {device_blocks} device / {host_blocks} host blocks")
+        with self._lock:
+            if not self.asleep:
+                raise AsleepError("rebuild: the deployment is awake (sleep first)")
+            if self._inflight or self._written_off:
+                raise ResetBusyError(
+                    f"rebuild: {len(self._inflight)} task(s) and {len(self._written_off)} "
+                    "written-off block(s) of before the sleep are still in flight (an engine's "
+                    "own copies must complete first)")
+            self._dev_pool = BlockPool("device", device_blocks)
+            self._host_pool = BlockPool("host", host_blocks)
+            loops = self._loops
+            self._dev_lru = DeviceLRU(loops.node_class)
+            self._host_lru = HostLRU(loops.node_class)
+            self._node_cls = loops.node_class if host_blocks else loops.device_node_class
+            self._map.clear()
+            self._pins.clear()
+            self._written_off.clear()
+            self._unconfirmed.clear()  # their nodes went with the tree
+            self._dev_in_tree = self._host_in_tree = 0
+            self.tree_status = TREE_CLEARED
+
+    def wake(self) -> None:
+        """Serve again (after `rebuild` and the workers' pools are back)."""
+        with self._lock:
+            self.asleep = False
+            self.paused = False
+            self.tree_status = TREE_NORMAL
+
+    def _refuse_asleep(self, what: str) -> None:
+        raise AsleepError(f"{what}: the deployment is asleep (its KV pools are freed for a "
+                          "weight update); wake it first")
+
+    def _cancelled_during_wait(self, request_id: str) -> RequestCancelledError:
+        self._cancelled.add(request_id)
+        return RequestCancelledError(
+            f"request {request_id!r} was cancelled: the deployment went to sleep while it "
+            "waited for a transfer; match it again after the wake")
+
+    def device_copy_mark(self) -> int:
+        """Taken before a registration check reads the records: every host copy completed so
+        far was read from the device memory that check will see (or an older one)."""
+        return self._d2h_done
+
+    def unconfirmed_device_copies(self) -> int:
+        """Host copies waiting for a registration check to confirm them (engine KV)."""
+        return len(self._unconfirmed)
+
+    def confirm_device_copies(self, mark: int) -> int:
+        """A registration check that started at `mark` found every rank's device memory
+        unchanged: the host copies completed before `mark` were read from live, current
+        memory. They become trusted and go on to storage. Returns how many were confirmed."""
+        with self._lock:
+            confirmed: list[Node] = []
+            queue = self._unconfirmed
+            while queue and queue[0][0] < mark:
+                _, node, host = queue.popleft()
+                if node.key is not None and node.host == host:
+                    confirmed.append(node)
+            if confirmed and self.storage is not None:
+                self.storage.backup(confirmed)
+                self._flush()  # the backup tasks go out now, not with the next API call
+            return len(confirmed)
+
+    def lose_device(self) -> dict[str, int]:
+        """The device tier's memory was replaced (the model runner restarted, or closed and
+        registered its KV again) while kvtier's own host pools live on: forget every device
+        copy, keep the host copies and what storage holds. Not kept, since their bytes may
+        come from the new memory or be garbage: host copies not yet confirmed
+        (`confirm_device_copies`), and nodes with a device transfer in flight (written off:
+        their blocks return when the transfer is answered; they are never matched again).
+        Requests active now commit nothing more (what they computed is in the old memory)."""
+        with self._lock:
+            host_dropped = written_off = dev_dropped = detached = 0
+            while self._unconfirmed:
+                _, node, host = self._unconfirmed.popleft()
+                if node.key is None or node.host != host:
+                    continue
+                if node.flags & (HOST_BUSY & ~PINNED):
+                    self._write_off(node)
+                    written_off += 1
+                    continue
+                self._drop_host_copy(node)
+                host_dropped += 1
+                self._refresh(node)
+                self._forget(node)
+            for node in list(self._map.values()):
+                if node.dev is None:
+                    continue
+                if node.flags & (LOADING | SAVING | EVICTING):
+                    self._write_off(node)
+                    written_off += 1
+                    continue
+                if node.ref == 0:
+                    if node.dprev is not None:
+                        self._dev_lru.unlink(node)
+                    self._dev_pool.free_one(node.dev)
+                    node.dev = None
+                    self._dev_in_tree -= 1
+                    dev_dropped += 1
+                    self._refresh(node)
+                    self._forget(node)
+                    continue
+                # Requests hold the block: it becomes theirs (a detached node); a host copy
+                # stays cached under a fresh node, unless a host transfer uses it now.
+                if node.host is not None and node.flags & (PREFETCHING | BACKING):
+                    self._write_off(node)
+                    written_off += 1
+                    continue
+                detached += 1
+                key = node.key
+                assert key is not None
+                if node.host is not None:
+                    fresh = self._node_cls(key, None, node.host, node.last)
+                    fresh.hits = node.hits
+                    fresh.skey = node.skey
+                    fresh.flags = node.flags & (STORED | FROM_STORAGE | PINNED)
+                    if node.hprev is not None:
+                        self._host_lru.unlink(node)
+                    self._map[key] = fresh
+                    if node in self._pins:
+                        self._pins[fresh] = self._pins.pop(node)
+                    node.host = None
+                    self._refresh(fresh)
+                else:
+                    del self._map[key]
+                    self._pins.pop(node, None)
+                if node.dprev is not None:
+                    self._dev_lru.unlink(node)
+                node.key = None
+                node.flags &= ~(PINNED | STORED | FROM_STORAGE)
+                self._dev_in_tree -= 1
+            self._lost_requests.update(self._requests)
+            self.counters.lost_device += 1
+            return {"device_blocks": dev_dropped, "detached_in_use": detached,
+                    "unconfirmed_host_blocks": host_dropped, "written_off": written_off,
+                    "nodes_kept": len(self._map)}
+
+    def _write_off(self, node: Node) -> None:
+        """Take an attached node out of the tree now. Blocks a transfer in flight uses come
+        back when it is answered (`_written_off`, `_settle`); a device block requests hold
+        becomes theirs. Caller holds the lock."""
+        if node.dprev is not None:
+            self._dev_lru.unlink(node)
+        if node.hprev is not None:
+            self._host_lru.unlink(node)
+        if node.dev is not None:
+            self._dev_in_tree -= 1
+        if node.host is not None:
+            self._host_in_tree -= 1
+        if node.key is not None and self._map.get(node.key) is node:
+            del self._map[node.key]
+        self._pins.pop(node, None)
+        node.key = None
+        node.flags &= ~PINNED
+        if node.flags & IN_FLIGHT:
+            self._written_off.add(node)
+        else:
+            self._settle(node)
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -711,11 +970,49 @@ class KVCacheManager:
         self._forget(node)
         self._settle(node)
 
+    # ------------------------------------------------------------------ key-addressed surface
+    # What `kvtier.manager.keyed.KeyedHostCache` needs beyond `CacheState` (lock held).
+
+    @property
+    def tree_get(self) -> Callable[[int], Node | None]:
+        """The tree map's `get` (the map object lives as long as the manager)."""
+        return self._map.get
+
+    @property
+    def host_capacity(self) -> int:
+        return self._host_pool.capacity
+
+    @property
+    def host_free(self) -> int:
+        return self._host_pool.num_free
+
+    def host_block_is_free(self, host_id: int) -> bool:
+        return self._host_pool.is_free(host_id)
+
+    def give_host_blocks(self, ids: list[int]) -> None:
+        """Return host blocks taken with `take_host_block` and never used."""
+        if ids:
+            self._host_pool.free(ids)
+
+    def relist_tail(self, node: Node) -> None:
+        """Make an evictable host copy the most recently used."""
+        if node.hprev is not None:
+            self._host_lru.unlink(node)
+            self._host_lru.append(node)
+
+    def flush(self) -> None:
+        """Send the tasks queued so far (the scheduler API calls do it when they end)."""
+        self._flush()
+
     # ------------------------------------------------------------------ internals
 
     def _get(self, request_id: str) -> RequestState:
         req = self._requests.get(request_id)
         if req is None:
+            if request_id in self._cancelled:
+                raise RequestCancelledError(
+                    f"request {request_id!r} was cancelled: the deployment went to sleep "
+                    "(weight update); its blocks were reclaimed, match it again after the wake")
             raise UnknownRequestError(
                 f"request {request_id!r} is not active (never matched or already released)")
         return req
@@ -995,6 +1292,7 @@ class KVCacheManager:
         """Send what is queued, then wait for tasks with the lock released, so the completion
         thread can apply them."""
         self._flush()
+        sleeps = self.counters.sleeps
         depth = 0
         while True:  # release however many times the calling thread holds the lock
             try:
@@ -1007,6 +1305,11 @@ class KVCacheManager:
         finally:
             for _ in range(depth):
                 self._lock.acquire()
+        if self.counters.sleeps != sleeps:
+            # Everything this call held was reclaimed by the sleep: it must not go on.
+            raise RequestCancelledError(
+                "the deployment went to sleep while this call waited for a transfer; "
+                "match again after the wake")
 
     # ------------------------------------------------------------------ completions
 
@@ -1020,14 +1323,14 @@ class KVCacheManager:
                 self.counters.failed_tasks += 1
             kind = rec.task.kind
             if kind == TaskKind.H2D:
-                self._finish_load(rec, ok)
+                self._finish_load(rec, ok, comp.error)
             elif kind == TaskKind.D2H:
                 self._finish_d2h(rec, ok)
             if rec.on_done is not None:
                 rec.on_done(ok, comp)
             self._flush()
 
-    def _finish_load(self, rec: _Inflight, ok: bool) -> None:
+    def _finish_load(self, rec: _Inflight, ok: bool, error: str = "") -> None:
         exclusive = self.policy.exclusive
         for node in reversed(rec.nodes):  # tail first: leaves age first
             node.flags &= ~LOADING
@@ -1066,7 +1369,7 @@ class KVCacheManager:
             self._settle(node)
         if not ok:
             for h, idx in rec.handles:
-                h.note_failure(idx)
+                h.note_failure(idx, error)
         rec.handles.clear()
 
     def _finish_d2h(self, rec: _Inflight, ok: bool) -> None:
@@ -1088,7 +1391,15 @@ class KVCacheManager:
             self._refresh(node)
             self._forget(node)
             self._settle(node)
-        if ok and self.storage is not None:
+        if ok and self.track_device_copies:
+            # Read from the model runner's memory, which may have been replaced under the
+            # task: trusted (and backed up) once a registration check confirms it.
+            done = self._d2h_done
+            self._d2h_done = done + 1
+            for node in rec.nodes:
+                if node.key is not None and node.host is not None:
+                    self._unconfirmed.append((done, node, node.host))
+        elif ok and self.storage is not None:
             self.storage.backup(rec.nodes)
 
     def _settle(self, node: Node) -> None:
@@ -1134,6 +1445,7 @@ class KVCacheManager:
         self._host_pool.free(compress(range(len(host_ids)), host_ids))
         nodes = len(self._map)
         pins = len(self._pins)
+        self._unconfirmed.clear()
         self._map.clear()
         self._pins.clear()
         self._dev_in_tree = 0

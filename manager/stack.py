@@ -22,6 +22,24 @@ Either way the workers get the same `WorkerSpec`s (`worker_specs(cfg)`), the man
 same `KVCacheManager`, and a `StorageTier` is built and handed to it when a storage backend
 is configured.
 
+Sleep and wake (weight updates, FastDeploy's "clear the tree, free the KV, re-create it"):
+
+    stack.sleep()      pause; the manager clears its tree without waiting and cancels active
+                       requests (`KVCacheManager.sleep`); tree status CLEARING; every worker
+                       cancels the tasks it holds and frees its device and host pools (pools
+                       generation odd, see `kvtier.worker.ipc`); once every rank freed them
+                       and every cancelled task is answered (blocks reclaimed, never
+                       served): tree status CLEARED
+    ... the engine updates its weights (with engine KV: frees its KV, re-registers) ...
+    stack.wake(device_blocks=None, host_blocks=None)
+                       sizes checked like the configuration; the manager's free lists and
+                       every worker's pools re-created at them (pools generation even); the
+                       configuration takes the sizes; tree status NORMAL; resumed
+
+While asleep every scheduler call raises AsleepError, a task reaching a worker fails at once,
+and a model runner's `LayerWaiter.wait` raises `DeploymentAsleep`. A failed wake (a rank
+could not re-create its pools) leaves the deployment asleep: wake again, e.g. smaller.
+
 Start order: IPC names (stale ones of this deployment removed) -> worker processes (each
 builds its pools and reports ready) -> dispatcher -> manager (-> storage tier). Stop order is
 the reverse, and `close()` is safe to call from any state: it always ends with every process
@@ -34,14 +52,22 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvtier.manager.config import ConfigError, KvtierConfig, page_bytes, rank_device, summary
-from kvtier.manager.errors import KvtierError
+from kvtier.manager.config import (
+    ConfigError,
+    KvtierConfig,
+    page_bytes,
+    rank_device,
+    summary,
+    with_pool_sizes,
+)
+from kvtier.manager.errors import AsleepError, KvtierError, TransferTimeoutError
 from kvtier.manager.launcher import WorkerSupervisor
 from kvtier.manager.private_state import storage_secret
-from kvtier.manager.scheduler import KVCacheManager
+from kvtier.manager.scheduler import TREE_CLEARED, KVCacheManager
 from kvtier.manager.storage_tier import StorageTier
 from kvtier.manager.transfers import Dispatcher, ImmediateDispatcher
 from kvtier.worker.ipc import TreeStatus
@@ -90,11 +116,13 @@ def worker_spec(cfg: KvtierConfig, rank: int, storage_tag: str = "") -> WorkerSp
         num_layers=c.model.num_layers, num_kv_heads=c.model.num_kv_heads,
         head_dim=c.model.head_dim, dtype=c.model.dtype, block_size=c.cache.block_size,
         device_blocks=c.cache.device_blocks, host_blocks=c.cache.host_blocks,
-        device=rank_device(c, rank), storage_backend=s.backend, storage_path=s.path,
+        device=rank_device(c, rank), storage_backend=s.backend, storage_path=c.storage_dir(),
         storage_url=s.url, storage_capacity_bytes=s.capacity_bytes,
         storage_ttl_s=int(s.ttl_s), backup_one_rank=s.backup_one_rank,
         manager_timeout_s=max(3.0, c.workers.heartbeat_timeout_s), model_name=c.model.name,
         storage_tag=storage_tag, storage_secret=secret.hex(),
+        num_extra_layers=c.model.num_extra_layers, kv_scales=c.model.kv_scales,
+        host_numa=str(c.workers.host_numa),
         # the wait for the model runner's registration ends inside the supervisor's
         # ready timeout, so the worker's own error (what is missing) is the one reported
         engine_kv=c.workers.engine_kv, engine_kv_timeout_s=0.8 * c.workers.ready_timeout_s)
@@ -140,6 +168,7 @@ class Stack:
         self.storage: StorageTier | None = None
         self._closed = False
         self._lock = threading.Lock()
+        self._sleep_lock = threading.Lock()  # one sleep or wake at a time
         self._transfer_observers: list[TransferObserver] = []
 
     # ------------------------------------------------------------------ life cycle
@@ -170,7 +199,10 @@ class Stack:
                     self.worker_spec, c.workers.count, c.deployment_id,
                     ready_timeout_s=c.workers.ready_timeout_s,
                     heartbeat_timeout_s=c.workers.heartbeat_timeout_s, log_dir=self.log_dir,
-                    on_worker_lost=self._on_worker_lost, keep_logs=self.keep_worker_logs)
+                    on_worker_lost=self._on_worker_lost, keep_logs=self.keep_worker_logs,
+                    on_device_lost=self._on_device_lost,
+                    device_copy_mark=self._device_copy_mark,
+                    on_device_confirmed=self._on_device_confirmed)
                 to_processes = self.supervisor.make_dispatcher()
                 to_processes.transfer_seconds = _ObservedTransferLog(
                     to_processes.transfer_seconds.maxlen, self._transfer_observers)
@@ -182,7 +214,11 @@ class Stack:
                 hit_threshold=c.cache.hit_threshold,
                 decode_reserve_blocks=c.cache.decode_reserve_blocks, dispatcher=dispatcher,
                 page_bytes=self.page_bytes,
-                num_layers=c.model.num_layers, transfer_timeout_s=self.transfer_timeout_s)
+                num_layers=c.model.num_layers + c.model.num_extra_layers,
+                transfer_timeout_s=self.transfer_timeout_s)
+            # engine KV: host copies read from the model runner's memory are trusted once a
+            # registration check confirms that memory (see WorkerSupervisor._check_engine_kv)
+            self.manager.track_device_copies = c.workers.engine_kv and not self.embedded
             if c.storage.backend != "none":
                 self.storage = StorageTier(self.manager, c)
                 self.manager.storage = self.storage
@@ -202,6 +238,21 @@ class Stack:
             log.error("rank %d lost (%s): every cached block is gone with its pools (%s)",
                       rank, reason, cleared)
 
+    def _on_device_lost(self, rank: int, reason: str) -> None:
+        """A model runner's KV registration changed: its device memory is gone, kvtier's own
+        host pools (the workers') and storage are not."""
+        if self.manager is not None:
+            kept = self.manager.lose_device()
+            log.error("rank %d: %s: device copies dropped, host copies kept (%s)", rank, reason,
+                      kept)
+
+    def _device_copy_mark(self) -> int:
+        return 0 if self.manager is None else self.manager.device_copy_mark()
+
+    def _on_device_confirmed(self, mark: int) -> None:
+        if self.manager is not None:
+            self.manager.confirm_device_copies(mark)
+
     def close(self) -> None:
         """Stop everything (idempotent): drain transfers briefly, stop workers, unlink."""
         with self._lock:
@@ -210,6 +261,11 @@ class Stack:
             self._closed = True
         if self.manager is not None:
             self.manager.dispatcher.drain(5.0)
+            if self.supervisor is not None and self.manager.track_device_copies:
+                # engine KV: host copies wait for a registration check before their storage
+                # backups start; check now, then let those backups finish
+                self.supervisor.check_engine_kv_now()
+                self.manager.dispatcher.drain(5.0)
         if self.supervisor is not None:
             self.supervisor.stop()
         if self.workers is not None:
@@ -261,6 +317,14 @@ class Stack:
             return False, why
         return True, "manager threads running"
 
+    def workers_ready(self) -> bool:
+        """Every rank's worker is up (cheap: for per-block callers such as
+        `KeyedHostCache`'s `host_ready`)."""
+        if self.manager is None:
+            return False
+        sup = self.supervisor
+        return sup is None or all(w.state == "ready" for w in sup.workers)
+
     def ready(self) -> tuple[bool, str]:
         if self.manager is None:
             return False, "starting"
@@ -285,6 +349,8 @@ class Stack:
 
     def resume(self) -> None:
         m = self.require_manager()
+        if m.asleep:
+            raise AsleepError("resume: the deployment is asleep; wake it (which resumes)")
         m.paused = False
         if self.supervisor is not None:
             self.supervisor.ipc.paused = False
@@ -296,6 +362,8 @@ class Stack:
         seconds, default `timeout`). Raises ResetBusyError (nothing cleared) when transfers do
         not finish in time."""
         m = self.require_manager()
+        if m.asleep:  # the sleep cleared everything; its tree status must stand
+            raise AsleepError("reset: the deployment is asleep (its pools are freed); wake it")
         self._publish_tree_status(TreeStatus.CLEARING)
         try:
             cleared: dict[str, Any] = dict(m.reset(timeout))
@@ -307,6 +375,74 @@ class Stack:
             return cleared
         finally:
             self._publish_tree_status(TreeStatus.NORMAL)
+
+    def sleep(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Free every pool for a weight update (see the module docstring): returns what was
+        cleared and cancelled. AsleepError when already asleep; TransferTimeoutError when a
+        rank did not free its pools or cancelled tasks were not answered within `timeout`
+        (the deployment stays asleep: wake it, or sleep again)."""
+        m = self.require_manager()
+        sup = self.supervisor
+        if sup is None:
+            raise KvtierError("sleep needs worker processes: embedded ranks live in the "
+                              "engine's process, which frees and re-creates them itself")
+        with self._sleep_lock:
+            cleared: dict[str, Any] = dict(m.sleep())
+            sup.pools_asleep = True
+            sup.ipc.paused = True
+            self._publish_tree_status(TreeStatus.CLEARING)
+            generation = sup.ipc.pools_generation + 1  # even while awake; odd: freed
+            sup.ipc.set_pools_generation(generation)
+            deadline = time.monotonic() + timeout
+            sup.wait_pools(generation, timeout)
+            if not m.dispatcher.drain(max(0.0, deadline - time.monotonic())):
+                raise TransferTimeoutError(
+                    f"sleep: {m.dispatcher.pending()} cancelled task(s) not answered within "
+                    f"{timeout:.3g} s (the pools are freed; wake when they are)")
+            m.tree_status = TREE_CLEARED
+            self._publish_tree_status(TreeStatus.CLEARED)
+            log.info("asleep: pools freed on every rank (%s)", cleared)
+            return cleared
+
+    def wake(self, device_blocks: int | None = None, host_blocks: int | None = None,
+             timeout: float | None = None) -> dict[str, Any]:
+        """Re-create the pools (at new sizes when given) and serve again. ConfigError (still
+        asleep, nothing changed) when the sizes are invalid or do not fit this machine;
+        AsleepError when not asleep; WorkerStartError / TransferTimeoutError when a rank could
+        not re-create its pools (still asleep). Returns the sizes now in force."""
+        m = self.require_manager()
+        sup = self.supervisor
+        if sup is None:
+            raise KvtierError("wake needs worker processes (see sleep)")
+        with self._sleep_lock:
+            if not m.asleep:
+                raise AsleepError("wake: the deployment is not asleep")
+            c = self.cfg.cache
+            cfg = with_pool_sizes(self.cfg, c.device_blocks if device_blocks is None
+                                  else device_blocks,
+                                  c.host_blocks if host_blocks is None else host_blocks)
+            wait = self.cfg.workers.ready_timeout_s if timeout is None else timeout
+            if not m.dispatcher.drain(wait) or not m.settled():
+                raise TransferTimeoutError("wake: tasks (or an engine's own host copies) of "
+                                           "before the sleep are still in flight; try again")
+            ipc = sup.ipc
+            if ipc.pools_generation % 2 == 0:  # a failed wake: free what it made first
+                ipc.set_pools_generation(ipc.pools_generation + 1)
+                sup.wait_pools(ipc.pools_generation, wait)
+            generation = ipc.pools_generation + 1
+            dev, host = cfg.cache.device_blocks, cfg.cache.host_blocks
+            m.rebuild(dev, host)
+            ipc.set_pools_generation(generation, dev, host)
+            sup.wait_pools(generation, wait)
+            self.cfg = cfg  # replacements of workers start at these sizes
+            if self.storage is not None:
+                self.storage.resize(cfg)
+            sup.pools_asleep = False
+            m.wake()
+            ipc.paused = False
+            self._publish_tree_status(TreeStatus.NORMAL)
+            log.info("awake: %d device / %d host blocks per rank", dev, host)
+            return {"device_blocks": dev, "host_blocks": host}
 
     def _publish_tree_status(self, status: TreeStatus) -> None:
         """Tell the worker processes (a shared-memory flag); embedded ranks need no telling."""
@@ -340,6 +476,7 @@ class Stack:
             "hit_rate": {k: (v / lookup if lookup else 0.0) for k, v in hits.items()}
             | {"total": (sum(hits.values()) / lookup if lookup else 0.0)},
             "paused": m.paused,
+            "asleep": m.asleep,
             "tree_status": st["tree_status"],
             "requests_active": st["requests_active"],
             "tasks_inflight": st["tasks_inflight"],

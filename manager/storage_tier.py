@@ -19,7 +19,17 @@ Prefetch life cycle::
          nodes created on the host with PREFETCHING, one PREFETCH task
       -> lands: the first `result` pages (read and verified on every rank) become host
          copies (FROM_STORAGE: their first hit counts as a storage hit); the rest, or
-         everything of a failed or revoked prefetch, is freed -- a miss, never data
+         everything of a failed prefetch, is freed -- a miss, never data
+
+Revoke (`revoke`, the scheduler's `revoke_prefetch`: a queued request was aborted, or was
+scheduled and takes what has landed)::
+
+    QUERY in flight     -> marked; its answer starts no prefetch
+    PREFETCH in flight  -> marked, and one REVOKE task names it to the workers: each rank
+                           stops after the page batch it is reading (one not started reads
+                           nothing) and answers with the pages it read
+      -> lands as above: the pages read on every rank stay host copies, the rest is freed;
+         until then its blocks are PREFETCHING, so no match serves them
 
 Prefetch policies decide what `match` does when the next block is being prefetched:
 `best_effort` takes what has landed and never waits; `wait_complete` waits for the prefetch;
@@ -33,6 +43,7 @@ in one BACKUP task per batch; BACKING keeps its host copy alive meanwhile.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvtier.manager.cache_state import CacheState, RequestState
@@ -49,8 +60,11 @@ class StorageTier:
     """Prefetch and backup decisions of one manager (implements `StorageHooks`).
 
     Data structures: `_prefetch_of` node -> seq of the PREFETCH task filling it;
-    `_revoked` seqs of prefetches whose result must be thrown away; `prefetching_blocks`
-    host blocks currently held by prefetches (bounded by `limit`).
+    `_prefetches` seq -> tree key of the last block of each PREFETCH in flight, `_queries`
+    the same for QUERY tasks; `_revoked` seqs of the queries and prefetches revoked and not
+    answered yet; `prefetching_blocks` host blocks currently held by prefetches (bounded by
+    `limit`). Invariants: `_revoked` holds only seqs of `_queries` or `_prefetches`; a node
+    is PREFETCHING exactly while it is in `_prefetch_of`.
     """
 
     def __init__(self, manager: CacheState, cfg: KvtierConfig) -> None:
@@ -67,12 +81,17 @@ class StorageTier:
         self.backend = s.backend
         self.prefetching_blocks = 0
         self._prefetch_of: dict[Node, int] = {}
+        self._prefetches: dict[int, int] = {}
+        self._queries: dict[int, int] = {}
         self._revoked: set[int] = set()
+        # prefetch_pages_revoked: pages of a prefetch that did not land, whatever the reason
+        # (revoked, failed, missing or damaged in storage). revoked_*: what `revoke` did.
         self.counters: dict[str, int] = dict.fromkeys((
             "queries", "query_hit_pages", "prefetch_tasks", "prefetch_pages_issued",
             "prefetch_pages_completed", "prefetch_pages_revoked", "backup_tasks",
             "backup_pages", "backup_failed_pages", "errors_query", "errors_prefetch",
-            "errors_backup", "errors_clear"), 0)
+            "errors_backup", "errors_clear", "revoked_queries", "revoked_prefetches",
+            "revoked_pages_kept", "revoked_pages_dropped"), 0)
 
     # ------------------------------------------------------------------ keys
 
@@ -133,9 +152,10 @@ class StorageTier:
 
     # ------------------------------------------------------------------ query and prefetch
 
-    def query(self, req: RequestState, token_ids: Any, start: int, cap: int) -> int:
+    def query(self, req: RequestState, token_ids: Any, start: int, cap: int,
+              on_answer: Callable[[], None] | None = None) -> int:
         """Ask storage how many of blocks start..cap it holds; the answer starts a prefetch
-        when it is worth one. Returns the query's seq."""
+        when it is worth one (`on_answer` runs then, lock held). Returns the query's seq."""
         skeys = self.request_skeys(req, token_ids, cap)[start:cap]
         keys = req.keys[start:cap]
         m = self.m
@@ -144,13 +164,23 @@ class StorageTier:
         self.counters["queries"] += 1
 
         def done(ok: bool, comp: Completion) -> None:
-            self._on_query(ok, comp, keys, skeys)
+            try:
+                self._on_query(seq, ok, comp, keys, skeys)
+            finally:
+                if on_answer is not None:
+                    on_answer()
 
+        if keys:
+            self._queries[seq] = keys[-1]
         m.track(task, [], on_done=done)
         return seq
 
-    def _on_query(self, ok: bool, comp: Completion, keys: list[int],
+    def _on_query(self, seq: int, ok: bool, comp: Completion, keys: list[int],
                   skeys: list[bytes]) -> None:
+        self._queries.pop(seq, None)
+        if seq in self._revoked:
+            self._revoked.discard(seq)
+            return  # revoked: the scheduler no longer wants these pages
         if not ok:
             self.counters["errors_query"] += 1
             return
@@ -165,6 +195,7 @@ class StorageTier:
         nodes: list[Node] = []
         dst: list[int] = []
         fetch_keys: list[bytes] = []
+        last_key = 0
         for key, skey in zip(keys[:n], skeys[:n], strict=True):
             if m.lookup(key) is not None:
                 continue  # cached meanwhile
@@ -178,21 +209,29 @@ class StorageTier:
             nodes.append(node)
             dst.append(hb)
             fetch_keys.append(skey)
+            last_key = key
         if not nodes:
             return
-        seq = m.next_seq()
-        task = Task(seq, TaskKind.PREFETCH, [], dst, fetch_keys, Priority.PREFETCH)
+        pseq = m.next_seq()
+        task = Task(pseq, TaskKind.PREFETCH, [], dst, fetch_keys, Priority.PREFETCH)
         for node in nodes:
-            self._prefetch_of[node] = seq
+            self._prefetch_of[node] = pseq
+        self._prefetches[pseq] = last_key
         self.prefetching_blocks += len(nodes)
         self.counters["prefetch_tasks"] += 1
         self.counters["prefetch_pages_issued"] += len(nodes)
-        m.track(task, nodes, on_done=lambda ok, comp: self._on_prefetch(seq, nodes, ok, comp))
+        m.track(task, nodes, on_done=lambda ok, comp: self._on_prefetch(pseq, nodes, ok, comp))
 
     def _on_prefetch(self, seq: int, nodes: list[Node], ok: bool, comp: Completion) -> None:
         m = self.m
-        good = 0 if (not ok or seq in self._revoked) else min(comp.result, len(nodes))
-        self._revoked.discard(seq)
+        # A revoked prefetch answers with the pages every rank read before it stopped: they
+        # landed, so they stay (as SGLang's terminate_prefetch keeps completed pages).
+        good = min(comp.result, len(nodes)) if ok else 0
+        self._prefetches.pop(seq, None)
+        if seq in self._revoked:
+            self._revoked.discard(seq)
+            self.counters["revoked_pages_kept"] += good
+            self.counters["revoked_pages_dropped"] += len(nodes) - good
         if not ok:
             self.counters["errors_prefetch"] += 1
         self.prefetching_blocks -= len(nodes)
@@ -207,13 +246,39 @@ class StorageTier:
                 m.free_host_copy(node)
             m.after_transfer(node)
 
-    def revoke(self) -> int:
-        """Throw away the result of every prefetch in flight (their blocks become misses and
-        are freed when they land). Returns how many prefetches were revoked."""
+    def resize(self, cfg: KvtierConfig) -> None:
+        """The host tier was re-created (a wake, nothing in flight): take its new size."""
         with self.m.lock:
-            seqs = set(self._prefetch_of.values()) - self._revoked
-            self._revoked |= seqs
-            return len(seqs)
+            self.limit = cfg.effective_prefetch_host_blocks_limit()
+            self.prefetching_blocks = 0
+            self._prefetch_of.clear()
+            self._revoked.clear()
+            self._queries.clear()
+            self._prefetches.clear()
+
+    def revoke(self, keys: Iterable[int] | None = None) -> int:
+        """Cancel the storage queries and prefetches in flight whose every block is one of
+        the tree keys `keys` (a prompt's chained keys: a task reaching past them fills a
+        longer prompt and goes on); None: every one. A revoked query starts no prefetch; a
+        revoked prefetch stops on every rank after the page batch it is reading, what it
+        read stays (host copies), the rest is freed when it lands. Returns how many queries
+        and prefetches were revoked."""
+        with self.m.lock:
+            wanted = None if keys is None else set(keys)
+            queries = [seq for seq, last in self._queries.items()
+                       if seq not in self._revoked and (wanted is None or last in wanted)]
+            prefetches = [seq for seq, last in self._prefetches.items()
+                          if seq not in self._revoked and (wanted is None or last in wanted)]
+            self._revoked.update(queries)
+            self._revoked.update(prefetches)
+            self.counters["revoked_queries"] += len(queries)
+            self.counters["revoked_prefetches"] += len(prefetches)
+            if prefetches:
+                m = self.m
+                task = Task(m.next_seq(), TaskKind.REVOKE, prefetches, [], [],
+                            Priority.CONTROL)
+                m.track(task, [])  # sent when the scheduler call ends
+            return len(queries) + len(prefetches)
 
     # ------------------------------------------------------------------ backup
 

@@ -161,7 +161,8 @@ class LoadHandle:
     the manager when a load fails, so the caller learns how many matched tokens are still good.
     """
 
-    __slots__ = ("_dispatcher", "_loads", "block_size", "failed_at", "num_tokens", "timeout")
+    __slots__ = ("_dispatcher", "_loads", "block_size", "failed_at", "num_tokens", "reason",
+                 "timeout")
 
     def __init__(self, dispatcher: Dispatcher | None, loads: list[tuple[int, int]],
                  num_tokens: int, block_size: int, timeout: float) -> None:
@@ -171,6 +172,7 @@ class LoadHandle:
         self.block_size = block_size
         self.timeout = timeout
         self.failed_at: int | None = None
+        self.reason = ""  # why the load failed, as the workers said (e.g. cancelled by a sleep)
 
     @property
     def has_loads(self) -> bool:
@@ -200,9 +202,11 @@ class LoadHandle:
         d = self._dispatcher
         return d is None or not any(d.is_pending(s) for s, _ in self._loads)
 
-    def note_failure(self, first_block: int) -> None:
+    def note_failure(self, first_block: int, reason: str = "") -> None:
         if self.failed_at is None or first_block < self.failed_at:
             self.failed_at = first_block
+        if reason and not self.reason:
+            self.reason = reason
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         """Return once layer `layer` of every block of the prefix is on the device."""
@@ -225,6 +229,7 @@ class LoadHandle:
     def _raise_if_failed(self) -> None:
         if self.failed_at is not None:
             valid = self.failed_at * self.block_size
+            why = f" ({self.reason})" if self.reason else ""
             raise TransferFailedError(
-                f"a host->device load failed: {valid} of {self.num_tokens} matched tokens "
+                f"a host->device load failed{why}: {valid} of {self.num_tokens} matched tokens "
                 f"are valid, recompute the rest", valid)

@@ -58,9 +58,14 @@ BACKING = 32  # H2S in flight: host copy is being read
 PINNED = 64  # never evicted from the device
 STORED = 128  # a copy is in the storage tier (no backup needed)
 FROM_STORAGE = 256  # host copy prefetched from storage and not hit yet (counts a storage hit)
+# An engine that owns the device tier itself (vLLM, `kvtier.manager.keyed`) copies between its
+# KV and the host pool in its own process: these mark a host copy it is reading or writing.
+ENGINE_READ = 512  # the engine is loading this host copy into its KV: keep it
+ENGINE_WRITE = 1024  # the engine is storing its KV into this host block: not readable yet
 
 DEVICE_BUSY = LOADING | SAVING | EVICTING | PINNED
-HOST_BUSY = LOADING | SAVING | EVICTING | PREFETCHING | BACKING | PINNED
+HOST_BUSY = (LOADING | SAVING | EVICTING | PREFETCHING | BACKING | PINNED | ENGINE_READ
+             | ENGINE_WRITE)
 
 
 class DeviceNode:

@@ -49,11 +49,13 @@ def compose() -> dict[str, Any]:
 
 
 def compose_commands() -> dict[str, list[str]]:
-    """The command of every service built from this repository, as an argv list appended to
-    the image's ENTRYPOINT (`dockerfile_exec_form("ENTRYPOINT")`, i.e. `kvtier`)."""
+    """The command of every service built from docker/Dockerfile, as an argv list appended to
+    the image's ENTRYPOINT (`dockerfile_exec_form("ENTRYPOINT")`, i.e. `kvtier`). The vLLM
+    service's image (docker/Dockerfile.vllm) has its own entrypoint."""
     commands: dict[str, list[str]] = {}
     for name, service in compose()["services"].items():
-        if "build" not in service:
+        build = service.get("build")
+        if not isinstance(build, dict) or build.get("dockerfile") != "docker/Dockerfile":
             continue
         command = service.get("command")
         if command is None:
@@ -87,12 +89,12 @@ def bind_mounts(service: str) -> dict[str, Path]:
     return mounts
 
 
-def dockerfile_instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of docker/Dockerfile, continuation lines joined, comments
-    dropped."""
+def dockerfile_instructions(path: Path | None = None) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of docker/Dockerfile (or `path`), continuation lines joined,
+    comments dropped."""
     instructions: list[tuple[str, str]] = []
     pending = ""
-    for line in DOCKERFILE.read_text().splitlines():
+    for line in (path or DOCKERFILE).read_text().splitlines():
         stripped = line.strip()
         if not pending and (not stripped or stripped.startswith("#")):
             continue
@@ -120,10 +122,10 @@ def dockerfile_exec_form(keyword: str) -> list[str]:
     return json.loads(text)
 
 
-def dockerfile_args() -> dict[str, str]:
+def dockerfile_args(path: Path | None = None) -> dict[str, str]:
     """Build arguments and their defaults."""
     args: dict[str, str] = {}
-    for keyword, rest in dockerfile_instructions():
+    for keyword, rest in dockerfile_instructions(path):
         if keyword == "ARG":
             name, _, default = rest.partition("=")
             args[name.strip()] = default.strip()

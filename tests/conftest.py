@@ -37,17 +37,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session", autouse=True)
 def private_state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """kvtier keeps generated secrets (the admin token, the storage secret) under
-    $XDG_STATE_HOME/kvtier; the suite and every process it starts use a folder of its own,
-    never the user's home. Tests about those files point it elsewhere themselves."""
+    $XDG_STATE_HOME/kvtier and, by default, file storage pages under $XDG_CACHE_HOME/kvtier;
+    the suite and every process it starts use folders of its own, never the user's home.
+    Tests about those files point them elsewhere themselves."""
     import os
 
-    old = os.environ.get("XDG_STATE_HOME")
+    saved = {name: os.environ.get(name) for name in ("XDG_STATE_HOME", "XDG_CACHE_HOME")}
     os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
     yield
-    if old is None:
-        os.environ.pop("XDG_STATE_HOME", None)
-    else:
-        os.environ["XDG_STATE_HOME"] = old
+    for name, old in saved.items():
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 @pytest.fixture

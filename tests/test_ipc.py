@@ -38,6 +38,7 @@ from kvtier.worker.ipc import (
 )
 from kvtier.worker.wire import (
     SEQ_LIMIT,
+    WIRE_VERSION,
     ArenaRef,
     Completion,
     MessageType,
@@ -257,7 +258,7 @@ def test_truncated_or_padded_messages_raise_value_error() -> None:
 
 def test_malformed_heads_are_named() -> None:
     msg = bytearray(encode_task(Task(5, TaskKind.H2D, [1], [2])))
-    with pytest.raises(ValueError, match="wire version 9, expected 1"):
+    with pytest.raises(ValueError, match=f"wire version 9, expected {WIRE_VERSION}"):
         decode_task(bytes([9]) + bytes(msg[1:]))
     with pytest.raises(ValueError, match="type byte 2, expected 1"):
         decode_task(bytes(msg[:1]) + bytes([2]) + bytes(msg[2:]))
@@ -265,7 +266,7 @@ def test_malformed_heads_are_named() -> None:
     with pytest.raises(ValueError, match="unknown task kind 99"):
         decode_task(bytes(msg))
     with pytest.raises(ValueError, match="unknown type byte 77"):
-        message_type(bytes([1, 77]))
+        message_type(bytes([WIRE_VERSION, 77]))
     with pytest.raises(ValueError, match="0 bytes: too short"):
         message_type(b"")
     bad_ok = bytearray(encode_completion(Completion(1, 0, True)))

@@ -14,6 +14,10 @@ test_worker_processes) against real worker processes.
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
+
 import hypothesis.strategies as st
 from content_model import GARBAGE, ContentModel, ModelDispatcher
 from hypothesis import HealthCheck, settings
@@ -24,10 +28,13 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from kvtier.manager.config import KvtierConfig
 from kvtier.manager.errors import OutOfBlocksError, ResetBusyError, TransferFailedError
 from kvtier.manager.scheduler import KVCacheManager
+from kvtier.manager.storage_tier import StorageTier
 from kvtier.manager.tree import EVICTING, LOADING, PREFETCHING, SAVING
 from kvtier.worker.wire import TaskKind
+from support import tiny_config
 
 BS = 4
 PREFIXES = [tuple(range(100 * p, 100 * p + 8)) for p in range(3)]
@@ -41,7 +48,7 @@ tokens_st = st.builds(
 # What the randomized runs reached, summed over all of them (checked by the last test).
 REACHED = dict.fromkeys(("hit_device_tokens", "hit_host_tokens", "evicted_device_drop",
                          "evicted_device_demote", "evicted_host_drop", "failed_tasks",
-                         "resets", "lost_all", "steps"), 0)
+                         "resets", "lost_all", "lost_device", "steps"), 0)
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -59,6 +66,8 @@ class ManagerMachine(RuleBasedStateMachine):
                                 host_blocks=self.host_blocks, write_policy=self.policy,
                                 hit_threshold=2, dispatcher=self.dispatcher,
                                 transfer_timeout_s=5.0)
+        # as with engine KV: host copies wait for a registration check (`confirm` below)
+        self.m.track_device_copies = True
         self.reqs: dict[str, dict] = {}
         self.next_id = 0
         self.fail_next_blocking = False
@@ -260,6 +269,39 @@ class ManagerMachine(RuleBasedStateMachine):
         # possibly while transfers of the lost tree are still pending.
         self.whole_request(PREFIXES[0] + (2, 1, 0, 2, 1, 0, 2, 1, 0, 2), None)
 
+    @rule(roll=st.integers(0, 2))
+    def confirm(self, roll: int) -> None:
+        """A registration check found the model runner's memory unchanged."""
+        if not roll:
+            self.m.confirm_device_copies(self.m.device_copy_mark())
+
+    @rule(roll=st.integers(0, 14))
+    def device_lost(self, roll: int) -> None:
+        """The model runner registered new (zeroed) KV memory: every device byte is gone,
+        copies from the device in flight read the new memory, kvtier's host blocks keep
+        their bytes. The host copies the manager keeps must still hold their keys (the
+        content invariant checks it), requests active at the loss commit nothing, and the
+        engine drops them."""
+        if roll:
+            return
+        self.m.lose_device()
+        for k in self.model.device:
+            self.model.device[k] = GARBAGE
+        for seq, task in self.dispatcher.tasks.items():
+            if task.kind == TaskKind.D2H and seq in self.model.snapshots:
+                self.model.snapshots[seq] = [GARBAGE] * len(task.src)
+        for rid in list(self.reqs):
+            self.release_rid(rid)
+        self.pins = [(t, n) for t, n in self.pins if self._pinned(t)]
+        self.whole_request(PREFIXES[1] + (0, 2, 1, 0, 2, 1, 0, 2, 1, 0), None)
+
+    def _pinned(self, tokens: tuple[int, ...]) -> bool:
+        """Whether every block of a pinned prefix is still in the tree (a pin lives on with
+        its host copy; without one it went with the device)."""
+        from kvtier.manager.keys import chain_keys
+
+        return all(k in self.m._map for k in chain_keys(list(tokens), BS))
+
     @rule(tokens=tokens_st)
     def pin(self, tokens: tuple[int, ...]) -> None:
         n = self.m.pin(list(tokens))
@@ -330,6 +372,153 @@ TestWriteBack = _machine("write_back", 10).TestCase
 TestWriteBack.settings = SETTINGS
 TestNoHostTier = _machine("write_through_selective", 0).TestCase
 TestNoHostTier.settings = settings(SETTINGS, max_examples=15)
+
+
+# ---------------------------------------------------------------------- with a storage tier
+
+STORAGE_REACHED = dict.fromkeys(("hit_storage_tokens", "revoked_queries", "revoked_prefetches",
+                                 "revoked_pages_kept", "revoked_pages_dropped"), 0)
+_storage_dirs: list[str] = []
+
+
+def _storage_config() -> KvtierConfig:
+    """One loaded configuration for every storage machine (a file backend that is never
+    written: the dispatcher stands in for the workers)."""
+    if not _storage_dirs:
+        _storage_dirs.append(tempfile.mkdtemp(prefix="kvtier-stateful-"))
+        atexit.register(shutil.rmtree, _storage_dirs[0], True)
+    return tiny_config(workers=1, device_blocks=10, host_blocks=10, storage="file",
+                       storage_dir=_storage_dirs[0], extra={
+                           "KVTIER_STORAGE__PREFETCH_POLICY": "best_effort",
+                           "KVTIER_STORAGE__PREFETCH_THRESHOLD": str(BS),
+                           "KVTIER_STORAGE__PREFETCH_HOST_BLOCKS_LIMIT": "8"})
+
+
+class StorageMachine(ManagerMachine):
+    """The same machine with a storage tier (write_through: every committed block reaches
+    the host, then storage), best-effort prefetches a scheduler starts and revokes, and
+    storage answers chosen by the test: a QUERY tells the truth, a PREFETCH reads any number
+    of the leading pages storage holds (0 to all: a revoke or a miss cut it short). The
+    content model fills only the pages read; every other block of a prefetch holds garbage,
+    so serving one fails the content invariants."""
+
+    policy = "write_through"
+
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = _storage_config()
+        self.tier = StorageTier(self.m, cfg)
+        self.m.storage = self.tier
+
+    def _resolve(self, task):  # type: ignore[no-untyped-def]
+        if task.kind == TaskKind.QUERY:
+            return True, self.model.leading_stored(list(task.keys))
+        return super()._resolve(task)
+
+    @rule(tokens=tokens_st)
+    def prefetch(self, tokens: tuple[int, ...]) -> None:
+        self.m.prefetch(list(tokens))
+
+    def drain(self) -> None:
+        """Answer every task, truthfully and in full, until none is left (answers start more
+        tasks: a query its prefetch, a device->host copy its storage backup)."""
+        while self.dispatcher.tasks:
+            for seq in sorted(self.dispatcher.tasks):
+                task = self.dispatcher.tasks[seq]
+                result = (self.model.leading_stored(list(task.keys))
+                          if task.kind in (TaskKind.QUERY, TaskKind.PREFETCH)
+                          else len(task.keys))
+                self.dispatcher.complete(seq, True, result)
+
+    @rule(tokens=tokens_st, data=st.data())
+    def scheduler_prefetch_then_request(self, tokens: tuple[int, ...], data) -> None:  # type: ignore[no-untyped-def]
+        """What an engine does with a queued request: prefetch its prompt, maybe revoke it
+        (the request is scheduled before it landed), the prefetch answers with some of its
+        pages, then the request runs; what it reads must be its own content."""
+        queries = {seq for seq, t in self.dispatcher.tasks.items() if t.kind == TaskKind.QUERY}
+        if not self.m.prefetch(list(tokens)):
+            return
+        revoke_early = data.draw(st.integers(0, 3)) == 0
+        if revoke_early:  # aborted while its query is in flight
+            self.m.revoke_prefetch(list(tokens))
+        for seq, t in list(self.dispatcher.tasks.items()):
+            if t.kind == TaskKind.QUERY and seq not in queries:
+                self.dispatcher.complete(seq, True, self.model.leading_stored(list(t.keys)))
+        prefetches = [seq for seq, t in self.dispatcher.tasks.items()
+                      if t.kind == TaskKind.PREFETCH]
+        if data.draw(st.booleans()):
+            self.m.revoke_prefetch(list(tokens))
+        for seq in prefetches:
+            t = self.dispatcher.tasks[seq]
+            got = data.draw(st.integers(0, self.model.leading_stored(list(t.keys))))
+            self.dispatcher.complete(seq, True, got)
+        self.whole_request(tokens, data)
+
+    @rule(roll=st.integers(0, 3))
+    def only_storage_left(self, roll: int) -> None:
+        """Every backup lands, then the device and host tiers are emptied (an operator's
+        reset): what follows finds its prefixes in storage only."""
+        if roll:
+            return
+        self.drain()
+        self.m.reset(timeout=1)
+        self.pins.clear()
+
+    @rule(tokens=tokens_st)
+    def revoke_prefetch(self, tokens: tuple[int, ...]) -> None:
+        before = self.tier.counters["revoked_prefetches"]
+        n = self.m.revoke_prefetch(list(tokens))
+        assert n >= self.tier.counters["revoked_prefetches"] - before
+
+    @precondition(lambda self: self.dispatcher.tasks)
+    @rule(data=st.data(), ok=st.booleans(), ok_bias=st.integers(0, 3))
+    def complete(self, data, ok: bool, ok_bias: int) -> None:  # type: ignore[no-untyped-def]
+        seq = data.draw(st.sampled_from(sorted(self.dispatcher.tasks)))
+        task = self.dispatcher.tasks[seq]
+        ok = ok or ok_bias > 0
+        result = 0
+        if task.kind == TaskKind.QUERY:
+            result = self.model.leading_stored(list(task.keys))
+        elif task.kind == TaskKind.PREFETCH:
+            result = data.draw(st.integers(0, self.model.leading_stored(list(task.keys))))
+        elif task.kind == TaskKind.BACKUP:
+            result = len(task.keys) if ok else 0
+        self.dispatcher.complete(seq, ok, result)
+
+    @invariant()
+    def pending_tasks_are_transfers(self) -> None:
+        for t in self.dispatcher.tasks.values():
+            assert t.kind in (TaskKind.D2H, TaskKind.H2D, TaskKind.QUERY, TaskKind.PREFETCH,
+                              TaskKind.BACKUP, TaskKind.REVOKE), t
+
+    @invariant()
+    def prefetch_accounting(self) -> None:
+        tier = self.tier
+        assert tier.prefetching_blocks == sum(
+            1 for n in self.m._map.values() if n.flags & PREFETCHING) + sum(
+            1 for n in self.m._written_off if n.flags & PREFETCHING)
+        assert tier._revoked <= set(tier._queries) | set(tier._prefetches)
+
+    def teardown(self) -> None:
+        c = self.m.stats()["counters"]
+        STORAGE_REACHED["hit_storage_tokens"] += c["hit_storage_tokens"]  # type: ignore[index]
+        for k in STORAGE_REACHED:
+            if k != "hit_storage_tokens":
+                STORAGE_REACHED[k] += self.tier.counters[k]
+        self.drain()
+        assert self.tier.prefetching_blocks == 0 and not self.tier._revoked
+        super().teardown()
+
+
+TestWithStorage = StorageMachine.TestCase
+TestWithStorage.settings = settings(SETTINGS, max_examples=30)
+
+
+def test_storage_runs_reached_every_path() -> None:
+    """The storage machine must have served storage hits and revoked queries and
+    prefetches, keeping read pages and dropping the rest."""
+    missing = [k for k, v in STORAGE_REACHED.items() if v == 0]
+    assert not missing, f"never reached: {missing} ({STORAGE_REACHED})"
 
 
 def test_randomized_runs_reached_every_path() -> None:

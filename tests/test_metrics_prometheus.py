@@ -22,7 +22,14 @@ import pytest
 import yaml
 from compose_support import compose, dashboard_queries, promql_without_grafana_variables
 from serve_support import ServeProcess, tiny_toml
-from support import free_port, module_command, new_deployment_id, require_tool, wait_until
+from support import (
+    free_port,
+    module_command,
+    new_deployment_id,
+    promtool,
+    require_tool,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow  # a prometheus server scraping `kvtier serve` with two workers
 
@@ -114,3 +121,30 @@ def test_prometheus_sees_every_rank_up(prometheus: httpx.Client) -> None:
     capacity = {r["metric"]["tier"]: r["value"][1]
                 for r in query(prometheus, "kvtier_capacity_blocks")}
     assert capacity == {"device": "64", "host": "64"}
+    # Issue 11 item 1: failed starts and each rank's state are series from the first scrape
+    failures = {r["metric"]["rank"]: r["value"][1]
+                for r in query(prometheus, "kvtier_worker_start_failures_total")}
+    assert failures == {str(r): "0" for r in range(RANKS)}
+    states = {(r["metric"]["rank"], r["metric"]["state"]): r["value"][1]
+              for r in query(prometheus, "kvtier_worker_state")}
+    assert {k for k, v in states.items() if v == "1"} == {(str(r), "ready") for r in range(RANKS)}
+    assert {state for _, state in states} == {"starting", "ready", "dead", "start_failed",
+                                               "stopped"}
+    (unrecoverable,) = query(prometheus, "kvtier_workers_unrecoverable")
+    assert unrecoverable["value"][1] == "0"
+
+
+def test_worker_metrics_carry_help_text_and_pass_promtool(served: ServeProcess) -> None:
+    """The worker families (state, failed starts) have HELP and TYPE lines and the whole
+    exposition passes `promtool check metrics`."""
+    text = httpx.get(f"{served.url}/metrics", timeout=10.0).text
+    for name, kind in (("kvtier_worker_start_failures_total", "counter"),
+                       ("kvtier_worker_consecutive_start_failures", "gauge"),
+                       ("kvtier_worker_state", "gauge"),
+                       ("kvtier_workers_unrecoverable", "gauge")):
+        assert f"# TYPE {name} {kind}" in text, name
+        help_line = next(line for line in text.splitlines()
+                         if line.startswith(f"# HELP {name} "))
+        assert len(help_line) > len(f"# HELP {name} ") + 20, help_line
+    linted = promtool("check", "metrics", input=text)
+    assert linted.returncode == 0, linted.stdout + linted.stderr

@@ -65,7 +65,8 @@ def test_run_command_works_on_embedded_defaults(tmp_path: Path) -> None:
     assert argv[1:4] == ["replay", "--workload", "chat"] and "--config" not in argv
     argv[argv.index("--limit") + 1] = "60"
     dep = new_deployment_id("readme")
-    env = clean_env(KVTIER_DEPLOYMENT_ID=dep)
+    cache = tmp_path / "cache"  # the default storage.path is under XDG_CACHE_HOME, not here
+    env = clean_env(KVTIER_DEPLOYMENT_ID=dep, XDG_CACHE_HOME=str(cache))
 
     first = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=240)
@@ -79,8 +80,10 @@ def test_run_command_works_on_embedded_defaults(tmp_path: Path) -> None:
     assert config["storage"]["backend"] == "file" and config["workers"]["count"] == 1
     plot = tmp_path / ".kvtier" / "replay.png"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    pages = [p for p in (tmp_path / ".kvtier" / "storage").rglob("*") if p.is_file()]
+    storage = cache / "kvtier" / dep / "storage"
+    pages = [p for p in storage.rglob("*") if p.is_file()]
     assert pages, "no page reached file storage"
+    assert not (tmp_path / ".kvtier" / "storage").exists()  # not the current folder
 
     second = subprocess.run([*argv, "--json"], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=240)

@@ -80,6 +80,27 @@ def test_a_prefix_read_from_the_wrong_blocks_is_caught() -> None:
     assert min(diffs.values()) > 1e-3, result
 
 
+def test_float8_kv_with_per_block_scales_comes_back_bitwise_from_every_tier() -> None:
+    """A float32 model over a float8 paged KV whose per-block, per-head float32 scales live in
+    the runner's own scale tensors, registered with the KV (`model.kv_scales =
+    "per_block_head"`): served from every tier and dequantized on read, the logits equal
+    those of the fresh prefix quantized the same way, bit for bit, so every fp8 byte and every
+    scale came back exactly. Reading the last block's scales from another block (the
+    foreign-scales control) changes the logits on every tier."""
+    done, result = run_example("--dtypes", "float8_e4m3fn")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert result["dtypes"] == ["float8_e4m3fn"]
+    assert set(result["max_abs_logit_diff"]) == set(TIERS), result
+    assert all(d == 0.0 for d in result["max_abs_logit_diff"].values()), result
+    copies = result["worker_copy_tasks"]
+    assert all(copies.get(k, 0) > 0 for k in ("d2h", "h2d", "backup", "prefetch")), copies
+    done, result = run_example("--dtypes", "float8_e4m3fn", "--negative-control",
+                               "foreign-scales")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert set(result["max_abs_logit_diff"]) == set(TIERS), result
+    assert min(result["max_abs_logit_diff"].values()) > 1e-3, result
+
+
 @pytest.mark.cuda
 def test_on_a_gpu_the_worker_process_opens_the_kv_through_cuda_ipc() -> None:
     """The model and its paged KV on cuda:0 in the example's process, kvtier's worker process
@@ -98,3 +119,8 @@ def test_on_a_gpu_the_worker_process_opens_the_kv_through_cuda_ipc() -> None:
     done, result = run_example("--device", "cuda", "--negative-control", "foreign-block",
                                "--dtypes", "float32", redis=redis)
     assert done.returncode == 1 and min(result["max_abs_logit_diff"].values()) > 1e-3, result
+    # float8 KV with scale tensors on the GPU, opened through CUDA IPC too
+    done, result = run_example("--device", "cuda", "--dtypes", "float8_e4m3fn", redis=redis)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert set(result["max_abs_logit_diff"]) == tiers, result
+    assert all(d == 0.0 for d in result["max_abs_logit_diff"].values()), result

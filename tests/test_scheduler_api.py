@@ -17,6 +17,7 @@ references blocks and refreshes their LRU position, which would change what is t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from kvtier.manager.errors import (
@@ -28,9 +29,11 @@ from kvtier.manager.errors import (
 )
 from kvtier.manager.keys import chain_keys
 from kvtier.manager.scheduler import KVCacheManager, MatchResult
+from kvtier.manager.storage_tier import StorageTier
 from kvtier.manager.transfers import ImmediateDispatcher, ManualDispatcher
 from kvtier.manager.tree import BACKING, EVICTING, SAVING, Node
 from kvtier.worker.wire import Priority, Task, TaskKind
+from support import tiny_config
 
 BS = 4
 Factory = Callable[..., KVCacheManager]
@@ -924,3 +927,163 @@ def test_lost_worker_frees_device_blocks_whose_nodes_only_back_up_to_storage(
     m.release("b")
     m.check_invariants()
     assert m.stats()["host"]["free"] == 8  # type: ignore[index]
+
+
+# ---------------------------------------------------------------------- revoke
+
+
+def storage_manager(make: Factory, tmp_path: Path) -> tuple[KVCacheManager, ManualDispatcher,
+                                                             StorageTier]:
+    """A manager with a storage tier on a ManualDispatcher (a test answers every QUERY and
+    PREFETCH), best_effort, prefetch threshold 4 tokens, 64 host blocks (limit 16)."""
+    d = ManualDispatcher()
+    m = make(device_blocks=16, host_blocks=64, write_policy="write_through", dispatcher=d)
+    cfg = tiny_config(workers=1, host_blocks=64, device_blocks=16, storage="file",
+                      storage_dir=tmp_path, extra={
+                          "KVTIER_STORAGE__PREFETCH_POLICY": "best_effort",
+                          "KVTIER_STORAGE__PREFETCH_THRESHOLD": "4"})
+    tier = StorageTier(m, cfg)
+    m.storage = tier
+    return m, d, tier
+
+
+def test_revoked_prefetch_keeps_the_pages_read_and_frees_the_rest(
+        make: Factory, tmp_path: Path) -> None:
+    m, d, tier = storage_manager(make, tmp_path)
+    p = prompt(1, 8 * BS + 1)
+    assert m.prefetch(p)
+    [query] = tasks_of(d, TaskKind.QUERY)
+    d.complete(query.seq, result=8)
+    [pf] = tasks_of(d, TaskKind.PREFETCH)
+    assert len(pf.dst) == 8 and m.stats()["host"]["free"] == 64 - 8  # type: ignore[index]
+    # A shorter prompt does not own this prefetch: it reaches past its blocks.
+    assert m.revoke_prefetch(p[: 4 * BS + 1]) == 0 and not tasks_of(d, TaskKind.REVOKE)
+    assert m.revoke_prefetch(p) == 1
+    [revoke] = tasks_of(d, TaskKind.REVOKE)
+    assert list(revoke.src) == [pf.seq] and revoke.priority == Priority.CONTROL
+    assert m.revoke_prefetch(p) == 0  # revoked once
+    # Until it answers, its blocks are served to nobody.
+    assert m.match("a", p).num_tokens == 0
+    m.release("a")
+    d.complete(revoke.seq, result=1)
+    d.complete(pf.seq, result=3)  # every rank read 3 pages before it stopped
+    assert where(m, p) == ["host"] * 3 + ["-"] * 5
+    assert m.stats()["host"]["free"] == 64 - 3  # type: ignore[index]
+    c = tier.counters
+    assert (c["revoked_prefetches"], c["revoked_pages_kept"], c["revoked_pages_dropped"]) == (
+        1, 3, 5)
+    assert tier.prefetching_blocks == 0 and not tier._revoked
+    # The pages kept are storage hits.
+    res = m.match("b", p)
+    assert (res.storage_tokens, res.device_tokens) == (3 * BS, 0)
+    for seq in list(d.tasks):
+        d.complete(seq)
+    m.release("b")
+
+
+def test_revoked_query_starts_no_prefetch(make: Factory, tmp_path: Path) -> None:
+    m, d, tier = storage_manager(make, tmp_path)
+    p = prompt(2, 8 * BS + 1)
+    assert m.prefetch(p)
+    [query] = tasks_of(d, TaskKind.QUERY)
+    assert m.revoke_prefetch(p) == 1
+    assert not tasks_of(d, TaskKind.REVOKE)  # a query is only marked, the workers finish it
+    d.complete(query.seq, result=8)
+    assert not tasks_of(d, TaskKind.PREFETCH)
+    assert m.stats()["host"]["free"] == 64  # type: ignore[index]
+    assert tier.counters["revoked_queries"] == 1 and not tier._revoked
+    # Without a storage tier there is nothing to revoke.
+    plain = make(device_blocks=4)
+    assert plain.revoke_prefetch(p) == 0
+
+
+# ---------------------------------------------------------------------- lose_device (engine KV)
+
+
+def _confirmed_host_and_device(make: Factory) -> tuple[KVCacheManager, ManualDispatcher,
+                                                        list[int], list[int]]:
+    """Engine-KV tracking on; `a` (3 blocks) cached on device and host with its D2H copies
+    confirmed; `b` (2 blocks) cached on the device with its D2H backup still in flight."""
+    d = ManualDispatcher()
+    m = make(device_blocks=8, host_blocks=8, write_policy="write_through", dispatcher=d)
+    m.track_device_copies = True
+    a = prompt(1, 3 * BS)
+    serve(m, "a", a)
+    for seq in list(d.tasks):
+        d.complete(seq)
+    m.confirm_device_copies(m.device_copy_mark())
+    b = prompt(2, 2 * BS)
+    serve(m, "b", b)  # its D2H stays pending in `d`
+    return m, d, a, b
+
+
+def test_lose_device_keeps_confirmed_host_copies(make: Factory) -> None:
+    """Issue 9: a model-runner restart costs the device tier only: a's confirmed host copies
+    are still a host hit (loaded into new device blocks), b (device only, its backup in
+    flight) is a miss and never served, and the counters tell lose_device from lose_all."""
+    m, d, a, b = _confirmed_host_and_device(make)
+    assert where(m, a) == ["both"] * 3
+    saving = [n for n in (node(m, b, i) for i in range(2)) if n is not None]
+    assert all(n.flags & SAVING for n in saving)
+    out = m.lose_device()
+    assert out["written_off"] == 2 and out["device_blocks"] == 3, out
+    m.check_invariants()
+    assert where(m, a) == ["host"] * 3 and where(m, b) == ["-", "-"]
+    assert m.stats()["counters"]["lost_device"] == 1  # type: ignore[index]
+    assert m.stats()["counters"]["lost_all"] == 0  # type: ignore[index]
+    res = m.match("a2", [*a, 1])
+    assert (res.device_tokens, res.host_tokens) == (0, 3 * BS)
+    assert tasks_of(d, TaskKind.H2D)
+    m.release("a2")
+    assert m.match("b2", [*b, 1]).num_tokens == 0
+    m.release("b2")
+    for seq in list(d.tasks):  # b's backup answers after the loss (read from old memory)
+        d.complete(seq)
+    assert where(m, b) == ["-", "-"]  # written off: never served
+    assert_no_leak(m)
+
+
+def test_lose_device_drops_host_copies_not_yet_confirmed(make: Factory) -> None:
+    """A D2H copy that completed after the last registration check may have been read from
+    the new memory: until a check confirms it, a change drops it too, and it is not backed up
+    to storage meanwhile (confirm_device_copies is what hands it on)."""
+    d = ManualDispatcher()
+    m = make(device_blocks=8, host_blocks=8, write_policy="write_through", dispatcher=d)
+    m.track_device_copies = True
+    a = prompt(1, 2 * BS)
+    serve(m, "a", a)
+    mark = m.device_copy_mark()
+    for seq in list(d.tasks):
+        d.complete(seq)  # completed after the mark: not covered by a check begun at `mark`
+    assert m.confirm_device_copies(mark) == 0
+    assert where(m, a) == ["both", "both"]
+    m.lose_device()
+    m.check_invariants()
+    assert where(m, a) == ["-", "-"]
+    assert m.match("a2", a).num_tokens == 0
+    m.release("a2")
+    # the same copies confirmed by a later check survive a later change
+    serve(m, "c", a)
+    for seq in list(d.tasks):
+        d.complete(seq)
+    assert m.confirm_device_copies(m.device_copy_mark()) == 2
+    m.lose_device()
+    assert where(m, a) == ["host", "host"]
+    m.check_invariants()
+
+
+def test_lose_device_hands_blocks_held_by_requests_to_them(make: Factory) -> None:
+    """A request holding a cached block when the device memory is replaced keeps the block
+    (detached, returned at its release); the host copy stays cached under a fresh node and
+    the request's later commit joins nothing."""
+    m, d, a, _ = _confirmed_host_and_device(make)
+    res = m.match("h", [*a, 1])
+    assert res.device_tokens == 3 * BS
+    m.lose_device()
+    m.check_invariants()
+    assert where(m, a) == ["host"] * 3
+    assert m.request_lost("h")
+    m.release("h")
+    for seq in list(d.tasks):
+        d.complete(seq, ok=False)
+    assert_no_leak(m)

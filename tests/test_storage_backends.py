@@ -395,6 +395,34 @@ def test_pages_of_the_old_format_version_are_counted_misses(open_backend: OpenBa
     assert [read_raw(backend, k) for k in keys] == [None, None]
 
 
+
+def _v2_page(key: bytes, payload: bytes, secret: bytes, namespace: str) -> bytes:
+    """A genuine page of format version 2 (80-byte header, keyed BLAKE2b-256 MAC under the same
+    secret): what kvtier wrote before version 3 moved the MAC to keyed BLAKE3."""
+    import hashlib
+    import struct
+
+    prefix = struct.pack("<4sHH32sQ", b"KVTP", 2, 80, key, len(payload))
+    mac = hashlib.blake2b(key=secret, digest_size=32, person=b"kvtier-page-v2")
+    encoded = namespace.encode()
+    mac.update(struct.pack("<H", len(encoded)) + encoded + prefix + payload)
+    return prefix + mac.digest() + payload
+
+
+def test_authentic_pages_of_format_version_2_are_counted_misses(
+        open_backend: OpenBackend) -> None:
+    """A version 2 page with a MAC that was valid under this very secret is a counted miss
+    after the move to version 3, never an error and never data."""
+    backend = open_backend(page_bytes=PAGE)
+    keys, pages = make_keys(2, "v2"), make_pages(2, seed=11)
+    for key, page in zip(keys, pages, strict=True):
+        write_raw(backend, key, _v2_page(key, page.tobytes(), SECRET, backend.namespace))
+    dest = np.zeros_like(pages)
+    assert backend.get_into(keys, list(dest)) == [False, False]
+    assert backend.stats()["corrupt_pages"] == 2
+    assert [read_raw(backend, k) for k in keys] == [None, None]
+
+
 # --- clear -------------------------------------------------------------------------------------
 
 def test_clear_only_clears_its_namespace(open_backend: OpenBackend, backend_kind: str) -> None:

@@ -31,6 +31,7 @@ from kvtier.manager.config import summary
 from kvtier.manager.private_state import storage_secret
 from kvtier.manager.replay import ReplayReport
 from kvtier.manager.stack import Stack
+from kvtier.worker.delays import PREFETCH_PAGE_DELAY_ENV, STORAGE_DELAY_ENV
 from kvtier.worker.storage import HEADER_BYTES
 from kvtier.worker.storage.redis_backend import RedisBackend
 from redis_server import RedisServer, ping
@@ -599,6 +600,79 @@ def test_prefetch_policy_with_a_slow_store(policy: str, make_stack: StackFactory
         _assert_restored(out, long)
         assert hit_s - 0.05 <= out.elapsed_match_s < budget(long)
     stack.require_manager().check_invariants()
+
+
+# ---------------------------------------------------------------------- 5b. revoke
+
+QUERY_DELAY_S = 0.3  # KVTIER_TEST_STORAGE_DELAY_MS: before every QUERY and every PREFETCH
+PAGE_DELAY_S = 0.1  # KVTIER_TEST_PREFETCH_PAGE_DELAY_MS: after every page a PREFETCH reads
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
+def test_revoke_cancels_a_prefetch_and_keeps_the_pages_it_read(
+        policy: str, make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler's prefetch for a queued request, revoked: while its query is in flight
+    (the request was aborted) no prefetch follows; half-way through its pages (the request
+    was scheduled) every rank stops within a page, the pages read stay on the host and are
+    served byte-exact, the rest are freed, never served. Then the request's match does what
+    its policy says with what landed."""
+    monkeypatch.setenv(STORAGE_DELAY_ENV, str(int(QUERY_DELAY_S * 1000)))
+    monkeypatch.setenv(PREFETCH_PAGE_DELAY_ENV, str(int(PAGE_DELAY_S * 1000)))
+    extra = {"KVTIER_STORAGE__TIMEOUT_BASE_S": "0.05",
+             "KVTIER_STORAGE__TIMEOUT_PER_1K_TOKENS_S": "0.5"}  # 16 blocks: 0.08 s
+    stack = make_stack(f"rev-{policy[:4]}", policy=policy, extra=extra)
+    runner = ModelRunner(stack)
+    m = stack.require_manager()
+    tier = stack.storage
+    assert tier is not None
+    p = prompt(600, BLOCKS)
+    _populate(stack, runner, [p])
+    host_free = m.stats()["host"]["free"]
+
+    # Aborted while its query is in flight: the answer starts no prefetch.
+    before = storage_counters(stack)
+    assert m.prefetch(p)
+    assert m.revoke_prefetch(p) == 1
+    assert m.dispatcher.drain(WAIT_S)
+    c = storage_counters(stack)
+    assert c["revoked_queries"] - before["revoked_queries"] == 1
+    assert c["prefetch_tasks"] == before["prefetch_tasks"]
+    assert m.stats()["host"]["free"] == host_free
+
+    # Scheduled half-way through its prefetch: 16 pages take 1.6 s; revoked after ~5.
+    assert m.prefetch(p)
+    wait_until(lambda: storage_counters(stack)["prefetch_tasks"] > before["prefetch_tasks"],
+               WAIT_S, "the prefetch was issued", interval=0.005)
+    time.sleep(QUERY_DELAY_S + 5.5 * PAGE_DELAY_S)
+    assert m.revoke_prefetch(p[: 4 * BS + 1]) == 0  # reaches past that shorter prompt
+    revoked_at = time.monotonic()
+    assert m.revoke_prefetch(p) == 1
+    wait_until(lambda: tier.prefetching_blocks == 0, WAIT_S, "the revoked prefetch answered",
+               interval=0.005)
+    stopped_s = time.monotonic() - revoked_at
+    c = storage_counters(stack)
+    kept = c["revoked_pages_kept"] - before["revoked_pages_kept"]
+    dropped = c["revoked_pages_dropped"] - before["revoked_pages_dropped"]
+    assert kept + dropped == BLOCKS and 1 <= kept <= BLOCKS - 3, (kept, dropped)
+    # Every rank stopped after the page it was reading (the rest would take >= 0.3 s more).
+    assert stopped_s < 3 * PAGE_DELAY_S, f"the revoked prefetch ran on for {stopped_s:.2f} s"
+    assert c["prefetch_pages_completed"] - before["prefetch_pages_completed"] == kept
+    st = m.stats()
+    assert (st["host"]["cached"], st["host"]["free"]) == (kept, host_free - kept)
+    m.check_invariants()
+
+    # The request runs: the pages kept are storage hits, byte for byte.
+    out = runner.run(p, compute=False)
+    assert out.corrupt_blocks == [] and out.checked_blocks == out.match.num_tokens // BS
+    if policy == "wait_complete":  # it waits for a prefetch of the rest
+        _assert_restored(out, BLOCKS)
+    else:  # it takes what landed and does not wait for the rest
+        assert out.match.storage_tokens == out.match.num_tokens == kept * BS, out.match
+        assert out.elapsed_match_s < QUERY_DELAY_S
+    wait_until(lambda: tier.prefetching_blocks == 0, WAIT_S, "background prefetches landed")
+    assert m.dispatcher.drain(WAIT_S)
+    m.check_invariants()
+    assert storage_counters(stack)["errors_prefetch"] == 0
 
 
 # ---------------------------------------------------------------------- 6. kvtier replay twice

@@ -65,6 +65,17 @@ def wait_ready_again(stack: Stack, rank: int, old_pid: int, timeout: float = 90)
 # --------------------------------------------------------------------------- item 1 (+ 8)
 
 
+def _metric_samples(stack: Stack) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The stack's /metrics exposition (the admin's own registry), as {(name, labels): value}."""
+    from kvtier.admin.metrics import build_registry
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = generate_latest(build_registry(stack)).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
 @pytest.mark.timeout(240)
 def test_a_replacement_that_fails_to_start_is_retried_and_reported() -> None:
     """Rank 1 dies and its replacements fail to start: the rank is retried with backoff,
@@ -99,6 +110,16 @@ def test_a_replacement_that_fails_to_start_is_retried_and_reported() -> None:
             assert "before it was ready" in row["last_error"], row
             alive, why = stack.alive()
             assert not alive and "rank 1 failed to start" in why, why
+            # /metrics shows it too: failed starts per rank, the rank's state, unrecoverable
+            samples = _metric_samples(stack)
+            assert samples[("kvtier_worker_start_failures_total", (("rank", "1"),))] >= 2
+            assert samples[("kvtier_worker_start_failures_total", (("rank", "0"),))] == 0
+            assert samples[("kvtier_worker_consecutive_start_failures", (("rank", "1"),))] >= 2
+            in_state = {dict(labels)["state"] for (name, labels), v in samples.items()
+                        if name == "kvtier_worker_state" and dict(labels)["rank"] == "1"
+                        and v == 1}
+            assert in_state in ({"start_failed"}, {"starting"}), in_state
+            assert samples[("kvtier_workers_unrecoverable", ())] == 1
             ready, why = stack.ready()
             assert not ready and "rank 1" in why, why
             # A long pause before the next try, so the rank is surely down meanwhile.

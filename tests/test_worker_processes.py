@@ -37,9 +37,10 @@ from kvtier.manager.stack import Stack
 from kvtier.manager.tree import EVICTING, LOADING, PREFETCHING, SAVING
 from kvtier.worker import content
 from kvtier.worker.copy_engine import LAYER_DELAY_ENV
+from kvtier.worker.delays import BACKUP_DELAY_ENV, STORAGE_WRITE_DELAY_ENV
 from kvtier.worker.ipc import MESSAGE_SIZE, QUEUE_DEPTH, pid_alive
 from kvtier.worker.kv_pools import DevicePool, HostPool
-from kvtier.worker.wire import TaskKind
+from kvtier.worker.wire import Priority, Task, TaskKind
 from stack_support import (
     attached_host_pools,
     check,
@@ -160,6 +161,10 @@ class RealWorkersMachine(ManagerMachine):
 
     def pending_tasks_are_transfers(self) -> None:
         raise AssertionError("not an invariant with real workers")
+
+    def device_lost(self) -> None:  # type: ignore[override]
+        raise AssertionError("not a rule here: these workers own their device pools "
+                             "(engine KV losses are tested in test_engine_kv)")
 
     @rule(roll=st.integers(0, 9))
     def reset(self, roll: int) -> None:  # type: ignore[override]
@@ -672,3 +677,56 @@ def test_killed_parent_leaves_no_orphan_and_its_id_starts_again(tmp_path: Path) 
             f"the orphan (gone after {took:.1f} s) should have removed every name but the "
             f"frozen worker's host segment: {stale}")
         assert_stack_works(tiny_config(deployment_id=dep), tmp_path)
+
+
+# --------------------------------------------------------------------------- lanes: a load
+# never waits behind a backup, a storage query never behind a storage write
+
+LANE_DELAY_S = 2.0  # every D2H batch and every storage write waits this long first
+
+
+@pytest.mark.timeout(120)
+def test_a_load_and_a_query_never_wait_behind_backups(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A D2H backup and a storage BACKUP write, each held LANE_DELAY_S in the worker (the
+    test hooks), then, while they run, an H2D load and a storage QUERY: both answer long
+    before either backup does (each class of task has its own lane; with one task loop per
+    rank they waited for the backups to finish), and every byte lands where it should."""
+    monkeypatch.setenv(BACKUP_DELAY_ENV, str(int(LANE_DELAY_S * 1000)))
+    monkeypatch.setenv(STORAGE_WRITE_DELAY_ENV, str(int(LANE_DELAY_S * 1000)))
+    cfg = tiny_config(num_layers=2, device_blocks=64, host_blocks=64,
+                      write_policy="write_through", storage="file",
+                      storage_dir=tmp_path / "storage")
+    with running_stack(cfg, log_dir=tmp_path / "logs") as stack:
+        m = stack.require_manager()
+        d = m.dispatcher
+        keys = list(range(1001, 1033))
+        fill(m, list(range(32)), keys)  # device blocks 0..31
+        with m.lock:
+            seqs = [m.next_seq() for _ in range(5)]
+        skeys = [bytes([i]) * 32 for i in range(32)]
+        d2h = Task(seqs[0], TaskKind.D2H, list(range(32)), list(range(32)), [], Priority.BACKUP)
+        write = Task(seqs[1], TaskKind.BACKUP, [40, 41], [], skeys[:2], Priority.BACKUP)
+        load = Task(seqs[2], TaskKind.H2D, [48, 49, 50], [48, 49, 50], [], Priority.LOAD)
+        query = Task(seqs[3], TaskKind.QUERY, [], [], skeys[:4], Priority.PREFETCH)
+        t0 = time.monotonic()
+        d.submit(d2h)
+        d.submit(write)
+        # The backups are under way (each worker received them at once and is now held in
+        # them); the load and the query come after, as a request's would.
+        time.sleep(0.3)
+        d.submit(load)
+        d.submit(query)
+        d.wait([load.seq, query.seq], LANE_DELAY_S * 0.6)
+        took = time.monotonic() - t0
+        assert d.is_pending(d2h.seq) and d.is_pending(write.seq), (
+            f"the backups were not held back (took {took:.2f} s): the test proves nothing")
+        d.wait([d2h.seq, write.seq], 20)
+        assert time.monotonic() - t0 >= LANE_DELAY_S
+        # The backup's bytes: loaded back into other device blocks, checked on every rank.
+        back = Task(seqs[4], TaskKind.H2D, list(range(32)), list(range(32, 64)), [],
+                    Priority.LOAD)
+        d.submit(back)
+        d.wait([back.seq], 20)
+        assert check(m, list(range(32, 64)), keys) == []
+        assert m.stats()["counters"]["failed_tasks"] == 0

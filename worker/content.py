@@ -14,6 +14,11 @@ a row; `mask` is a fixed SHAKE stream per pool shape (cached), different for eve
 half) and position. So one hash call per block, then a single broadcast XOR per chunk with long
 contiguous inner loops, on the pool's own device. SHAKE (not a torch RNG) keeps the bytes
 identical across processes, machines and library versions.
+
+Scales (`shape.kv_scales`): a block's scales (float32 `[layers * 2, num_kv_heads]`) are one
+more SHAKE-128 stream of (rank, key) under another domain, as long as all of them, written as
+raw 32-bit words (so every bit pattern, NaN payloads included, must come back) and compared
+word for word with the K and V: a block whose scales were lost, swapped or left stale fails.
 """
 
 from __future__ import annotations
@@ -56,10 +61,10 @@ def _mask(shape: KVShape, dtype: torch.dtype, device: torch.device) -> torch.Ten
     key = (shape, dtype, device)
     mask = _masks.get(key)
     if mask is None:
-        seed = f"kvtier-mask:{shape.num_layers}:{shape.k_bytes}".encode()
-        raw = bytearray(hashlib.shake_128(seed).digest(shape.num_layers * 2 * shape.k_bytes))
+        seed = f"kvtier-mask:{shape.total_layers}:{shape.k_bytes}".encode()
+        raw = bytearray(hashlib.shake_128(seed).digest(shape.total_layers * 2 * shape.k_bytes))
         mask = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
-        mask = mask.view(shape.num_layers * 2, -1).to(device)
+        mask = mask.view(shape.total_layers * 2, -1).to(device)
         _masks[key] = mask
     return mask
 
@@ -122,7 +127,7 @@ class _Rows:
     def __init__(self, pool: DevicePool | HostPool) -> None:
         shape = pool.shape
         self.dtype = _word_dtype(shape.k_bytes)
-        rows = shape.num_layers * 2
+        rows = shape.total_layers * 2
         if isinstance(pool, DevicePool):
             flat = pool.data.view(rows, pool.num_blocks, -1)
             self.dim = 1
@@ -177,12 +182,61 @@ def _step(pool: Pool) -> int:
     return max(1, CHUNK_BYTES // pool.shape.page_bytes)
 
 
+def _scale_words(keys: Sequence[bytes], rank: int, shape: KVShape) -> torch.Tensor:
+    """`[n, layers * 2, num_kv_heads]` int32: the scales content of every key."""
+    prefix = b"kvtier-scales\0" + rank.to_bytes(4, "little")
+    planes, heads = shape.scale_planes, shape.num_kv_heads
+    buf = bytearray()
+    for key in keys:
+        h = hashlib.shake_128(prefix)
+        h.update(len(key).to_bytes(4, "little"))
+        h.update(key)
+        buf += h.digest(planes * heads * 4)
+    if not buf:
+        return torch.empty(0, planes, heads, dtype=torch.int32)
+    return torch.frombuffer(buf, dtype=torch.int32).view(len(keys), planes, heads)
+
+
+def _scale_planes(pool: Pool) -> list[torch.Tensor]:
+    """The pool's scale planes as int32 words: `[blocks, num_kv_heads]` per plane."""
+    if isinstance(pool, HostPool):
+        assert pool.scales is not None
+        host = pool.scales.view(torch.int32)
+        return [host[:, p] for p in range(host.shape[1])]
+    return [p.view(torch.int32) for p in pool.scale_planes]
+
+
+def _fill_scales(pool: Pool, ids: torch.Tensor, keys: Sequence[bytes], rank: int) -> None:
+    planes = _scale_planes(pool)
+    words = _scale_words(keys, rank, pool.shape).to(_pool_device(pool))
+    ids = ids.to(words.device)
+    for p, plane in enumerate(planes):
+        plane.index_copy_(0, ids, words[:, p])
+
+
+def _check_scales(pool: Pool, ids: torch.Tensor, keys: Sequence[bytes], rank: int
+                  ) -> torch.Tensor:
+    """`[n]` bool: block `ids[i]`'s scales differ from those of `keys[i]`."""
+    planes = _scale_planes(pool)
+    words = _scale_words(keys, rank, pool.shape).to(_pool_device(pool))
+    ids = ids.to(words.device)
+    bad = torch.zeros(len(keys), dtype=torch.bool, device=words.device)
+    for p, plane in enumerate(planes):
+        bad |= (torch.index_select(plane, 0, ids) != words[:, p]).any(1)
+    return bad.cpu()
+
+
+def _pool_device(pool: Pool) -> torch.device:
+    return pool.data.device if isinstance(pool, HostPool) else pool.device
+
+
 def fill(
     pool: Pool, dev_ids: Sequence[int] | torch.Tensor, keys: Sequence[bytes], rank: int
 ) -> None:
     """Write the content derived from `keys[i]` (and `rank`) into block `dev_ids[i]`, every
-    layer, K and V. Ids are validated (range, no duplicates) before anything is written.
-    Works on a `DevicePool`, a `HostPool` or a `PlanePool` (an engine's KV)."""
+    layer, K and V (and its scales, when the shape has them). Ids are validated (range, no
+    duplicates) before anything is written. Works on a `DevicePool`, a `HostPool` or a
+    `PlanePool` (an engine's KV)."""
     ids = _validate("fill", pool, dev_ids, keys, rank)
     rows = _rows(pool)
     mask = _mask(pool.shape, rows.dtype, rows.device)
@@ -195,6 +249,8 @@ def fill(
         expected = scratch[: mask.numel() * base.shape[0]].view(mask.shape[0], base.shape[0], -1)
         torch.bitwise_xor(mask.unsqueeze(1), base.unsqueeze(0), out=expected)
         rows.write(ids[i : i + step], expected)
+    if pool.shape.kv_scales:
+        _fill_scales(pool, ids, keys, rank)
 
 
 def check(
@@ -217,4 +273,7 @@ def check(
         actual ^= base.unsqueeze(0)  # now all zero in every row where the block is intact
         differs = torch.count_nonzero(actual, dim=2).any(0)
         bad.append(differs.nonzero().flatten().cpu() + i)
+    if pool.shape.kv_scales and len(keys):
+        bad.append(_check_scales(pool, ids, keys, rank).nonzero().flatten())
+        return sorted(set(torch.cat(bad).tolist()))
     return torch.cat(bad).tolist() if bad else []

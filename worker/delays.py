@@ -8,6 +8,12 @@ import os
 
 LAYER_DELAY_ENV = "KVTIER_TEST_LAYER_DELAY_MS"  # sleep after each layer of an H2D load
 STORAGE_DELAY_ENV = "KVTIER_TEST_STORAGE_DELAY_MS"  # sleep before each storage query/read
+STORAGE_WRITE_DELAY_ENV = "KVTIER_TEST_STORAGE_WRITE_DELAY_MS"  # ... before each BACKUP write
+PREFETCH_PAGE_DELAY_ENV = "KVTIER_TEST_PREFETCH_PAGE_DELAY_MS"  # after each page a PREFETCH reads
+BACKUP_DELAY_ENV = "KVTIER_TEST_BACKUP_DELAY_MS"  # sleep before each D2H (backup) batch
+DELAY_ENVS = (LAYER_DELAY_ENV, STORAGE_DELAY_ENV, STORAGE_WRITE_DELAY_ENV,
+              PREFETCH_PAGE_DELAY_ENV, BACKUP_DELAY_ENV)
+"""Every hook: the manager passes them on to its workers (they are not settings)."""
 
 
 def delay_from_env(name: str) -> float:

@@ -38,6 +38,7 @@ from kvtier.worker.wire import (
     SUM_RESULT_KINDS,
     Completion,
     Task,
+    TaskKind,
     merge_results,
 )
 
@@ -79,6 +80,8 @@ class _Rank:
         """The task on this rank; an exception fails the task, never the caller."""
         rank = self.spec.rank
         try:
+            if task.kind == TaskKind.REVOKE:
+                return Completion(task.seq, rank, True, 0)  # every task here ran to its end
             if task.kind in STORAGE_KINDS:
                 return Completion(task.seq, rank, True, self.executor.storage_task(task))
             if task.kind in DEVICE_KINDS:

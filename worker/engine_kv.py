@@ -9,6 +9,8 @@ manager; the engine imports it in its own (model runner) process.
         ...                                             # start the stack with workers.engine_kv
         waiter = LayerWaiter(dep, num_ranks)
         waiter.wait(hit.handle.seq, layer, timeout=5.0)  # per layer, before attention reads it
+        # on a GPU, without a host sync: the compute stream waits on the worker's copy
+        waiter.wait_stream(hit.handle.seq, layer, 5.0, registration=reg, stream=compute)
 
 Layouts (every one without a copy; a *plane* is one layer's K or V as `[num_blocks, row]`,
 row = block_size * num_kv_heads * head_dim elements, contiguous within a block):
@@ -20,16 +22,34 @@ row = block_size * num_kv_heads * head_dim elements, contiguous within a block):
 The bytes of a row are moved as they lie, so pages written by one layout are only ever read
 by the same layout: the workers' storage namespace includes the layout name.
 
+Every layout lists the model's layers first and then its extra layers (`model.num_extra_layers`,
+e.g. the MTP draft layers of speculative decoding): the registration holds
+`num_layers + num_extra_layers` layers. With `model.kv_scales = "per_block_head"` (float8 KV)
+the runner also registers its scale tensors, `scales=`: per layer (same order) a (K scales,
+V scales) pair of float32 `[blocks, num_kv_heads]` tensors, which kvtier moves with their blocks
+through every tier.
+
 Where the memory must live: on a GPU any tensor of the caching allocator works (its storage is
 exported through CUDA IPC, `UntypedStorage._share_cuda_`); on the CPU the worker maps the
 memory by name, so it must come from `shared_kv_tensor` (a POSIX shared-memory segment).
 The registration record format is described in `kvtier.worker.kvreg`.
+
+Per-layer readiness on CUDA: a CUDA registration also exports `layer_event_slots` (default 4)
+sets of per-layer inter-process events and a word table (see `kvtier.worker.kvreg`, "Layer
+events"); the worker records event [seq % slots][layer] on its copy stream after enqueueing
+that layer and publishes seq in the table; `LayerWaiter.wait_stream` polls the table (host
+memory, no GPU call) and then has the compute stream wait on the event, so no host thread
+waits for a copy. Where events are missing (CPU KV, a torch or driver that cannot export or
+open them) it waits on the host as `wait` does. What has run: the record field, the word
+table and the fallback, on the CPU; the GPU path is tested only where a GPU is (`cuda`
+marker).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import math
 import mmap
 import os
@@ -42,12 +62,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvtier.worker.ipc import LayerProgress, pid_alive, validate_deployment_id
+from kvtier.worker.ipc import (
+    LayerProgress,
+    LayerWaitTimeout,
+    TreeStatus,
+    pid_alive,
+    validate_deployment_id,
+)
 from kvtier.worker.kv_pools import DTYPES, PoolConfigError, parse_dtype
 from kvtier.worker.kvreg import (
     LAYOUTS,
     SEGMENT_HEADER_BYTES,
     EngineKVError,
+    LayerEventWords,
     Layout,
     Record,
     create_segment,
@@ -71,7 +98,12 @@ __all__ = [
     "shared_kv_tensor",
 ]
 
+log = logging.getLogger(__name__)
+
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DEFAULT_LAYER_EVENT_SLOTS = 4
+"""Event sets a CUDA registration exports: loads `seq` and `seq + 4` share one (the later
+only makes a wait longer); more slots cost 64 bytes of IPC handle and one event each."""
 _HALVES = ("K", "V")
 
 
@@ -269,6 +301,30 @@ def kv_planes(kv: torch.Tensor | Sequence[torch.Tensor] | Sequence[tuple[torch.T
     return KVPlanes(planes, len(planes) // 2, blocks, device, dtype)
 
 
+def _scale_planes(scales: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
+                  found: KVPlanes, num_kv_heads: int) -> list[torch.Tensor]:
+    """The scale planes of `scales` (per layer a (K, V) pair of float32 `[blocks, heads]`),
+    in plane order; checked against the KV planes `found`."""
+    if scales is None:
+        return []
+    pairs = _as_list(scales, "scales")
+    if len(pairs) != found.num_layers:
+        raise EngineKVError(f"scales: {len(pairs)} layers, the KV has {found.num_layers}")
+    out: list[torch.Tensor] = []
+    for layer, pair in enumerate(pairs):
+        if isinstance(pair, torch.Tensor) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise EngineKVError(f"scales of layer {layer}: expected a (K, V) pair of tensors")
+        for h, t in zip(_HALVES, pair, strict=True):
+            where = f"layer {layer} {h} scales"
+            _check_dims(t, where, ("num_blocks", "num_kv_heads"),
+                        {"num_blocks": found.num_blocks, "num_kv_heads": num_kv_heads})
+            if t.dtype != torch.float32 or t.device != found.device:
+                raise EngineKVError(f"{where}: {t.dtype} on {t.device}, expected "
+                                    f"torch.float32 on {found.device} (where the KV is)")
+            out.append(_plane(t, where, num_kv_heads))
+    return out
+
+
 # --------------------------------------------------------------------------- registration
 
 _LIVE: dict[str, KVRegistration] = {}
@@ -282,12 +338,16 @@ class KVRegistration:
     record when it starts or stops.
 
     Attributes: `planes` (2 * num_layers views `[num_blocks, row]`, layer 0 K, layer 0 V,
-    ...), `num_blocks`, `num_layers`, `device`, `dtype`, `layout`, `nonce`, `name`."""
+    ...; `num_layers` counts extra layers too), `scale_planes` (the same order, float32
+    `[num_blocks, num_kv_heads]`; empty without `scales`), `num_blocks`, `num_layers`,
+    `device`, `dtype`, `layout`, `nonce`, `name`."""
 
     def __init__(self, deployment_id: str, rank: int,
                  kv: torch.Tensor | Sequence[torch.Tensor]
                  | Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 layout: Layout, *, block_size: int, num_kv_heads: int, head_dim: int) -> None:
+                 layout: Layout, *, block_size: int, num_kv_heads: int, head_dim: int,
+                 scales: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 layer_event_slots: int = DEFAULT_LAYER_EVENT_SLOTS) -> None:
         validate_deployment_id(deployment_id)
         self.name = registration_name(deployment_id, rank)
         self.deployment_id, self.rank, self.layout = deployment_id, rank, layout
@@ -297,7 +357,8 @@ class KVRegistration:
         self.planes = found.planes
         self.num_layers, self.num_blocks = found.num_layers, found.num_blocks
         self.device, self.dtype = found.device, found.dtype
-        self._kv = kv  # keeps the memory alive as long as the registration
+        self.scale_planes = _scale_planes(scales, found, num_kv_heads)
+        self._kv = (kv, scales)  # keeps the memory alive as long as the registration
         if found.device.type not in ("cpu", "cuda"):
             raise EngineKVError(f"KV on {found.device}: only cpu and cuda can be registered")
         with _LOCK:
@@ -306,7 +367,17 @@ class KVRegistration:
                     f"rank {rank} of deployment {deployment_id!r} is already registered in "
                     "this process; close that registration first")
         self._take_over_stale()
-        planes, segments, device, uuid = self._describe(block_size * num_kv_heads * head_dim)
+        segments: list[str] = []
+        planes, device, uuid = self._describe(self.planes, "", segments)
+        scale_planes = self._describe(self.scale_planes, " scales", segments)[0]
+        self.events: list[list[Any]] = []  # [slot][layer] torch.cuda.Event (CUDA only)
+        self.event_words: LayerEventWords | None = None
+        owned: list[str] = []
+        layer_events = None
+        if self.device.type == "cuda" and layer_event_slots:
+            layer_events = self._export_layer_events(layer_event_slots)
+            if layer_events is not None:
+                owned.append(layer_events["segment"])
         self.nonce = secrets.token_hex(16)
         itemsize = self.planes[0].element_size()
         record = Record(
@@ -314,15 +385,44 @@ class KVRegistration:
             device=device, device_uuid=uuid, dtype=_DTYPE_NAMES[self.dtype], layout=layout,
             num_layers=self.num_layers, num_blocks=self.num_blocks, block_size=block_size,
             num_kv_heads=num_kv_heads, head_dim=head_dim,
-            row_bytes=block_size * num_kv_heads * head_dim * itemsize, planes=tuple(planes))
+            row_bytes=block_size * num_kv_heads * head_dim * itemsize, planes=tuple(planes),
+            scale_planes=tuple(scale_planes), layer_events=layer_events)
         self.record = record
         self._segments = segments
+        self._owned = owned
         create_segment(self.name, encode_record(record)).close()
         self._closed = False
         with _LOCK:
             _LIVE[self.name] = self
         self._finalizer = weakref.finalize(self, _finalize, self.name, self.deployment_id,
-                                           rank, self.nonce, segments, os.getpid())
+                                           rank, self.nonce, segments, os.getpid(), owned)
+
+    def _export_layer_events(self, slots: int) -> dict[str, Any] | None:
+        """Create `slots x num_layers` inter-process CUDA events on the KV's device and the
+        word table the worker publishes into; the record field describing them. None (the
+        runner then waits on the host, `LayerWaiter.wait_stream`'s fallback) when this
+        torch or driver cannot export events."""
+        index = self.device.index if self.device.index is not None else (
+            torch.cuda.current_device())
+        try:
+            with torch.cuda.device(index):
+                events = [[torch.cuda.Event(interprocess=True) for _ in range(self.num_layers)]
+                          for _ in range(slots)]
+                handles = [[bytes(e.ipc_handle()).hex() for e in row] for row in events]
+        except (RuntimeError, AttributeError) as e:
+            log.warning("rank %d: CUDA layer events cannot be exported (%s); per-layer waits "
+                        "fall back to the host", self.rank, e)
+            return None
+        words = LayerEventWords.create(self.deployment_id, self.rank, slots, self.num_layers)
+        self.events, self.event_words = events, words
+        return {"segment": words.name, "slots": slots, "handles": handles}
+
+    def layer_event(self, seq: int, layer: int) -> Any:
+        """The CUDA event the worker records after enqueueing layer `layer` of load `seq`
+        (None without layer events)."""
+        if not self.events:
+            return None
+        return self.events[seq % len(self.events)][layer]
 
     def _take_over_stale(self) -> None:
         try:
@@ -338,21 +438,23 @@ class KVRegistration:
                 f"running pid {old.owner_pid}; close that registration first")
         remove_registration(old)
 
-    def _describe(self, row: int) -> tuple[list[dict[str, Any]], list[str], str, str]:
+    def _describe(self, tensors: list[torch.Tensor], what: str, segments: list[str]
+                  ) -> tuple[list[dict[str, Any]], str, str]:
+        """Plane records of `tensors` (KV or scale planes), the CPU segments they live in
+        added to `segments`; the device name and the GPU's UUID."""
         planes: list[dict[str, Any]] = []
-        segments: list[str] = []
         if self.device.type == "cpu":
-            for i, p in enumerate(self.planes):
-                seg, offset = _segment_of(p, f"layer {i // 2} {_HALVES[i % 2]}")
+            for i, p in enumerate(tensors):
+                seg, offset = _segment_of(p, f"layer {i // 2} {_HALVES[i % 2]}{what}")
                 if seg not in segments:
                     segments.append(seg)
                 planes.append({"segment": seg, "offset_bytes": offset,
                                "shape": list(p.shape), "strides": list(p.stride())})
-            return planes, segments, "cpu", ""
+            return planes, "cpu", ""
         index = self.device.index if self.device.index is not None else (
             torch.cuda.current_device())
         shared: dict[tuple[int, int], dict[str, Any]] = {}
-        for i, p in enumerate(self.planes):
+        for i, p in enumerate(tensors):
             storage = p.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
             if key not in shared:
@@ -360,12 +462,12 @@ class KVRegistration:
                     fields = storage._share_cuda_()  # type: ignore[no-untyped-call]
                 except RuntimeError as e:
                     raise EngineKVError(
-                        f"layer {i // 2} {_HALVES[i % 2]}: its CUDA memory cannot be "
+                        f"layer {i // 2} {_HALVES[i % 2]}{what}: its CUDA memory cannot be "
                         f"exported through CUDA IPC ({e})") from None
                 shared[key] = encode_cuda_fields(fields)
             planes.append({"cuda": shared[key], "storage_offset": p.storage_offset(),
                            "shape": list(p.shape), "strides": list(p.stride())})
-        return planes, segments, f"cuda:{index}", _device_uuid(index)
+        return planes, f"cuda:{index}", _device_uuid(index)
 
     @property
     def closed(self) -> bool:
@@ -378,8 +480,10 @@ class KVRegistration:
             return
         self._closed = True
         self._finalizer.detach()
+        if self.event_words is not None:
+            self.event_words.close()
         _finalize(self.name, self.deployment_id, self.rank, self.nonce, self._segments,
-                  os.getpid())
+                  os.getpid(), self._owned)
 
     def __enter__(self) -> KVRegistration:
         return self
@@ -393,9 +497,12 @@ class KVRegistration:
 
 
 def _finalize(name: str, deployment_id: str, rank: int, nonce: str, segments: list[str],
-              pid: int) -> None:
+              pid: int, owned: Sequence[str] = ()) -> None:
     if os.getpid() != pid:  # a forked child never removes its parent's registration
         return
+    for seg in owned:  # the layer-event word table: made for this registration only
+        if segment_owner(seg) in (None, pid):
+            unlink(seg)
     with _LOCK:
         _LIVE.pop(name, None)
     with contextlib.suppress(EngineKVError):
@@ -420,7 +527,9 @@ class LayerWaiter:
     reading the per-layer progress the workers publish in the deployment's control segment
     (read-only; no manager object needed). `wait` raises `LayerWaitTimeout` after `timeout`
     seconds, `TaskAborted` when the load failed on a rank or a rank's worker died during it,
-    `IPCError` when the deployment stopped."""
+    `DeploymentAsleep` while the deployment sleeps (or when it slept during the wait: the load
+    was cancelled), `IPCError` when the deployment stopped. `tree_status` and `asleep` read the
+    manager's flags."""
 
     def __init__(self, deployment_id: str, num_ranks: int) -> None:
         self._progress = LayerProgress(deployment_id, num_ranks)
@@ -431,6 +540,55 @@ class LayerWaiter:
     def layers_done(self, seq: int) -> list[int | None]:
         """Per rank, the layers of load `seq` on the device (None: not started there)."""
         return self._progress.layers_done(seq)
+
+    @property
+    def tree_status(self) -> TreeStatus:
+        """The manager's prefix-tree status: NORMAL, or CLEARING / CLEARED while a sleep or a
+        reset empties it (block ids of before it are no longer the manager's)."""
+        return self._progress.tree_status
+
+    @property
+    def asleep(self) -> bool:
+        """True while the deployment sleeps (the workers' pools are freed, loads fail with
+        `DeploymentAsleep`); False once a wake re-created them."""
+        return self._progress.asleep
+
+    def wait_stream(self, seq: int, layer: int, timeout: float, *,
+                    registration: KVRegistration | None = None, stream: Any = None) -> bool:
+        """Make `stream` (default: the current stream of the registration's device) wait for
+        layer `layer` of load `seq` on this runner's rank without a host sync: once the
+        worker has enqueued the layer's copy and recorded the registration's layer event
+        (`LayerEventWords.covers`), the stream waits on that event on the GPU. Returns True
+        then. Without layer events (a CPU registration, or events that could not be
+        exported or opened), or when the layer is already on every rank's device, it waits
+        on the host like `wait` and returns False. Raises like `wait` (LayerWaitTimeout,
+        TaskAborted when the load failed, IPCError)."""
+        words = registration.event_words if registration is not None else None
+        if registration is None or words is None:
+            self.wait(seq, layer, timeout)
+            return False
+        deadline = time.monotonic() + timeout
+        pause = 50e-6
+        while True:
+            if words.covers(seq, layer):
+                if stream is None:
+                    stream = torch.cuda.current_stream(registration.device)
+                stream.wait_event(registration.layer_event(seq, layer))
+                return True
+            try:  # the load failed (raises), or was copied without recording an event
+                self._progress.wait_layer(seq, layer, 0.0)
+                return False
+            except LayerWaitTimeout:
+                pass
+            now = time.monotonic()
+            if now > deadline:
+                raise LayerWaitTimeout(
+                    f"task seq={seq}: layer {layer} not enqueued on rank "
+                    f"{registration.rank} after {timeout:.1f}s", seq=seq, layer=layer,
+                    ranks=[registration.rank])
+            time.sleep(min(pause, max(0.0, deadline - now)))
+            pause = min(pause * 2, 1e-3)
+
 
     def close(self) -> None:
         self._progress.close()

@@ -16,23 +16,29 @@ both values. `problem()` tells whether the registration attached is still the cu
 
 from __future__ import annotations
 
+import logging
 import mmap
 import time
+from collections.abc import Callable
+from typing import Any
 
 import posix_ipc
 import torch
 from kvtier.worker.errors import KvtierError
-from kvtier.worker.kv_pools import KVShape, PlanePool, parse_dtype
+from kvtier.worker.kv_pools import PlanePool, parse_dtype
 from kvtier.worker.kvreg import (
     SEGMENT_HEADER_BYTES,
     SEGMENT_MAGIC,
     EngineKVError,
+    LayerEventWords,
     Record,
     decode_cuda_fields,
     read_record,
     registration_name,
 )
 from kvtier.worker.spec import WorkerSpec
+
+log = logging.getLogger(__name__)
 
 
 class EngineKVGone(KvtierError, RuntimeError):
@@ -56,7 +62,10 @@ def check_record(rec: Record, spec: WorkerSpec) -> None:
             f"num_kv_heads * head_dim * itemsize = {rec.block_size} * {rec.num_kv_heads} * "
             f"{rec.head_dim} * {itemsize}")
     pairs = (
-        ("num_layers", rec.num_layers, "model.num_layers", spec.num_layers),
+        ("num_layers", rec.num_layers, "model.num_layers" + (
+            " + model.num_extra_layers" if spec.num_extra_layers else ""), shape.total_layers),
+        ("scale planes", len(rec.scale_planes), f"model.kv_scales = {spec.kv_scales!r}",
+         shape.scale_planes),
         ("num_blocks", rec.num_blocks, "cache.device_blocks", spec.device_blocks),
         ("dtype", rec.dtype, "model.dtype", spec.dtype),
         ("block_size", rec.block_size, "cache.block_size", spec.block_size),
@@ -86,8 +95,17 @@ class EnginePool(PlanePool):
         self.spec = spec
         self.record = rec
         shape = spec.shape
-        planes = _cuda_planes(rec, shape, spec) if rec.is_cuda else _cpu_planes(rec, shape)
-        super().__init__(shape, planes, layout=rec.layout)
+        if rec.is_cuda:
+            planes = _cuda_planes(rec.planes, shape.dtype, rec, spec)
+            scale_planes = _cuda_planes(rec.scale_planes, torch.float32, rec, spec)
+        else:
+            mapped: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+            planes = _cpu_planes(rec.planes, shape.dtype, mapped, "")
+            scale_planes = _cpu_planes(rec.scale_planes, torch.float32, mapped, " scales")
+        super().__init__(shape, planes, layout=rec.layout, scale_planes=scale_planes)
+        self.layer_events: WorkerLayerEvents | None = None
+        if rec.layer_events is not None:
+            self.layer_events = WorkerLayerEvents.open(rec, planes[0].device, spec.rank)
 
     # ------------------------------------------------------------------ attach
 
@@ -146,18 +164,76 @@ class EnginePool(PlanePool):
     def close(self) -> None:
         """Drop the views into the model runner's memory (idempotent)."""
         self.planes = []
+        self.scale_planes = []
+        if self.layer_events is not None:
+            self.layer_events.close()
+            self.layer_events = None
 
 
-def _cpu_planes(rec: Record, shape: KVShape) -> list[torch.Tensor]:
-    typed: dict[str, torch.Tensor] = {}
-    itemsize = shape.itemsize
+class WorkerLayerEvents:
+    """The worker's side of a registration's layer events (`kvtier.worker.kvreg`, "Layer
+    events"): the runner's inter-process events opened on this worker's device,
+    `events[slot][layer]`, and its word table. `hook(seqs)` is what the copy engine calls
+    after enqueueing each layer of an H2D batch: record the event of every slot the batch's
+    loads use on the copy stream, then publish each load's seq, in that order."""
+
+    def __init__(self, events: list[list[Any]], words: LayerEventWords) -> None:
+        self.events, self.words = events, words
+
+    @classmethod
+    def open(cls, rec: Record, device: torch.device, rank: int) -> WorkerLayerEvents | None:
+        """Open them, or None when they cannot be (logged): the runner's `wait_stream` then
+        finds its words never covering a load and waits on the host instead."""
+        assert rec.layer_events is not None
+        try:
+            words = LayerEventWords.open(rec.layer_events["segment"], rec.layer_events["slots"],
+                                         rec.num_layers)
+        except EngineKVError as e:
+            log.warning("rank %d: layer events not used: %s", rank, e)
+            return None
+        try:
+            events = [[torch.cuda.Event.from_ipc_handle(device, h) for h in row]
+                      for row in rec.event_handles()]
+        except (RuntimeError, AttributeError) as e:
+            words.close()
+            log.warning("rank %d: the runner's CUDA layer events cannot be opened (%s); its "
+                        "per-layer waits fall back to the host", rank, e)
+            return None
+        return cls(events, words)
+
+    def hook(self, seqs: list[int]) -> Callable[[int, Any], None]:
+        slots = len(self.events)
+        newest: dict[int, int] = {}
+        for seq in seqs:
+            slot = seq % slots
+            newest[slot] = max(seq, newest.get(slot, -1))
+
+        def enqueued(layer: int, stream: Any) -> None:
+            for slot in newest:
+                self.events[slot][layer].record(stream)
+            for seq in seqs:  # after every record call: a covered word means "issued"
+                self.words.publish(seq, layer)
+
+        return enqueued
+
+    def close(self) -> None:
+        self.words.close()
+        self.events = []
+
+
+def _cpu_planes(recs: tuple[dict[str, Any], ...], dtype: torch.dtype,
+                mapped: dict[tuple[str, torch.dtype], torch.Tensor], what: str,
+                ) -> list[torch.Tensor]:
+    """Views of the CPU planes `recs` (KV or scale planes) as `dtype`; `mapped` caches each
+    segment's typed mapping across calls."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
     planes = []
-    for i, p in enumerate(rec.planes):
-        where = f"engine KV plane {i} (layer {i // 2} {'KV'[i % 2]})"
+    for i, p in enumerate(recs):
+        where = f"engine KV{what} plane {i} (layer {i // 2} {'KV'[i % 2]})"
         name = p["segment"]
-        if name not in typed:
-            typed[name] = _map_segment(name, shape.dtype)
-        base = typed[name]
+        if (name, dtype) not in mapped:
+            mapped[name, dtype] = _map_segment(name, dtype)
+        base = mapped[name, dtype]
         offset = p["offset_bytes"]
         if offset < SEGMENT_HEADER_BYTES or offset % itemsize:
             raise EngineKVError(f"{where}: byte offset {offset} in {name} is not a data offset")
@@ -194,9 +270,14 @@ def _view(base: torch.Tensor, offset: int, shape: list[int], strides: list[int],
     return base.as_strided(shape, strides, base.storage_offset() + offset)
 
 
-def _cuda_planes(rec: Record, shape: KVShape, spec: WorkerSpec) -> list[torch.Tensor]:
+def _cuda_planes(recs: tuple[dict[str, Any], ...], dtype: torch.dtype, rec: Record,
+                 spec: WorkerSpec) -> list[torch.Tensor]:
+    """Views of the CUDA planes `recs` (KV or scale planes of `rec`) as `dtype`, opened
+    through their IPC handles on this rank's device."""
     device = torch.device(spec.device if ":" in spec.device else "cuda:0")
     index = device.index if device.index is not None else 0
+    if not recs:
+        return []
     torch.cuda._lazy_init()
     if rec.device_uuid:
         here = str(torch.cuda.get_device_properties(index).uuid)
@@ -207,8 +288,9 @@ def _cuda_planes(rec: Record, shape: KVShape, spec: WorkerSpec) -> list[torch.Te
                 f"{device} is GPU {here}; set workers.cuda_devices so rank {spec.rank} uses "
                 "the model runner's GPU")
     storages: dict[tuple[str, int], torch.UntypedStorage] = {}
+    itemsize = torch.empty((), dtype=dtype).element_size()
     planes = []
-    for i, p in enumerate(rec.planes):
+    for i, p in enumerate(recs):
         where = f"engine KV plane {i} (layer {i // 2} {'KV'[i % 2]})"
         fields = p["cuda"]
         key = (fields["handle"], fields["offset_bytes"])
@@ -219,7 +301,7 @@ def _cuda_planes(rec: Record, shape: KVShape, spec: WorkerSpec) -> list[torch.Te
             except RuntimeError as e:
                 raise EngineKVError(f"{where}: cannot open its CUDA IPC handle ({e})") from None
         storage = storages[key]
-        base = torch.empty(0, dtype=shape.dtype, device=device)
-        base.set_(storage, 0, (storage.nbytes() // shape.itemsize,), (1,))
+        base = torch.empty(0, dtype=dtype, device=device)
+        base.set_(storage, 0, (storage.nbytes() // itemsize,), (1,))
         planes.append(_view(base, p["storage_offset"], p["shape"], p["strides"], where))
     return planes

@@ -5,13 +5,22 @@ in its own process can run it directly (`kvtier.worker.embedded`).
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import logging
 import time
 from collections.abc import Callable
+from enum import IntEnum
 
-from kvtier.worker import content
-from kvtier.worker.copy_engine import CopyEngine
-from kvtier.worker.delays import STORAGE_DELAY_ENV, delay_from_env
+from kvtier.worker import content, numa
+from kvtier.worker.copy_engine import CopyEngine, LoadGate
+from kvtier.worker.delays import (
+    BACKUP_DELAY_ENV,
+    PREFETCH_PAGE_DELAY_ENV,
+    STORAGE_DELAY_ENV,
+    STORAGE_WRITE_DELAY_ENV,
+    delay_from_env,
+)
 from kvtier.worker.engine_pool import EngineKVGone, EnginePool
 from kvtier.worker.errors import KvtierError
 from kvtier.worker.kv_pools import DeviceKV, DevicePool, HostPool
@@ -26,10 +35,44 @@ DEVICE_KINDS = frozenset({TaskKind.D2H, TaskKind.H2D, TaskKind.FILL, TaskKind.CH
 STORAGE_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP, TaskKind.CLEAR})
 MERGEABLE = frozenset({TaskKind.D2H, TaskKind.H2D})
 
-"""Test hook: milliseconds to sleep before every storage read (QUERY, PREFETCH) on this rank,
-so tests can show what each prefetch policy does with a slow store."""
+
+class TaskClass(IntEnum):
+    """The lanes of a worker: each has its own queue and thread, so a task of one class never
+    waits behind a task of another. Loads are what a request waits on; a backup of 512 blocks
+    or a slow storage write must not hold them (nor a storage hit query) up."""
+
+    LOAD = 1  # H2D, and the FILL / CHECK diagnostics (a request waits on them)
+    BACKUP = 2  # D2H: write-through backups and write-back demotions
+    STORAGE_READ = 3  # QUERY, PREFETCH
+    STORAGE_WRITE = 4  # BACKUP (host -> storage), CLEAR
 
 
+TASK_CLASSES: dict[TaskKind, TaskClass] = {
+    TaskKind.H2D: TaskClass.LOAD,
+    TaskKind.FILL: TaskClass.LOAD,
+    TaskKind.CHECK: TaskClass.LOAD,
+    TaskKind.D2H: TaskClass.BACKUP,
+    TaskKind.QUERY: TaskClass.STORAGE_READ,
+    TaskKind.PREFETCH: TaskClass.STORAGE_READ,
+    TaskKind.BACKUP: TaskClass.STORAGE_WRITE,
+    TaskKind.CLEAR: TaskClass.STORAGE_WRITE,
+}
+"""The lane of every task kind but REVOKE, which a worker applies as it receives it."""
+
+# A PREFETCH reads its pages in batches of about this many bytes and looks for a revoke
+# between batches: large enough that the file backend's I/O threads and a Redis pipeline
+# stay busy (a batch is one backend call), small enough that a revoked prefetch stops within
+# a few milliseconds of storage time.
+PREFETCH_BATCH_BYTES = 8 << 20
+
+# The backend error counters (`errors_<op>`) each task kind may raise: with storage reads
+# and writes on two threads, a task is failed only by errors of its own operations.
+_TASK_OPS: dict[TaskKind, tuple[str, ...]] = {
+    TaskKind.QUERY: ("exists",),
+    TaskKind.PREFETCH: ("get", "delete"),  # a damaged page is deleted as it is read
+    TaskKind.BACKUP: ("set", "delete"),  # the file backend deletes pages beyond capacity
+    TaskKind.CLEAR: ("clear", "delete"),
+}
 
 
 class TaskExecutor:
@@ -37,42 +80,75 @@ class TaskExecutor:
 
     `device`, `host` (None: no host tier), `engine` (copies between them), `storage` (None:
     no storage tier). `backup_one_rank`: only rank 0 writes pages (every rank holds the same
-    KV, as in MLA models), the others report success without writing. `storage_delay_s`
-    (from `KVTIER_TEST_STORAGE_DELAY_MS`, read once) slows every storage read, for tests.
+    KV, as in MLA models), the others report success without writing. Test hooks, read once
+    from the environment (`kvtier.worker.delays`): `storage_delay_s` slows every storage
+    read, `storage_write_delay_s` every BACKUP, `prefetch_page_delay_s` every page a PREFETCH
+    reads (one page a batch then), `backup_delay_s` every D2H batch.
+
+    Thread safety: the worker runs each `TaskClass` on its own thread, so `device_batch` may
+    run a D2H and an H2D at once (the copy engine orders their steps) and `storage_task` a
+    read and a write at once (backends are thread-safe).
     """
 
     def __init__(self, rank: int, device: DeviceKV, host: HostPool | None,
                  storage: StorageBackend | None, *, backup_one_rank: bool = False) -> None:
         self.rank = rank
-        self.device = device
+        self.device: DeviceKV | None = device
         self.host = host
         self.storage = storage
         self.backup_one_rank = backup_one_rank
-        self.engine = CopyEngine(device, host) if host is not None else None
+        self.load_gate = LoadGate()  # shared by every copy engine of this rank
+        self.engine = (CopyEngine(device, host, gate=self.load_gate) if host is not None
+                       else None)
         self.storage_delay_s = delay_from_env(STORAGE_DELAY_ENV)
+        self.storage_write_delay_s = delay_from_env(STORAGE_WRITE_DELAY_ENV)
+        self.prefetch_page_delay_s = delay_from_env(PREFETCH_PAGE_DELAY_ENV)
+        self.backup_delay_s = delay_from_env(BACKUP_DELAY_ENV)
+        self.freed = False  # the pools were released (sleep): no task may run on them
+
+    def release_pools(self) -> None:
+        """Drop every reference to the device and host pools (a sleep frees them); from now
+        on every task that would touch them fails with PoolsFreedError."""
+        self.freed = True
+        self.device = None
+        self.host = None
+        self.engine = None
+
+    def _freed_error(self, kind: TaskKind) -> PoolsFreedError:
+        return PoolsFreedError(
+            f"rank {self.rank}: {kind.name} refused: the pools are freed (the deployment is "
+            "asleep for a weight update); task cancelled")
 
     def set_device(self, device: DeviceKV) -> None:
         """Work on another device tier from the next task on (an engine's KV attached
         again after its model runner registered anew). Storage tasks never touch it."""
         self.device = device
-        self.engine = CopyEngine(device, self.host) if self.host is not None else None
+        self.engine = (CopyEngine(device, self.host, gate=self.load_gate)
+                       if self.host is not None else None)
 
     def device_batch(self, kind: TaskKind, batch: list[Task],
                      on_layer_done: Callable[[list[int], int], None] | None = None,
                      ) -> list[tuple[int, list[int]]]:
         """Run same-kind device tasks as one batch; one (result, detail) per task.
         `on_layer_done(seqs, layer)` fires as each layer of an H2D batch lands."""
+        device = self.device
+        if device is None:
+            raise self._freed_error(kind)
         if kind in (TaskKind.D2H, TaskKind.H2D):
             if self.engine is None:
                 raise RuntimeError(f"{kind.name} needs a host tier, and this rank has none")
+            engine = self.engine  # set_device may swap it; this batch keeps its own
             src = [i for t in batch for i in t.src]
             dst = [i for t in batch for i in t.dst]
             if kind == TaskKind.D2H:
-                self.engine.d2h(src, dst)
+                if self.backup_delay_s:
+                    time.sleep(self.backup_delay_s)
+                engine.d2h(src, dst)
             else:
                 seqs = [t.seq for t in batch]
                 cb = None if on_layer_done is None else (lambda layer: on_layer_done(seqs, layer))
-                self.engine.h2d(src, dst, cb)
+                events = getattr(self.device, "layer_events", None)  # an engine's CUDA KV
+                engine.h2d(src, dst, cb, None if events is None else events.hook(seqs))
             return [(0, [])] * len(batch)
         if len(batch) != 1:
             raise ValueError(f"{kind.name} tasks are not merged")
@@ -80,28 +156,31 @@ class TaskExecutor:
         if not (task.src or task.dst):
             return [(0, [])]  # nothing to fill or check
         if kind == TaskKind.FILL:
-            content.fill(self.device, task.dst, task.keys, self.rank)
+            content.fill(device, task.dst, task.keys, self.rank)
             return [(0, [])]
         if kind == TaskKind.CHECK:
-            bad = content.check(self.device, task.src, task.keys, self.rank)
+            bad = content.check(device, task.src, task.keys, self.rank)
             return [(len(bad), bad)]
         raise ValueError(f"not a device task kind: {kind!r}")
 
-    def storage_task(self, task: Task) -> int:
+    def storage_task(self, task: Task, revoked: Callable[[int], bool] | None = None) -> int:
         """Run one storage task; returns its result (see `kvtier.worker.wire`). A backend that
         degrades to misses (Redis down, disk errors) answers anyway; the errors it counted
-        during the call fail the task, so the manager counts storage errors by operation."""
+        during the call fail the task, so the manager counts storage errors by operation.
+        `revoked(seq)`: a PREFETCH asks it before each page batch and, once it says True,
+        stops and answers with the pages read so far."""
         store = self.storage
-        before = _backend_errors(store)
-        result = self._storage_call(task)
-        errors = _backend_errors(store) - before
+        ops = _TASK_OPS.get(task.kind, ())
+        before = _backend_errors(store, ops)
+        result = self._storage_call(task, revoked)
+        errors = _backend_errors(store, ops) - before
         if errors:
             raise StorageError(
                 f"storage {task.kind.name.lower()}: {errors} backend error(s) (see this rank's "
                 f"log); {result} of {len(task.keys)} pages went through")
         return result
 
-    def _storage_call(self, task: Task) -> int:
+    def _storage_call(self, task: Task, revoked: Callable[[int], bool] | None) -> int:
         store = self.storage
         if store is None:
             if task.kind in (TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.CLEAR):
@@ -115,20 +194,44 @@ class TaskExecutor:
             return store.clear()
         host = self.host
         if host is None:
+            if self.freed:
+                raise self._freed_error(task.kind)
             raise RuntimeError(f"{task.kind.name} needs a host tier")
         if task.kind == TaskKind.PREFETCH:
-            got = store.get_into(task.keys, [host.page_view(h) for h in task.dst])
-            n = 0
-            for ok in got:
-                if not ok:
-                    break
-                n += 1
-            return n
+            return self._prefetch(task, store, host, revoked)
         if task.kind == TaskKind.BACKUP:
+            if self.storage_write_delay_s:
+                time.sleep(self.storage_write_delay_s)
             if self.backup_one_rank and self.rank != 0:
                 return len(task.keys)  # rank 0 writes the pages every rank shares
             return store.set(task.keys, [host.page_view(h) for h in task.src])
         raise ValueError(f"not a storage task kind: {task.kind!r}")
+
+    def _prefetch(self, task: Task, store: StorageBackend, host: HostPool,
+                  revoked: Callable[[int], bool] | None) -> int:
+        """Read the task's pages into its host blocks batch by batch; stop at the first page
+        missing or damaged, or once the task is revoked. Returns the leading pages read."""
+        keys, dst = task.keys, task.dst
+        per_batch = max(1, PREFETCH_BATCH_BYTES // max(1, host.shape.page_bytes))
+        if self.prefetch_page_delay_s:
+            per_batch = 1
+        n = 0
+        while n < len(keys):
+            if revoked is not None and revoked(task.seq):
+                break
+            part = keys[n : n + per_batch]
+            got = store.get_into(part, [host.page_view(h) for h in dst[n : n + len(part)]])
+            if self.prefetch_page_delay_s:
+                time.sleep(self.prefetch_page_delay_s)
+            lead = 0
+            for ok in got:
+                if not ok:
+                    break
+                lead += 1
+            n += lead
+            if lead < len(part):
+                break
+        return n
 
 
 class RankResources:
@@ -138,23 +241,30 @@ class RankResources:
 
     With `spec.engine_kv` the device tier is the model runner's registered KV
     (`EnginePool`, waited for at most `spec.engine_kv_timeout_s`) instead of a `DevicePool`;
-    `ensure_device()` checks it is still current before each device task."""
+    `ensure_device()` checks it is still current before each device task. The host pool is
+    bound to the NUMA node `numa` names (`workers.host_numa`; `topology` reads a fake sysfs
+    in tests)."""
 
-    def __init__(self, spec: WorkerSpec, host_segment: str) -> None:
+    def __init__(self, spec: WorkerSpec, host_segment: str,
+                 topology: numa.Topology | None = None) -> None:
         self.spec = spec
+        self.host_segment = host_segment
         self.host: HostPool | None = None
         self.storage: StorageBackend | None = None
+        self.device: DeviceKV | None = None
         try:
             shape = spec.shape
             layout = None
-            self.device: DeviceKV
             if spec.engine_kv:
                 attached = EnginePool.attach(spec, spec.engine_kv_timeout_s)
                 self.device, layout = attached, attached.layout
             else:
                 self.device = DevicePool(shape, spec.device_blocks, spec.device)
+            self.layout = layout
+            self.topology = topology
+            self.numa = self._numa_choice(self.device, topology)
             if spec.host_blocks:
-                self.host = HostPool(shape, spec.host_blocks, host_segment)
+                self.host = HostPool(shape, spec.host_blocks, host_segment, self.numa.node)
             self.storage = make_backend(
                 spec.storage_backend, namespace=spec.storage_namespace(layout),
                 secret=spec.storage_secret_bytes, path=spec.storage_path, url=spec.storage_url,
@@ -166,13 +276,35 @@ class RankResources:
             self.close()
             raise
 
+    def _numa_choice(self, device_kv: DeviceKV,
+                     topology: numa.Topology | None) -> numa.NumaChoice:
+        """The NUMA node of the host pool (`workers.host_numa`), logged with the reason."""
+        spec = self.spec
+        setting = numa.check_setting(spec.host_numa)
+        where = device_kv.device
+        device = str(where)
+        pci = None
+        if setting == "auto" and where.type == "cuda":
+            pci = numa.cuda_pci_address(where.index or 0, topology)
+        choice = numa.choose_node(setting, device, topology, pci)
+        if spec.host_blocks:
+            log.info("rank %d: host pool %s (%s)", spec.rank, "not bound to a NUMA node"
+                     if choice.node is None else f"on NUMA node {choice.node}", choice.reason)
+        return choice
+
+    def device_current(self) -> bool:
+        """Whether the device tier attached is still good to use (always, unless it is an
+        engine's KV whose registration changed or went away: then `ensure_device`)."""
+        dev = self.device
+        return not isinstance(dev, EnginePool) or dev.problem() is None
+
     def ensure_device(self) -> None:
         """Before a device task: with engine KV, make sure the registration attached is the
         current one. A replaced registration (the model runner restarted) is attached in
         its place; one that is gone with none in its place raises EngineKVGone (the task
         fails with that reason; the next task looks again)."""
         dev = self.device
-        if not isinstance(dev, EnginePool):
+        if not isinstance(dev, EnginePool) or self.executor.freed:
             return
         reason = dev.problem()
         if reason is None:
@@ -191,6 +323,56 @@ class RankResources:
         self.device = fresh
         self.executor.set_device(fresh)
 
+    def free_pools(self) -> None:
+        """Release the device pool (or the engine's KV, attached) and the host pool, whose
+        segment is unlinked: the memory goes back to the system (sleep). Idempotent."""
+        self.executor.release_pools()
+        if isinstance(self.device, EnginePool):
+            self.device.close()
+        self.device = None
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+        # Views caught in reference cycles keep their mappings until collected: without this
+        # the engine KV segments stayed mapped in the worker after a sleep (test_sleep).
+        gc.collect()
+        if self.spec.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()  # hand the device pool back to the driver, not the cache
+
+    def rebuild(self, device_blocks: int, host_blocks: int) -> None:
+        """Re-create freed pools at these sizes (wake); the storage backend is kept. With
+        engine KV the current registration is attached (its layout must be the same).
+        On failure the pools stay freed and the error propagates."""
+        if self.device is not None:
+            self.free_pools()
+        spec = dataclasses.replace(self.spec, device_blocks=device_blocks,
+                                   host_blocks=host_blocks)
+        shape = spec.shape
+        device: DeviceKV
+        if spec.engine_kv:
+            attached = EnginePool.attach(spec, spec.engine_kv_timeout_s)
+            if attached.layout != self.layout:
+                attached.close()
+                raise EngineKVGone(
+                    f"rank {spec.rank}: the new registration has layout {attached.layout!r} "
+                    f"but this rank's storage pages are in layout {self.layout!r}")
+            device = attached
+        else:
+            device = DevicePool(shape, device_blocks, spec.device)
+        try:
+            choice = self._numa_choice(device, self.topology)
+            host = (HostPool(shape, host_blocks, self.host_segment, choice.node)
+                    if host_blocks else None)
+        except BaseException:
+            if isinstance(device, EnginePool):
+                device.close()
+            raise
+        self.spec, self.device, self.host, self.numa = spec, device, host, choice
+        self.executor = TaskExecutor(spec.rank, device, host, self.storage,
+                                     backup_one_rank=spec.backup_one_rank)
+
     def close(self) -> None:
         if isinstance(self.device, EnginePool):
             self.device.close()
@@ -205,12 +387,18 @@ class RankResources:
             self.host = None
 
 
+class PoolsFreedError(KvtierError, RuntimeError):
+    """A task reached a rank whose pools are freed (the deployment sleeps)."""
+
+
 class StorageError(KvtierError, RuntimeError):
     """The storage backend reported errors during a task (it degraded to misses)."""
 
 
-def _backend_errors(store: StorageBackend | None) -> int:
+def _backend_errors(store: StorageBackend | None, ops: tuple[str, ...]) -> int:
+    """The backend's error count of operations `ops` (every failed call, a fast-failed one
+    during a Redis outage included, counts one `errors_<op>`)."""
     if store is None:
         return 0
-    return int(sum(v for k, v in store.stats().items()
-                   if k.startswith("errors_") or k == "fast_failed_calls"))
+    stats = store.stats()
+    return int(sum(stats.get(f"errors_{op}", 0) for op in ops))

@@ -44,14 +44,17 @@ Control segment layout (all fields int64, native little-endian, 8-byte aligned; 
     64        tree status (TreeStatus)
     72        arena bytes
     80        queue message size
-    88..127   reserved
-    128 + r * (128 + 8K)  rank r block:
+    88        pools generation: even while the pools exist, odd while they are freed (sleep)
+    96        device blocks of the next wake      104  host blocks of the next wake
+    112..127  reserved
+    128 + r * (136 + 8K)  rank r block:
         +0  ready (0/1)         +8  heartbeat ns       +16 pid          +24 tasks in flight
         +32 arena position consumed                    +40 tasks received
-        +48 last seq received   +56 reserved
+        +48 last seq received   +56 host pool NUMA node + 1 (0: not bound)
         +64 storage backend figures: one word per name of STORAGE_FIGURES, -1 where the
             rank's backend does not report that figure (or has not published yet)
-        +128 progress ring: K words, slot seq % K holds (seq << 16) | layers_done
+        +128 pools generation this rank has reached (see "Sleep" below)
+        +136 progress ring: K words, slot seq % K holds (seq << 16) | layers_done
 
 Layer progress: a worker loading task `seq` layer by layer stores one word per layer into its
 ring and posts the notify semaphore; the manager's watcher thread turns each post into a
@@ -63,6 +66,13 @@ read-only for a model runner that waits per layer without a manager object.
 Storage figures: what only a rank's backend knows (damaged pages it refused and deleted,
 pages evicted for capacity, Redis outages, bytes held) is published by the worker after each
 storage task into its rank block, so the admin reads it with no message and no lock.
+
+Sleep (weight updates): the manager frees every rank's pools by making the pools generation
+odd; each worker cancels what it holds (queued tasks fail, "cancelled: ..."), frees its device
+and host pools and publishes the generation it reached. Waking makes it even again, with the
+pool sizes in the two words before it; each worker re-creates its pools at those sizes and
+publishes the generation. A worker never touches a pool while the generation is odd: every
+task it receives then fails at once.
 
 Liveness: the manager's two threads refresh its heartbeat at least every
 `HEARTBEAT_INTERVAL_S`; a worker refreshes its own in every `recv_task` call and raises
@@ -122,16 +132,17 @@ MAX_LAYERS = 0xFFFF
 
 _DEPLOYMENT_ID = re.compile(r"[A-Za-z0-9_-]{1,32}")
 _MAGIC = int.from_bytes(b"KVTIERC1", "little")
-_LAYOUT_VERSION = 2
+_LAYOUT_VERSION = 3
 
 # header words
 _W_MAGIC, _W_LAYOUT, _W_RANKS, _W_SLOTS = 0, 1, 2, 3
 _W_MANAGER_PID, _W_MANAGER_BEAT, _W_INSTANCE = 4, 5, 6
 _W_PAUSED, _W_TREE, _W_ARENA_BYTES, _W_MSG_SIZE = 7, 8, 9, 10
+_W_POOLS, _W_WAKE_DEVICE, _W_WAKE_HOST = 11, 12, 13
 _HEADER_WORDS = 16
 # rank block words
 _R_READY, _R_BEAT, _R_PID, _R_INFLIGHT = 0, 1, 2, 3
-_R_CONSUMED, _R_RECEIVED, _R_LAST_SEQ = 4, 5, 6
+_R_CONSUMED, _R_RECEIVED, _R_LAST_SEQ, _R_NUMA = 4, 5, 6, 7
 _R_STORAGE = 8
 STORAGE_FIGURES = (
     "corrupt_pages",  # damaged pages refused (a miss) and deleted; counter
@@ -144,7 +155,8 @@ STORAGE_FIGURES = (
     "capacity_bytes",  # the byte limit (0: none); gauge
 )
 """Backend figures a worker publishes (names as in `StorageBackend.stats()`)."""
-_RANK_FIXED_WORDS = _R_STORAGE + len(STORAGE_FIGURES)
+_R_POOLS = _R_STORAGE + len(STORAGE_FIGURES)
+_RANK_FIXED_WORDS = _R_POOLS + 1
 _LAYER_BITS = 16
 _LAYER_MASK = (1 << _LAYER_BITS) - 1
 LAYERS_FAILED = _LAYER_MASK
@@ -188,6 +200,11 @@ class TaskAborted(IPCError):
         super().__init__(f"task seq={seq} aborted: {reason}")
         self.seq = seq
         self.reason = reason
+
+
+class DeploymentAsleep(IPCError):
+    """The deployment's pools are freed (a sleep for a weight update), or were re-created
+    since a load began: the loads of before the sleep were cancelled and never land."""
 
 
 class SendTimeout(KvtierError, TimeoutError):
@@ -441,6 +458,8 @@ class RankState:
     tasks_inflight: int
     tasks_received: int
     last_seq: int
+    host_numa_node: int | None  # the NUMA node its host pool is bound to (None: not bound)
+    pools_generation: int  # the pools generation the worker reached (odd: freed)
 
     def describe(self) -> str:
         """One phrase for error messages."""
@@ -468,6 +487,8 @@ def _rank_state(ctl: _Control, rank: int, now_ns: int) -> RankState:
         tasks_inflight=ctl.get(rank, _R_INFLIGHT),
         tasks_received=ctl.get(rank, _R_RECEIVED),
         last_seq=ctl.get(rank, _R_LAST_SEQ),
+        host_numa_node=ctl.get(rank, _R_NUMA) - 1 if ctl.get(rank, _R_NUMA) > 0 else None,
+        pools_generation=ctl.get(rank, _R_POOLS),
     )
 
 
@@ -1002,6 +1023,21 @@ class ManagerIPC:
     def tree_status(self, value: TreeStatus) -> None:
         self._require_open().words[_W_TREE] = TreeStatus(value)
 
+    @property
+    def pools_generation(self) -> int:
+        """Even while the workers' pools exist, odd while they are freed (sleep)."""
+        return self._require_open().words[_W_POOLS]
+
+    def set_pools_generation(self, generation: int, device_blocks: int = 0,
+                             host_blocks: int = 0) -> None:
+        """Ask every worker to free its pools (odd `generation`) or to re-create them with
+        these sizes (even); the sizes are written before the generation that names them."""
+        words = self._require_open().words
+        if generation % 2 == 0:
+            words[_W_WAKE_DEVICE] = device_blocks
+            words[_W_WAKE_HOST] = host_blocks
+        words[_W_POOLS] = generation
+
     def rank_state(self, rank: int) -> RankState:
         """A snapshot of rank `rank`'s flags."""
         if not 0 <= rank < self.num_ranks:
@@ -1404,6 +1440,23 @@ class WorkerIPC:
             value = stats.get(name)
             ctl.put(self.rank, _R_STORAGE + i, -1 if value is None else max(0, int(value)))
 
+    def publish_host_numa(self, node: int | None) -> None:
+        """Publish the NUMA node this rank's host pool is bound to (None: not bound)."""
+        self._require_open().put(self.rank, _R_NUMA, 0 if node is None else node + 1)
+
+    def pools_request(self) -> tuple[int, int, int]:
+        """(pools generation, device blocks, host blocks) the manager asks for (see Sleep)."""
+        words = self._require_open().words
+        generation = words[_W_POOLS]
+        return generation, words[_W_WAKE_DEVICE], words[_W_WAKE_HOST]
+
+    def publish_pools_generation(self, generation: int) -> None:
+        """This rank has freed (odd) or re-created (even) its pools for `generation`."""
+        self._require_open().put(self.rank, _R_POOLS, generation)
+        notify = self._notify
+        assert notify is not None
+        notify.release()
+
     def set_inflight(self, tasks: int) -> None:
         """Publish how many tasks this rank holds (received and not completed)."""
         self._require_open().put(self.rank, _R_INFLIGHT, tasks)
@@ -1523,7 +1576,8 @@ class LayerProgress:
     posts belong to the manager's watcher), so waits poll the ring with short sleeps (50 us
     growing to 1 ms), bounded by their timeout. A rank whose worker died or was replaced
     while the load was missing there fails the wait at once, as does a rank that published
-    the load as failed, and a manager that is gone."""
+    the load as failed, and a manager that is gone; a deployment asleep (its pools freed for
+    a weight update) or woken since the wait began fails it with `DeploymentAsleep`."""
 
     def __init__(self, deployment_id: str, num_ranks: int) -> None:
         validate_deployment_id(deployment_id)
@@ -1566,12 +1620,24 @@ class LayerProgress:
         failed there)."""
         return _layers_done(self._require_open(), seq)
 
+    @property
+    def tree_status(self) -> TreeStatus:
+        """The manager's prefix-tree status (clearing / cleared during a sleep or reset)."""
+        return TreeStatus(self._require_open().words[_W_TREE])
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the deployment's pools are freed (a sleep for a weight update)."""
+        return bool(self._require_open().words[_W_POOLS] % 2)
+
     def wait_layer(self, seq: int, layer: int, timeout: float) -> None:
         """Return once every rank has loaded layer `layer` (0-based) of H2D task `seq`."""
         if layer < 0 or layer >= MAX_LAYERS:
             raise ValueError(f"layer {layer} out of range [0, {MAX_LAYERS})")
         ctl = self._require_open()
         pids = [ctl.get(r, _R_PID) for r in range(self.num_ranks)]
+        generation = ctl.words[_W_POOLS]
+        self._check_awake(generation, generation, seq)
         deadline = time.monotonic() + timeout
         pause = 50e-6
         checked = 0.0
@@ -1580,10 +1646,12 @@ class LayerProgress:
             if not missing:
                 return
             if failed:
+                self._check_awake(generation, ctl.words[_W_POOLS], seq)
                 raise TaskAborted(seq, f"the load failed on ranks {failed}")
             now = time.monotonic()
             if now - checked > 0.05:  # a few syscalls: not on every poll
                 checked = now
+                self._check_awake(generation, ctl.words[_W_POOLS], seq)
                 self._check_alive(ctl, seq, missing, pids)
             if now > deadline:
                 states = "; ".join(_rank_state(ctl, r, time.monotonic_ns()).describe()
@@ -1593,6 +1661,16 @@ class LayerProgress:
                     f"{missing} ({states})", seq=seq, layer=layer, ranks=missing)
             time.sleep(min(pause, max(0.0, deadline - now)))
             pause = min(pause * 2, 1e-3)
+
+    def _check_awake(self, began: int, now: int, seq: int) -> None:
+        if now % 2:
+            raise DeploymentAsleep(
+                f"deployment {self.deployment_id!r} is asleep (its KV pools are freed for a "
+                f"weight update): load seq={seq} was cancelled; match again after the wake")
+        if now != began:
+            raise DeploymentAsleep(
+                f"deployment {self.deployment_id!r} slept while load seq={seq} was waited "
+                "for: it was cancelled; match again")
 
     def _check_alive(self, ctl: _Control, seq: int, missing: list[int],
                      pids: list[int]) -> None:

@@ -12,6 +12,11 @@ The two pools are laid out for different readers:
   large contiguous runs. It lives in a POSIX shared-memory segment so other processes on the
   machine (tests, diagnostics) can map it, and it is pinned for DMA when CUDA is present.
 
+"Every layer" means `total_layers` = the model's `num_layers`, then `num_extra_layers` (MTP
+draft layers). With `kv_scales`, the device pool also holds the blocks' float32 scales in a
+tensor of their own (`scales`), and each host page ends with its block's scales (a trailer,
+`kvtier.worker.page_layout`), so a page still holds the whole block.
+
 Sizes are validated up front against the memory the machine actually has, because a pool that
 does not fit fails late and confusingly (OOM kill, SIGBUS on a full /dev/shm) otherwise; the
 host segment's pages are also allocated at creation (`posix_fallocate`), so /dev/shm filling
@@ -25,14 +30,16 @@ import mmap
 import os
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Literal
 
 import posix_ipc
 import torch
+from kvtier.worker import numa
 from kvtier.worker.errors import KvtierError
+from kvtier.worker.page_layout import PageLayout
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -77,20 +84,42 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 @dataclass(frozen=True)
 class KVShape:
     """The KV geometry of one rank. `dtype` may be given as a string ("float16", ...); it is
-    stored as a torch dtype. All sizes are positive integers (checked at construction)."""
+    stored as a torch dtype. All sizes are positive integers (checked at construction).
+
+    `num_extra_layers` (>= 0) are KV layers beyond the model's `num_layers` (the MTP draft
+    layers of speculative decoding); every pool holds `total_layers`, the extra ones after the
+    main ones. `kv_scales`: every block also carries float32 scales per layer, K and V and KV
+    head (quantized KV, e.g. float8), in every tier; see `kvtier.worker.page_layout`."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    num_extra_layers: int = 0
+    kv_scales: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise PoolConfigError(f"{name}: must be a positive integer, got {value!r}")
+        extra = self.num_extra_layers
+        if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
+            raise PoolConfigError(f"num_extra_layers: must be an integer >= 0, got {extra!r}")
+        if not isinstance(self.kv_scales, bool):
+            raise PoolConfigError(f"kv_scales: must be a bool, got {self.kv_scales!r}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+
+    @property
+    def layout(self) -> PageLayout:
+        return PageLayout(self.num_layers, self.num_extra_layers, self.num_kv_heads,
+                          self.head_dim, self.block_size, self.itemsize, self.kv_scales)
+
+    @property
+    def total_layers(self) -> int:
+        """Layers in every pool: the model's `num_layers`, then the extra ones."""
+        return self.num_layers + self.num_extra_layers
 
     @property
     def itemsize(self) -> int:
@@ -112,9 +141,40 @@ class KVShape:
         return 2 * self.k_bytes
 
     @property
+    def kv_bytes(self) -> int:
+        """Bytes of one block's K and V over all layers (extra ones included)."""
+        return self.total_layers * self.layer_bytes
+
+    @property
+    def scale_planes(self) -> int:
+        """Scale planes of a device tier: K and V of every layer (0 without scales)."""
+        return 2 * self.total_layers if self.kv_scales else 0
+
+    @property
     def page_bytes(self) -> int:
-        """Bytes of one block over all layers, K and V: one host page / storage page."""
-        return self.num_layers * self.layer_bytes
+        """Bytes of one block over all layers, K and V, and its scales (if any): one host
+        page / storage page."""
+        return self.layout.page_bytes
+
+
+def page_kv_view(pages: torch.Tensor, shape: KVShape, dtype: torch.dtype) -> torch.Tensor:
+    """The K and V of `pages` (a uint8 tensor `[n, page_bytes]`, rows contiguous) as
+    `[n, total_layers, 2, row]` in `dtype` (the row is one block of one layer's K or V);
+    a strided view (the page is the stride) when pages carry scales."""
+    n = pages.shape[0]
+    kv = pages if not shape.kv_scales else pages[:, : shape.kv_bytes]
+    return kv.view(dtype).view(n, shape.total_layers, 2, -1)
+
+
+def page_scale_view(pages: torch.Tensor, shape: KVShape) -> torch.Tensor | None:
+    """The scales of `pages` (uint8 `[n, page_bytes]`) as float32 `[n, total_layers * 2,
+    num_kv_heads]` (index 2 * layer + (0 for K, 1 for V)), or None without scales."""
+    if not shape.kv_scales:
+        return None
+    lay = shape.layout
+    n = pages.shape[0]
+    return pages[:, lay.scale_offset : lay.scale_offset + lay.scale_bytes].view(
+        torch.float32).view(n, 2 * shape.total_layers, shape.num_kv_heads)
 
 
 def _mem_available_bytes() -> int | None:
@@ -216,10 +276,14 @@ def as_block_ids(
 class DevicePool:
     """Per-layer K and V caches of one rank, in the layout attention kernels read.
 
-    Data structures: `data` is one tensor `[num_layers, 2, num_blocks, block_size,
-    num_kv_heads, head_dim]` (index 0 = K, 1 = V); `k_caches[l]` and `v_caches[l]` are
-    contiguous views `data[l, 0]` and `data[l, 1]`. Invariant: the views never outlive or
-    re-point away from `data`; block `b` of every layer is `data[:, :, b]`.
+    Data structures: `data` is one tensor `[total_layers, 2, num_blocks, block_size,
+    num_kv_heads, head_dim]` (index 0 = K, 1 = V; the extra layers after the model's);
+    `k_caches[l]` and `v_caches[l]` are contiguous views `data[l, 0]` and `data[l, 1]`.
+    With `shape.kv_scales`, `scales` is float32 `[total_layers * 2, num_blocks,
+    num_kv_heads]` (plane 2 * l + 0 = layer l's K scales, + 1 its V scales) and
+    `scale_planes[p]` = `scales[p]`; without, `scales` is None and `scale_planes` empty.
+    Invariant: the views never outlive or re-point away from `data`; block `b` of every
+    layer is `data[:, :, b]`, its scales `scales[:, b]`.
     """
 
     def __init__(self, shape: KVShape, num_blocks: int, device: str = "auto") -> None:
@@ -243,11 +307,19 @@ class DevicePool:
                     f"{_gib(avail)} of memory is available (MemAvailable)"
                 )
         self.data = torch.zeros(
-            (shape.num_layers, 2, num_blocks, *shape.block_shape),
+            (shape.total_layers, 2, num_blocks, *shape.block_shape),
             dtype=shape.dtype,
             device=self.device,
         )
-        layers = range(shape.num_layers)
+        # Per block, layer, half and KV head: one float32 (kv_scales), kept apart from the
+        # KV as an engine keeps its scale tensors beside its caches.
+        self.scales: torch.Tensor | None = None
+        self.scale_planes: list[torch.Tensor] = []
+        if shape.kv_scales:
+            self.scales = torch.zeros((shape.scale_planes, num_blocks, shape.num_kv_heads),
+                                      dtype=torch.float32, device=self.device)
+            self.scale_planes = list(self.scales.unbind(0))
+        layers = range(shape.total_layers)
         self.k_caches: list[torch.Tensor] = [self.data[layer, 0] for layer in layers]
         self.v_caches: list[torch.Tensor] = [self.data[layer, 1] for layer in layers]
         # The same memory as every other pool shows it (see PlanePool); the copy engine and
@@ -264,21 +336,24 @@ class DevicePool:
 
 class PlanePool:
     """A device pool kvtier did not allocate (an engine's KV, attached by
-    `kvtier.worker.engine_pool`): only its **planes** are known, `2 * num_layers` views
-    `[num_blocks, row]` (layer 0 K, layer 0 V, layer 1 K, ...), row = one block of one
-    layer's K or V, contiguous, in the engine's element order. Planes may live anywhere
-    (one allocation, one per layer, one per half) and rows may be strided apart.
+    `kvtier.worker.engine_pool`): only its **planes** are known, `2 * total_layers` views
+    `[num_blocks, row]` (layer 0 K, layer 0 V, layer 1 K, ...; extra layers last), row =
+    one block of one layer's K or V, contiguous, in the engine's element order. Planes may
+    live anywhere (one allocation, one per layer, one per half) and rows may be strided
+    apart. With `shape.kv_scales`, `scale_planes` are `2 * total_layers` float32 views
+    `[num_blocks, num_kv_heads]` in the same order (the engine's K and V scale tensors).
 
     Invariants (checked here): every plane has shape [num_blocks, row elements] with the
-    row contiguous, the pool's dtype and device; the row holds `shape.k_bytes` bytes."""
+    row contiguous, the pool's dtype and device; the row holds `shape.k_bytes` bytes; the
+    scale planes likewise, float32, rows of `num_kv_heads`."""
 
     def __init__(self, shape: KVShape, planes: Sequence[torch.Tensor], *,
-                 layout: str = "planes") -> None:
+                 layout: str = "planes", scale_planes: Sequence[torch.Tensor] = ()) -> None:
         planes = list(planes)
-        if len(planes) != 2 * shape.num_layers:
+        if len(planes) != 2 * shape.total_layers:
             raise PoolConfigError(
-                f"{len(planes)} planes for {shape.num_layers} layers (expected "
-                f"{2 * shape.num_layers}: K and V of every layer)")
+                f"{len(planes)} planes for {shape.total_layers} layers (expected "
+                f"{2 * shape.total_layers}: K and V of every layer)")
         row = shape.k_bytes // shape.itemsize
         first = planes[0]
         for i, p in enumerate(planes):
@@ -292,8 +367,25 @@ class PlanePool:
                     f"{where}: shape {tuple(p.shape)}, expected [{first.shape[0]}, {row}]")
             if row > 1 and p.stride(1) != 1:
                 raise PoolConfigError(f"{where}: a row is not contiguous (strides {p.stride()})")
+        scale_planes = list(scale_planes)
+        if len(scale_planes) != shape.scale_planes:
+            raise PoolConfigError(
+                f"{len(scale_planes)} scale planes, expected {shape.scale_planes} (kv_scales "
+                f"{'on' if shape.kv_scales else 'off'}, {shape.total_layers} layers)")
+        for i, p in enumerate(scale_planes):
+            where = f"scale plane {i} (layer {i // 2} {'KV'[i % 2]})"
+            if p.dtype != torch.float32 or p.device != first.device:
+                raise PoolConfigError(
+                    f"{where}: {p.dtype} on {p.device}, expected torch.float32 on "
+                    f"{first.device}")
+            if (p.dim() != 2 or p.shape[0] != first.shape[0] or p.shape[1] != shape.num_kv_heads
+                    or (shape.num_kv_heads > 1 and p.stride(1) != 1)):
+                raise PoolConfigError(
+                    f"{where}: shape {tuple(p.shape)} strides {p.stride()}, expected "
+                    f"[{first.shape[0]}, {shape.num_kv_heads}] with contiguous rows")
         self.shape = shape
         self.planes = planes
+        self.scale_planes = scale_planes
         self.num_blocks = int(first.shape[0])
         self.device = first.device
         self.layout = layout
@@ -311,15 +403,20 @@ DeviceKV = DevicePool | PlanePool
 class HostPool:
     """The host tier of one rank: `page_first` pages in a POSIX shared-memory segment.
 
-    Data structures: `data` is a uint8 tensor `[num_blocks, page_bytes]` over the mmapped
-    segment; `kv` is the same memory typed as `[num_blocks, num_layers, 2, block_size,
-    num_kv_heads, head_dim]`. Invariants: the segment exists under `name` from construction
-    until `close()` (owner only); `close()` is idempotent and, for the owner, always unlinks
-    the name; the mapping itself is released as soon as no view into it remains, so a view
-    still held elsewhere never points into unmapped memory.
+    Data structures: `inode` identifies the segment (a replacement under the same name is
+    another inode); `data` is a uint8 tensor `[num_blocks, page_bytes]` over the mmapped
+    segment; `kv` is the K and V of the same memory typed as `[num_blocks, total_layers, 2,
+    block_size, num_kv_heads, head_dim]` (strided by the page when pages carry scales);
+    `scales` the scale trailer of every page as float32 `[num_blocks, total_layers * 2,
+    num_kv_heads]`, or None (`kvtier.worker.page_layout`). Invariants: the segment exists
+    under `name` from construction until `close()` (owner only); `close()` is idempotent
+    and, for the owner, always unlinks the name; the mapping itself is released as soon as
+    no view into it remains, so a view still held elsewhere never points into unmapped
+    memory.
     """
 
-    def __init__(self, shape: KVShape, num_blocks: int, name: str) -> None:
+    def __init__(self, shape: KVShape, num_blocks: int, name: str,
+                 numa_node: int | None = None) -> None:
         _check_positive("host_blocks", num_blocks)
         _check_name(name)
         self.shape = shape
@@ -329,6 +426,7 @@ class HostPool:
         self.owner = True
         self.pinned = False
         self._closed = True
+        self.numa_node = numa_node  # None: not bound (see kvtier.worker.numa)
         shm_free = _shm_free_bytes()
         if shm_free is not None and self.nbytes > shm_free:
             raise PoolConfigError(
@@ -346,13 +444,21 @@ class HostPool:
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=self.nbytes)
         try:
             os.fchmod(shm.fd, 0o600)  # shm_open applies the umask; make the mode exact
-            self._reserve(shm.fd)
-            self._map(shm.fd)
+            fd = shm.fd
+
+            def place(address: int) -> None:
+                # Before any page exists: the NUMA policy, then every page allocated under it.
+                if numa_node is not None:
+                    numa.bind(address, self.nbytes, numa_node)
+                self._reserve(fd)
+
+            self._map(fd, place)
         except BaseException:
             shm.close_fd()
             with contextlib.suppress(posix_ipc.ExistentialError):
                 posix_ipc.unlink_shared_memory(name)
             raise
+        self.inode = os.fstat(shm.fd).st_ino
         shm.close_fd()
         self._arm_finalizer()
 
@@ -363,10 +469,12 @@ class HostPool:
         try:
             os.posix_fallocate(fd, 0, self.nbytes)
         except OSError as e:
+            on = "" if self.numa_node is None else f" on NUMA node {self.numa_node}"
             raise PoolConfigError(
                 f"cache.host_blocks: {self.num_blocks} blocks need {_gib(self.nbytes)} of "
-                f"/dev/shm but reserving them failed ({os.strerror(e.errno or 0)}): raise the "
-                "container's shm_size or lower cache.host_blocks"
+                f"/dev/shm{on} but reserving them failed ({os.strerror(e.errno or 0)}): raise "
+                "the container's shm_size or lower cache.host_blocks"
+                + ("" if self.numa_node is None else " (or set workers.host_numa)")
             ) from None
 
     @classmethod
@@ -393,6 +501,10 @@ class HostPool:
             self.owner = False
             self.pinned = False
             self._closed = True
+            self.numa_node = None  # the owner's binding holds; not known here
+            # Which segment this is: a worker replaced under the same name creates a new one
+            # (another inode), so an attacher can tell its mapping is of a dead worker's pool.
+            self.inode = os.fstat(shm.fd).st_ino
             self._map(shm.fd)
         finally:
             shm.close_fd()
@@ -411,15 +523,20 @@ class HostPool:
             self.data.data_ptr() if self.pinned else 0,
         )
 
-    def _map(self, fd: int) -> None:
+    def _map(self, fd: int, place: Callable[[int], None] | None = None) -> None:
+        """Map the segment; `place(address)` runs before anything touches a page (the
+        owner's NUMA binding and reservation)."""
         self._mm: mmap.mmap | None = mmap.mmap(fd, self.nbytes)
         self._closed = False
         try:
             raw = torch.frombuffer(self._mm, dtype=torch.uint8)
+            if place is not None:
+                place(raw.data_ptr())
             self.data = raw.view(self.num_blocks, self.shape.page_bytes)
-            self.kv = raw.view(self.shape.dtype).view(
-                self.num_blocks, self.shape.num_layers, 2, *self.shape.block_shape
+            self.kv = page_kv_view(self.data, self.shape, self.shape.dtype).view(
+                self.num_blocks, self.shape.total_layers, 2, *self.shape.block_shape
             )
+            self.scales = page_scale_view(self.data, self.shape)
             if torch.cuda.is_available():
                 err = torch.cuda.cudart().cudaHostRegister(
                     self.data.data_ptr(), self.nbytes, _HOST_REGISTER_FLAGS)
@@ -477,7 +594,7 @@ class HostPool:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
             self.pinned = False
-        for attr in ("data", "kv"):
+        for attr in ("data", "kv", "scales"):
             if hasattr(self, attr):
                 delattr(self, attr)
         mm, self._mm = self._mm, None

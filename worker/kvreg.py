@@ -18,6 +18,8 @@ Record: UTF-8 JSON, the whole segment (no pickle, nothing executable). Fields:
     device_uuid           the GPU's UUID (CUDA only; "" elsewhere)
     dtype, layout         torch dtype name ("float16"), "kvtier" | "vllm" | "fastdeploy"
     num_layers, num_blocks, block_size, num_kv_heads, head_dim, row_bytes
+                          num_layers counts every KV layer registered, extra (MTP) layers
+                          included, which come last
     planes                2 * num_layers entries, layer 0 K, layer 0 V, layer 1 K, ...; each
                           a view [num_blocks, row] of the runner's memory:
         CPU:  {"segment": name, "offset_bytes": int, "shape": [n, row], "strides": [s, 1]}
@@ -25,6 +27,26 @@ Record: UTF-8 JSON, the whole segment (no pickle, nothing executable). Fields:
                         device, handle, size_bytes, offset_bytes, ref_counter_handle,
                         ref_counter_offset, event_handle, event_sync_required},
                "storage_offset": elements, "shape": [n, row], "strides": [s, 1]}
+    scale_planes          [] without scales, else 2 * num_layers entries in the same order and
+                          format: the float32 K and V scales of every layer as views
+                          [num_blocks, num_kv_heads] (model.kv_scales = "per_block_head");
+                          CPU offsets are in bytes, CUDA storage offsets in float32 elements
+
+    layer_events          optional (CUDA only; absent or null: none), the per-layer
+                          inter-process CUDA events of the load path, see below:
+        {"segment": "/kvtier_<id>_kvmem_r<rank>_layerevents", "slots": R,
+         "handles": R lists of num_layers hex strings, each a 64-byte
+                    `torch.cuda.Event(interprocess=True).ipc_handle()`}
+
+Layer events (CUDA): the model runner creates R x num_layers inter-process events and a
+small word table (`LayerEventWords`, a KV segment of its own). The worker, after enqueueing
+layer l of load `seq` on its copy stream, records event [seq % R][l] on that stream and then
+writes seq + 1 into word [seq % R][l]. The runner's compute stream may wait on that event as
+soon as the word covers its seq (`covers`): waiting on an event takes the record issued
+before the wait, so the word is what proves that record was issued. A slot reused by a later
+load (seq + R, ...) only makes the runner wait longer, never less: the copy stream is in
+order, so the later record completes after the earlier copy. No host thread waits for a copy
+on the GPU.
 
 A KV segment starts with a `SEGMENT_HEADER_BYTES` header (magic, version, owner pid, data
 bytes; little-endian int64 words) so a stale one can be told from a live one even when no
@@ -51,7 +73,7 @@ from kvtier.worker.ipc import pid_alive, validate_deployment_id
 Layout = Literal["kvtier", "vllm", "fastdeploy"]
 LAYOUTS: tuple[str, ...] = ("kvtier", "vllm", "fastdeploy")
 RECORD_FORMAT = "kvtier-engine-kv"
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: scale_planes (a version 1 worker would drop scales silently)
 MAX_RECORD_BYTES = 16 << 20
 SEGMENT_HEADER_BYTES = 4096
 SEGMENT_MAGIC = int.from_bytes(b"KVTIERM1", "little")
@@ -59,6 +81,9 @@ SEGMENT_VERSION = 1
 CUDA_FIELDS = ("device", "handle", "size_bytes", "offset_bytes", "ref_counter_handle",
                "ref_counter_offset", "event_handle", "event_sync_required")
 _HEX_FIELDS = frozenset({"handle", "ref_counter_handle", "event_handle"})
+EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
+MAX_EVENT_SLOTS = 64
+LAYER_EVENTS_TAG = "layerevents"
 _TAG = re.compile(r"[A-Za-z0-9-]{1,32}")
 _HEADER = struct.Struct("<4q")  # magic, version, owner pid, data bytes
 _SHM_DIR = "/dev/shm"
@@ -111,19 +136,30 @@ class Record:
     head_dim: int
     row_bytes: int
     planes: tuple[dict[str, Any], ...]
+    scale_planes: tuple[dict[str, Any], ...] = ()
+    layer_events: dict[str, Any] | None = None
 
     @property
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
 
     def segments(self) -> list[str]:
-        """The distinct CPU segment names the planes live in, in first-use order."""
+        """The distinct segment names the record's memory lives in, in first-use order: the
+        planes' (CPU) and the layer-event word table's (CUDA with layer events)."""
         names: list[str] = []
-        for p in self.planes:
+        for p in (*self.planes, *self.scale_planes):
             name = p.get("segment")
             if isinstance(name, str) and name not in names:
                 names.append(name)
+        if self.layer_events is not None:
+            names.append(self.layer_events["segment"])
         return names
+
+    def event_handles(self) -> list[list[bytes]]:
+        """The layer events' IPC handles, [slot][layer] (empty without layer events)."""
+        if self.layer_events is None:
+            return []
+        return [[bytes.fromhex(h) for h in row] for row in self.layer_events["handles"]]
 
     def owner_alive(self) -> bool:
         return pid_alive(self.owner_pid)
@@ -134,7 +170,7 @@ def encode_record(rec: Record) -> bytes:
     body: dict[str, Any] = {"format": RECORD_FORMAT, "version": RECORD_VERSION}
     for name in Record.__dataclass_fields__:
         value = getattr(rec, name)
-        body[name] = list(value) if name == "planes" else value
+        body[name] = list(value) if name in ("planes", "scale_planes") else value
     return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
 
@@ -184,28 +220,160 @@ def decode_record(raw: bytes, where: str = "engine KV record") -> Record:
             f"{2 * values['num_layers']}: K and V of every layer)")
     cuda = values["device"].startswith("cuda")
     for i, p in enumerate(planes):
-        at = f"{where}: plane {i} (layer {i // 2} {'KV'[i % 2]})"
-        if not isinstance(p, dict):
-            raise EngineKVError(f"{at}: must be an object")
-        shape = _ints(p.get("shape"), "shape", at)
-        _ints(p.get("strides"), "strides", at)
-        if shape[0] != values["num_blocks"]:
-            raise EngineKVError(
-                f"{at}: {shape[0]} blocks, the record says num_blocks = {values['num_blocks']}")
-        if cuda:
-            fields = p.get("cuda")
-            if not isinstance(fields, dict) or set(fields) != set(CUDA_FIELDS):
-                raise EngineKVError(f"{at}: 'cuda' must hold the fields {list(CUDA_FIELDS)}")
-            _field(p, "storage_offset", int, at)
-        else:
-            seg = _field(p, "segment", str, at)
-            if not seg.startswith(f"/kvtier_{values['deployment_id']}_kvmem_r"):
-                raise EngineKVError(
-                    f"{at}: segment {seg!r} is not a KV segment of deployment "
-                    f"{values['deployment_id']!r}")
-            _field(p, "offset_bytes", int, at)
+        _check_plane(p, f"{where}: plane {i} (layer {i // 2} {'KV'[i % 2]})", values, cuda)
+    scale_planes = body.get("scale_planes", [])
+    if not isinstance(scale_planes, list) or len(scale_planes) not in (0, len(planes)):
+        raise EngineKVError(
+            f"{where}: scale_planes must be a list of 0 or {len(planes)} entries (K and V "
+            "scales of every layer)")
+    for i, p in enumerate(scale_planes):
+        at = f"{where}: scale plane {i} (layer {i // 2} {'KV'[i % 2]})"
+        _check_plane(p, at, values, cuda)
+        if p["shape"][1] != values["num_kv_heads"]:
+            raise EngineKVError(f"{at}: {p['shape'][1]} scales a block, the record says "
+                                f"num_kv_heads = {values['num_kv_heads']}")
+    values["scale_planes"] = tuple(scale_planes)
     values["planes"] = tuple(planes)
+    values["layer_events"] = _layer_events(body.get("layer_events"), values, where)
     return Record(**values)
+
+
+def _check_plane(p: Any, at: str, values: dict[str, Any], cuda: bool) -> None:
+    if not isinstance(p, dict):
+        raise EngineKVError(f"{at}: must be an object")
+    shape = _ints(p.get("shape"), "shape", at)
+    _ints(p.get("strides"), "strides", at)
+    if shape[0] != values["num_blocks"]:
+        raise EngineKVError(
+            f"{at}: {shape[0]} blocks, the record says num_blocks = {values['num_blocks']}")
+    if cuda:
+        fields = p.get("cuda")
+        if not isinstance(fields, dict) or set(fields) != set(CUDA_FIELDS):
+            raise EngineKVError(f"{at}: 'cuda' must hold the fields {list(CUDA_FIELDS)}")
+        _field(p, "storage_offset", int, at)
+    else:
+        seg = _field(p, "segment", str, at)
+        if not seg.startswith(f"/kvtier_{values['deployment_id']}_kvmem_r"):
+            raise EngineKVError(
+                f"{at}: segment {seg!r} is not a KV segment of deployment "
+                f"{values['deployment_id']!r}")
+        _field(p, "offset_bytes", int, at)
+
+
+def _layer_events(obj: Any, values: dict[str, Any], where: str) -> dict[str, Any] | None:
+    """Check the optional `layer_events` field (see the module docstring)."""
+    if obj is None:
+        return None
+    at = f"{where}: layer_events"
+    if not values["device"].startswith("cuda"):
+        raise EngineKVError(f"{at}: only a CUDA registration has layer events")
+    if not isinstance(obj, dict) or set(obj) != {"segment", "slots", "handles"}:
+        raise EngineKVError(f"{at}: must be an object with segment, slots and handles")
+    slots = _field(obj, "slots", int, at)
+    if not 1 <= slots <= MAX_EVENT_SLOTS:
+        raise EngineKVError(f"{at}: slots = {slots}, expected 1..{MAX_EVENT_SLOTS}")
+    segment = _field(obj, "segment", str, at)
+    want = kv_segment_name(values["deployment_id"], values["rank"], LAYER_EVENTS_TAG)
+    if segment != want:
+        raise EngineKVError(f"{at}: segment {segment!r}, expected {want!r}")
+    handles = obj["handles"]
+    layers = values["num_layers"]
+    if (not isinstance(handles, list) or len(handles) != slots
+            or not all(isinstance(row, list) and len(row) == layers for row in handles)):
+        raise EngineKVError(f"{at}: handles must be {slots} lists of {layers} (slots x layers)")
+    for row in handles:
+        for h in row:
+            if not isinstance(h, str) or len(h) != 2 * EVENT_HANDLE_BYTES:
+                raise EngineKVError(
+                    f"{at}: a handle must be {2 * EVENT_HANDLE_BYTES} hex digits, got {h!r:.40}")
+            try:
+                bytes.fromhex(h)
+            except ValueError:
+                raise EngineKVError(f"{at}: handle {h[:16]}... is not hexadecimal") from None
+    return {"segment": segment, "slots": slots, "handles": handles}
+
+
+_WORD = struct.Struct("<q")
+
+
+class LayerEventWords:
+    """The word table of a registration's layer events: `slots x layers` little-endian int64
+    words after a KV segment header, word [slot][layer] = 1 + the highest load seq whose
+    layer `layer` the worker has enqueued and recorded event [slot][layer] for (0: none).
+
+    One writer (the rank's worker, `publish`), any number of readers (`covers`); aligned
+    8-byte stores and loads, so a reader sees the old or the new word, never a torn one.
+    The model runner creates it (`create`) and owns its name; the worker opens it (`open`)."""
+
+    def __init__(self, name: str, mm: mmap.mmap, slots: int, layers: int) -> None:
+        self.name, self.slots, self.layers = name, slots, layers
+        self._mm: mmap.mmap | None = mm
+
+    @classmethod
+    def create(cls, deployment_id: str, rank: int, slots: int, layers: int) -> LayerEventWords:
+        if not 1 <= slots <= MAX_EVENT_SLOTS or layers <= 0:
+            raise EngineKVError(f"layer events: slots must be 1..{MAX_EVENT_SLOTS} and layers "
+                                f"positive, got {slots} and {layers}")
+        name = kv_segment_name(deployment_id, rank, LAYER_EVENTS_TAG)
+        owner = segment_owner(name)
+        if owner is not None and owner != os.getpid() and pid_alive(owner):
+            raise EngineKVError(f"layer events: {name} is in use by pid {owner}")
+        unlink(name)  # a dead runner's table of the same name
+        nbytes = slots * layers * _WORD.size
+        mm = create_segment(name, size=SEGMENT_HEADER_BYTES + nbytes)
+        mm[: _HEADER.size] = segment_header(os.getpid(), nbytes)
+        return cls(name, mm, slots, layers)
+
+    @classmethod
+    def open(cls, name: str, slots: int, layers: int) -> LayerEventWords:
+        """Map a runner's table read-write (the worker); EngineKVError when it is missing,
+        has no kvtier header or is too small for `slots x layers`."""
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            raise EngineKVError(f"layer events: {name} does not exist") from None
+        try:
+            size = shm.size
+            need = SEGMENT_HEADER_BYTES + slots * layers * _WORD.size
+            if size < need:
+                raise EngineKVError(f"layer events: {name} has {size} bytes, {need} needed")
+            mm = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        magic, version, _, _ = _HEADER.unpack(mm[: _HEADER.size])
+        if magic != SEGMENT_MAGIC or version != SEGMENT_VERSION:
+            mm.close()
+            raise EngineKVError(f"layer events: {name} has no kvtier header")
+        return cls(name, mm, slots, layers)
+
+    def _offset(self, slot: int, layer: int) -> int:
+        if not (0 <= slot < self.slots and 0 <= layer < self.layers):
+            raise IndexError(f"layer events: slot {slot} layer {layer} out of "
+                             f"{self.slots} x {self.layers}")
+        return SEGMENT_HEADER_BYTES + (slot * self.layers + layer) * _WORD.size
+
+    def _mapped(self) -> mmap.mmap:
+        if self._mm is None:
+            raise EngineKVError(f"layer events: {self.name} is closed")
+        return self._mm
+
+    def word(self, slot: int, layer: int) -> int:
+        return int(_WORD.unpack_from(self._mapped(), self._offset(slot, layer))[0])
+
+    def publish(self, seq: int, layer: int) -> None:
+        """After recording event [seq % slots][layer]: the record for `seq` is issued."""
+        slot = seq % self.slots
+        if seq + 1 > self.word(slot, layer):  # a batch may record an older seq after a newer
+            _WORD.pack_into(self._mapped(), self._offset(slot, layer), seq + 1)
+
+    def covers(self, seq: int, layer: int) -> bool:
+        """Whether event [seq % slots][layer] was recorded for `seq` or a later load."""
+        return self.word(seq % self.slots, layer) >= seq + 1
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
 
 
 def encode_cuda_fields(fields: tuple[Any, ...] | list[Any]) -> dict[str, Any]:

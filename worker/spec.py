@@ -38,7 +38,7 @@ class WorkerSpec:
     host_blocks: int
     device: str = "auto"
     storage_backend: str = "none"
-    storage_path: str = ".kvtier/storage"
+    storage_path: str = ""  # absolute, resolved by the manager (KvtierConfig.storage_dir)
     storage_url: str = "redis://127.0.0.1:6379/0"
     storage_capacity_bytes: int = 0
     storage_ttl_s: int = 0
@@ -57,9 +57,16 @@ class WorkerSpec:
     # The instance nonce of the manager IPC the worker must attach to (0: any): a worker
     # started by a manager whose names a successor took over never joins the successor.
     ipc_instance: int = 0
+    # workers.host_numa: "auto", "off" or a node number, as a string (kvtier.worker.numa)
+    host_numa: str = "auto"
     # The deployment's storage secret (hex) that authenticates every stored page; "" only
     # with storage_backend = "none". Never in the repr (and so never in a log line).
     storage_secret: str = field(default="", repr=False)
+    # model.num_extra_layers: KV layers beyond num_layers (MTP draft layers), after them in
+    # every pool and page; model.kv_scales: "none" | "per_block_head" (float32 scales per
+    # block, layer, K/V and KV head travel with every block, see worker/page_layout.py)
+    num_extra_layers: int = 0
+    kv_scales: str = "none"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -78,7 +85,8 @@ class WorkerSpec:
         from kvtier.worker.kv_pools import KVShape, parse_dtype
 
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                       parse_dtype(self.dtype))
+                       parse_dtype(self.dtype), self.num_extra_layers,
+                       self.kv_scales != "none")
 
     def storage_namespace(self, layout: str | None = None) -> str:
         """The rank's storage namespace. With `engine_kv` the bytes of a row are in the
@@ -89,6 +97,13 @@ class WorkerSpec:
                                   "dtype": self.dtype, "block_size": self.block_size}
         if self.model_name:  # unnamed models share by shape alone
             fields["model_name"] = self.model_name
+        # Only when set, so the pages of a deployment without them keep their namespace.
+        # A different number of extra layers (or scales on / off) is a different page: the
+        # namespace, which the MAC of every stored page covers, keeps them apart.
+        if self.num_extra_layers:
+            fields["num_extra_layers"] = self.num_extra_layers
+        if self.kv_scales != "none":
+            fields["kv_scales"] = self.kv_scales
         if self.engine_kv:
             if not layout:
                 raise ValueError(

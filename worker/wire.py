@@ -16,8 +16,16 @@ Task kinds and what their fields mean:
     PREFETCH   -              host ids       storage key per block      leading pages read
     QUERY      -              -              storage key per block      leading pages present
     CLEAR      -              -              -                          pages deleted
+    REVOKE     PREFETCH seqs  -              -                          how many of them
+                                                                        were not done yet
 
-`priority`: larger runs first (loads a request waits on outrank backups).
+`priority`: larger runs first within a class of tasks (loads a request waits on outrank
+backups). A worker runs four classes side by side, each on its own thread, so no class waits
+behind another (`kvtier.worker.executor.TASK_CLASSES`): device loads (H2D, and the FILL and
+CHECK diagnostics), device backups (D2H), storage reads (QUERY, PREFETCH) and storage writes
+(BACKUP, CLEAR). REVOKE is in no class: a worker applies it as it receives it (a PREFETCH it
+names stops after the page batch it is reading and answers with the pages read so far; one
+not started reads none).
 
 Encoding (all integers little-endian, no pickle: a worker never executes what it decodes).
 Every message starts with the version byte `WIRE_VERSION` and a `MessageType` byte:
@@ -59,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: TaskKind.REVOKE
 SEQ_LIMIT = 1 << 47
 MAX_KEY_BYTES = 0xFFFF
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -76,6 +84,8 @@ class TaskKind(IntEnum):
     PREFETCH = 6
     QUERY = 7
     CLEAR = 8
+    REVOKE = 9
+
 
 
 class Priority(IntEnum):

@@ -18,7 +18,7 @@ def make_backend(
     *,
     namespace: str,
     secret: bytes,
-    path: str = ".kvtier/storage",
+    path: str = "",
     url: str = "redis://127.0.0.1:6379/0",
     capacity_bytes: int = 0,
     ttl_s: int = 0,
@@ -39,6 +39,8 @@ def make_backend(
     if kind == "none":
         return None
     if kind == "file":
+        if not path:
+            raise ValueError("the file storage backend needs a path (storage.path)")
         from kvtier.worker.storage.file_backend import FileBackend
 
         return FileBackend(

@@ -42,7 +42,7 @@ from kvtier.worker.storage.backend import (
 from kvtier.worker.storage.page_format import HEADER_BYTES, PageCodec, PageStatus
 
 # Threads one batch is spread over, the caller included. Neither copying a page out of the page
-# cache nor verifying its MAC (BLAKE2b over every byte) holds the GIL, so two threads overlap
+# cache nor verifying its MAC (keyed BLAKE3 over every byte) holds the GIL, so two threads overlap
 # one page's MAC with the next page's copy (see bench/storage.py for the measurement).
 DEFAULT_IO_THREADS = 2
 

@@ -1,0 +1,28 @@
+#!/bin/sh
+# vLLM's OpenAI server with kvtier as its offloading tier (docker/Dockerfile.vllm).
+#   MODEL          a model directory or hub id; default: a tiny random Llama built on first
+#                  start (no tokenizer: send token ids), enough to watch kvtier work
+#   KVTIER_CONFIG  kvtier's TOML file (default /etc/kvtier/kvtier.toml when it exists)
+#   KVTIER_*       kvtier's settings as for `kvtier serve` (storage, admin port and token...)
+# Extra arguments go to `vllm serve`.
+set -eu
+MODEL="${MODEL:-/var/lib/kvtier/models/tiny-llama}"
+EXTRA=""
+if [ "$MODEL" = /var/lib/kvtier/models/tiny-llama ]; then
+    python3 -c "import sys; sys.path.insert(0, '/opt/kvtier/src/examples'); \
+from pathlib import Path; import vllm_offload; vllm_offload.build_model(Path('$MODEL'))"
+    EXTRA="--skip-tokenizer-init --max-model-len 480 --block-size 32"
+fi
+CONFIG="${KVTIER_CONFIG:-/etc/kvtier/kvtier.toml}"
+[ -e "$CONFIG" ] || CONFIG=""
+KV_TRANSFER_CONFIG=$(python3 -c "import json, sys; print(json.dumps({
+    'kv_connector': 'KvtierConnector',
+    'kv_connector_module_path': 'kvtier.integrations.vllm',
+    'kv_role': 'kv_both',
+    'kv_load_failure_policy': 'recompute',
+    'kv_connector_extra_config': {'spec_name': 'KvtierOffloadingSpec',
+                                  'spec_module_path': 'kvtier.integrations.vllm',
+                                  'kvtier_config': sys.argv[1]}}))" "$CONFIG")
+# shellcheck disable=SC2086
+exec vllm serve "$MODEL" --host 0.0.0.0 --port 8000 --enforce-eager \
+    --kv-transfer-config "$KV_TRANSFER_CONFIG" $EXTRA "$@"

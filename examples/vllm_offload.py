@@ -1,0 +1,259 @@
+"""vLLM with kvtier as its host (and storage) tier, checked token for token and logprob for logprob.
+
+Runs in the vLLM environment (`make vllm-env` builds `.venv-vllm`; `make vllm-example` runs
+this with `--json`). A tiny random Llama (2 layers, bf16) serves prompts through vLLM's CPU
+build with a device pool of 12 blocks of 32 tokens, so a 200-token prompt A leaves vLLM's device
+cache after a few other prompts; A again is then served from kvtier:
+
+* `overwrite` (default): A cold, four other prompts, A again: vLLM reports A's full blocks as
+  cached (`num_cached_tokens`), kvtier's admin says they came from its tiers, and the tokens and
+  logprobs equal the cold run exactly. With `--corrupt-host`, every page of kvtier's host pool
+  is overwritten behind kvtier's back before A comes again (a negative control: the run must
+  then report `identical: false`, or the check could not fail).
+* `--reference FILE`: write (or, when it exists, compare against) A's cold output, so a second
+  process with the same storage (file or Redis) is compared with the first one's cold run.
+* `--reset-storage`: `POST /reset?storage=true` on kvtier's admin before A comes again: A is
+  recomputed (0 tokens from kvtier) and still exact.
+* `--kill-worker`: kill -9 kvtier's worker process before A comes again: vLLM goes on serving
+  (from its own cache or recomputing), never hangs.
+
+The last line of output is one JSON object (with `--json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+BLOCK = 32
+PROMPT_TOKENS = 200  # 6 full blocks of 32 + 8
+VOCAB = 512
+
+
+def build_model(path: Path) -> Path:
+    """A random Llama saved with transformers (no hub access); built once per path."""
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                      max_position_embeddings=512)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def make_llm(model: Path, extra: dict[str, Any]) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kt = KVTransferConfig(
+        kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"spec_name": "KvtierOffloadingSpec",
+                                   "spec_module_path": "kvtier.integrations.vllm", **extra})
+    return LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
+               dtype="bfloat16", block_size=BLOCK, num_gpu_blocks_override=12,
+               max_model_len=320, kv_transfer_config=kt, seed=0)
+
+
+def generate(llm: Any, tokens: list[int]) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5)
+    out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], sp, use_tqdm=False)[0]
+    comp = out.outputs[0]
+    logprobs = [{str(t): lp.logprob for t, lp in step.items()} for step in comp.logprobs]
+    return {"tokens": list(comp.token_ids), "logprobs": logprobs,
+            "num_cached_tokens": int(out.num_cached_tokens or 0)}
+
+
+def admin_get(url: str, path: str) -> str:
+    with urllib.request.urlopen(url + path, timeout=10) as r:
+        return r.read().decode()
+
+
+def admin_post(url: str, path: str) -> str:
+    req = urllib.request.Request(url + path, method="POST", data=b"")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return r.read().decode()
+
+
+def hit_tokens(url: str) -> dict[str, float]:
+    """kvtier's hit counters by tier, read from its Prometheus endpoint."""
+    text = admin_get(url, "/metrics")
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^kvtier_hit_tokens_total\{tier="(\w+)"\} ([0-9.e+]+)$', text, re.M):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def worker_pids(url: str) -> list[int]:
+    status = json.loads(admin_get(url, "/status"))
+    return [int(w["pid"]) for w in status.get("workers", []) if w.get("pid")]
+
+
+def corrupt_host_pool(url: str) -> int:
+    """Overwrite every page of kvtier's host pool of rank 0 (kvtier is not told)."""
+    import mmap
+
+    status = json.loads(admin_get(url, "/status"))
+    name = f"/dev/shm/kvtier_{status['deployment_id']}_host_r0"
+    fd = os.open(name, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size)
+        pattern = bytes(random.Random(7).randrange(256) for _ in range(4096))
+        for off in range(0, size, 4096):
+            n = min(4096, size - off)
+            mm[off:off + n] = pattern[:n]
+        mm.close()
+    finally:
+        os.close(fd)
+    return size
+
+
+def compare(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool, float]:
+    """Exact equality of tokens and logprobs; also the largest logprob difference seen."""
+    diff = 0.0
+    for sa, sb in zip(a["logprobs"], b["logprobs"], strict=False):
+        for t, v in sa.items():
+            diff = max(diff, abs(v - sb[t])) if t in sb else float("inf")
+    same = a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
+    return same, diff
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object last")
+    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(),
+                                                        "kvtier-vllm-tiny-llama"))
+    ap.add_argument("--storage", choices=["none", "file", "redis"], default="none")
+    ap.add_argument("--storage-path", default="", help="file backend directory")
+    ap.add_argument("--redis-url", default="", help="redis backend URL")
+    ap.add_argument("--reference", default="", help="JSON file of A's cold output: written "
+                    "when missing, compared against when present (A is then not run cold)")
+    ap.add_argument("--corrupt-host", action="store_true",
+                    help="negative control: overwrite kvtier's host pool before A again")
+    ap.add_argument("--reset-storage", action="store_true",
+                    help="POST /reset?storage=true before A again (A is recomputed)")
+    ap.add_argument("--kill-worker", action="store_true",
+                    help="kill -9 kvtier's worker before A again (vLLM must go on)")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args(argv)
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.getLogger("kvtier").addHandler(handler)
+    logging.getLogger("kvtier").setLevel(logging.INFO)
+
+    model = build_model(Path(args.model_dir))
+    with tempfile.TemporaryDirectory(prefix="kvtier-vllm-") as tmp:
+        url_file = Path(tmp) / "admin-url"
+        extra: dict[str, Any] = {"host_blocks": 64, "storage_backend": args.storage,
+                                 "prefetch_threshold": BLOCK, "admin_port": 0,
+                                 "admin_auth": "none", "admin_url_file": str(url_file)}
+        if args.storage == "file":
+            extra["storage_path"] = args.storage_path or os.path.join(tmp, "storage")
+        if args.storage == "redis":
+            extra["storage_url"] = args.redis_url
+        t0 = time.monotonic()
+        llm = make_llm(model, extra)
+        url = url_file.read_text().strip()
+        rng = random.Random(args.seed)
+        prompt_a = [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
+        others = [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(4)]
+        ref_path = Path(args.reference) if args.reference else None
+        report: dict[str, Any] = {"storage": args.storage}
+        if ref_path is not None and ref_path.exists():
+            cold = json.loads(ref_path.read_text())
+            report["reference"] = "file"
+        else:
+            cold = generate(llm, prompt_a)
+            report["reference"] = "this run"
+            if ref_path is not None:
+                ref_path.write_text(json.dumps(cold))
+            for p in others:  # push A's blocks out of vLLM's 12-block device pool
+                generate(llm, p)
+        if args.storage != "none":
+            # kvtier backs stored blocks up to storage asynchronously: let them land
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                st = json.loads(admin_get(url, "/status"))
+                if not st.get("tasks_inflight", 0):
+                    break
+                time.sleep(0.1)
+        before = hit_tokens(url)
+        if args.corrupt_host:
+            report["corrupted_bytes"] = corrupt_host_pool(url)
+        if args.reset_storage:
+            report["reset"] = json.loads(admin_post(url, "/reset?storage=true"))
+        if args.kill_worker:
+            pids = worker_pids(url)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            report["killed_worker_pids"] = pids
+            # vLLM goes on serving while kvtier replaces its worker (misses meanwhile) ...
+            t = time.monotonic()
+            report["during_restart_tokens"] = generate(llm, others[1])["tokens"]
+            report["during_restart_seconds"] = round(time.monotonic() - t, 2)
+            # ... and once the new worker is up, A (whose host copies died with the old one)
+            # is recomputed, exactly
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                new = worker_pids(url)
+                ready = json.loads(admin_get(url, "/status"))["workers"]
+                if new and not set(new) & set(pids) and all(
+                        w.get("state") == "ready" for w in ready):
+                    report["replacement_worker_pids"] = new
+                    break
+                time.sleep(0.1)
+            before = hit_tokens(url)
+        warm = generate(llm, prompt_a)
+        after = hit_tokens(url)
+        loaded = sum(after.get(t, 0.0) - before.get(t, 0.0) for t in ("host", "storage"))
+        same, diff = compare(cold, warm)
+        report.update({
+            "tokens_loaded_from_kvtier": int(loaded),
+            "tokens_by_tier": {t: int(after.get(t, 0.0) - before.get(t, 0.0))
+                               for t in ("host", "storage")},
+            "vllm_num_cached_tokens": warm["num_cached_tokens"],
+            "identical": same,
+            "max_abs_logprob_diff": diff,
+            "tokens": warm["tokens"],
+            "admin_url": url,
+            "seconds": round(time.monotonic() - t0, 2),
+        })
+        metrics = admin_get(url, "/metrics")
+        report["metrics_lines"] = [ln for ln in metrics.splitlines()
+                                   if ln.startswith("kvtier_hit_tokens_total")]
+        del llm
+    if args.json:
+        print(json.dumps(report), flush=True)
+    else:
+        print(json.dumps(report, indent=2), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,656 @@
+"""kvtier as vLLM's KV offloading tier: host memory and storage behind vLLM's own device cache.
+
+vLLM owns the device tier (its block pool, its prefix cache, its attention layout). Its
+`OffloadingConnector` asks an *offloading spec* for two things: a scheduler-side manager that
+tracks offloaded blocks by vLLM's block hashes, and a worker-side object that copies blocks
+between vLLM's KV tensors and the offloaded medium. `KvtierOffloadingSpec` provides both:
+
+* scheduler side (`KvtierOffloadingManager`): a kvtier `Stack` (manager plus kvtier worker
+  processes, one per rank, each owning its rank's host pool in shared memory and doing every
+  storage read and write), `KeyedHostCache` over it (lookups by vLLM's block hashes, the
+  policies, prefetch from storage, backup to storage), and kvtier's admin REST with its
+  Prometheus metrics on a thread;
+* worker side (`KvtierOffloadingWorker`, in vLLM's worker process, where its KV is reachable):
+  maps its rank's host pool segment and copies blocks between vLLM's per-layer KV tensors and
+  the host pages itself (CPU: `index_select`/`index_copy_`; CUDA: the same kernels on a stream
+  of their own through the pinned pool's device view, completion by event).
+
+`KvtierConnector` is vLLM's `OffloadingConnector` plus one thing it lacks: a load that cannot be
+served (the host pool of that rank was replaced by a restarted kvtier worker since the load was
+planned) is reported through `get_block_ids_with_load_errors`, so vLLM (with
+`kv_load_failure_policy="recompute"`) recomputes those blocks instead of reading garbage.
+
+Why an offloading spec and not a whole `KVConnectorBase_V1`: vLLM's offloading connector
+already does the scheduler bookkeeping (which blocks to store after each step, deferred
+lookups, preemption fences, load/store job ids); a spec plugs into it with a small surface, and
+an engine upgrade keeps that bookkeeping right. The one gap (load failures) is the subclass
+above.
+
+Storage keys are SHA-256 over a namespace and vLLM's block hash. The namespace names what makes
+the same hash mean the same bytes: the model, KV dtype, cache layout, block size, parallelism,
+vLLM's hash algorithm and the seed of its first block hash (`NONE_HASH`, from `PYTHONHASHSEED`
+or vLLM's fixed default for cryptographic hashes). Two instances share pages exactly when all of
+that is equal; an instance whose hash seed is random (a non-cryptographic hash without
+`PYTHONHASHSEED`) is told so at start, because it can never share.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from kvtier.manager.config import KvtierConfig, load_config
+from kvtier.manager.errors import InvalidRequestError
+from kvtier.manager.keyed import KeyedHostCache, Lookup
+from kvtier.manager.stack import Stack
+from kvtier.manager.tree import FROM_STORAGE
+from kvtier.worker.errors import KvtierError
+from kvtier.worker.kv_pools import HostPool, KVShape, parse_dtype
+from kvtier.worker.spec import host_segment_name
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+    get_offload_block_hash,
+    get_offload_group_idx,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+log = logging.getLogger("kvtier.vllm")
+
+SPEC_NAME = "KvtierOffloadingSpec"
+MODULE_PATH = "kvtier.integrations.vllm"
+
+# vLLM's names for KV dtypes -> kvtier's
+_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16",
+           "float32": "float32", "float": "float32", "fp8": "float8_e4m3fn",
+           "fp8_e4m3": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+class VllmAdapterError(KvtierError, ValueError):
+    """vLLM was configured in a way kvtier cannot serve (the message names the setting)."""
+
+
+# ---------------------------------------------------------------------------- configuration
+
+
+def _kv_dtype(name: str) -> str:
+    key = name.removeprefix("torch.")
+    if key not in _DTYPES:
+        raise VllmAdapterError(
+            f"KV cache dtype {name!r}: kvtier stores float16, bfloat16, float32 or fp8 "
+            f"(float8_e4m3fn) KV")
+    return _DTYPES[key]
+
+
+def _kv_heads_and_dim(per_layer_bytes: int, block: int, itemsize: int) -> tuple[int, int]:
+    """kvtier's shape for one layer of one block. vLLM hands the spec bytes, not heads: the
+    real head count and size are taken from vLLM's model config when it is reachable, and the
+    bytes must agree (a layout with padding is refused rather than copied short)."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        vc = get_current_vllm_config()
+        heads = int(vc.model_config.get_num_kv_heads(vc.parallel_config))
+        dim = int(vc.model_config.get_head_size())
+        if 2 * block * heads * dim * itemsize == per_layer_bytes:
+            return heads, dim
+    except Exception:  # no current config (a unit test), or a model config without heads
+        pass
+    per_elem = 2 * block * itemsize
+    if per_layer_bytes % per_elem:
+        raise VllmAdapterError(
+            f"vLLM's KV page of {per_layer_bytes} bytes per layer and block is not K and V of "
+            f"{block} tokens of {itemsize}-byte elements: a padded layout kvtier cannot copy")
+    return 1, per_layer_bytes // per_elem
+
+
+def _deployment_id(offloading: OffloadingConfig, extra: Mapping[str, Any]) -> str:
+    given = extra.get("deployment_id") or os.environ.get("KVTIER_DEPLOYMENT_ID")
+    if given:
+        return str(given)
+    digest = hashlib.sha256(str(offloading.engine_id).encode()).hexdigest()[:12]
+    return f"vllm-{digest}"
+
+
+def kvtier_config(offloading: OffloadingConfig, extra: Mapping[str, Any]) -> KvtierConfig:
+    """kvtier's configuration for this vLLM engine: the TOML file `kvtier_config` (if given)
+    and `KVTIER_*` variables as for `kvtier serve`, with the KV shape, block size, rank count
+    and deployment id taken from vLLM (they must match vLLM's, so they are not the operator's
+    to set). Raises VllmAdapterError / ConfigError naming the setting at fault."""
+    if len(offloading.groups) != 1:
+        raise VllmAdapterError(
+            f"kvtier serves models with one KV cache group (full attention); this one has "
+            f"{len(offloading.groups)}")
+    if offloading.cache.blocks_per_chunk != 1:
+        raise VllmAdapterError(
+            "kv_connector_extra_config: kvtier offloads vLLM blocks one by one (leave "
+            "'block_size' and 'blocks_per_chunk' unset)")
+    group = offloading.groups[0]
+    layers = len(group.layer_names)
+    per_block = offloading.worker_kv_bytes_per_block
+    if layers == 0 or per_block % layers:
+        raise VllmAdapterError(
+            f"vLLM reports {per_block} KV bytes per block over {layers} layers: not an equal "
+            "page per layer")
+    dtype = _kv_dtype(offloading.model.dtype)
+    heads, dim = _kv_heads_and_dim(per_block // layers, group.tokens_per_block,
+                                   _ITEMSIZE[dtype])
+    env = {k: v for k, v in os.environ.items() if k.startswith("KVTIER_")}
+    env.update({
+        "KVTIER_DEPLOYMENT_ID": _deployment_id(offloading, extra),
+        "KVTIER_MODEL__NUM_LAYERS": str(layers),
+        "KVTIER_MODEL__NUM_KV_HEADS": str(heads),
+        "KVTIER_MODEL__HEAD_DIM": str(dim),
+        "KVTIER_MODEL__DTYPE": dtype,
+        # vLLM's KV cache has no per-block scales and no layers beyond the ones it registers
+        "KVTIER_MODEL__KV_SCALES": "none",
+        "KVTIER_MODEL__NUM_EXTRA_LAYERS": "0",
+        "KVTIER_CACHE__BLOCK_SIZE": str(group.tokens_per_block),
+        # vLLM owns the device tier; a kvtier worker keeps a one-block device pool it never
+        # uses (its host pool and storage I/O are what it is there for).
+        "KVTIER_CACHE__DEVICE_BLOCKS": "1",
+        "KVTIER_CACHE__DECODE_RESERVE_BLOCKS": "0",
+        "KVTIER_WORKERS__COUNT": str(offloading.parallel.world_size),
+        "KVTIER_WORKERS__DEVICE": "cpu",
+    })
+    for key, var in (("host_blocks", "KVTIER_CACHE__HOST_BLOCKS"),
+                     ("storage_backend", "KVTIER_STORAGE__BACKEND"),
+                     ("storage_path", "KVTIER_STORAGE__PATH"),
+                     ("storage_url", "KVTIER_STORAGE__URL"),
+                     ("prefetch_threshold", "KVTIER_STORAGE__PREFETCH_THRESHOLD"),
+                     ("admin_host", "KVTIER_ADMIN__HOST"),
+                     ("admin_port", "KVTIER_ADMIN__PORT"),
+                     ("admin_auth", "KVTIER_ADMIN__AUTH")):
+        if key in extra:
+            env[var] = str(extra[key])
+    path = extra.get("kvtier_config")
+    return load_config(str(path) if path else None, env)
+
+
+def _shape(cfg: KvtierConfig) -> KVShape:
+    m = cfg.model
+    return KVShape(m.num_layers, m.num_kv_heads, m.head_dim, cfg.cache.block_size,
+                   parse_dtype(m.dtype))
+
+
+def storage_namespace(offloading: OffloadingConfig) -> tuple[str, dict[str, Any]]:
+    """What makes one vLLM block hash mean the same KV bytes in two instances, and its digest
+    (kvtier's `model.name`, hence part of every storage page's namespace)."""
+    identity: dict[str, Any] = {
+        "model": offloading.model.name, "dtype": offloading.model.dtype,
+        "layout": offloading.kv_cache_layout, "tokens_per_block":
+        offloading.groups[0].tokens_per_block if offloading.groups else 0,
+        "layers": list(offloading.groups[0].layer_names) if offloading.groups else [],
+        "tp": offloading.parallel.tp_size, "pp": offloading.parallel.pp_size,
+        "pcp": offloading.parallel.pcp_size, "dcp": offloading.parallel.dcp_size,
+        "bytes_per_block": offloading.worker_kv_bytes_per_block,
+    }
+    try:
+        from vllm.config import get_current_vllm_config
+        from vllm.v1.core import kv_cache_utils
+
+        vc = get_current_vllm_config()
+        identity["hash"] = str(vc.cache_config.prefix_caching_hash_algo)
+        none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
+        identity["none_hash"] = bytes(none_hash).hex() if none_hash is not None else None
+        identity["seed"] = kv_cache_utils.get_none_hash_seed()
+        identity["seed_from_env"] = "PYTHONHASHSEED" in os.environ
+    except Exception as e:  # a vLLM without these: no sharing rather than wrong sharing
+        identity["hash"] = f"unknown ({type(e).__name__})"
+        identity["instance"] = os.urandom(8).hex()
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:40]
+    return f"vllm:{digest}", identity
+
+
+# ---------------------------------------------------------------------------- load/store spec
+
+
+class KvtierLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc]
+    """Where blocks live in kvtier's host pools: one host block id per vLLM block, and the
+    inode of each rank's host segment when the copy was planned (a worker replaced since then
+    has a new segment: the copy is refused rather than done into the new one)."""
+
+    def __init__(self, host_ids: list[int], inodes: tuple[int, ...]) -> None:
+        self.block_ids = np.asarray(host_ids, dtype=np.int64)
+        self.inodes = inodes
+
+    def __repr__(self) -> str:
+        return f"KvtierLoadStoreSpec({self.block_ids.tolist()}, inodes={self.inodes})"
+
+
+# ---------------------------------------------------------------------------- scheduler side
+
+
+class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
+    """vLLM's scheduler-side offloading manager over a kvtier `KeyedHostCache`.
+
+    Data structures: the keyed cache (tree, host LRU, storage tier) of the stack it owns;
+    `_inodes`: each rank's host segment inode, read once per kvtier generation (a worker lost
+    and replaced is a new generation)."""
+
+    def __init__(self, spec: KvtierOffloadingSpec) -> None:
+        cfg = spec.kvtier
+        namespace, identity = storage_namespace(spec.config)
+        if identity.get("seed_from_env") is False and str(identity.get("hash")).startswith(
+                "xxhash") and cfg.storage.backend != "none":
+            log.warning("kvtier: vLLM hashes blocks with %s and PYTHONHASHSEED is not set, so "
+                        "its block hashes are random per process: this instance will never "
+                        "share stored KV with another. Set PYTHONHASHSEED (the same in every "
+                        "instance) to share.", identity["hash"])
+        self.cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
+            update={"name": namespace})})
+        self.stack = Stack(self.cfg).start()
+        manager = self.stack.require_manager()
+        self.cache = KeyedHostCache(manager, self.stack.storage,
+                                    namespace=namespace.encode(),
+                                    host_ready=self.stack.workers_ready)
+        self._inodes: tuple[int, tuple[int, ...]] | None = None
+        self._abandoned: list[list[Any]] = []  # [steps left, nodes] per vLLM reset
+        self.admin: Any = None
+        self.admin_url = ""
+        self._closed = False
+        if spec.extra_config.get("admin", True):
+            self._start_admin(spec.extra_config)
+        log.info("kvtier offloading: deployment %s, %d host blocks of %d bytes per rank, "
+                 "storage %s, namespace %s (%s)%s", self.cfg.deployment_id,
+                 self.cfg.cache.host_blocks, self.stack.page_bytes,
+                 self.cfg.storage.backend, namespace, json.dumps(identity, sort_keys=True),
+                 f", admin {self.admin_url}" if self.admin_url else "")
+        atexit.register(self.shutdown)
+
+    def _start_admin(self, extra: Mapping[str, Any]) -> None:
+        from kvtier.admin.app import create_app
+        from kvtier.admin.auth import generate_token, token_path, write_token
+        from kvtier.admin.server import AdminServer
+
+        a = self.cfg.admin
+        token: str | None = a.token.get_secret_value() or None
+        if token is None and a.auth == "token":
+            token = generate_token()
+            write_token(token_path(self.cfg.deployment_id), token)
+        self.admin = AdminServer(create_app(self.stack, token=token), a.host, a.port,
+                                 limits=a).start()
+        self.admin_url = self.admin.url
+        url_file = extra.get("admin_url_file")
+        if url_file:  # for scripts and tests that start vLLM with admin.port = 0
+            Path(str(url_file)).write_text(self.admin_url + "\n")
+
+    # -- keys
+
+    def _hash(self, key: OffloadKey) -> bytes:
+        if get_offload_group_idx(key) != 0:
+            raise VllmAdapterError("kvtier serves one KV cache group (group 0)")
+        return bytes(get_offload_block_hash(key))
+
+    def _hashes(self, keys: Iterable[OffloadKey]) -> list[bytes]:
+        return [self._hash(k) for k in keys]
+
+    def _host_inodes(self) -> tuple[int, ...]:
+        gen = self.cache.generation
+        if self._inodes is None or self._inodes[0] != gen:
+            inodes = tuple(
+                os.stat("/dev/shm" + host_segment_name(self.cfg.deployment_id, r)).st_ino
+                for r in range(self.cfg.workers.count))
+            self._inodes = (gen, inodes)
+        return self._inodes[1]
+
+    def _spec(self, ids: list[int]) -> KvtierLoadStoreSpec:
+        return KvtierLoadStoreSpec(ids, self._host_inodes() if ids else ())
+
+    # -- OffloadingManager
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        h = self._hash(key)
+        found = self.cache.lookup(h, req_context.req_id, self._following(key, req_context))
+        if found is Lookup.HIT:
+            return LookupResult.HIT
+        if found is Lookup.PENDING:
+            return LookupResult.HIT_PENDING
+        if found is Lookup.RETRY:
+            return LookupResult.RETRY
+        return LookupResult.MISS
+
+    def _following(self, key: OffloadKey, req_context: ReqContext) -> list[bytes]:
+        """The request's hashes after `key`, in order (what a storage query should cover).
+        vLLM records each key's end position on the request context before it looks up."""
+        positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
+        at = positions.get(key)
+        if at is None:
+            return []
+        later = sorted((p, k) for k, p in positions.items()
+                       if p > at and get_offload_group_idx(k) == 0)
+        return [bytes(get_offload_block_hash(k)) for _, k in later]
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        node = self.stack.require_manager().lookup(_tree_key(self._hash(key)))
+        if node is not None and node.flags & FROM_STORAGE:
+            return CacheHitSource.DISK
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey],
+                     req_context: ReqContext) -> LoadStoreSpec:
+        hashes = self._hashes(keys)
+        try:
+            return self._spec(self.cache.prepare_load(hashes))
+        except InvalidRequestError as e:
+            # A block vLLM saw as a HIT is gone since (evicted for a prefetch that landed
+            # meanwhile, or lost with a worker): a spec no worker accepts, so the load is
+            # reported failed and vLLM recomputes the blocks.
+            log.warning("kvtier: load of %d blocks for %s refused: %s", len(hashes),
+                        req_context.req_id, e)
+            return KvtierLoadStoreSpec([-1] * len(hashes), ())
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.cache.touch(self._hashes(keys))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.cache.complete_load(self._hashes(keys))
+
+    def prepare_store(self, keys: Collection[OffloadKey],
+                      req_context: ReqContext) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        plan = self.cache.prepare_store(self._hashes(keys))
+        if plan is None:
+            return None
+        return PrepareStoreOutput(
+            keys_to_store=[make_offload_key(h, 0) for h in plan.keys],
+            store_spec=self._spec(plan.host_ids),
+            evicted_keys=[])
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                       success: bool = True) -> None:
+        self.cache.complete_store(self._hashes(keys), ok=success)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.cache.forget_request(req_context.req_id)
+
+    def has_pending_work(self) -> bool:
+        return self.cache.pending_work()
+
+    def reset_cache(self) -> None:
+        """vLLM's reset_prefix_cache: kvtier's host tier is emptied too (storage is kept;
+        `POST /reset?storage=true` on kvtier's admin empties it). vLLM never completes the
+        copies it prepared before its reset: their host blocks are held for two more
+        scheduler steps (a deferred store may still run) and then given back, never served."""
+        self._abandoned.append([2, self.cache.abandon_engine_io()])
+        try:
+            self.stack.reset()
+        except KvtierError as e:  # transfers did not drain: the host tier stays as it was
+            log.warning("kvtier: vLLM's cache reset could not empty kvtier's host tier: %s", e)
+
+    def on_schedule_end(self, context: Any) -> None:
+        keep: list[list[Any]] = []
+        for entry in self._abandoned:
+            entry[0] -= 1
+            if entry[0] <= 0:
+                self.cache.release_abandoned(entry[1])
+            else:
+                keep.append(entry)
+        self._abandoned = keep
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.admin is not None:
+            self.admin.stop()
+        self.stack.close()
+
+
+def _tree_key(block_hash: bytes) -> int:
+    from kvtier.manager.keyed import engine_key
+
+    return engine_key(block_hash)
+
+
+# ---------------------------------------------------------------------------- worker side
+
+
+class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
+    """Copies between vLLM's KV tensors and kvtier's host pool of this rank, in vLLM's worker
+    process.
+
+    Data structures: `layers[l]`, vLLM's KV of layer l as a uint8 `[num_blocks, page]` view;
+    `_pool`, this rank's host pool, mapped lazily (the segment is created by kvtier's worker
+    process, which the scheduler side starts) and re-mapped when the planned copy names another
+    segment inode; `_jobs`, CUDA copies in flight (job id, event, bytes, start); `_done`,
+    finished jobs for `get_finished`; `_load_errors`, vLLM block ids of loads refused.
+    Invariant: a copy touches a host segment only when its inode is the one the scheduler side
+    planned the copy against."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, cfg: KvtierConfig, rank: int) -> None:
+        shape = _shape(cfg)
+        self.shape = shape
+        self.rank = rank
+        self.segment = host_segment_name(cfg.deployment_id, rank)
+        groups = kv_caches.group_data_refs
+        if len(groups) != 1:
+            raise VllmAdapterError(f"kvtier serves one KV cache group; got {len(groups)}")
+        refs = groups[0]
+        if len(refs) != shape.num_layers:
+            raise VllmAdapterError(
+                f"vLLM registered {len(refs)} KV layers, the spec was built for "
+                f"{shape.num_layers}")
+        self.layers: list[torch.Tensor] = []
+        for ref in refs:
+            t = kv_caches.tensors[ref.tensor_idx].tensor
+            if ref.page_size_bytes != shape.layer_bytes:
+                raise VllmAdapterError(
+                    f"a vLLM KV page holds {ref.page_size_bytes} bytes per layer, kvtier "
+                    f"expects {shape.layer_bytes}")
+            self.layers.append(t.view(torch.uint8)[:, : shape.layer_bytes])
+        self.device = self.layers[0].device
+        self._pool: HostPool | None = None
+        self._host: torch.Tensor | None = None  # [num_host_blocks, num_layers, layer_bytes]
+        self._stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
+                        else None)
+        self._jobs: list[tuple[int, Any, int, float]] = []
+        self._done: list[TransferResult] = []
+        self._load_errors: set[int] = set()
+        self._lock = threading.Lock()
+
+    # -- the host pool
+
+    def _host_view(self, inode: int) -> torch.Tensor | None:
+        pool = self._pool
+        if pool is None or pool.inode != inode:
+            if pool is not None:
+                self._host = None
+                pool.close()
+                self._pool = None
+            try:
+                pool = HostPool.attach(self.segment, self.shape)
+            except KvtierError as e:
+                log.warning("kvtier host pool %s cannot be mapped: %s", self.segment, e)
+                return None
+            if pool.inode != inode:  # replaced again since the copy was planned
+                pool.close()
+                return None
+            self._pool = pool
+            host = pool.device_view(self.device) if self.device.type == "cuda" else None
+            if host is None:
+                host = pool.data
+            # a page may be padded past its layers (kvtier.worker.page_layout)
+            kv_bytes = self.shape.num_layers * self.shape.layer_bytes
+            self._host = host[:, :kv_bytes].view(
+                pool.num_blocks, self.shape.num_layers, self.shape.layer_bytes)
+        return self._host
+
+    # -- OffloadingWorker
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
+                     dst_spec: LoadStoreSpec) -> bool:
+        return self._submit(job_id, src_spec, dst_spec, store=True)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
+                    dst_spec: GPULoadStoreSpec) -> bool:
+        return self._submit(job_id, dst_spec, src_spec, store=False)
+
+    def _submit(self, job_id: int, dev_spec: GPULoadStoreSpec, host_spec: LoadStoreSpec,
+                *, store: bool) -> bool:
+        if not isinstance(host_spec, KvtierLoadStoreSpec):
+            raise VllmAdapterError(f"not a kvtier spec: {host_spec!r}")
+        dev_ids = np.asarray(dev_spec.block_ids, dtype=np.int64)
+        host_ids = host_spec.block_ids
+        start = time.perf_counter()
+        nbytes = len(host_ids) * self.shape.page_bytes
+        inodes = host_spec.inodes
+        host = (self._host_view(inodes[self.rank])
+                if len(host_ids) and self.rank < len(inodes) else None)
+        if len(host_ids) and host is None:
+            # The segment the copy was planned against is gone (kvtier worker replaced): a
+            # store is dropped (the scheduler side wrote those blocks off with the old
+            # worker), a load is reported so vLLM recomputes those blocks.
+            if not store:
+                with self._lock:
+                    self._load_errors.update(int(b) for b in dev_ids)
+            with self._lock:
+                self._done.append(TransferResult(job_id, True, 0, 0.0))
+            return True
+        if len(host_ids):
+            self._copy(host, dev_ids, host_ids, store=store)
+        if self._stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            with self._lock:
+                self._jobs.append((job_id, event, nbytes, start))
+        else:
+            with self._lock:
+                self._done.append(
+                    TransferResult(job_id, True, nbytes, time.perf_counter() - start))
+        return True
+
+    def _copy(self, host: torch.Tensor | None, dev_ids: np.ndarray, host_ids: np.ndarray, *,
+              store: bool) -> None:
+        assert host is not None
+        dev = torch.from_numpy(dev_ids).to(self.device, non_blocking=True)
+        hid = torch.from_numpy(np.ascontiguousarray(host_ids)).to(host.device,
+                                                                  non_blocking=True)
+        ctx = (torch.cuda.stream(self._stream) if self._stream is not None
+               else _NullContext())
+        with ctx:
+            if self._stream is not None:  # the KV it reads or writes was made on the
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))  # main stream
+            for layer, kv in enumerate(self.layers):
+                if store:
+                    host[:, layer].index_copy_(0, hid, kv.index_select(0, dev))
+                else:
+                    kv.index_copy_(0, dev, host[:, layer].index_select(0, hid))
+
+    def get_finished(self) -> list[TransferResult]:
+        with self._lock:
+            still: list[tuple[int, Any, int, float]] = []
+            for job_id, event, nbytes, start in self._jobs:
+                if event.query():
+                    self._done.append(
+                        TransferResult(job_id, True, nbytes, time.perf_counter() - start))
+                else:
+                    still.append((job_id, event, nbytes, start))
+            self._jobs = still
+            done, self._done = self._done, []
+            return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        with self._lock:
+            events = [e for j, e, _, _ in self._jobs if j in job_ids]
+        for e in events:
+            e.synchronize()
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+            return errors
+
+    def shutdown(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._host = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------------- the spec
+
+
+class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
+    """The offloading spec vLLM loads by name (`spec_name = "KvtierOffloadingSpec"`,
+    `spec_module_path = "kvtier.integrations.vllm"`). kvtier's own configuration comes from
+    `kvtier_config` (a TOML file) and `KVTIER_*` variables, the KV shape from vLLM."""
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        self.kvtier = kvtier_config(config, self.extra_config)
+        self._manager: KvtierOffloadingManager | None = None
+        self._worker: KvtierOffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = KvtierOffloadingManager(self)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = KvtierOffloadingWorker(kv_caches, self.kvtier,
+                                                  self.config.parallel.rank)
+        return self._worker
+
+
+class KvtierConnector(OffloadingConnector):  # type: ignore[misc]
+    """vLLM's OffloadingConnector, reporting loads kvtier could not serve (see the module
+    docstring). Load it with `kv_connector="KvtierConnector"`,
+    `kv_connector_module_path="kvtier.integrations.vllm"`.
+
+    It also makes vLLM's configuration current while the spec is built, so the spec reads the
+    model's KV heads and the block hash algorithm and seed (the storage namespace). With the
+    plain OffloadingConnector those are unknown: the namespace then gets a random part, so
+    the instance never shares storage (never wrongly)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(vllm_config):
+            super().__init__(vllm_config, role, kv_cache_config)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        worker = getattr(self.connector_worker, "worker", None)
+        if isinstance(worker, KvtierOffloadingWorker):
+            return worker.take_load_errors()
+        return set()

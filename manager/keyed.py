@@ -1,0 +1,393 @@
+"""The key-addressed surface: the host and storage tiers of an engine that owns its device tier.
+
+An engine such as vLLM allocates its KV cache itself and keeps its own prefix cache on the
+device; what it wants from kvtier is a host tier (and storage behind it) addressed by *its* block
+hashes. `KeyedHostCache` is that surface, over the same manager (`KVCacheManager`): the same
+tree, host free list, host LRU, storage tier, lock, counters, reset and metrics. The engine's
+chained block hashes stand in for kvtier's token keys (a hash covers its whole prefix, so the
+order of a request's hashes gives each block's parent, as kvtier's own keys do).
+
+The engine moves the bytes itself, in its own process, between its KV tensors and kvtier's host
+pool (a shared-memory segment owned by kvtier's worker process of the rank); kvtier's worker
+processes still do every storage read and write. A host copy the engine is copying is marked on
+its node, so nothing evicts, frees or serves it meanwhile::
+
+    prepare_store(keys)              new node, host block taken (LRU eviction), ENGINE_WRITE
+      -> engine copies KV -> host
+    complete_store(keys, ok)         ok: ready (host LRU; backed up to storage if configured)
+                                     failed: host block freed, node gone
+    lookup(key)                      HIT (ready) | PENDING (being written or prefetched) |
+                                     MISS | RETRY (a storage query for the request is out)
+    prepare_load(keys)               ENGINE_READ (counted per node): never evicted meanwhile
+      -> engine copies host -> KV
+    complete_load(keys)              the count drops; at 0 the copy is evictable again
+
+Data structures: the manager's flat map `key -> Node` (keys are the first 16 bytes of the
+engine's hash, an int like kvtier's own 128-bit keys); `_writers[key]` / `_readers[key]`: FIFO
+lists of the nodes an engine store / load of that key holds, so a completion always finds the
+node its preparation marked even after a reset replaced the tree (vLLM completes a key's jobs
+in submission order); `_reads[node]`: loads in flight per node; `_abandoned`: nodes of
+copies the engine gave up on when it reset itself (still marked until released).
+
+Invariants (checked by `check_invariants`, and by the manager's own check): a node marked
+ENGINE_WRITE is in exactly one `_writers` list and never readable; a node marked ENGINE_READ
+has `_reads[node] > 0` and is in that many places of the `_readers` lists; neither is in the host
+LRU. A reset or a lost worker detaches such nodes (the manager writes them off); their host
+blocks return to the free list only when the engine's completion arrives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from kvtier.manager import native
+from kvtier.manager.cache_state import RequestState
+from kvtier.manager.errors import InvalidRequestError
+from kvtier.manager.scheduler import KVCacheManager
+from kvtier.manager.storage_tier import StorageTier
+from kvtier.manager.tree import ENGINE_READ, ENGINE_WRITE, FROM_STORAGE, PREFETCHING, Node
+
+_monotonic = time.monotonic
+
+
+class Lookup(Enum):
+    """What `KeyedHostCache.lookup` found for one key."""
+
+    HIT = "hit"  # on the host, ready to load
+    PENDING = "pending"  # being written by the engine or prefetched from storage
+    MISS = "miss"  # in no tier kvtier can reach
+    RETRY = "retry"  # a storage query is out: ask again later
+
+
+@dataclass(slots=True)
+class StorePlan:
+    """`prepare_store`'s answer: which keys to copy into which host blocks. Keys already
+    cached (or being stored) are left out; `evicted` counts host copies made room for."""
+
+    keys: list[bytes]
+    host_ids: list[int]
+    evicted: int
+
+
+class _Query:
+    """One request's storage query: the keys it covered and whether it was answered."""
+
+    __slots__ = ("done", "keys", "seq")
+
+    def __init__(self, keys: list[bytes]) -> None:
+        self.keys = keys
+        self.seq = 0
+        self.done = False
+
+
+def engine_key(block_hash: bytes) -> int:
+    """kvtier's tree key for an engine block hash: its first 16 bytes as an int (the hash is
+    already a digest of the whole prefix; 0.07 us per block), or a 16-byte BLAKE2b of a
+    shorter one."""
+    if len(block_hash) >= 16:
+        return int.from_bytes(block_hash[:16], "little")
+    return int.from_bytes(hashlib.blake2b(block_hash, digest_size=16).digest(), "little")
+
+
+def _check_hash(block_hash: object) -> None:
+    if not isinstance(block_hash, bytes) or not block_hash:
+        raise InvalidRequestError(
+            f"block hash {block_hash!r}: must be non-empty bytes (the engine's block hash)")
+
+
+class KeyedHostCache:
+    """Host and storage tiers addressed by an engine's chained block hashes (see the module
+    docstring for the life cycle, data structures and invariants).
+
+    `namespace` is mixed into every storage key: two engines share stored pages exactly when
+    their namespaces (model, dtype, layout, parallelism, hash seed) are equal. `host_ready`
+    says whether the host pools can be used now (every rank's worker is up); while it is
+    False every lookup misses and nothing is stored.
+    """
+
+    def __init__(self, manager: KVCacheManager, storage: StorageTier | None, *,
+                 namespace: bytes, host_ready: Callable[[], bool] = lambda: True) -> None:
+        if manager.host_capacity == 0:
+            raise InvalidRequestError(
+                "cache.host_blocks: the key-addressed surface needs a host tier (> 0 blocks)")
+        self.m = manager
+        self.storage = storage
+        self.block_size = manager.block_size
+        self.namespace = namespace
+        self.host_ready = host_ready
+        self._lock: threading.RLock = manager.lock
+        self._writers: dict[bytes, list[Node]] = {}
+        self._readers: dict[bytes, list[Node]] = {}
+        self._reads: dict[Node, int] = {}
+        self._abandoned: list[Node] = []
+        self._queries: dict[str, _Query] = {}
+        self.counters = dict.fromkeys((
+            "stores_prepared", "stores_completed", "stores_failed",
+            "stores_refused", "loads_prepared", "loads_completed", "storage_queries"), 0)
+
+    # ------------------------------------------------------------------ keys
+
+    def storage_key(self, block_hash: bytes) -> bytes:
+        """The page name of a block in storage: SHA-256 over the namespace and the hash."""
+        return hashlib.sha256(self.namespace + block_hash).digest()
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever every cached host copy was dropped at once (a lost worker): an
+        engine copy prepared under another generation must not touch the new pools."""
+        return self.m.counters.lost_all
+
+    # ------------------------------------------------------------------ lookups
+
+    def lookup(self, block_hash: bytes, request_id: str = "",
+               following: Sequence[bytes] = ()) -> Lookup:
+        """Is this block on the host and ready? On a miss with a storage tier, the block and
+        `following` (the request's next hashes, in order) are asked of storage once per
+        request; the answer may start a prefetch (then the block is PENDING)."""
+        if type(block_hash) is not bytes or not block_hash:
+            _check_hash(block_hash)
+        with self._lock:
+            if not self.host_ready():
+                return Lookup.MISS
+            node = self.m.lookup(int.from_bytes(block_hash[:16], "little")
+                                 if len(block_hash) >= 16 else engine_key(block_hash))
+            if node is not None and node.host is not None:
+                if node.flags & (ENGINE_WRITE | PREFETCHING):
+                    return Lookup.PENDING
+                return Lookup.HIT
+            if self.storage is None or not request_id:
+                return Lookup.MISS
+            q = self._queries.get(request_id)
+            # A new query from this block when none covered it, or when an answered one began
+            # earlier (its prefetch was capped by prefetch_host_blocks_limit, or landed and
+            # was consumed): every re-query starts later, so this ends.
+            if q is None or block_hash not in q.keys or (q.done and q.keys[0] != block_hash):
+                keys = [block_hash, *following]
+                q = _Query(keys)
+                self._queries[request_id] = q
+                self._query(q)
+                return Lookup.RETRY
+            return Lookup.MISS if q.done else Lookup.RETRY
+
+    def count_hits(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of `hashes` are on the host and ready (one lock for all:
+        the batch form of `lookup`, without storage queries)."""
+        with self._lock:
+            if not self.host_ready():
+                return 0
+            return native.keyed_hits(self.m.tree_get, hashes, ENGINE_WRITE | PREFETCHING)
+
+    def _query(self, q: _Query) -> None:
+        assert self.storage is not None
+        req = RequestState([engine_key(h) for h in q.keys], None)
+        req.skeys = [self.storage_key(h) for h in q.keys]
+        self.counters["storage_queries"] += 1
+        q.seq = self.storage.query(req, None, 0, len(q.keys),
+                                   on_answer=lambda: setattr(q, "done", True))
+        self.m.flush()
+
+    def forget_request(self, request_id: str) -> None:
+        """The engine is done with a request: drop its storage query record."""
+        with self._lock:
+            self._queries.pop(request_id, None)
+
+    def pending_work(self) -> bool:
+        """True while a storage query or prefetch is in flight (the engine should keep
+        stepping so a deferred lookup is asked again)."""
+        with self._lock:
+            if any(not q.done for q in self._queries.values()):
+                return True
+            return self.storage is not None and self.storage.prefetching_blocks > 0
+
+    # ------------------------------------------------------------------ loads
+
+    def prepare_load(self, hashes: Sequence[bytes]) -> list[int]:
+        """Host block ids of these blocks, protected from eviction until `complete_load`.
+        Every block must be a HIT now; all or nothing."""
+        with self._lock:
+            nodes: list[Node] = []
+            for h in hashes:
+                node = self.m.lookup(engine_key(h))
+                if (node is None or node.host is None
+                        or node.flags & (ENGINE_WRITE | PREFETCHING)):
+                    raise InvalidRequestError(
+                        f"prepare_load: block {h[:8].hex()}… is not on the host and ready "
+                        f"({len(nodes)} of {len(hashes)} blocks were)")
+                nodes.append(node)
+            now = _monotonic()
+            ids: list[int] = []
+            for h, node in zip(hashes, nodes, strict=True):
+                n = self._reads.get(node, 0)
+                self._reads[node] = n + 1
+                self._readers.setdefault(h, []).append(node)
+                if not n:
+                    node.flags |= ENGINE_READ
+                if node.flags & FROM_STORAGE:  # its first hit since it came from storage
+                    node.flags &= ~FROM_STORAGE
+                    self.m.counters.hit_storage_tokens += self.block_size
+                else:
+                    self.m.counters.hit_host_tokens += self.block_size
+                node.hits += 1
+                node.last = now
+                self.m.relist(node)
+                ids.append(node.host)  # type: ignore[arg-type]
+            self.counters["loads_prepared"] += len(ids)
+            return ids
+
+    def complete_load(self, hashes: Sequence[bytes]) -> None:
+        """The engine finished copying these blocks (prepared by `prepare_load`)."""
+        with self._lock:
+            for h in hashes:
+                fifo = self._readers.get(h)
+                if not fifo:
+                    continue  # not ours (prepared before a reset of the engine)
+                node = fifo.pop(0)
+                if not fifo:
+                    del self._readers[h]
+                n = self._reads[node] - 1
+                if n:
+                    self._reads[node] = n
+                    continue
+                del self._reads[node]
+                node.flags &= ~ENGINE_READ
+                self.m.after_transfer(node)
+                self.counters["loads_completed"] += 1
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        """Mark these blocks recently used (the engine hit them in its own device cache)."""
+        with self._lock:
+            now = _monotonic()
+            for h in hashes:
+                node = self.m.lookup(engine_key(h))
+                if node is not None and node.host is not None:
+                    node.last = now
+                    if node.hprev is not None:
+                        self.m.relist_tail(node)
+
+    # ------------------------------------------------------------------ stores
+
+    def prepare_store(self, hashes: Sequence[bytes]) -> StorePlan | None:
+        """Host blocks for the blocks not cached yet, taken from the free list or by evicting
+        the least recently used host copies. None (nothing changed) when the host tier cannot
+        take them all now, or the host pools are not up."""
+        with self._lock:
+            if not self.host_ready():
+                self.counters["stores_refused"] += 1
+                return None
+            m = self.m
+            todo: list[bytes] = []
+            seen: set[bytes] = set()
+            for h in hashes:
+                _check_hash(h)
+                if h in seen or m.lookup(engine_key(h)) is not None:
+                    continue
+                seen.add(h)
+                todo.append(h)
+            if not todo:
+                return StorePlan([], [], 0)
+            free_before = m.host_free
+            taken: list[int] = []
+            for _ in todo:
+                hb = m.take_host_block()
+                if hb is None:
+                    m.give_host_blocks(taken)
+                    self.counters["stores_refused"] += 1
+                    return None
+                taken.append(hb)
+            evicted = max(0, len(taken) - free_before)
+            now = _monotonic()
+            storage = self.storage
+            for h, hb in zip(todo, taken, strict=True):
+                node = m.new_host_node(engine_key(h), hb, now)
+                node.flags = ENGINE_WRITE
+                if storage is not None:
+                    node.skey = self.storage_key(h)
+                m.adopt_host_node(node)
+                self._writers.setdefault(h, []).append(node)
+            self.counters["stores_prepared"] += len(todo)
+            return StorePlan(todo, taken, evicted)
+
+    def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
+        """The engine finished (ok) or gave up copying these blocks into the host blocks that
+        `prepare_store` gave. Ready blocks are backed up to storage when one is configured."""
+        with self._lock:
+            landed: list[Node] = []
+            for h in hashes:
+                fifo = self._writers.get(h)
+                if not fifo:
+                    continue  # already complete, or never prepared here
+                node = fifo.pop(0)
+                if not fifo:
+                    del self._writers[h]
+                node.flags &= ~ENGINE_WRITE
+                if ok and node.key is not None:
+                    landed.append(node)
+                    self.counters["stores_completed"] += 1
+                else:
+                    if node.host is not None and node.key is not None:
+                        self.m.free_host_copy(node)
+                    self.counters["stores_failed"] += 1
+                self.m.after_transfer(node)
+            if landed and self.storage is not None:
+                self.storage.backup(landed)
+            self.m.flush()
+
+    # ------------------------------------------------------------------ engine resets
+
+    def abandon_engine_io(self) -> list[Node]:
+        """The engine reset its own bookkeeping and will never complete the copies it has
+        prepared (vLLM's `reset_prefix_cache`). Their records are dropped; the nodes stay
+        marked (their host blocks stay out of the free list: a deferred copy may still run)
+        until `release_abandoned` is given them, once the engine can no longer run one."""
+        with self._lock:
+            nodes = [n for fifo in self._writers.values() for n in fifo]
+            nodes += list(self._reads)
+            self._writers.clear()
+            self._readers.clear()
+            self._reads.clear()
+            self._abandoned.extend(nodes)
+            return nodes
+
+    def release_abandoned(self, nodes: list[Node]) -> None:
+        """Give back the host blocks of nodes `abandon_engine_io` returned (never served:
+        a store that was abandoned is dropped, not made readable)."""
+        with self._lock:
+            for node in nodes:
+                self._abandoned.remove(node)
+                writing = node.flags & ENGINE_WRITE
+                node.flags &= ~(ENGINE_READ | ENGINE_WRITE)
+                if writing and node.host is not None and node.key is not None:
+                    self.m.free_host_copy(node)
+                self.m.after_transfer(node)
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """Assert this surface's invariants (tests call it after every step), then the
+        manager's."""
+        with self._lock:
+            writing = [n for fifo in self._writers.values() for n in fifo]
+            assert len(writing) == len({id(n) for n in writing}), "a node written twice"
+            for n in writing:
+                assert n.flags & ENGINE_WRITE and n.hprev is None, f"writer {n} misflagged"
+            count: dict[int, int] = {}
+            for fifo in self._readers.values():
+                for n in fifo:
+                    count[id(n)] = count.get(id(n), 0) + 1
+            for n, c in self._reads.items():
+                assert c > 0 and count.get(id(n)) == c, f"reader count of {n} is off"
+                assert n.flags & ENGINE_READ and n.hprev is None, f"reader {n} misflagged"
+            assert len(count) == len(self._reads)
+            abandoned = {id(n) for n in self._abandoned}
+            for n in self.m.cached_nodes():
+                if n.flags & ENGINE_READ:
+                    assert n in self._reads or id(n) in abandoned, f"{n} read with no load"
+                if n.flags & ENGINE_WRITE:
+                    assert any(n is w for w in writing) or id(n) in abandoned, (
+                        f"{n} marked written with no store")
+        self.m.check_invariants()

@@ -1,0 +1,327 @@
+"""The key-addressed surface (`kvtier.manager.keyed`): an engine's block hashes in, host blocks out.
+
+Against a real stack (a worker process owning the host pool, file storage behind it), the test
+plays the engine: it writes each block's bytes into the host pool itself between
+`prepare_store` and `complete_store`, and reads them back between `prepare_load` and
+`complete_load`. A randomized run (hypothesis, stateful) interleaves stores (some failing, some
+left in flight), loads, touches, resets and lookups that go to storage, and after every step
+checks the surface's invariants and the manager's, and that every block a load is handed holds
+exactly the bytes stored under its hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kvtier.manager.errors import InvalidRequestError
+from kvtier.manager.keyed import KeyedHostCache, Lookup, engine_key
+from kvtier.manager.stack import Stack
+from kvtier.manager.tree import ENGINE_READ, ENGINE_WRITE
+from kvtier.worker.kv_pools import HostPool
+from stack_support import attached_host_pools, running_stack
+from support import tiny_config
+
+HOST_BLOCKS = 12
+PROMPTS = 5
+PROMPT_BLOCKS = 6
+
+
+def chain(prompt: int, n: int, salt: bytes = b"") -> list[bytes]:
+    """An engine's chained block hashes for the first n blocks of prompt `prompt`."""
+    out: list[bytes] = []
+    parent = salt
+    for i in range(n):
+        parent = hashlib.sha256(parent + bytes([prompt, i])).digest()
+        out.append(parent)
+    return out
+
+
+def content(h: bytes, nbytes: int) -> torch.Tensor:
+    seed = torch.frombuffer(bytearray(hashlib.sha512(h).digest()), dtype=torch.uint8)
+    return seed.repeat(nbytes // 64 + 1)[:nbytes].clone()
+
+
+@pytest.fixture(scope="module")
+def keyed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, HostPool]]:
+    cfg = tiny_config(workers=1, device_blocks=2, host_blocks=HOST_BLOCKS, storage="file",
+                      storage_dir=tmp_path_factory.mktemp("keyed-storage"),
+                      extra={"KVTIER_STORAGE__PREFETCH_THRESHOLD": "4"})
+    with running_stack(cfg) as stack, attached_host_pools(cfg) as pools:
+        yield stack, pools[0]
+
+
+def make_cache(stack: Stack) -> KeyedHostCache:
+    stack.reset(storage=True)
+    return KeyedHostCache(stack.require_manager(), stack.storage, namespace=b"test-ns",
+                          host_ready=stack.workers_ready)
+
+
+def store(cache: KeyedHostCache, pool: HostPool, hashes: list[bytes], ok: bool = True) -> int:
+    plan = cache.prepare_store(hashes)
+    assert plan is not None
+    for h, hid in zip(plan.keys, plan.host_ids, strict=True):
+        pool.data[hid].copy_(content(h, pool.shape.page_bytes))
+    cache.complete_store(plan.keys, ok=ok)
+    return len(plan.keys)
+
+
+def settle(stack: Stack, timeout: float = 20.0) -> None:
+    """Wait until no kvtier task is in flight (backups to storage hold host copies busy)."""
+    deadline = time.monotonic() + timeout
+    while stack.require_manager().stats()["tasks_inflight"]:
+        assert time.monotonic() < deadline, "kvtier tasks still in flight"
+        time.sleep(0.01)
+
+
+def leading_hits(cache: KeyedHostCache, hashes: list[bytes], rid: str = "",
+                 wait_s: float = 0.0) -> int:
+    """How many leading blocks are HITs, asking again while storage answers RETRY/PENDING
+    (at most `wait_s`)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        n = 0
+        pending = False
+        for i, h in enumerate(hashes):
+            r = cache.lookup(h, rid, hashes[i + 1:])
+            if r is Lookup.HIT:
+                n += 1
+                continue
+            pending = r in (Lookup.RETRY, Lookup.PENDING)
+            break
+        if not pending or time.monotonic() >= deadline:
+            return n
+        time.sleep(0.01)
+
+
+def test_store_then_load_gives_back_the_bytes(keyed_stack: tuple[Stack, HostPool]) -> None:
+    stack, pool = keyed_stack
+    cache = make_cache(stack)
+    hashes = chain(1, 4)
+    assert store(cache, pool, hashes) == 4
+    assert store(cache, pool, hashes) == 0  # already cached: nothing to copy
+    assert leading_hits(cache, hashes) == 4
+    assert cache.count_hits(hashes) == 4  # the batch form agrees
+    assert cache.count_hits([*hashes[:2], chain(9, 1)[0], hashes[3]]) == 2  # stops at a miss
+    ids = cache.prepare_load(hashes)
+    for h, hid in zip(hashes, ids, strict=True):
+        assert torch.equal(pool.data[hid], content(h, pool.shape.page_bytes))
+    cache.complete_load(hashes)
+    cache.check_invariants()
+    assert stack.require_manager().counters.hit_host_tokens >= 4 * 4
+
+
+def test_a_block_being_written_is_pending_never_a_hit(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    stack, _pool = keyed_stack
+    cache = make_cache(stack)
+    hashes = chain(2, 2)
+    plan = cache.prepare_store(hashes)
+    assert plan is not None and len(plan.keys) == 2
+    assert cache.lookup(hashes[0]) is Lookup.PENDING
+    assert cache.count_hits(hashes) == 0
+    with pytest.raises(InvalidRequestError, match="not on the host and ready"):
+        cache.prepare_load(hashes)
+    cache.complete_store(hashes, ok=False)  # a failed copy is never served
+    assert cache.lookup(hashes[0]) is Lookup.MISS
+    cache.check_invariants()
+
+
+def test_bad_hashes_are_refused_with_nothing_changed(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    stack, _ = keyed_stack
+    cache = make_cache(stack)
+    free = stack.require_manager().host_free
+    for bad in ("not-bytes", b"", 12):
+        with pytest.raises(InvalidRequestError, match="block hash"):
+            cache.prepare_store([chain(3, 1)[0], bad])  # type: ignore[list-item]
+        with pytest.raises(InvalidRequestError, match="block hash"):
+            cache.lookup(bad)  # type: ignore[arg-type]
+    assert stack.require_manager().host_free == free
+    cache.check_invariants()
+
+
+def test_a_full_host_tier_refuses_a_store_whole(keyed_stack: tuple[Stack, HostPool]) -> None:
+    stack, pool = keyed_stack
+    cache = make_cache(stack)
+    # every host block held by a load in flight: nothing is evictable
+    hashes = chain(4, HOST_BLOCKS)
+    assert store(cache, pool, hashes) == HOST_BLOCKS
+    settle(stack)
+    cache.prepare_load(hashes)
+    free = stack.require_manager().host_free
+    assert cache.prepare_store(chain(5, 2)) is None
+    assert stack.require_manager().host_free == free
+    cache.complete_load(hashes)
+    plan = cache.prepare_store(chain(5, 2))  # evicts the two least recently used
+    assert plan is not None and plan.evicted == 2
+    cache.complete_store(plan.keys, ok=False)
+    cache.check_invariants()
+
+
+def test_a_reset_never_frees_a_block_the_engine_is_copying(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    stack, pool = keyed_stack
+    cache = make_cache(stack)
+    hashes = chain(6, 3)
+    store(cache, pool, hashes)
+    ids = cache.prepare_load(hashes)
+    writing = cache.prepare_store(chain(7, 2))
+    assert writing is not None
+    stack.reset()
+    m = stack.require_manager()
+    # still out of the free list: the engine is reading / writing them
+    assert not any(m.host_block_is_free(i) for i in ids + writing.host_ids)
+    assert cache.lookup(hashes[0]) is Lookup.MISS
+    cache.complete_load(hashes)
+    cache.complete_store(writing.keys)
+    assert all(m.host_block_is_free(i) for i in ids + writing.host_ids)
+    assert cache.lookup(writing.keys[0]) is Lookup.MISS  # stored before the reset: dropped
+    cache.check_invariants()
+
+
+def test_a_new_cache_finds_blocks_in_storage(keyed_stack: tuple[Stack, HostPool]) -> None:
+    stack, pool = keyed_stack
+    cache = make_cache(stack)
+    hashes = chain(8, 4)
+    store(cache, pool, hashes)
+    settle(stack)  # the backups to storage
+    assert stack.storage is not None and stack.storage.counters["backup_pages"] >= 4
+    stack.reset()  # the host tier is emptied; storage is kept
+    fresh = KeyedHostCache(stack.require_manager(), stack.storage, namespace=b"test-ns")
+    assert fresh.lookup(hashes[0], "r1", hashes[1:]) is Lookup.RETRY
+    assert leading_hits(fresh, hashes, "r1", wait_s=10) == 4
+    ids = fresh.prepare_load(hashes)
+    for h, hid in zip(hashes, ids, strict=True):
+        assert torch.equal(pool.data[hid], content(h, pool.shape.page_bytes))
+    fresh.complete_load(hashes)
+    assert stack.require_manager().counters.hit_storage_tokens >= 4 * 4
+    # another namespace (another model, layout or hash seed) never sees these pages
+    other = KeyedHostCache(stack.require_manager(), stack.storage, namespace=b"other-ns")
+    stack.reset()
+    assert leading_hits(other, hashes, "r2", wait_s=5) == 0
+    fresh.forget_request("r1")
+    other.forget_request("r2")
+    fresh.check_invariants()
+
+
+def test_copies_an_engine_abandons_are_held_then_freed_never_served(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    stack, pool = keyed_stack
+    cache = make_cache(stack)
+    done = chain(10, 2)
+    store(cache, pool, done)
+    settle(stack)
+    reading = cache.prepare_load(done)
+    writing = cache.prepare_store(chain(11, 2))
+    assert writing is not None
+    nodes = cache.abandon_engine_io()  # the engine reset itself: no completions will come
+    stack.reset()
+    m = stack.require_manager()
+    held = reading + writing.host_ids
+    assert not any(m.host_block_is_free(i) for i in held)  # a late copy may still run
+    cache.check_invariants()
+    cache.release_abandoned(nodes)
+    assert all(m.host_block_is_free(i) for i in held)
+    assert cache.lookup(writing.keys[0]) is Lookup.MISS
+    cache.complete_store(writing.keys)  # a completion after all is ignored
+    cache.check_invariants()
+
+
+class KeyedMachine(RuleBasedStateMachine):
+    """Random engine traffic against one keyed cache (see the module docstring)."""
+
+    stack: Stack
+    pool: HostPool
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = make_cache(self.stack)
+        self.in_flight_stores: list[tuple[list[bytes], bool]] = []
+        self.in_flight_loads: list[list[bytes]] = []
+        self.page = self.pool.shape.page_bytes
+
+    @rule(prompt=st.integers(0, PROMPTS - 1), n=st.integers(1, PROMPT_BLOCKS),
+          ok=st.booleans(), finish=st.booleans())
+    def store(self, prompt: int, n: int, ok: bool, finish: bool) -> None:
+        plan = self.cache.prepare_store(chain(prompt, n))
+        if plan is None:
+            return
+        for h, hid in zip(plan.keys, plan.host_ids, strict=True):
+            if ok:
+                self.pool.data[hid].copy_(content(h, self.page))
+            else:  # a copy that failed half way leaves garbage behind
+                self.pool.data[hid].fill_(0xEE)
+        if finish:
+            self.cache.complete_store(plan.keys, ok=ok)
+        else:
+            self.in_flight_stores.append((plan.keys, ok))
+
+    @precondition(lambda self: self.in_flight_stores)
+    @rule()
+    def finish_store(self) -> None:
+        keys, ok = self.in_flight_stores.pop(0)  # the outcome of the copy made above
+        self.cache.complete_store(keys, ok=ok)
+
+    @rule(prompt=st.integers(0, PROMPTS - 1), finish=st.booleans())
+    def load(self, prompt: int, finish: bool) -> None:
+        hashes = chain(prompt, PROMPT_BLOCKS)
+        n = leading_hits(self.cache, hashes)
+        if not n:
+            return
+        ids = self.cache.prepare_load(hashes[:n])
+        for h, hid in zip(hashes, ids, strict=False):
+            assert torch.equal(self.pool.data[hid], content(h, self.page)), (
+                f"host block {hid} does not hold the bytes stored under {h[:4].hex()}")
+        if finish:
+            self.cache.complete_load(hashes[:n])
+        else:
+            self.in_flight_loads.append(hashes[:n])
+
+    @precondition(lambda self: self.in_flight_loads)
+    @rule()
+    def finish_load(self) -> None:
+        self.cache.complete_load(self.in_flight_loads.pop(0))
+
+    @rule(prompt=st.integers(0, PROMPTS - 1))
+    def touch(self, prompt: int) -> None:
+        self.cache.touch(chain(prompt, PROMPT_BLOCKS))
+
+    @rule()
+    def reset(self) -> None:
+        self.stack.reset()
+
+    @invariant()
+    def consistent(self) -> None:
+        self.cache.check_invariants()
+        m = self.stack.require_manager()
+        for n in m.cached_nodes():  # a copy the engine is using is never evictable
+            if n.flags & (ENGINE_WRITE | ENGINE_READ):
+                assert n.hprev is None
+
+    def teardown(self) -> None:
+        for keys, _ in self.in_flight_stores:
+            self.cache.complete_store(keys, ok=False)
+        for keys in self.in_flight_loads:
+            self.cache.complete_load(keys)
+        self.cache.check_invariants()
+
+
+def test_randomized_engine_traffic(keyed_stack: tuple[Stack, HostPool]) -> None:
+    KeyedMachine.stack, KeyedMachine.pool = keyed_stack
+    run = KeyedMachine.TestCase
+    run.settings = settings(max_examples=25, stateful_step_count=30, deadline=None,
+                            suppress_health_check=list(HealthCheck))
+    run().runTest()
+
+
+def test_engine_keys_are_stable() -> None:
+    h = hashlib.sha256(b"x").digest()
+    assert engine_key(h) == int.from_bytes(h[:16], "little")
+    assert engine_key(b"short") == engine_key(b"short") != engine_key(b"shorT")

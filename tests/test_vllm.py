@@ -1,0 +1,134 @@
+"""kvtier inside a real vLLM (the CPU build), end to end: `examples/vllm_offload.py` in vLLM's own
+virtual environment (`make vllm-env`, pinned in integrations/vllm/requirements-*.txt).
+
+Each test starts one vLLM process (a tiny random Llama, 12 device blocks of 32 tokens) and reads
+the JSON line the example prints: how many of prompt A's tokens vLLM got back from kvtier
+(kvtier's own hit counters over its admin's real HTTP /metrics) and whether A's tokens and
+logprobs equal A's cold run exactly. The negative control (kvtier's host pages overwritten
+behind its back) must come out different, which shows the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / os.environ.get("KVTIER_VLLM_VENV", ".venv-vllm") / "bin" / "python"
+EXAMPLE = ROOT / "examples" / "vllm_offload.py"
+PREFIX_TOKENS = 192  # prompt A: 200 tokens, 6 full blocks of 32
+RUN_TIMEOUT_S = 400
+
+if not VLLM_PYTHON.exists():
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` builds it (make vllm-env)")
+    pytest.skip(f"vLLM's environment {VLLM_PYTHON} is not built (make vllm-env)",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S * 2 + 60)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-model") / "tiny-llama"
+
+
+def run_example(model_dir: Path, *args: str) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), str(EXAMPLE), "--json", "--model-dir", str(model_dir), *args],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=ROOT)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.splitlines()[-40:])
+        raise AssertionError(f"the vLLM example failed (status {proc.returncode}):\n{tail}")
+    report: dict[str, Any] = json.loads(lines[-1])
+    return report
+
+
+def test_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(model_dir: Path) -> None:
+    r = run_example(model_dir)
+    assert r["vllm_num_cached_tokens"] == PREFIX_TOKENS, r
+    assert r["tokens_by_tier"] == {"host": PREFIX_TOKENS, "storage": 0}, r
+    assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
+    assert any('tier="host"' in ln and not ln.endswith(" 0.0") for ln in r["metrics_lines"])
+
+
+def test_negative_control_overwritten_host_pages_change_the_output(model_dir: Path) -> None:
+    r = run_example(model_dir, "--corrupt-host")
+    assert r["corrupted_bytes"] > 0 and r["tokens_loaded_from_kvtier"] == PREFIX_TOKENS, r
+    assert r["identical"] is False, (
+        "kvtier's host pages were overwritten, yet vLLM's output did not change: the "
+        f"comparison cannot tell served KV from recomputed KV: {r}")
+
+
+def test_a_new_vllm_process_finds_the_prefix_in_file_storage(model_dir: Path,
+                                                               tmp_path: Path) -> None:
+    storage = tmp_path / "storage"
+    ref = tmp_path / "cold.json"
+    first = run_example(model_dir, "--storage", "file", "--storage-path", str(storage),
+                        "--reference", str(ref))
+    assert first["identical"] is True and first["reference"] == "this run", first
+    second = run_example(model_dir, "--storage", "file", "--storage-path", str(storage),
+                         "--reference", str(ref))
+    assert second["reference"] == "file", second
+    assert second["tokens_by_tier"] == {"host": 0, "storage": PREFIX_TOKENS}, second
+    assert second["identical"] is True and second["max_abs_logprob_diff"] == 0.0, second
+
+
+def test_two_vllm_instances_share_one_redis(model_dir: Path, tmp_path: Path) -> None:
+    ref = tmp_path / "cold.json"
+    with RedisServer() as redis:
+        first = run_example(model_dir, "--storage", "redis", "--redis-url", redis.url,
+                            "--reference", str(ref))
+        assert first["identical"] is True, first
+        second = run_example(model_dir, "--storage", "redis", "--redis-url", redis.url,
+                             "--reference", str(ref))
+    assert second["tokens_by_tier"] == {"host": 0, "storage": PREFIX_TOKENS}, second
+    assert second["identical"] is True and second["max_abs_logprob_diff"] == 0.0, second
+
+
+def test_reset_with_storage_makes_the_next_repeat_a_recompute(model_dir: Path,
+                                                               tmp_path: Path) -> None:
+    r = run_example(model_dir, "--storage", "file", "--storage-path", str(tmp_path / "s"),
+                    "--reset-storage")
+    assert r["reset"]["cleared"]["host_blocks"] > 0, r
+    assert r["tokens_loaded_from_kvtier"] == 0 and r["vllm_num_cached_tokens"] == 0, r
+    assert r["identical"] is True, r
+
+
+def test_the_worker_side_copies_exactly_and_never_touches_a_replaced_pool() -> None:
+    """tests/vllm_worker_check.py in vLLM's environment: the adapter's copies against a real
+    kvtier worker, and the inode checks that keep a replaced worker's pool safe."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_worker_check.py")],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["jobs_done"] == [1, 2] and r["round_trip_exact"] and r["host_page_is_block_3"], r
+    # a load planned against another segment: nothing copied, the blocks reported to vLLM
+    assert r["stale_load_errors"] == [1, 2] and r["stale_load_copied_nothing"], r
+    assert r["refused_load_errors"] == [4, 5] and r["failed_jobs_still_finish"] == [3, 4], r
+    assert r["replaced_segment"] and r["stale_store_left_new_pool_alone"], r
+    assert r["store_into_new_pool_exact"], r
+
+
+def test_a_killed_kvtier_worker_never_stops_vllm(model_dir: Path) -> None:
+    r = run_example(model_dir, "--kill-worker")
+    assert r["killed_worker_pids"], r
+    assert len(r["during_restart_tokens"]) == 8, r  # served while kvtier restarted
+    assert r.get("replacement_worker_pids"), f"kvtier's worker was not replaced: {r}"
+    # the host copies died with the old worker: A is recomputed, exactly
+    assert r["tokens_loaded_from_kvtier"] == 0 and r["identical"] is True, r
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
