@@ -347,9 +347,19 @@ def deployment(cfg: KvtierConfig, model: LlamaForCausalLM, control: str | None,
 
 def wait_backups(stack: Stack, timeout: float = LOAD_TIMEOUT_S) -> None:
     """Bounded wait until no transfer is in flight: copies to the host, and the storage
-    backups they start, are done."""
-    if not stack.require_manager().dispatcher.drain(timeout):
-        raise TimeoutError(f"transfers still in flight after {timeout:.0f} s")
+    backups they start, are done. With the engine's KV a host copy is backed up only once a
+    registration check has confirmed it, so that wait includes the confirmations (a fast
+    scheduler otherwise finishes before the next check and nothing reaches storage)."""
+    m = stack.require_manager()
+    deadline = time.monotonic() + timeout
+    while True:
+        if not m.dispatcher.drain(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"transfers still in flight after {timeout:.0f} s")
+        if not m.unconfirmed_device_copies():
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"host copies still unconfirmed after {timeout:.0f} s")
+        time.sleep(0.01)
 
 
 # ------------------------------------------------------------------------------- redis
