@@ -14,13 +14,14 @@ RadixCache) as subprocesses when its venv exists, interleaving repetitions with 
 prints kvtier/peer ratios from that one run.
 
     python bench/hotpath.py [--json] [--peers] [--reps N] [--block-sizes 16,64]
-    python bench/hotpath.py --scale [--scale-blocks 100000,10000000] [--block-sizes 16]
+    python bench/hotpath.py --scale [--scale-blocks 100000,10000000] [--block-sizes 16] [--reps N]
 
 `--scale` asks what a big tree costs instead: a manager of N device blocks is filled with N
 distinct cached blocks (prompts of 256 blocks, each starting with its own token), its memory
 read from the process's resident set (growth per cached block, and with the manager's
-preallocated free list), then the chat workload runs on top of it (evicting filler) and its
-us/block is timed as above. 10M blocks of 16 tokens take about 4 GiB.
+preallocated free list) and one full garbage collection timed, then the chat workload runs on
+top of it (evicting filler) and its us/block is timed as above. 10M blocks of 16 tokens take
+about 1.4 GiB compiled (the pure-Python nodes and dict: about 4 GiB).
 
 The hot loops run compiled (`kvtier.manager._native`) when the extension is built;
 KVTIER_NATIVE=0 runs the pure-Python ones (the first output line says which).
@@ -44,7 +45,10 @@ from kvtier.manager import native
 from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.workloads import WARMUP_FRAC, capacity_blocks, make_chat_workload
 
-PEERS_DIR = Path(__file__).resolve().parents[2] / "shared" / "peers"
+# `../shared/peers` beside the checkout; from a worktree under `../wt/<name>`, one level up.
+PEERS_DIR = next((p / "shared" / "peers" for p in Path(__file__).resolve().parents[2:4]
+                  if (p / "shared" / "peers").is_dir()),
+                 Path(__file__).resolve().parents[2] / "shared" / "peers")
 
 
 class Runner:
@@ -148,21 +152,26 @@ def run_scale(block_size: int, n_blocks: int, reqs: list[list[int]]) -> dict[str
     finally:
         gc.enable()
     fill_s = time.perf_counter() - t0
-    gc.collect()
+    t1 = time.perf_counter()
+    gc.collect()  # a full collection with the filled tree alive: what a gen-2 pass costs
+    gc_ms = (time.perf_counter() - t1) * 1e3
     rss2 = _rss_bytes()
     cached = runner.cached_blocks()
     timed = Runner.__new__(Runner)  # the filled manager, timed on the chat workload
     timed.bs, timed.m, timed.n = block_size, runner.m, runner.n
     n_warm = int(len(reqs) * WARMUP_FRAC)
-    tot_ns = tot_blk = 0
+    tot_ns = tot_cpu_ns = tot_blk = 0
     gc.disable()
     try:
         for j, toks in enumerate(reqs):
+            c = time.thread_time_ns()
             t = time.perf_counter_ns()
             _, b = timed.step(toks)
             dt = time.perf_counter_ns() - t
+            dc = time.thread_time_ns() - c
             if j >= n_warm:
                 tot_ns += dt
+                tot_cpu_ns += dc
                 tot_blk += b
     finally:
         gc.enable()
@@ -170,6 +179,9 @@ def run_scale(block_size: int, n_blocks: int, reqs: list[list[int]]) -> dict[str
             "fill_us_per_block": fill_s * 1e6 / cached,
             "rss_growth_bytes_per_cached_block": (rss2 - rss1) / cached,
             "rss_total_bytes_per_cached_block": (rss2 - rss0) / cached,
+            "full_gc_ms": gc_ms,
+            # CPU time of this thread: what other tenants of a shared machine disturb least
+            "cpu_us_per_block": tot_cpu_ns / 1e3 / tot_blk,
             "us_per_block": tot_ns / 1e3 / tot_blk}
 
 
@@ -235,22 +247,48 @@ def main() -> int:
     reqs = make_chat_workload()
     loops = "compiled" if native.active() else f"pure Python ({native.UNAVAILABLE})"
     if args.scale:
-        rows = [(b, n, run_scale(b, n, reqs)) for b in sizes
-                for n in (int(x) for x in args.scale_blocks.split(","))]
+        # Repetitions interleave the sizes (100K, 10M, 100K, 10M, ...), each on a freshly
+        # filled manager; a row is the median us/block of its repetitions (memory and fill
+        # figures from the first).
+        counts = [int(x) for x in args.scale_blocks.split(",")]
+        runs: dict[tuple[int, int], list[dict[str, float]]] = {}
+        for _ in range(max(1, args.reps)):
+            for b in sizes:
+                for n in counts:
+                    runs.setdefault((b, n), []).append(run_scale(b, n, reqs))
+        rows = []
+        for (b, n), rs in runs.items():
+            row = dict(rs[0])
+            for k in ("us_per_block", "cpu_us_per_block"):
+                row[k] = statistics.median(r[k] for r in rs)
+            rows.append((b, n, row))
         if args.json:
             print(json.dumps({"loops": loops, "scale": [
                 {"block_size": b, "blocks": n, **r} for b, n, r in rows]}))
             return 0
         print(f"hot loops: {loops}")
         print(f"{'block':>6}{'cached':>11}{'fill s':>8}{'fill us/blk':>12}{'us/block':>10}"
-              f"{'RSS B/blk':>11}{'w/ pool':>9}")
+              f"{'cpu us/blk':>11}"
+              f"{'RSS B/blk':>11}{'w/ pool':>9}{'gc ms':>8}")
         for b, _, r in rows:
             print(f"{b:>6}{int(r['cached_blocks']):>11}{r['fill_s']:>8.1f}"
                   f"{r['fill_us_per_block']:>12.3f}{r['us_per_block']:>10.3f}"
+                  f"{r['cpu_us_per_block']:>11.3f}"
                   f"{r['rss_growth_bytes_per_cached_block']:>11.0f}"
-                  f"{r['rss_total_bytes_per_cached_block']:>9.0f}")
-        print("us/block: the chat workload on the filled manager; RSS B/blk: resident growth "
-              "per cached block while filling (w/ pool: including the manager's free list)")
+                  f"{r['rss_total_bytes_per_cached_block']:>9.0f}{r['full_gc_ms']:>8.0f}")
+        for b in sizes:
+            lo, hi = min(counts), max(counts)
+            if lo != hi:
+                for k, what in (("us_per_block", "wall"), ("cpu_us_per_block", "cpu")):
+                    each = [" ".join(f"{r[k]:.3f}" for r in runs[(b, n)]) for n in (lo, hi)]
+                    ratio = (statistics.median(r[k] for r in runs[(b, hi)])
+                             / statistics.median(r[k] for r in runs[(b, lo)]))
+                    print(f"{b}-token blocks, {what}: us/block at {hi:,} / at {lo:,} = "
+                          f"{ratio:.2f}x (medians of interleaved runs: {each[0]} vs {each[1]})")
+        print("us/block: the chat workload on the filled manager (cpu: the thread's CPU time); "
+              "RSS B/blk: resident growth "
+              "per cached block while filling (w/ pool: including the manager's free list); "
+              "gc ms: one full gc.collect() on the filled manager")
         return 0
     venv = peers_venv() if args.peers else None
     if args.peers and venv is None:

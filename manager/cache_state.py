@@ -90,6 +90,10 @@ class CacheState(Protocol):
         when every host block is busy."""
         ...
 
+    def new_host_node(self, key: int, host: int, now: float) -> Node:
+        """A fresh node of the tree's class holding host block `host` (not in the tree yet)."""
+        ...
+
     def adopt_host_node(self, node: Node) -> None:
         """Put `node`, which holds only a host block (`node.host`), into the tree."""
         ...

@@ -303,7 +303,7 @@ class KeyedHostCache:
             now = _monotonic()
             storage = self.storage
             for h, hb in zip(todo, taken, strict=True):
-                node = Node(engine_key(h), None, hb, now)
+                node = m.new_host_node(engine_key(h), hb, now)
                 node.flags = ENGINE_WRITE
                 if storage is not None:
                     node.skey = self.storage_key(h)

@@ -1,16 +1,21 @@
-"""Which code runs the scheduler thread's per-block loops: compiled or pure Python.
+"""Which code runs the scheduler thread's per-block work: compiled or pure Python.
 
-Three loops run once per block of every request: turning token ids into chained tree keys,
-match's walk over cached device blocks, and release's reference drops. The compiled module
+Per block of every request the manager turns token ids into chained tree keys, walks match's
+device hits, joins committed blocks to the tree, drops references on release and evicts LRU
+victims; it keeps one node per cached block in one map. The compiled module
 `kvtier.manager._native` (manager/_native.c, built by `pip install` / `make install` from
-setup.py) runs them in C; the functions below are their pure-Python twins, with the same
-arguments, results and effects on nodes, so keys and manager states are identical either way
-(tests/test_native.py runs both on the same randomized inputs and the stateful machines with
-each).
+setup.py) provides all of it: the loops, and compact nodes (`DeviceNode` / `Node`, 80 / 104
+bytes, no int key object, untracked by the garbage collector) in an open-addressing `KeyMap`.
+The functions below are the pure-Python twins (with tree.py's slots nodes in a dict), with
+the same arguments, results and effects on nodes, so keys and manager states are identical
+either way (tests/test_native.py runs both on the same randomized inputs and the stateful
+machines with each).
 
 Selection, at import: `KVTIER_NATIVE=0` means pure Python; `KVTIER_NATIVE=1` requires the
 extension (the import fails without it); unset, the extension is used when it imports.
-`UNAVAILABLE` says why it is not in use. `use(False)` / `use(True)` switch at run time (tests).
+`UNAVAILABLE` says why it is not in use. `use(False)` / `use(True)` switch at run time
+(tests): the key chain and the pool's free at once; the tree's map, node classes and loops
+(`Loops`, from `bound()`) for managers built afterwards, since a manager keeps its own.
 
 Keys: the extension hashes with the xxhash package's own xxh3-128 (resolved from its loaded
 extension module and checked against `xxhash.xxh3_128_intdigest` at import), so a tree key is
@@ -21,15 +26,28 @@ that are not plain ints always take keys.py's Python path.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from types import ModuleType
+from typing import Any, NamedTuple, cast
 
 from kvtier.manager.tree import DeviceNode, Node
 
 ChainKeys = Callable[[Sequence[int], int, int, int, int], "list[int] | None"]
+TreeMap = MutableMapping[int, Node]
+"""The tree's map, key -> node: a dict on the pure-Python path, a `_native.KeyMap` (an
+open-addressing table of 24-byte slots holding the key's two halves, no int object per key)
+on the compiled one."""
+WalkHits = Callable[[TreeMap, list[int], list[Node | None], int, float, int, list[Node]],
+                    tuple[int, int]]
+ReleaseWalk = Callable[[list[Node | None], Node, float, int], tuple[list[int], int]]
+CommitWalk = Callable[[TreeMap, list[int], list[int], list[Node | None], int, float, type[Node],
+                       list[Node]], int]
+EvictDrop = Callable[[TreeMap, Node, int], list[int]]
+DevIds = Callable[[list[Node]], "list[int | None]"]
+ClearWalk = Callable[[list[Node], bytearray, bytearray, int], tuple[int, int, int, list[Node]]]
 
 
-def py_walk_hits(tree: dict[int, Node], keys: list[int], nodes: list[Node | None],
+def py_walk_hits(tree: TreeMap, keys: list[int], nodes: list[Node | None],
                  limit: int, now: float, hit_threshold: int,
                  backups: list[Node]) -> tuple[int, int]:
     """Walk `keys[len(nodes):limit]` while each node is a device hit with no flags set:
@@ -93,6 +111,110 @@ def py_release_walk(nodes: list[Node | None], head: Node, now: float,
     return rest, appended
 
 
+def py_commit_walk(tree: TreeMap, keys: list[int], blocks: list[int], nodes: list[Node | None],
+                   end: int, now: float, node_class: type[Node], new_nodes: list[Node]) -> int:
+    """Join blocks `len(nodes)..end` of a request to the tree: a key not in `tree` gets a
+    fresh `node_class` node (device block `blocks[i]`, one reference, `last = now`), put in
+    the tree and appended to `nodes` and `new_nodes`; a key whose node holds a device block is
+    a duplicate (None appended: the request keeps its block). Stops at a node holding no
+    device block (the caller handles it) and returns its index; `end` when done."""
+    get = tree.get
+    add = nodes.append
+    for i in range(len(nodes), end):
+        key = keys[i]
+        node = get(key)
+        if node is None:
+            node = node_class(key, blocks[i], None, now)
+            node.ref = 1
+            tree[key] = node
+            add(node)
+            new_nodes.append(node)
+        elif node.dev is None:
+            return i
+        else:
+            add(None)
+    return end
+
+
+def py_evict_drop(tree: TreeMap, head: Node, n: int) -> list[int]:
+    """Drop up to `n` nodes from the head (oldest end) of the device LRU through sentinel
+    `head`: each leaves the list and `tree` and is detached with no device block. Returns
+    their device block ids, oldest first (the caller frees them and fixes the counts)."""
+    freed: list[int] = []
+    node = head.dnext
+    while len(freed) < n and node is not head:
+        nxt = node.dnext  # type: ignore[union-attr]
+        freed.append(node.dev)  # type: ignore[union-attr,arg-type]
+        node.dev = node.dprev = node.dnext = None  # type: ignore[union-attr]
+        del tree[node.key]  # type: ignore[union-attr,arg-type]
+        node.key = None  # type: ignore[union-attr]
+        node = nxt
+    head.dnext = node
+    node.dprev = head  # type: ignore[union-attr]
+    return freed
+
+
+def py_clear_walk(nodes: list[Node], dev_free: bytearray, host_free: bytearray,
+                  in_flight: int) -> tuple[int, int, int, list[Node]]:
+    """Detach every node of `nodes` (the tree being cleared, out of both LRU lists already)
+    that has no `in_flight` flag: its host block is marked in `host_free` (a bytearray by
+    block id) and dropped; its device block too unless requests hold the node (then it
+    stays, the requests' own); flags and key cleared. Returns (device blocks marked, host
+    blocks marked, nodes left holding a device block for requests, the nodes with a
+    transfer in flight, untouched)."""
+    dev_freed = host_freed = detached = 0
+    busy: list[Node] = []
+    for node in nodes:
+        if node.flags & in_flight:
+            busy.append(node)
+            continue
+        if node.host is not None:
+            host_free[node.host] = 1
+            node.host = None
+            host_freed += 1
+        if node.dev is not None:
+            if node.ref > 0:
+                detached += 1
+            else:
+                dev_free[node.dev] = 1
+                node.dev = None
+                dev_freed += 1
+        node.flags = 0
+        node.key = None
+    return dev_freed, host_freed, detached, busy
+
+
+def py_dev_ids(nodes: list[Node]) -> list[int | None]:
+    """The device block id (or None) of each node of `nodes`."""
+    return [n.dev for n in nodes]
+
+
+def py_new_tree(capacity: int) -> TreeMap:
+    """An empty tree map (`capacity`: the most nodes it will hold, a hint)."""
+    return {}
+
+
+class Loops(NamedTuple):
+    """What one manager uses, fixed when it is built (`bound()`): the tree map's factory, the
+    node classes and the per-block loops. Nodes and maps of one kind are only ever handed to
+    loops of the same kind."""
+
+    new_tree: Callable[[int], TreeMap]
+    device_node_class: type[Node]
+    node_class: type[Node]
+    walk_hits: WalkHits
+    release_walk: ReleaseWalk
+    commit_walk: CommitWalk
+    evict_drop: EvictDrop
+    clear_walk: ClearWalk
+    dev_ids: DevIds
+
+
+PY_LOOPS = Loops(py_new_tree, cast("type[Node]", DeviceNode), Node, py_walk_hits,
+                 py_release_walk, py_commit_walk, py_evict_drop, py_clear_walk,
+                 py_dev_ids)
+
+
 def _load() -> tuple[ModuleType | None, str]:
     setting = os.environ.get("KVTIER_NATIVE", "")
     if setting == "0":
@@ -103,7 +225,6 @@ def _load() -> tuple[ModuleType | None, str]:
         if setting == "1":
             raise ImportError(f"KVTIER_NATIVE=1 but the extension does not import: {e}") from e
         return None, f"kvtier.manager._native does not import: {e}"
-    _native.bind(DeviceNode, Node)
     return _native, ""
 
 
@@ -126,9 +247,18 @@ _ext, UNAVAILABLE = _load()
 
 chain_keys: ChainKeys | None = None
 """The compiled key chain (None on the pure-Python path: keys.py computes them itself)."""
-walk_hits = py_walk_hits
-release_walk = py_release_walk
+pool_free: Callable[[bytearray, list[int], list[int]], bool] | None = None
+"""The compiled check-and-free of a block pool (None on the pure-Python path: block_pool.py
+checks and frees itself)."""
+walk_hits: WalkHits = py_walk_hits
+release_walk: ReleaseWalk = py_release_walk
 keyed_hits = py_keyed_hits
+_loops = PY_LOOPS
+
+
+def bound() -> Loops:
+    """The tree map, node classes and loops a manager built now uses (for its lifetime)."""
+    return _loops
 
 
 def available() -> bool:
@@ -144,14 +274,22 @@ def active() -> bool:
 def use(native: bool) -> None:
     """Switch between the compiled loops and the pure-Python ones (takes effect for the next
     call of any manager). Raises RuntimeError when asked for an extension that is not there."""
-    global chain_keys, walk_hits, release_walk
+    global chain_keys, walk_hits, release_walk, _loops, pool_free
     if native:
         if _ext is None:
             raise RuntimeError(f"the native extension is not available: {UNAVAILABLE}")
-        chain_keys, walk_hits, release_walk = (_ext.chain_keys, _ext.walk_hits,
-                                               _ext.release_walk)
+        ext = _ext
+        _loops = Loops(lambda capacity: cast(TreeMap, ext.KeyMap(capacity)),
+                       cast("type[Node]", ext.DeviceNode), cast("type[Node]", ext.Node),
+                       cast(Any, ext.walk_hits), cast(Any, ext.release_walk),
+                       cast(Any, ext.commit_walk), cast(Any, ext.evict_drop),
+                       cast(Any, ext.clear_walk), cast(Any, ext.dev_ids))
+        chain_keys, walk_hits, release_walk = ext.chain_keys, _loops.walk_hits, _loops.release_walk
+        pool_free = ext.pool_free
     else:
         chain_keys, walk_hits, release_walk = None, py_walk_hits, py_release_walk
+        _loops = PY_LOOPS
+        pool_free = None
 
 
 use(_ext is not None)

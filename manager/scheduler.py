@@ -39,6 +39,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import TypedDict
 
 from kvtier.manager import native
@@ -71,7 +72,6 @@ from kvtier.manager.tree import (
     SAVING,
     STORED,
     DeviceLRU,
-    DeviceNode,
     HostLRU,
     Node,
 )
@@ -151,7 +151,8 @@ class KVCacheManager:
     """Prefix tree, free lists and policies of the device and host tiers of one deployment.
 
     Data structures:
-      * `_map`: dict tree key (int) -> Node; the whole prefix tree (keys are chained).
+      * `_map`: tree key (int) -> Node, the whole prefix tree (keys are chained): a dict, or
+        the compiled `KeyMap` with compiled nodes (see manager.native).
       * `_dev_pool` / `_host_pool`: BlockPool free lists of each tier.
       * `_dev_lru` / `_host_lru`: intrusive LRU lists of evictable nodes (see manager.tree).
       * `_requests`: request id -> RequestState (`kvtier.manager.cache_state`).
@@ -191,14 +192,20 @@ class KVCacheManager:
                        else make_write_policy(write_policy, hit_threshold))
         self._dev_pool = BlockPool("device", device_blocks)
         self._host_pool = BlockPool("host", host_blocks)
-        self._dev_lru = DeviceLRU()
+        # The tree map, node classes and per-block loops, compiled or pure Python, fixed for
+        # this manager's lifetime (see manager.native): nodes and maps of one kind only ever
+        # meet loops of the same kind.
+        self._loops = loops = native.bound()
+        self._dev_lru = DeviceLRU(loops.node_class)
         # Device-only deployments use the leaner node (no host links, no storage key). The
         # scheduler handles it as a Node (same attributes, host ones class constants). The
         # narrow ignores on the hot paths below stand for what the types cannot say without
         # a per-block check: a node linked in an LRU list has its `dev` (or `host`) and links.
-        self._node_cls: type[Node] = Node if host_blocks else DeviceNode  # type: ignore[assignment]
-        self._host_lru = HostLRU()
-        self._map: dict[int, Node] = {}
+        self._node_cls = loops.node_class if host_blocks else loops.device_node_class
+        self._host_lru = HostLRU(loops.node_class)
+        # Sized for the most nodes the tree can hold (each holds a block of its own), so the
+        # compiled map never grows while serving: no resize pause at 10M blocks.
+        self._map: native.TreeMap = loops.new_tree(device_blocks + host_blocks)
         self._requests: dict[str, RequestState] = {}
         self._inflight: dict[int, _Inflight] = {}
         self._pins: dict[Node, int] = {}
@@ -270,12 +277,13 @@ class KVCacheManager:
             limit = min(cap, len(keys))
             storage = self.storage
             tree = self._map
+            walk_hits = self._loops.walk_hits
             while True:
                 while True:
                     # Plain device hits in one call (compiled or not, see manager.native);
                     # it stops at a miss, at the limit, or at a node handled here.
-                    stop, n_unlinked = native.walk_hits(tree, keys, nodes, limit, now,
-                                                        hit_threshold, backups)
+                    stop, n_unlinked = walk_hits(tree, keys, nodes, limit, now,
+                                                 hit_threshold, backups)
                     unlinked += n_unlinked
                     if stop != 2:
                         break
@@ -321,7 +329,7 @@ class KVCacheManager:
                 raise self._cancelled_during_wait(request_id)
             n_host = self._load_host_hits(req, host_hits, waits) if host_hits else 0
             n_storage = min(n_storage, n_host)
-            req.blocks = [n.dev for n in nodes]  # type: ignore[union-attr,misc]
+            req.blocks = self._loops.dev_ids(nodes)  # type: ignore[arg-type,assignment]
             n_hit = len(nodes)
             req.length = n_hit * bs
             self._requests[request_id] = req
@@ -422,8 +430,14 @@ class KVCacheManager:
             new_nodes: list[Node] = []
             exclusive = self.policy.exclusive
             new_node = self._node_cls
+            commit_walk = self._loops.commit_walk
             joined = 0
-            for i in range(start, n_full):
+            while True:
+                # New nodes and duplicates in one call (compiled or not, see manager.native);
+                # it stops at a node cached on the host only, handled here.
+                i = commit_walk(m, keys, blocks, nodes, n_full, now, new_node, new_nodes)
+                if i >= n_full:
+                    break
                 key = keys[i]
                 node = m.get(key)
                 if node is None:
@@ -431,7 +445,6 @@ class KVCacheManager:
                     node.ref = 1
                     m[key] = node
                     new_nodes.append(node)
-                    joined += 1
                 elif node.dev is None:
                     # Cached on the host only: our freshly computed block becomes its
                     # device copy.
@@ -445,6 +458,7 @@ class KVCacheManager:
                 else:
                     node = None  # a duplicate: the request keeps its own block
                 nodes.append(node)
+            joined += len(new_nodes)
             self._dev_in_tree += len(new_nodes)
             if self.storage is not None and new_nodes:
                 skeys = self.storage.request_skeys(req, token_ids, n_full)
@@ -482,7 +496,7 @@ class KVCacheManager:
             # nodes join the device LRU's tail in one pass (compiled or not, see
             # manager.native), which leaves the request's own blocks to free here.
             lru = self._dev_lru
-            rest, appended = native.release_walk(nodes, lru.head, now, DEVICE_BUSY)
+            rest, appended = self._loops.release_walk(nodes, lru.head, now, DEVICE_BUSY)
             lru.size += appended
             for i in rest:
                 node = nodes[i]
@@ -685,9 +699,10 @@ class KVCacheManager:
                     "own copies must complete first)")
             self._dev_pool = BlockPool("device", device_blocks)
             self._host_pool = BlockPool("host", host_blocks)
-            self._dev_lru = DeviceLRU()
-            self._host_lru = HostLRU()
-            self._node_cls = Node if host_blocks else DeviceNode  # type: ignore[assignment]
+            loops = self._loops
+            self._dev_lru = DeviceLRU(loops.node_class)
+            self._host_lru = HostLRU(loops.node_class)
+            self._node_cls = loops.node_class if host_blocks else loops.device_node_class
             self._map.clear()
             self._pins.clear()
             self._written_off.clear()
@@ -934,6 +949,9 @@ class KVCacheManager:
     def take_host_block(self) -> int | None:
         return self._host_block()
 
+    def new_host_node(self, key: int, host: int, now: float) -> Node:
+        return self._loops.node_class(key, None, host, now)
+
     def adopt_host_node(self, node: Node) -> None:
         assert node.key is not None and node.host is not None and node.dev is None
         self._map[node.key] = node
@@ -1152,20 +1170,9 @@ class KVCacheManager:
         c = self.counters
         if not host_tier:
             # Device only: every victim is dropped. Unlink a run of victims from the head of
-            # the list in one pass and free their blocks in one call.
-            head = lru.head
-            m = self._map
-            freed: list[int] = []
-            node = head.dnext
-            while len(freed) < n and node is not head:
-                nxt = node.dnext  # type: ignore[union-attr]
-                freed.append(node.dev)  # type: ignore[union-attr,arg-type]
-                node.dev = node.dprev = node.dnext = None  # type: ignore[union-attr]
-                del m[node.key]  # type: ignore[union-attr,arg-type]
-                node.key = None  # type: ignore[union-attr]
-                node = nxt
-            head.dnext = node
-            node.dprev = head  # type: ignore[union-attr]
+            # the list in one pass (compiled or not, see manager.native) and free their
+            # blocks in one call.
+            freed = self._loops.evict_drop(self._map, lru.head, n)
             lru.size -= len(freed)
             self._dev_in_tree -= len(freed)
             c.evicted_device_drop += len(freed)
@@ -1412,37 +1419,30 @@ class KVCacheManager:
         """Drop every node. Nodes held by requests become detached (their device blocks the
         requests' own); nodes a transfer still uses keep their blocks until it is answered
         (`_written_off`). Caller holds the lock."""
-        dev_freed = host_freed = detached = 0
-        for node in list(self._map.values()):
-            if node.dprev is not None:
-                self._dev_lru.unlink(node)
-            if node.hprev is not None:
-                self._host_lru.unlink(node)
-            if node.flags & IN_FLIGHT:
-                node.flags &= IN_FLIGHT
-                node.key = None
-                self._written_off.add(node)
-                if (node.dev is not None and node.ref == 0
-                        and not node.flags & (LOADING | SAVING | EVICTING)):
-                    # Only its host copy is in use (a storage backup reads it): the device
-                    # block is free now, not when that slower task is answered.
-                    self._dev_pool.free_one(node.dev)
-                    node.dev = None
-                    dev_freed += 1
-                continue
-            if node.host is not None:
-                self._host_pool.free_one(node.host)
-                node.host = None
-                host_freed += 1
-            if node.dev is not None:
-                if node.ref > 0:
-                    detached += 1
-                else:
-                    self._dev_pool.free_one(node.dev)
-                    node.dev = None
-                    dev_freed += 1
-            node.flags = 0
+        # Freed ids go back in id order (marked here, listed in one pass below), so the free
+        # lists come out the same whichever map (dict or compiled, iterated in different
+        # orders) holds the tree.
+        dev_ids = bytearray(self._dev_pool.capacity)
+        host_ids = bytearray(self._host_pool.capacity)
+        # Every node in the LRU lists is in the tree: both lists empty in one pass each.
+        self._dev_lru.clear()
+        self._host_lru.clear()
+        # Nodes with no transfer in flight in one call (compiled or not, see manager.native).
+        dev_freed, host_freed, detached, busy = self._loops.clear_walk(
+            list(self._map.values()), dev_ids, host_ids, IN_FLIGHT)
+        for node in busy:  # a transfer still uses its blocks
+            node.flags &= IN_FLIGHT
             node.key = None
+            self._written_off.add(node)
+            if (node.dev is not None and node.ref == 0
+                    and not node.flags & (LOADING | SAVING | EVICTING)):
+                # Only its host copy is in use (a storage backup reads it): the device
+                # block is free now, not when that slower task is answered.
+                dev_ids[node.dev] = 1
+                node.dev = None
+                dev_freed += 1
+        self._dev_pool.free(compress(range(len(dev_ids)), dev_ids))
+        self._host_pool.free(compress(range(len(host_ids)), host_ids))
         nodes = len(self._map)
         pins = len(self._pins)
         self._unconfirmed.clear()

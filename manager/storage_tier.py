@@ -202,7 +202,7 @@ class StorageTier:
             hb = m.take_host_block()
             if hb is None:
                 break
-            node = Node(key, None, hb, now)
+            node = m.new_host_node(key, hb, now)
             node.flags = PREFETCHING
             node.skey = skey
             m.adopt_host_node(node)

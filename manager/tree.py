@@ -34,6 +34,11 @@ Node residency and transfer state machine (one node = one block-sized prefix):
   (reset, or a failed load). Its device block then belongs to those requests and returns to
   the free list with the last release.
 
+The classes here are the pure-Python nodes. With the compiled extension a manager uses their
+twins, `kvtier.manager._native.DeviceNode` / `Node` (same attributes and states, 80 / 104
+bytes instead of 96 / 128 plus a 48-byte key int, not tracked by the garbage collector: the
+LRU rings, their only cycles, are broken when a list is freed); see kvtier.manager.native.
+
 Evictable = in the LRU list of its tier. Device list: has a device block, no references, not
 pinned, no device-side transfer. Host list: has a host block, not pinned, no host-side
 transfer. Lists are intrusive doubly-linked lists (links live in the node): append, unlink
@@ -131,11 +136,14 @@ class IntrusiveLRU:
 
     __slots__ = ("_get_next", "_get_prev", "_set_next", "_set_prev", "head", "size")
 
-    def __init__(self, prev: str, nxt: str) -> None:
-        prev_slot, next_slot = getattr(Node, prev), getattr(Node, nxt)  # slot descriptors
+    def __init__(self, prev: str, nxt: str, node_class: type[Node] = Node) -> None:
+        # `node_class`: the nodes' class with the host fields (tree.Node, or the compiled one
+        # of kvtier.manager.native); the sentinel is one of them.
+        prev_slot = getattr(node_class, prev)  # slot (member) descriptors
+        next_slot = getattr(node_class, nxt)
         self._get_prev, self._set_prev = prev_slot.__get__, prev_slot.__set__
         self._get_next, self._set_next = next_slot.__get__, next_slot.__set__
-        self.head = head = Node(None, None, None, 0.0)
+        self.head = head = node_class(None, None, None, 0.0)
         self._set_prev(head, head)
         self._set_next(head, head)
         self.size = 0
@@ -158,6 +166,28 @@ class IntrusiveLRU:
         self._set_next(node, None)
         self.size -= 1
 
+    def clear(self) -> None:
+        """Empty the list (every node unlinked), one pass."""
+        head = self.head
+        get_next, set_prev, set_next = self._get_next, self._set_prev, self._set_next
+        n = get_next(head)
+        while n is not None and n is not head:
+            nxt = get_next(n)
+            set_prev(n, None)
+            set_next(n, None)
+            n = nxt
+        set_prev(head, head)
+        set_next(head, head)
+        self.size = 0
+
+    def __del__(self) -> None:
+        # Break the ring (sentinel included) one node at a time: the compiled nodes are not
+        # tracked by the garbage collector, so a ring left closed would never be freed; and
+        # letting go of a long chain at once would free it recursively.
+        self.clear()
+        self._set_prev(self.head, None)
+        self._set_next(self.head, None)
+
     def oldest(self) -> Node | None:
         n = self._get_next(self.head)
         return None if n is self.head else n
@@ -169,11 +199,11 @@ class IntrusiveLRU:
             n = self._get_next(n)
 
 
-def DeviceLRU() -> IntrusiveLRU:
+def DeviceLRU(node_class: type[Node] = Node) -> IntrusiveLRU:
     """The device tier's list (links `dprev`/`dnext`)."""
-    return IntrusiveLRU("dprev", "dnext")
+    return IntrusiveLRU("dprev", "dnext", node_class)
 
 
-def HostLRU() -> IntrusiveLRU:
+def HostLRU(node_class: type[Node] = Node) -> IntrusiveLRU:
     """The host tier's list (links `hprev`/`hnext`)."""
-    return IntrusiveLRU("hprev", "hnext")
+    return IntrusiveLRU("hprev", "hnext", node_class)

@@ -157,6 +157,8 @@ def _drive(seed: int, host_blocks: int, policy: str) -> list[object]:
             live.append(rid)
         elif action < 0.9:
             m.release(live.pop(rng.randrange(len(live))))
+        elif action < 0.92:
+            trace.append(("lost", m.lose_all()))  # clears the tree: free-list order must agree
         else:
             for seq in sorted(disp.tasks)[: rng.randrange(4)]:
                 disp.complete(seq, rng.random() < 0.8)
@@ -178,6 +180,175 @@ def _drive(seed: int, host_blocks: int, policy: str) -> list[object]:
 def test_managers_reach_identical_states(seed: int, host_blocks: int, policy: str) -> None:
     a, b = both(_drive, seed, host_blocks, policy)
     assert a == b
+
+
+def _pool_run(seed: int) -> list[object]:
+    """Random allocations and frees (bad ones included) through a block pool."""
+    from kvtier.manager.block_pool import BlockPool
+    rng = random.Random(seed)
+    pool = BlockPool("device", 24)
+    out: list[object] = []
+    held: list[int] = []
+    for _ in range(300):
+        if rng.random() < 0.4 and pool.num_free:
+            held += pool.allocate(rng.randrange(1, pool.num_free + 1))
+            continue
+        rng.shuffle(held)
+        ids: list[object] = held[: rng.randrange(len(held) + 1)]
+        if rng.random() < 0.3:
+            ids.insert(rng.randrange(len(ids) + 1),
+                       rng.choice([-1, 24, 2**70, True, 3.0, "1", *(ids or [0])]))
+        try:
+            pool.free(ids)  # type: ignore[arg-type]
+            held = [i for i in held if i not in ids]
+            out.append("ok")
+        except Exception as e:
+            out.append(str(e))
+        out.append(pool.free_ids())
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(8))
+def test_block_pool_frees_identically(seed: int) -> None:
+    """The compiled check-and-free declines whatever Python rejects: same errors, same
+    free lists."""
+    a, b = both(_pool_run, seed)
+    assert a == b
+    assert any(x != "ok" and isinstance(x, str) for x in a)
+
+
+# ---------------------------------------------------------------------- tree map and nodes
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from([3, 6, 12, 128]), seed=st.integers(0, 2**32 - 1),
+       capacity=st.integers(0, 50))
+def test_keymap_behaves_as_a_dict(bits: int, seed: int, capacity: int) -> None:
+    """The compiled tree map against a dict: few key bits give long probe runs, so deletions
+    (backward shifts) and growth are exercised."""
+    from kvtier.manager import _native
+    rng = random.Random(seed)
+    km, d = _native.KeyMap(capacity), {}
+    for i in range(600):
+        k = rng.getrandbits(bits)
+        op = rng.random()
+        if op < 0.5:
+            km[k] = d[k] = i  # type: ignore[assignment]
+        elif op < 0.7:
+            if k in d:
+                del km[k], d[k]
+            else:
+                with pytest.raises(KeyError):
+                    del km[k]
+        elif op < 0.8:
+            assert km.pop(k, None) == d.pop(k, None)
+        else:
+            assert km.get(k) == d.get(k)
+            assert (k in km) == (k in d)
+        assert len(km) == len(d)
+    assert sorted(km.items()) == sorted(d.items())
+    assert sorted(km.keys()) == sorted(d) and sorted(km.values()) == sorted(d.values())
+    for k, v in d.items():
+        assert km[k] == v
+    for bad in (-1, 2**128, "x", 1.0):
+        assert km.get(bad, "dflt") == "dflt" and bad not in km
+    with pytest.raises(ValueError):
+        km[2**128] = 1  # type: ignore[assignment]
+    km.clear()
+    assert len(km) == 0 and km.items() == []
+
+
+@needs_native
+@pytest.mark.parametrize("host", [False, True])
+def test_compiled_nodes_read_and_write_as_python_nodes(host: bool) -> None:
+    from kvtier.manager import _native, tree
+    py_cls, c_cls = (tree.Node, _native.Node) if host else (tree.DeviceNode, _native.DeviceNode)
+    key = 2**127 + 2**64 + 12345
+    nodes = [cls(key, 7, 3 if host else None, 1.25) for cls in (py_cls, c_cls)]
+    fields = ["key", "dev", "host", "ref", "flags", "hits", "last", "dprev", "dnext", "hprev",
+              "hnext", "skey"]
+    snap = [[getattr(n, f) for f in fields] for n in nodes]
+    assert snap[0] == snap[1]
+    writes: list[tuple[str, object]] = [("ref", 3), ("flags", 0x1FF), ("hits", 2**31 - 1),
+                                        ("last", 9.5), ("dev", None), ("dev", 2**31 - 1),
+                                        ("key", None), ("key", 2**128 - 1), ("key", 0)]
+    if host:
+        writes += [("host", None), ("host", 12), ("skey", b"k" * 32), ("hprev", nodes[0])]
+    for f, v in writes:
+        for n in nodes:
+            setattr(n, f, v)
+        assert getattr(nodes[0], f) == getattr(nodes[1], f), f
+    assert repr(nodes[0]) == repr(nodes[1])
+    for n in nodes:  # both forms of "not linked" read the same
+        n.dprev = None
+        assert n.dprev is None
+    with pytest.raises(ValueError, match="device-only node cannot hold a host block"):
+        _native.DeviceNode(1, 2, 3, 0.0)
+    if not host:
+        with pytest.raises(AttributeError):
+            nodes[1].host = 4
+
+
+@needs_native
+def test_compiled_tree_holds_a_cached_block_in_under_150_bytes() -> None:
+    """The whole manager heap (free lists, tree map and nodes) per cached block, device only,
+    as bench/hotpath.py counts it: 229 bytes with the pure-Python nodes and dict, about 120
+    compiled."""
+    import tracemalloc
+
+    def per_block() -> float:
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            m = KVCacheManager(block_size=4, device_blocks=20_000, host_blocks=0)
+            rng = random.Random(5)
+            for i in range(20_000 // 50):
+                toks = [i] + [rng.randrange(32000) for _ in range(50 * 4 - 1)]
+                m.match(f"r{i}", toks)
+                m.allocate(f"r{i}", len(toks), 0)
+                m.commit(f"r{i}", toks, len(toks))
+                m.release(f"r{i}")
+            cached = m.stats()["device"]["cached"]
+            return (tracemalloc.get_traced_memory()[0] - base) / cached
+        finally:
+            tracemalloc.stop()
+
+    native.use(True)
+    compiled = per_block()
+    native.use(False)
+    python = per_block()
+    assert compiled <= 150 < python, (compiled, python)
+
+
+@needs_native
+@pytest.mark.parametrize("host_blocks", [0, 300])
+def test_a_dropped_manager_frees_its_compiled_nodes(host_blocks: int) -> None:
+    """Compiled nodes are not tracked by the garbage collector: the LRU rings are broken when
+    the lists are freed, so a manager let go leaves nothing behind."""
+    import gc
+    import tracemalloc
+    native.use(True)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        m = KVCacheManager(block_size=4, device_blocks=3000, host_blocks=host_blocks,
+                           dispatcher=ManualDispatcher())
+        for i in range(40):
+            toks = [i] * 4 + list(range(4 * 100))
+            m.match(f"r{i}", toks)
+            m.allocate(f"r{i}", len(toks), 0)
+            m.commit(f"r{i}", toks, len(toks))
+            m.release(f"r{i}")
+        assert m.stats()["device"]["cached"] >= 2900
+        del m
+        gc.collect()
+        left = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert left < 20_000, left  # bytes; the tree alone held about 300 KB
 
 
 # ---------------------------------------------------------------------- stateful, pure Python
