@@ -1681,6 +1681,55 @@ done:
     return rc;
 }
 
+PyDoc_STRVAR(keyed_hits_doc,
+"keyed_hits(tree, hashes, busy) -> int\n\n"
+"How many leading engine block hashes (bytes of at least 16) have a node in the KeyMap\n"
+"`tree` that holds a host block and no `busy` flag: the key of a hash is its first 16\n"
+"bytes, little-endian (kvtier.manager.keyed.engine_key). Stops at the first miss, at a\n"
+"hash that is not bytes or is shorter than 16 bytes (those are keyed by a digest).");
+
+static PyObject *
+keyed_hits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyObject_TypeCheck(args[0], &KeyMap_Type)) {
+        PyErr_SetString(PyExc_TypeError, "keyed_hits(tree: KeyMap, hashes, busy: int)");
+        return NULL;
+    }
+    KeyMapObject *m = (KeyMapObject *)args[0];
+    long busy = PyLong_AsLong(args[2]);
+    if (busy == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[1], "hashes must be a sequence of bytes");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (i = 0; i < n; i++) {
+        PyObject *h = items[i];
+        if (!PyBytes_CheckExact(h) || PyBytes_GET_SIZE(h) < 16) {
+            break;
+        }
+        const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(h);
+        uint64_t lo = 0, hi = 0;
+        for (int j = 7; j >= 0; j--) {  /* int.from_bytes(h[:16], "little") in two halves */
+            lo = (lo << 8) | b[j];
+            hi = (hi << 8) | b[8 + j];
+        }
+        PyObject *v = km_get(m, lo, hi);
+        if (v == NULL) {
+            break;
+        }
+        DNodeObject *nd = DN(v);
+        if (nd->host < 0 || (nd->flags & busy)) {
+            break;
+        }
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(i);
+}
+
 static PyMethodDef methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL, chain_keys_doc},
     {"xxh3_128_intdigest", (PyCFunction)(void (*)(void))py_xxh3_128_intdigest, METH_FASTCALL,
@@ -1693,6 +1742,7 @@ static PyMethodDef methods[] = {
     {"pool_free", (PyCFunction)(void (*)(void))pool_free, METH_FASTCALL, pool_free_doc},
     {"dev_ids", dev_ids, METH_O, dev_ids_doc},
     {"clear_walk", (PyCFunction)(void (*)(void))clear_walk, METH_FASTCALL, clear_walk_doc},
+    {"keyed_hits", (PyCFunction)(void (*)(void))keyed_hits, METH_FASTCALL, keyed_hits_doc},
     {NULL, NULL, 0, NULL},
 };
 

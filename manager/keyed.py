@@ -180,7 +180,7 @@ class KeyedHostCache:
         with self._lock:
             if not self.host_ready():
                 return 0
-            return native.keyed_hits(self.m.tree_get, hashes, ENGINE_WRITE | PREFETCHING)
+            return native.keyed_hits(self.m.tree_map, hashes, ENGINE_WRITE | PREFETCHING)
 
     def _query(self, q: _Query) -> None:
         assert self.storage is not None

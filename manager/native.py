@@ -228,10 +228,11 @@ def _load() -> tuple[ModuleType | None, str]:
     return _native, ""
 
 
-def py_keyed_hits(get: Callable[[int], Node | None], hashes: Sequence[bytes], busy: int) -> int:
+def py_keyed_hits(tree: TreeMap, hashes: Sequence[bytes], busy: int) -> int:
     """Leading blocks of an engine's `hashes` held on the host and ready (no `busy` flag):
     the key is the hash's first 16 bytes, little-endian (`kvtier.manager.keyed.engine_key`)."""
     n = 0
+    get = tree.get
     from_bytes = int.from_bytes
     for h in hashes:
         if len(h) < 16:
@@ -252,8 +253,15 @@ pool_free: Callable[[bytearray, list[int], list[int]], bool] | None = None
 checks and frees itself)."""
 walk_hits: WalkHits = py_walk_hits
 release_walk: ReleaseWalk = py_release_walk
-keyed_hits = py_keyed_hits
 _loops = PY_LOOPS
+
+
+def keyed_hits(tree: TreeMap, hashes: Sequence[bytes], busy: int) -> int:
+    """`py_keyed_hits`, compiled for a compiled tree map (0.03 us a block instead of 0.3:
+    the key-addressed surface's batch lookup, `kvtier.manager.keyed.KeyedHostCache`)."""
+    if _ext is not None and type(tree) is _ext.KeyMap:
+        return int(_ext.keyed_hits(tree, hashes, busy))
+    return py_keyed_hits(tree, hashes, busy)
 
 
 def bound() -> Loops:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from typing import TypedDict
@@ -974,9 +974,10 @@ class KVCacheManager:
     # What `kvtier.manager.keyed.KeyedHostCache` needs beyond `CacheState` (lock held).
 
     @property
-    def tree_get(self) -> Callable[[int], Node | None]:
-        """The tree map's `get` (the map object lives as long as the manager)."""
-        return self._map.get
+    def tree_map(self) -> native.TreeMap:
+        """The tree map itself (key -> node; the object lives as long as the manager), for
+        the compiled batch lookups of `kvtier.manager.keyed`."""
+        return self._map
 
     @property
     def host_capacity(self) -> int:

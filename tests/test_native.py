@@ -379,3 +379,31 @@ TestPureWriteBack = _pure("write_back", 10).TestCase
 TestPureWriteBack.settings = SETTINGS
 TestPureNoHostTier = _pure("write_through_selective", 0).TestCase
 TestPureNoHostTier.settings = settings(SETTINGS, max_examples=15)
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_keyed_hits_is_the_python_walk(seed: int) -> None:
+    """The compiled batch lookup of an engine's hashes (`kvtier.manager.keyed.count_hits`)
+    against its pure-Python twin on the same nodes: misses, device-only nodes, busy flags,
+    hashes too short or not bytes, anywhere in the run."""
+    from kvtier.manager import _native
+    rng = random.Random(seed)
+    km: object = _native.KeyMap(64)
+    d: dict[int, object] = {}
+    hashes: list[object] = []
+    for _ in range(rng.randrange(0, 40)):
+        h = rng.randbytes(rng.choice([32, 32, 32, 16, 20, 8]))
+        key = int.from_bytes(h[:16], "little")
+        kind = rng.random()
+        if kind < 0.8 and len(h) >= 16:
+            host = None if rng.random() < 0.1 else rng.randrange(1000)
+            node = _native.Node(key, None, host, 0.0)
+            node.flags = rng.choice([0, 0, 0, 512, 1024, 16, 64])
+            km[key] = d[key] = node  # type: ignore[index]
+        hashes.append(h if rng.random() < 0.97 else "not bytes")
+    busy = 1024 | 16
+    want = native.py_keyed_hits(d, hashes, busy)  # type: ignore[arg-type]
+    assert native.keyed_hits(km, hashes, busy) == want  # type: ignore[arg-type]
+    assert _native.keyed_hits(km, hashes, busy) == want  # type: ignore[arg-type]
