@@ -248,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         report["metrics_lines"] = [ln for ln in metrics.splitlines()
                                    if ln.startswith("kvtier_hit_tokens_total")]
         del llm
+    first = {k: report.pop(k) for k in ("tokens_loaded_from_kvtier", "identical")}
+    report = {**first, **report}
     if args.json:
         print(json.dumps(report), flush=True)
     else:
