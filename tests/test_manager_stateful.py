@@ -457,6 +457,36 @@ class StorageMachine(ManagerMachine):
             self.dispatcher.complete(seq, True, got)
         self.whole_request(tokens, data)
 
+    @rule(tokens=tokens_st, data=st.data(), revoke=st.booleans())
+    def comes_back_from_storage(self, tokens: tuple[int, ...], data,  # type: ignore[no-untyped-def]
+                                revoke: bool) -> None:
+        """A prompt computed and backed up, the device and host tiers emptied, the prompt
+        prefetched (maybe revoked after part of it was read), then requested again: what
+        comes back from storage must be its own content (the content invariants). Random
+        steps line this up too rarely for a fresh run to reach every storage path."""
+        if len(tokens) < 2 * BS + 1:
+            return
+        self.whole_request(tokens, data)
+        self.drain()  # its device->host copies and their backups land
+        self.m.reset(timeout=1)
+        self.pins.clear()
+        queries = {seq for seq, t in self.dispatcher.tasks.items() if t.kind == TaskKind.QUERY}
+        if not self.m.prefetch(list(tokens)):
+            return
+        for seq, t in list(self.dispatcher.tasks.items()):
+            if t.kind == TaskKind.QUERY and seq not in queries:
+                self.dispatcher.complete(seq, True, self.model.leading_stored(list(t.keys)))
+        prefetches = [seq for seq, t in self.dispatcher.tasks.items()
+                      if t.kind == TaskKind.PREFETCH]
+        if revoke:
+            self.m.revoke_prefetch(list(tokens))
+        for seq in prefetches:
+            stored = self.model.leading_stored(list(self.dispatcher.tasks[seq].keys))
+            got = data.draw(st.integers(min(1, stored), stored)) if revoke else stored
+            self.dispatcher.complete(seq, True, got)
+        self.drain()
+        self.whole_request(tokens, data)
+
     @rule(roll=st.integers(0, 3))
     def only_storage_left(self, roll: int) -> None:
         """Every backup lands, then the device and host tiers are emptied (an operator's
