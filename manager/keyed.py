@@ -154,8 +154,7 @@ class KeyedHostCache:
         with self._lock:
             if not self.host_ready():
                 return Lookup.MISS
-            node = self.m.lookup(int.from_bytes(block_hash[:16], "little")
-                                 if len(block_hash) >= 16 else engine_key(block_hash))
+            node = self.m.lookup(engine_key(block_hash))
             if node is not None and node.host is not None:
                 if node.flags & (ENGINE_WRITE | PREFETCHING):
                     return Lookup.PENDING

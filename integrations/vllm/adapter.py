@@ -37,6 +37,7 @@ that is equal; an instance whose hash seed is random (a non-cryptographic hash w
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import logging
@@ -51,7 +52,7 @@ import numpy as np
 import torch
 from kvtier.manager.config import KvtierConfig, load_config
 from kvtier.manager.errors import InvalidRequestError
-from kvtier.manager.keyed import KeyedHostCache, Lookup
+from kvtier.manager.keyed import KeyedHostCache, Lookup, engine_key
 from kvtier.manager.stack import Stack
 from kvtier.manager.tree import FROM_STORAGE
 from kvtier.worker.errors import KvtierError
@@ -351,7 +352,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return [bytes(get_offload_block_hash(k)) for _, k in later]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        node = self.stack.require_manager().lookup(_tree_key(self._hash(key)))
+        node = self.stack.require_manager().lookup(engine_key(self._hash(key)))
         if node is not None and node.flags & FROM_STORAGE:
             return CacheHitSource.DISK
         return CacheHitSource.HOST
@@ -424,12 +425,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if self.admin is not None:
             self.admin.stop()
         self.stack.close()
-
-
-def _tree_key(block_hash: bytes) -> int:
-    from kvtier.manager.keyed import engine_key
-
-    return engine_key(block_hash)
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -556,7 +551,7 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         hid = torch.from_numpy(np.ascontiguousarray(host_ids)).to(host.device,
                                                                   non_blocking=True)
         ctx = (torch.cuda.stream(self._stream) if self._stream is not None
-               else _NullContext())
+               else contextlib.nullcontext())
         with ctx:
             if self._stream is not None:  # the KV it reads or writes was made on the
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))  # main stream
@@ -597,14 +592,6 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         if self._pool is not None:
             self._pool.close()
             self._pool = None
-
-
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 # ---------------------------------------------------------------------------- the spec
