@@ -5,6 +5,7 @@
 #
 #   bash scripts/gpu-check.sh                       # a GPU machine with a package index
 #   KVTIER_WHEELS=dir bash scripts/gpu-check.sh     # offline: kvtier's dependencies as wheels
+#                                                   # (made beforehand by scripts/gpu-wheels.sh)
 #
 # The machine's own torch (any CUDA build) is used: kvtier is installed without dependencies
 # into a private folder, so the pinned torch==2.13.0 never replaces a working CUDA build.
@@ -37,9 +38,9 @@ fi
 if ! "$PY" -m pip install -q --no-deps --no-build-isolation --target "$SITE" .; then
   # no build backend usable offline: map the three folders into the namespace by hand,
   # exactly as pyproject.toml's package-dir does
-  log "pip could not build kvtier; linking manager/, worker/, admin/ as kvtier.*"
+  log "pip could not build kvtier; linking manager/, worker/, admin/, integrations/ as kvtier.*"
   mkdir -p "$SITE/kvtier"
-  for p in manager worker admin; do ln -sfn "$PWD/$p" "$SITE/kvtier/$p"; done
+  for p in manager worker admin integrations; do ln -sfn "$PWD/$p" "$SITE/kvtier/$p"; done
 fi
 "$PY" - <<'EOF' || exit 2
 import sys, torch
@@ -83,7 +84,10 @@ summary = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "cuda": torch.version.cuda, "passed": status == 0, "steps": {},
            # what this script does not check, so a green summary is not read as more
            "not_covered": ["several GPUs (ranks on distinct devices): one GPU here",
-                           "Redis-backed storage where redis-server is not installed"]}
+                           "Redis-backed storage where redis-server is not installed",
+                           # tests/vllm_worker_check.py imports vLLM: a CUDA build of vLLM is
+                           # not on the lent machines' image and is over what travels there
+                           "the vLLM adapter's CUDA copy path (needs a CUDA build of vLLM)"]}
 for name in ("cuda", "workers_on_cuda"):
     try:
         suite = ET.parse(out / f"{name}.xml").getroot().find("testsuite")
