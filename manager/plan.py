@@ -428,7 +428,9 @@ def build_plan(profile: StackProfile, cfg: PlanInputs, points: int = 80) -> dict
         },
     }
     # Two tiers at the configured device size, host size on the x axis.
-    host_top = max(sat - d_cfg + 1, 1)
+    # The union saturates once device + host hold the deepest reuse (flat from 1 block when
+    # the device alone does: at least 50 points either way).
+    host_top = max(sat - d_cfg + 1, 50)
     hgrid = size_grid(host_top, max(points, 50))
     res = two_tier_hits(profile, d_cfg, np.concatenate((hgrid, [cfg.host_blocks])))
     tot = res.device_hits + res.host_hits
