@@ -348,6 +348,8 @@ def size_grid(top: int, points: int) -> I64:
     """Ascending sizes from 1 to `top`: about `points` of them, dense where curves bend
     (geometric) plus an even spread, `top` included."""
     top = max(1, top)
+    if top <= points:
+        return np.arange(1, top + 1, dtype=np.int64)
     geo = np.unique(np.round(np.geomspace(1, top, num=points)).astype(np.int64))
     lin = np.unique(np.round(np.linspace(1, top, num=points // 2 + 1)).astype(np.int64))
     out: I64 = np.unique(np.concatenate((geo, lin, [1, top])))
@@ -386,7 +388,7 @@ def build_plan(profile: StackProfile, cfg: PlanInputs, points: int = 80) -> dict
         return blocks * bs / lookup if lookup else 0.0
 
     sat = saturation_size(profile)
-    top = max(sat, 1)
+    top = max(sat, 50)  # at least 50 points, even where a tiny workload saturates sooner
     dense = device_hit_blocks(profile, top)  # index D: hits with D device blocks
     best = int(dense[-1])
     achievable = rate(best)
