@@ -54,7 +54,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
     try:
         if args.points < 50:
             raise ConfigError(f"--points must be >= 50, got {args.points}")
-        cfg = load_config(args.config)
+        # Planning sizes pools for the machine that will run them, not this one.
+        cfg = load_config(args.config, check_resources=False)
         requests = _requests(args)
     except (ConfigError, TraceError) as e:
         print(f"kvtier plan: {e}", file=sys.stderr)
@@ -156,7 +157,9 @@ def plot_plan(p: dict[str, Any], path: str) -> None:
     hx = [h * bb / gib for h, _ in t["curve"]]
     hy = [r for _, r in t["curve"]]
     ax2.plot(hx, hy, color="tab:green",
-             label=f"write_back{' (exact)' if t['write_policy'] == 'write_back' else ''}")
+             label="write_back" + (" (exact)" if t["exact"] else
+                                   f" (estimate for {t['write_policy']})"
+                                   if t["write_policy"] != "write_back" else ""))
     ax2.axvline(cfg["host_blocks"] * bb / gib, color="tab:red", ls="--",
                 label=f"host_blocks = {cfg['host_blocks']:,}")
     ax2.axhline(p["achievable_hit_rate"], color="grey", ls=":", label="achievable")

@@ -354,3 +354,30 @@ def test_plan_equals_replay(tmp_path: Path, source: str) -> None:
         assert got["hit_rate"] == rate, (device, host, got["hit_tokens"], rate)
         checked.append((host, rate))
     assert len({r for _, r in checked}) >= 3, checked
+
+
+def test_recommended_host_sizes_are_the_smallest() -> None:
+    """Each recommended host size reaches its share of the achievable hit rate and one
+    block less does not (or the device alone reaches it: host 0)."""
+    from kvtier.manager.plan import PlanInputs, build_plan
+    from kvtier.manager.workloads import chat_requests
+
+    prof = stack_profile(chat_requests(200), 64)
+    best = int(device_hit_blocks(prof)[-1])
+    out = build_plan(prof, PlanInputs(64, 1, 100, 0, "write_back"))
+    seen = []
+    for key, v in out["two_tier"]["host_targets"].items():
+        want = -(-int(key[:-1]) * best // 100)
+        h = v["host_blocks"]
+        seen.append(h)
+        r = two_tier_hits(prof, 100, [max(h - 1, 0), h])
+        total = (r.device_hits + r.host_hits).tolist()
+        assert total[1] >= want
+        assert h == 0 or total[0] < want, (key, h, total, want)
+    assert seen == sorted(seen) and seen[-1] > 0
+    d = out["device_targets"]
+    curve = device_hit_blocks(prof)
+    for key, v in d.items():
+        want = -(-int(key[:-1]) * best // 100)
+        s = v["device_blocks"]
+        assert curve[s] >= want and (s == 1 or curve[s - 1] < want), (key, s)
