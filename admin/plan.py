@@ -150,6 +150,10 @@ def plot_plan(p: dict[str, Any], path: str) -> None:
     ax1.axvline(cfg["device_blocks"] * bb / gib, color="tab:red", ls="--",
                 label=f"device_blocks = {cfg['device_blocks']:,}")
     ax1.axhline(p["achievable_hit_rate"], color="grey", ls=":", label="achievable")
+    for name, v in p["device_targets"].items():
+        x, y = v["device_blocks"] * bb / gib, v["token_hit_rate"]
+        ax1.plot([x], [y], "o", color="tab:blue", ms=4)
+        ax1.annotate(name, (x, y), textcoords="offset points", xytext=(4, -10), fontsize=8)
     ax1.set_xlabel("device pool (GiB over all ranks)")
     ax1.set_ylabel("token hit rate")
     ax1.set_title("device tier alone")
@@ -165,8 +169,9 @@ def plot_plan(p: dict[str, Any], path: str) -> None:
     ax2.axhline(p["achievable_hit_rate"], color="grey", ls=":", label="achievable")
     ax2.set_xlabel(f"host pool (GiB), device at {cfg['device_blocks']:,} blocks")
     ax2.set_title("device + host")
+    top = min(1.0, p["achievable_hit_rate"] * 1.25 + 0.02)
     for ax in (ax1, ax2):
-        ax.set_ylim(0, 1)
+        ax.set_ylim(0, top)
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
     fig.suptitle(f"kvtier plan: {p['requests']:,} requests, block {p['block_size']} tokens")

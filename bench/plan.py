@@ -22,7 +22,6 @@ import statistics
 import time
 
 import numpy as np
-
 from kvtier.manager.plan import device_hit_blocks, profile_from_ids, stack_profile
 from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.workloads import read_trace
@@ -109,7 +108,8 @@ def main() -> int:
         sched_t.append(time.perf_counter() - t)
         assert hits == curve[size], (hits, curve[size])  # the same answer at that size
     p, s = statistics.median(plan_t), statistics.median(sched_t)
-    print(f"plan, every size ({len(curve) - 1:,} sizes): {p:6.2f} s  {n_acc / p:>12,.0f} accesses/s")
+    print(f"plan, every size ({len(curve) - 1:,} sizes): {p:6.2f} s  "
+          f"{n_acc / p:>12,.0f} accesses/s")
     print(f"scheduler, one size:          {s:6.2f} s  {n_acc / s:>12,.0f} accesses/s")
     print(f"plan / one scheduler replay: {p / s:.2f}x the time")
     if args.trace:

@@ -64,7 +64,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
 from kvtier.manager.keys import chain_keys
 from kvtier.manager.workloads import WorkRequest
 
