@@ -340,9 +340,8 @@ def two_tier_hits(profile: StackProfile, device_blocks: I64 | int,
         ev2 = np.maximum(dem2 - fh, zero)
         kh = kh + dem2 - ev2
         # commit + release: new full blocks join the device (a capped repeat's does not).
-        kd = kd - e2 + (int(profile.full[i]) - ht - (1 if profile.frees[i] and
-                                                      profile.tokens[i] % profile.block_size
-                                                      == 0 else 0))
+        kd = kd - e2 + (int(profile.full[i]) - ht - int(profile.limit[i] < profile.full[i]
+                                                        and profile.frees[i] == 1))
     return TwoTierResult(dev, host, dev_hits, host_hits, starved)
 
 

@@ -86,7 +86,7 @@ def block_streams(draw: st.DrawFn) -> tuple[list[list[int]], list[int], int]:
 
 
 @given(block_streams())
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 def test_stack_distances_match_a_plain_lru_stack(stream: tuple[list[list[int]], list[int],
                                                               int]) -> None:
     reqs, lens, bs = stream
@@ -189,6 +189,7 @@ def plan_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           timeout=300, check=False)
 
 
+@pytest.mark.slow  # two `kvtier plan` runs and a matplotlib figure: ~5-10 s
 def test_plan_json_curves_and_plot(tmp_path: Path) -> None:
     png = tmp_path / "docs" / "plan.png"
     proc = plan_cli("--workload", "chat", "--limit", "120", "--json", "--plot", str(png),
