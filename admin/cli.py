@@ -474,8 +474,9 @@ def build_parser(with_replay_arguments: bool = False) -> argparse.ArgumentParser
         "plan", help="size the tiers: hit rate of every cache size from one pass over a trace",
         description="Compute the token hit rate of every device size (and of device + host "
         "sizes) for a Mooncake-format trace or a built-in workload in one pass (LRU stack "
-        "distances), exactly as `kvtier replay` would measure it; print the sizes that reach "
-        "50/80/90/95/99%% of the achievable hit rate.")
+        "distances), as `kvtier replay` would measure it (exactly for device only and "
+        "write_back: see README.md, Sizing the tiers); print the sizes that reach "
+        "50/80/90/95/99% of the achievable hit rate.")
     add_plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
     return parser

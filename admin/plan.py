@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.manager.config import ConfigError, load_config, page_bytes
-from kvtier.manager.plan import PlanInputs, build_plan, stack_profile
 from kvtier.manager.workloads import WORKLOADS, TraceError, WorkRequest, chat_requests, read_trace
 
 
@@ -51,6 +50,9 @@ def _requests(args: argparse.Namespace) -> list[WorkRequest]:
 
 def run_plan_command(args: argparse.Namespace) -> int:
     """`kvtier plan`: 0, 1 when the plot cannot be written, 2 on bad input."""
+    # numpy and the pass load only for this subcommand (cli builds every parser at start).
+    from kvtier.manager.plan import PlanInputs, build_plan, stack_profile
+
     try:
         if args.points < 50:
             raise ConfigError(f"--points must be >= 50, got {args.points}")
