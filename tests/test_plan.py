@@ -382,3 +382,14 @@ def test_recommended_host_sizes_are_the_smallest() -> None:
         want = -(-int(key[:-1]) * best // 100)
         s = v["device_blocks"]
         assert curve[s] >= want and (s == 1 or curve[s - 1] < want), (key, s)
+
+
+@pytest.mark.slow  # matplotlib's import and a failed save: ~3 s
+def test_plot_that_cannot_be_written_is_one_line_after_the_report(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    proc = plan_cli("--workload", "chat", "--limit", "20", "--json", "--plot",
+                    str(tmp_path / "file" / "plan.png"), cwd=tmp_path)
+    assert proc.returncode == 1
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["requests"] == 20
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtier plan: --plot "), proc.stderr
