@@ -1,8 +1,9 @@
-"""The `kvtier` command: `serve`, `status` and `replay`.
+"""The `kvtier` command: `serve`, `status`, `replay` and `plan`.
 
     kvtier serve [--config FILE]           manager + workers + admin, in the foreground
     kvtier status [--url URL] [--json]     the admin's /status as tables (or JSON)
     kvtier replay ...                      drive a trace or workload through a stack
+    kvtier plan ...                        size the tiers for a trace or workload (one pass)
 
 Exit statuses: 0 success (and a serve stopped by SIGTERM/SIGINT); 1 a runtime failure (a worker
 that never got ready, an admin that cannot be reached); 2 a usage or configuration error,
@@ -410,6 +411,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return int(run_replay_command(args))
 
 
+# -------------------------------------------------------------------------------- plan
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kvtier.admin.plan import run_plan_command
+
+    return run_plan_command(args)
+
+
 # -------------------------------------------------------------------------------- parser
 
 
@@ -457,6 +467,18 @@ def build_parser(with_replay_arguments: bool = False) -> argparse.ArgumentParser
         from kvtier.manager.replay import add_replay_arguments
 
         add_replay_arguments(replay)
+
+    from kvtier.admin.plan import add_plan_arguments
+
+    plan = sub.add_parser(
+        "plan", help="size the tiers: hit rate of every cache size from one pass over a trace",
+        description="Compute the token hit rate of every device size (and of device + host "
+        "sizes) for a Mooncake-format trace or a built-in workload in one pass (LRU stack "
+        "distances), as `kvtier replay` would measure it (exactly for device only and "
+        "write_back: see README.md, Sizing the tiers); print the sizes that reach "
+        "50/80/90/95/99% of the achievable hit rate.")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 
