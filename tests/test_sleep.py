@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -28,13 +29,16 @@ import pytest
 from engine_runner import RunnerKV
 from kvtier.manager.errors import (
     AsleepError,
+    OutOfBlocksError,
     RequestCancelledError,
     TransferFailedError,
+    TransferTimeoutError,
 )
 from kvtier.manager.keys import chain_keys
 from kvtier.manager.scheduler import TREE_NORMAL, KVCacheManager
 from kvtier.manager.stack import Stack
 from kvtier.worker import numa
+from kvtier.worker.delays import STORAGE_DELAY_ENV
 from kvtier.worker.engine_kv import LayerWaiter
 from kvtier.worker.ipc import DeploymentAsleep, TreeStatus
 from kvtier.worker.process import host_segment_name
@@ -308,3 +312,71 @@ def test_engine_kv_is_let_go_while_asleep_and_the_new_registration_attached_at_w
         runner.close()
     assert_clean_exits(stack)
     wait_until(lambda: not leftovers(dep, 1, seen), 10, "the deployment leaves nothing")
+
+
+def test_sleep_wake_cycles_under_storage_load_never_stick_asleep(tmp_path: Path) -> None:
+    """Issue 27, item 1 (stuck asleep), as the operator saw it: POST /sleep and /wake cycles
+    while a model runner thread keeps matching prompts whose heads are host-only (loaded)
+    and whose tails it waits for from storage (wait_complete, a slow store). A sleep that
+    lands while a match waits for storage cancels it; every wake must still succeed (on
+    main, a host hit of the cancelled match stayed flagged in flight with no task, and every
+    later wake answered 'still in flight' until a restart). Reproduced on main in 4 of 4
+    runs of 60 cycles, at cycles 5, 8, 2 and 0; the cycle count is `KVTIER_TEST_SLEEP_CYCLES`
+    (default 30)."""
+    cycles = int(os.environ.get("KVTIER_TEST_SLEEP_CYCLES", "30"))
+    cfg = tiny_config(workers=1, device_blocks=12, host_blocks=24,
+                      write_policy="write_through", storage="file", storage_dir=tmp_path,
+                      extra={"KVTIER_STORAGE__PREFETCH_POLICY": "wait_complete",
+                             "KVTIER_STORAGE__PREFETCH_THRESHOLD": str(BS),
+                             STORAGE_DELAY_ENV: "15"})
+    heads = [list(range(50_000 + 1000 * h, 50_000 + 1000 * h + 2 * BS)) for h in range(8)]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    served = [0]
+
+    def load() -> None:
+        m = stack.require_manager()
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            rid = f"s-{i}"
+            tokens = heads[i % len(heads)] + [900_000 + 10 * i + j for j in range(2 * BS + 1)]
+            try:
+                hit = m.match(rid, tokens)
+                try:
+                    hit.handle.wait()
+                    m.allocate(rid, len(tokens) - hit.num_tokens, reserve_blocks=0)
+                    m.commit(rid, tokens, len(tokens))
+                    served[0] += 1
+                finally:
+                    m.release(rid)
+            except (AsleepError, RequestCancelledError, TransferFailedError,
+                    OutOfBlocksError, TransferTimeoutError):
+                time.sleep(0.002)
+            except BaseException as e:  # anything else fails the test
+                errors.append(e)
+                return
+
+    with running_stack(cfg) as stack:
+        t = threading.Thread(target=load, name="storage-load", daemon=True)
+        t.start()
+        try:
+            for cycle in range(cycles):
+                start = served[0]
+                wait_until(lambda s=start: errors or served[0] >= s + 3, 60.0,  # type: ignore[misc]
+                           f"cycle {cycle}: the load serves requests")
+                assert not errors, errors
+                stack.sleep(timeout=WAIT_S)
+                try:
+                    stack.wake(timeout=WAIT_S)
+                except TransferTimeoutError as e:
+                    m = stack.require_manager()
+                    raise AssertionError(
+                        f"cycle {cycle}: stuck asleep ({e}); tasks_inflight="
+                        f"{m.stats()['tasks_inflight']}, written-off nodes "
+                        f"{len(m._written_off)}") from None
+        finally:
+            stop.set()
+            t.join(WAIT_S)
+        assert not t.is_alive(), "the load thread hung"
+        assert not errors, errors
