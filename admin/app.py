@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
@@ -232,8 +232,13 @@ class Readiness(BaseModel):
 
 class ResetResult(BaseModel):
     cleared: dict[str, int] = Field(description="what was cleared: tree nodes, device and host "
-                                    "blocks, and storage pages with storage=true")
+                                    "blocks, and storage pages with storage=true (once the "
+                                    "storage clear is done)")
     storage: bool
+    storage_clear: Literal["done", "running"] | None = Field(
+        None, description="with storage=true: `done`, or `running` (202) when clearing storage "
+        "outlasted the wait and goes on in the background (`storage.clears_running` in "
+        "/status counts it until it is done)")
 
 
 class Paused(BaseModel):
@@ -540,10 +545,13 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
     @app.post("/reset", tags=["operations"], dependencies=post_security,
               response_model=ResetResult, responses={
                   **POST_RESPONSES,
+                  202: {"model": ResetResult, "description": "the caches were cleared; "
+                        "clearing storage goes on in the background"},
                   409: _error("transfers did not finish within `timeout` (nothing was "
-                              "cleared), or storage=true without a storage tier"),
-                  500: _error("reset incomplete: the caches were cleared but clearing "
-                              "storage failed")})
+                              "cleared), storage=true without a storage tier, or the "
+                              "deployment is asleep or a sleep or wake is under way"),
+                  500: _error("reset incomplete: the caches were cleared but a rank failed "
+                              "to clear storage")})
     def reset(
         storage: Annotated[bool, Query(description="also clear this deployment's storage")]
         = False,
@@ -552,9 +560,10 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
         = DEFAULT_RESET_TIMEOUT_S,
     ) -> JSONResponse:
         """Empty the prefix tree and the device and host caches once in-flight transfers have
-        finished (requests in flight keep their blocks). 200 with what was cleared; 409 with
-        the reason, having cleared nothing, when transfers do not finish within `timeout` or
-        storage is asked for on a deployment without a storage tier."""
+        finished (requests in flight keep their blocks). 200 with what was cleared; 202 when
+        clearing storage outlasts the wait (it goes on in the background); 409 with the
+        reason, having cleared nothing, when transfers do not finish within `timeout`, storage
+        is asked for on a deployment without a storage tier, or a sleep conflicts."""
         if storage and stack.cfg.storage.backend == "none":
             return JSONResponse(
                 {"detail": "storage=true but storage.backend = 'none': there is no storage "
@@ -569,7 +578,9 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
             return JSONResponse(
                 {"detail": "reset incomplete: the device and host caches were cleared but "
                  f"clearing storage failed: {type(e).__name__}: {e}"}, status_code=500)
-        return JSONResponse({"cleared": cleared, "storage": storage})
+        state = cleared.pop("storage_clear", None)
+        return JSONResponse({"cleared": cleared, "storage": storage, "storage_clear": state},
+                            status_code=202 if state == "running" else 200)
 
     @app.post("/pause", tags=["operations"], dependencies=post_security,
               response_model=Paused, responses=POST_RESPONSES)

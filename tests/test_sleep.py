@@ -25,8 +25,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 from engine_runner import RunnerKV
+from kvtier.admin import app as admin_app
+from kvtier.admin.app import create_app
+from kvtier.admin.server import AdminServer
 from kvtier.manager.errors import (
     AsleepError,
     OutOfBlocksError,
@@ -38,7 +42,7 @@ from kvtier.manager.keys import chain_keys
 from kvtier.manager.scheduler import TREE_NORMAL, KVCacheManager
 from kvtier.manager.stack import Stack
 from kvtier.worker import numa
-from kvtier.worker.delays import STORAGE_DELAY_ENV
+from kvtier.worker.delays import STORAGE_DELAY_ENV, STORAGE_WRITE_DELAY_ENV
 from kvtier.worker.engine_kv import LayerWaiter
 from kvtier.worker.ipc import DeploymentAsleep, TreeStatus
 from kvtier.worker.process import host_segment_name
@@ -380,3 +384,52 @@ def test_sleep_wake_cycles_under_storage_load_never_stick_asleep(tmp_path: Path)
             t.join(WAIT_S)
         assert not t.is_alive(), "the load thread hung"
         assert not errors, errors
+
+
+def test_reset_with_storage_racing_sleep_or_a_slow_clear_is_never_500(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27, item 2, over real HTTP: `POST /reset?storage=true` while a sleep comes in,
+    and one whose storage clear outlasts its wait. On main both answered 500 (the sleep
+    cancelled the reset's wait: RequestCancelledError; the slow clear: TransferTimeoutError).
+    Now a sleep waits for a reset under way (then both are 200), a reset during a sleep is a
+    409 naming it, and a slow clear is a 202 saying what was cleared and what still runs."""
+    monkeypatch.setenv(STORAGE_WRITE_DELAY_ENV, "1500")  # every CLEAR takes 1.5 s
+    cfg = tiny_config(workers=1, device_blocks=16, host_blocks=16, write_policy="write_through",
+                      storage="file", storage_dir=tmp_path)
+    with running_stack(cfg) as stack:
+        server = AdminServer(create_app(stack, token="t0ken"), "127.0.0.1", 0,
+                             limits=stack.cfg.admin).start()
+        try:
+            with httpx.Client(base_url=server.url, timeout=30.0,
+                              headers={"Authorization": "Bearer t0ken"}) as http:
+                compute(stack.require_manager(), "a", prompt(1, 3))
+                # a sleep lands while the reset clears storage
+                answers: dict[str, httpx.Response] = {}
+                reset = threading.Thread(target=lambda: answers.__setitem__(
+                    "reset", http.post("/reset", params={"storage": "true"})))
+                reset.start()
+                time.sleep(0.4)
+                answers["sleep"] = http.post("/sleep")
+                reset.join(WAIT_S)
+                assert answers["reset"].status_code == 200, answers["reset"].text
+                assert answers["reset"].json()["storage_clear"] == "done"
+                assert answers["sleep"].status_code == 200, answers["sleep"].text
+                # asleep: a reset is a 409 naming the sleep
+                refused = http.post("/reset", params={"storage": "true"})
+                assert refused.status_code == 409 and "asleep" in refused.json()["detail"]
+                assert http.post("/wake").status_code == 200
+                # a clear that outlasts its wait: 202, the caches cleared, storage still going
+                compute(stack.require_manager(), "b", prompt(2, 3))
+                assert stack.require_manager().dispatcher.drain(WAIT_S)  # backups landed
+                monkeypatch.setattr(admin_app, "STORAGE_CLEAR_MIN_S", 0.2)
+                slow = http.post("/reset", params={"storage": "true", "timeout": "0.2"})
+                assert slow.status_code == 202, slow.text
+                body = slow.json()
+                assert body["storage_clear"] == "running" and body["cleared"]["nodes"] >= 3
+                assert "storage_pages" not in body["cleared"]
+                assert stack.status()["storage"]["clears_running"] == 1
+                wait_until(lambda: stack.status()["storage"]["clears_running"] == 0, WAIT_S,
+                           "the background clear finishes")
+                assert stack.status()["storage"]["counters"]["errors_clear"] == 0
+        finally:
+            server.stop()
