@@ -54,14 +54,27 @@ def _private_dir(path: Path) -> None:
     private_dir(path, TokenFileError)
 
 
-def write_token(path: Path, token: str) -> None:
-    """Write `token` to `path` readable by this user only (0600), atomically: a reader sees
-    the old file or the new one, never a partial token. The two kvtier directories above it
-    are made 0700; the base directory is created 0700 if missing."""
+def prepare_token_dir(path: Path) -> None:
+    """Make the directories `write_token` writes into (the two kvtier ones 0700, the base
+    0700 if missing), so that a place the token cannot go is found before anything starts,
+    without touching a token file a running deployment may own. TokenFileError naming the
+    path otherwise."""
     try:
         path.parent.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         _private_dir(path.parent.parent)
         _private_dir(path.parent)
+    except TokenFileError:
+        raise
+    except OSError as e:
+        raise TokenFileError(f"{e.filename or path}: {e.strerror or e}") from None
+
+
+def write_token(path: Path, token: str) -> None:
+    """Write `token` to `path` readable by this user only (0600), atomically: a reader sees
+    the old file or the new one, never a partial token. The two kvtier directories above it
+    are made 0700; the base directory is created 0700 if missing."""
+    prepare_token_dir(path)
+    try:
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
@@ -74,8 +87,6 @@ def write_token(path: Path, token: str) -> None:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise
-    except TokenFileError:
-        raise
     except OSError as e:
         raise TokenFileError(f"{e.filename or path}: {e.strerror or e}") from None
 

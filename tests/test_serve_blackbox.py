@@ -189,6 +189,30 @@ def test_serve_generates_a_private_token_when_none_is_configured(tmp_path: Path)
     assert not path.exists()
 
 
+def test_a_second_serve_of_a_live_deployment_changes_nothing_of_it(tmp_path: Path) -> None:
+    """Issue 27, item 5: a second `kvtier serve` with the running deployment's id (another
+    admin port) refuses to start, and on main it deleted the first one's generated token
+    file on the way out, so every POST with the file's token got 401. Refusing must change
+    nothing: the file still holds the first token, which still works."""
+    dep = new_deployment_id("twice")
+    config = tiny_toml(tmp_path / "kvtier.toml", dep, storage="none")
+    serve = ServeProcess(module_command(), ["serve", "--config", str(config)],
+                         deployment_id=dep, log_path=tmp_path / "serve.log")
+    with serve:
+        path, token = serve.token_file(), serve.token()
+        second = _serve_once(tmp_path, config, serve.env)
+        assert second.returncode == 1, second.stderr
+        assert "cannot start" in second.stderr, second.stderr
+        assert path.exists(), "the second serve removed the first one's token file"
+        assert serve.token() == token
+        with serve.client() as client:
+            auth = {"Authorization": f"Bearer {token}"}
+            assert client.post("/pause", headers=auth).status_code == 200
+            assert client.post("/resume", headers=auth).status_code == 200
+        assert serve.stop(signal.SIGTERM) == 0
+    assert not path.exists()
+
+
 def test_auth_none_is_explicit_and_warned_about_off_loopback(tmp_path: Path) -> None:
     """admin.auth = "none" is the only way to an admin without a token; bound to 0.0.0.0 it
     says so in a warning."""
