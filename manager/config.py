@@ -1149,6 +1149,30 @@ def _writable_directory_problem(path: Path, need_bytes: int = 1) -> str | None:
     return None
 
 
+def check_storage_secret(cfg: KvtierConfig) -> None:
+    """The storage secret can be had (issue 27: a bad `storage.secret_file` was found only
+    once the workers started, exit 1 in three lines): `storage.secret` set, or a safe
+    `storage.secret_file` (this user's regular file, mode 0600, 16 to 4096 bytes), generated
+    now on first use. ConfigError naming the key otherwise."""
+    s = cfg.storage
+    if s.backend == "none" or s.secret.get_secret_value():
+        return
+    from kvtier.manager.private_state import (
+        StorageSecretError,
+        default_secret_file,
+        storage_secret,
+    )
+
+    path = os.path.expanduser(s.secret_file) if s.secret_file else str(default_secret_file())
+    try:
+        storage_secret("", s.secret_file)
+    except StorageSecretError as e:
+        key = (f"storage.secret_file = {_short_repr(s.secret_file)}" if s.secret_file
+               else f"storage.secret_file (default {_short_repr(path)})")
+        problem = str(e).removeprefix(f"storage secret file {path} ")  # the key names it
+        raise ConfigError(f"{key}: {problem}") from None
+
+
 def check_storage_reachable(cfg: KvtierConfig, timeout: float = 2.0) -> None:
     """Fail early, in one line naming the key, when the storage tier cannot be used.
 
@@ -1160,6 +1184,7 @@ def check_storage_reachable(cfg: KvtierConfig, timeout: float = 2.0) -> None:
     backend = cfg.storage.backend
     if backend == "none":
         return
+    check_storage_secret(cfg)
     if backend == "file":
         path = cfg.storage_dir()
         problem = _writable_directory_problem(Path(path), page_bytes(cfg))

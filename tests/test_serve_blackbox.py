@@ -319,6 +319,41 @@ def test_bad_storage_and_worker_settings_exit_2_in_one_line(
     assert leftovers(dep, 1) == []
 
 
+@pytest.mark.parametrize("command", ["serve", "replay"])
+@pytest.mark.parametrize(("kind", "expected"), [
+    ("0644", "mode 644: others may read or write it"),
+    ("short", "holds 8 bytes; a storage secret is 16 to"),
+    ("directory", "is a directory, not a regular file"),
+])
+def test_a_bad_storage_secret_file_exits_2_in_one_line(
+        tmp_path: Path, command: str, kind: str, expected: str) -> None:
+    """Issue 27, item 8: a storage.secret_file of mode 0644, of 8 bytes or a directory used
+    to skip the configuration check: `serve` exited 1 with 3 lines after starting, `replay`
+    exited 3, a directory read "storage secret file 4: Is a directory". Now exit 2 and one
+    line naming storage.secret_file and what is wrong, before anything starts."""
+    dep = new_deployment_id("sec")
+    secret = tmp_path / "secret"
+    if kind == "directory":
+        secret.mkdir(mode=0o700)
+    else:
+        secret.write_bytes(b"x" * (8 if kind == "short" else 32))
+        secret.chmod(0o644 if kind == "0644" else 0o600)
+    config = tiny_toml(tmp_path / "kvtier.toml", dep, storage="file",
+                       storage_dir=tmp_path / "storage")
+    config.write_text(config.read_text().replace(
+        "[storage]\n", f'[storage]\nsecret_file = "{secret}"\n').replace(
+        "device_blocks = 64", "device_blocks = 400"))  # replay's workload fits
+    result = subprocess.run([*module_command(), command, "--config", str(config),
+                             *(["--limit", "2"] if command == "replay" else [])],
+                            capture_output=True, text=True, timeout=120, env=clean_env(),
+                            cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvtier {command}: "), result.stderr
+    assert f"storage.secret_file = '{secret}'" in lines[0] and expected in lines[0], lines[0]
+    assert leftovers(dep, 1) == []
+
+
 def test_unreachable_redis_and_a_taken_port_exit_2_before_any_worker(tmp_path: Path) -> None:
     dep = new_deployment_id("bad")
     port = free_port()
