@@ -1113,6 +1113,22 @@ def redact_url(url: str) -> str:
     return parts._replace(netloc=f"{user}:***@{host}").geturl()
 
 
+def _foreign_directory_problem(path: Path) -> str | None:
+    """What every worker's file backend would refuse in `path` (issue 27: a 17-line
+    traceback per worker): a folder not owned by this user or writable by group or others."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # not there yet: kvtier creates it 0700
+    if st.st_uid != os.geteuid():
+        return (f"{str(path)!r} is owned by uid {st.st_uid}, not by this user (uid "
+                f"{os.geteuid()}): refusing to read pages anybody else may write")
+    if st.st_mode & 0o022:
+        return (f"{str(path)!r} is writable by group or others (mode {st.st_mode & 0o7777:o}): "
+                f"refusing it (chmod go-w {str(path)!r})")
+    return None
+
+
 def _writable_directory_problem(path: Path, need_bytes: int = 1) -> str | None:
     """Why the file backend could not create or write `path`, leaving nothing behind: the
     nearest existing ancestor must be a directory in which a file can be created (a file
@@ -1187,7 +1203,8 @@ def check_storage_reachable(cfg: KvtierConfig, timeout: float = 2.0) -> None:
     check_storage_secret(cfg)
     if backend == "file":
         path = cfg.storage_dir()
-        problem = _writable_directory_problem(Path(path), page_bytes(cfg))
+        problem = (_writable_directory_problem(Path(path), page_bytes(cfg))
+                   or _foreign_directory_problem(Path(path)))
         if problem:
             key = (f"storage.path = {_short_repr(cfg.storage.path)}" if cfg.storage.path
                    else f"storage.path (default {_short_repr(path)})")

@@ -38,6 +38,7 @@ import torch
 from engine_runner import LAYOUTS, RunnerKV, make_kv
 from kvtier.manager.config import KvtierConfig
 from kvtier.manager.errors import KvtierError
+from kvtier.manager.launcher import WorkerStartError
 from kvtier.manager.stack import Stack
 from kvtier.worker import content, kvreg
 from kvtier.worker.copy_engine import LAYER_DELAY_ENV, CopyEngine
@@ -1168,3 +1169,25 @@ def test_a_half_written_record_is_replaced_and_reported_at_once(dep: str) -> Non
     with contextlib.closing(RunnerKV(dep, 1, "vllm", layers=L, blocks=N)):
         pool = EnginePool.attach(spec_for(dep), timeout=1)
         pool.close()
+
+
+@pytest.mark.slow  # worker processes
+def test_a_registration_the_workers_refuse_is_one_line_at_start() -> None:
+    """Issue 27, item 7: a registration whose geometry does not match the configuration
+    made `Stack.start` (and `kvtier serve`) fail with a 17-line worker traceback. A worker
+    refusing to start is one line naming the rank and the field, the traceback in its log."""
+    dep = new_deployment_id("ekv")
+    runner = RunnerKV(dep, 2, "vllm", blocks=8)  # the configuration says 16 device blocks
+    stack = Stack(engine_config(dep), transfer_timeout_s=20)
+    try:
+        with pytest.raises(WorkerStartError) as e:
+            stack.start()
+    finally:
+        stack.close()
+        runner.close()
+    message = str(e.value)
+    assert len(message.splitlines()) == 1, message
+    assert "Traceback" not in message
+    assert "num_blocks = 8 in the registration, cache.device_blocks = 16" in message, message
+    assert message.startswith("worker rank "), message
+    wait_until(lambda: not leftovers(dep, 2), 10, "the deployment leaves nothing")

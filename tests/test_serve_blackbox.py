@@ -354,6 +354,31 @@ def test_a_bad_storage_secret_file_exits_2_in_one_line(
     assert leftovers(dep, 1) == []
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a folder to another user")
+@pytest.mark.parametrize("command", ["serve", "replay"])
+def test_a_storage_folder_of_another_user_exits_2_in_one_line(tmp_path: Path,
+                                                               command: str) -> None:
+    """Issue 27, item 7: a storage.path owned by another user (or writable by others) was
+    refused by each worker with a 17-line traceback (exit 1). The configuration check
+    refuses it as the workers would, in one line naming storage.path, exit 2."""
+    dep = new_deployment_id("own")
+    storage = tmp_path / "theirs"
+    storage.mkdir(mode=0o700)
+    os.chown(storage, 12345, -1)
+    config = tiny_toml(tmp_path / "kvtier.toml", dep, storage="file", storage_dir=storage)
+    config.write_text(config.read_text().replace("device_blocks = 64", "device_blocks = 400"))
+    result = subprocess.run([*module_command(), command, "--config", str(config),
+                             *(["--limit", "2"] if command == "replay" else [])],
+                            capture_output=True, text=True, timeout=120, env=clean_env(),
+                            cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvtier {command}: "), result.stderr
+    assert f"storage.path = '{storage}'" in lines[0], lines[0]
+    assert "is owned by uid 12345, not by this user" in lines[0], lines[0]
+    assert leftovers(dep, 1) == []
+
+
 def test_unreachable_redis_and_a_taken_port_exit_2_before_any_worker(tmp_path: Path) -> None:
     dep = new_deployment_id("bad")
     port = free_port()
