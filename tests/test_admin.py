@@ -15,6 +15,8 @@ import statistics
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -779,3 +781,22 @@ def test_metrics_take_under_20ms_with_a_million_cached_blocks(tmp_path: Path) ->
             server.stop()
     finally:
         stack.close()
+
+
+@pytest.mark.parametrize(("auth", "size", "status"), [
+    (False, 4 << 20, 401), (True, 4 << 20, 413), (False, 1000, 401)])
+def test_urllib_hears_401_and_413_on_a_large_body(admin: AdminServer, auth: bool, size: int,
+                                                  status: int) -> None:
+    """Issue 27, item 9: the admin answers 401 (no token) and 413 (too large) before reading
+    the body; it then closed the connection with the body unread, and Python's urllib, still
+    sending, got "Connection reset by peer" instead of the answer (curl saw the code). The
+    answer must reach the client: the rest of the body is read and dropped (bounded), then
+    the connection closed."""
+    body = b'{"token_ids": [' + b"1," * (size // 2) + b"1]}"
+    request = urllib.request.Request(f"{admin.url}/pin", data=body, method="POST", headers={
+        "Content-Type": "application/json", **(AUTH if auth else {})})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=30)
+    assert e.value.code == status, e.value
+    assert str(status) in str(e.value.code)
+    e.value.close()
