@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvtier.admin.auth import client_token
 from prometheus_client.parser import text_string_to_metric_families
 from serve_support import ServeProcess, tiny_toml
 from support import (
@@ -211,6 +212,24 @@ def test_a_second_serve_of_a_live_deployment_changes_nothing_of_it(tmp_path: Pat
             assert client.post("/resume", headers=auth).status_code == 200
         assert serve.stop(signal.SIGTERM) == 0
     assert not path.exists()
+
+
+def test_a_killed_serves_token_file_is_not_presented(tmp_path: Path) -> None:
+    """Issue 27, item 9: `kill -9` of `kvtier serve` left its generated token file, which
+    clients kept reading until the next start. The file names its serve (a sibling
+    `admin-token.pid`: pid and start time); a client finding that serve gone removes both
+    and presents no token."""
+    dep = new_deployment_id("k9")
+    config = tiny_toml(tmp_path / "kvtier.toml", dep, storage="none")
+    serve = ServeProcess(module_command(), ["serve", "--config", str(config)],
+                         deployment_id=dep, log_path=tmp_path / "serve.log")
+    with serve:
+        path, token = serve.token_file(), serve.token()
+        assert client_token(dep, serve.env) == token  # its serve runs: presented
+        assert serve.stop(signal.SIGKILL) == -signal.SIGKILL
+        assert path.exists()  # nobody could remove it
+        assert client_token(dep, serve.env) is None
+        assert not path.exists() and not path.with_name("admin-token.pid").exists()
 
 
 def test_auth_none_is_explicit_and_warned_about_off_loopback(tmp_path: Path) -> None:

@@ -67,6 +67,7 @@ from kvtier.worker.ipc import (
     LayerWaitTimeout,
     TreeStatus,
     pid_alive,
+    process_start_time,
     validate_deployment_id,
 )
 from kvtier.worker.kv_pools import DTYPES, PoolConfigError, parse_dtype
@@ -81,7 +82,6 @@ from kvtier.worker.kvreg import (
     encode_cuda_fields,
     encode_record,
     kv_segment_name,
-    process_start_time,
     publish_segment,
     read_record,
     registration_name,

@@ -76,7 +76,7 @@ from typing import Any, Literal
 
 import posix_ipc
 from kvtier.worker.errors import KvtierError
-from kvtier.worker.ipc import pid_alive, validate_deployment_id
+from kvtier.worker.ipc import pid_alive, process_start_time, validate_deployment_id
 
 Layout = Literal["kvtier", "vllm", "fastdeploy"]
 LAYOUTS: tuple[str, ...] = ("kvtier", "vllm", "fastdeploy")
@@ -176,17 +176,6 @@ class Record:
         recorded (another process under a reused pid is not the owner)."""
         return (pid_alive(self.owner_pid)
                 and process_start_time(self.owner_pid) == self.owner_start)
-
-
-def process_start_time(pid: int) -> int | None:
-    """When process `pid` started (clock ticks after boot, /proc/<pid>/stat field 22); None
-    when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-        return int(text.rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def encode_record(rec: Record) -> bytes:
