@@ -13,9 +13,9 @@ token when `admin.token` is empty and `admin.auth = "token"` (the default), writ
 explicit `admin.auth = "none"`.
 
 Beside it, `admin-token.pid` names the serve that wrote it (pid, start time and pid namespace;
-the token file
-stays one line, for `$(cat admin-token)`). A serve killed with SIGKILL cannot remove its file:
-a client that finds the serve gone removes both and presents no token (issue 27).
+the token file stays one line, for `$(cat admin-token)`). A serve killed with SIGKILL cannot
+remove its file: a client (in the same pid namespace) that finds the serve gone removes both
+and presents no token (issue 27).
 """
 
 from __future__ import annotations
