@@ -40,7 +40,7 @@ from kvtier.manager.config import KvtierConfig
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.launcher import WorkerStartError
 from kvtier.manager.stack import Stack
-from kvtier.worker import content, kvreg
+from kvtier.worker import content, engine_kv, kvreg
 from kvtier.worker.copy_engine import LAYER_DELAY_ENV, CopyEngine
 from kvtier.worker.engine_kv import KVRegistration, LayerWaiter, kv_planes, shared_kv_tensor
 from kvtier.worker.engine_pool import EnginePool, check_record
@@ -1191,3 +1191,30 @@ def test_a_registration_the_workers_refuse_is_one_line_at_start() -> None:
     assert "num_blocks = 8 in the registration, cache.device_blocks = 16" in message, message
     assert message.startswith("worker rank "), message
     wait_until(lambda: not leftovers(dep, 2), 10, "the deployment leaves nothing")
+
+
+def test_a_kv_segment_whose_owner_pid_was_reused_is_taken_over(dep: str) -> None:
+    """Issue 27, item 4, for KV segments: a dead runner's segment whose pid another process
+    now has blocked `shared_kv_tensor` ("in use by pid ...") and was kept by the manager's
+    cleanup. Its header names the owner by pid and start time too."""
+    name = kvreg.kv_segment_name(dep, 0, "kv")
+    mm = kvreg.create_segment(name, size=kvreg.SEGMENT_HEADER_BYTES + 64)
+    mm[: len(kvreg.segment_header(0, 0))] = kvreg.segment_header(os.getpid(), 64)
+    header = bytearray(mm[:64])
+    mm.close()
+    other = subprocess.Popen(["sleep", "60"])  # alive, started after this process
+    try:
+        header[16:24] = other.pid.to_bytes(8, "little")  # the owner pid, as if reused
+        with open(_shm_path(name), "r+b") as f:
+            f.write(header)
+        assert kvreg.segment_owner(name) == other.pid
+        assert kvreg.remove_dead_registrations(dep) == [name]  # not the owner: removed
+        mm = kvreg.create_segment(name, size=kvreg.SEGMENT_HEADER_BYTES + 64)
+        mm[:64] = bytes(header)
+        mm.close()
+        t = shared_kv_tensor(dep, 0, [4, 8], torch.float16)  # taken over, not "in use"
+        assert kvreg.segment_owner(name) == os.getpid() and t.shape == (4, 8)
+    finally:
+        other.kill()
+        other.wait()
+        engine_kv._release_segments([name])

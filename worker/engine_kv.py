@@ -66,7 +66,6 @@ from kvtier.worker.ipc import (
     LayerProgress,
     LayerWaitTimeout,
     TreeStatus,
-    pid_alive,
     process_start_time,
     validate_deployment_id,
 )
@@ -82,6 +81,7 @@ from kvtier.worker.kvreg import (
     encode_cuda_fields,
     encode_record,
     kv_segment_name,
+    live_segment_owner,
     publish_segment,
     read_record,
     registration_name,
@@ -147,8 +147,8 @@ def shared_kv_tensor(deployment_id: str, rank: int, shape: Sequence[int], dtype:
             raise EngineKVError(
                 f"shared_kv_tensor: {name} already exists in this process; give each tensor "
                 "of a rank its own tag")
-        owner = segment_owner(name)
-        if owner is not None and owner != os.getpid() and pid_alive(owner):
+        owner = live_segment_owner(name)  # issue 27: a reused pid is not the owner
+        if owner is not None and owner != os.getpid():
             raise EngineKVError(f"shared_kv_tensor: {name} is in use by pid {owner}")
         unlink(name)  # a dead runner's segment of the same name
         mm = create_segment(name, size=SEGMENT_HEADER_BYTES + nbytes)

@@ -52,8 +52,8 @@ order, so the later record completes after the earlier copy. No host thread wait
 on the GPU.
 
 A KV segment starts with a `SEGMENT_HEADER_BYTES` header (magic, version, owner pid, data
-bytes; little-endian int64 words) so a stale one can be told from a live one even when no
-record names it; the tensor data starts at that page-aligned offset.
+bytes, the owner's start time; little-endian int64 words) so a stale one can be told from a
+live one even when no record names it; the tensor data starts at that page-aligned offset.
 
 Trust (issue 27): a record or KV segment is used only when it belongs to this user and has
 mode 0600 (what `create_segment` makes); anything else is refused, naming it and why. A record
@@ -86,7 +86,7 @@ RECORD_VERSION = 3
 MAX_RECORD_BYTES = 16 << 20
 SEGMENT_HEADER_BYTES = 4096
 SEGMENT_MAGIC = int.from_bytes(b"KVTIERM1", "little")
-SEGMENT_VERSION = 1
+SEGMENT_VERSION = 2  # 2: the owner's start time (issue 27: a reused pid is not the owner)
 CUDA_FIELDS = ("device", "handle", "size_bytes", "offset_bytes", "ref_counter_handle",
                "ref_counter_offset", "event_handle", "event_sync_required")
 _HEX_FIELDS = frozenset({"handle", "ref_counter_handle", "event_handle"})
@@ -94,7 +94,7 @@ EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
 MAX_EVENT_SLOTS = 64
 LAYER_EVENTS_TAG = "layerevents"
 _TAG = re.compile(r"[A-Za-z0-9-]{1,32}")
-_HEADER = struct.Struct("<4q")  # magic, version, owner pid, data bytes
+_HEADER = struct.Struct("<5q")  # magic, version, owner pid, data bytes, owner start time
 _SHM_DIR = "/dev/shm"
 
 
@@ -328,8 +328,8 @@ class LayerEventWords:
             raise EngineKVError(f"layer events: slots must be 1..{MAX_EVENT_SLOTS} and layers "
                                 f"positive, got {slots} and {layers}")
         name = kv_segment_name(deployment_id, rank, LAYER_EVENTS_TAG)
-        owner = segment_owner(name)
-        if owner is not None and owner != os.getpid() and pid_alive(owner):
+        owner = live_segment_owner(name)
+        if owner is not None and owner != os.getpid():
             raise EngineKVError(f"layer events: {name} is in use by pid {owner}")
         unlink(name)  # a dead runner's table of the same name
         nbytes = slots * layers * _WORD.size
@@ -356,7 +356,7 @@ class LayerEventWords:
             mm = mmap.mmap(shm.fd, size)
         finally:
             shm.close_fd()
-        magic, version, _, _ = _HEADER.unpack(mm[: _HEADER.size])
+        magic, version, _, _, _ = _HEADER.unpack(mm[: _HEADER.size])
         if magic != SEGMENT_MAGIC or version != SEGMENT_VERSION:
             mm.close()
             raise EngineKVError(f"layer events: {name} has no kvtier header")
@@ -519,23 +519,41 @@ def read_record(deployment_id: str, rank: int) -> Record | None:
 
 
 def segment_header(owner_pid: int, data_bytes: int) -> bytes:
-    return _HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, owner_pid, data_bytes)
+    start = process_start_time(owner_pid) if owner_pid > 0 else None
+    return _HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, owner_pid, data_bytes, start or 0)
+
+
+def _header_owner(name: str) -> tuple[int, int] | None:
+    """(owner pid, owner start time) from a KV segment's header; None when the segment is
+    gone or has no valid header."""
+    try:
+        shm = posix_ipc.SharedMemory(name, read_only=True)
+    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+        return None
+    try:
+        if shm.size < _HEADER.size:
+            return None
+        magic, version, pid, _, start = _HEADER.unpack(os.pread(shm.fd, _HEADER.size, 0))
+    finally:
+        shm.close_fd()
+    return (pid, start) if magic == SEGMENT_MAGIC and version == SEGMENT_VERSION else None
+
+
+def live_segment_owner(name: str) -> int | None:
+    """The pid of the process that made KV segment `name`, while it runs (pid alive with
+    the start time in the header: a reused pid is not the owner); None otherwise."""
+    owner = _header_owner(name)
+    if owner is None:
+        return None
+    pid, start = owner
+    return pid if pid_alive(pid) and process_start_time(pid) == start else None
 
 
 def segment_owner(name: str) -> int | None:
     """The owner pid written in a KV segment's header; None when the segment is gone or has
     no valid header."""
-    try:
-        shm = posix_ipc.SharedMemory(name, read_only=True)
-    except posix_ipc.ExistentialError:
-        return None
-    try:
-        if shm.size < _HEADER.size:
-            return None
-        magic, version, pid, _ = _HEADER.unpack(os.pread(shm.fd, _HEADER.size, 0))
-    finally:
-        shm.close_fd()
-    return pid if magic == SEGMENT_MAGIC and version == SEGMENT_VERSION else None
+    owner = _header_owner(name)
+    return None if owner is None else owner[0]
 
 
 def deployment_entries(deployment_id: str, kind: str) -> list[str]:
@@ -591,7 +609,7 @@ def remove_dead_registrations(deployment_id: str) -> list[str]:
             removed += remove_registration(rec)
     for name in deployment_entries(deployment_id, "kvmem"):
         owner = segment_owner(name)  # None: being created right now, or not ours
-        if owner is not None and not pid_alive(owner) and unlink(name):
+        if owner is not None and live_segment_owner(name) is None and unlink(name):
             removed.append(name)
     return removed
 
