@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
@@ -68,6 +68,10 @@ CONTENT_HASH_MAX_CHARS = MAX_CONTENT_HASH_BYTES // 4
 encode a hash of at most 65,535 bytes."""
 
 DEFAULT_RESET_TIMEOUT_S = 10.0
+DRAIN_LIMIT_BYTES = 32 << 20
+"""A POST refused before its body was read (401, 413, 503) has the rest of its body read and
+dropped, up to this many bytes, so the answer reaches a client that sends the whole body
+before it reads (issue 27); a larger one is answered and the connection closed."""
 STORAGE_CLEAR_MIN_S = 10.0
 """/reset?storage=true: clearing storage gets at least this long, whatever `timeout` (which
 bounds the wait for transfers in flight) says."""
@@ -232,8 +236,13 @@ class Readiness(BaseModel):
 
 class ResetResult(BaseModel):
     cleared: dict[str, int] = Field(description="what was cleared: tree nodes, device and host "
-                                    "blocks, and storage pages with storage=true")
+                                    "blocks, and storage pages with storage=true (once the "
+                                    "storage clear is done)")
     storage: bool
+    storage_clear: Literal["done", "running"] | None = Field(
+        None, description="with storage=true: `done`, or `running` (202) when clearing storage "
+        "outlasted the wait and goes on in the background (`storage.clears_running` in "
+        "/status counts it until it is done)")
 
 
 class Paused(BaseModel):
@@ -374,18 +383,27 @@ class PostGate:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope.get("headers", [])}
+        limit = self.max_body_bytes
+        declared = headers.get("content-length", "")
+        # Issue 27: an answer given before the body was read, followed by a close with the
+        # body unread, reached a client still sending (Python's urllib) as a connection
+        # reset. The rest of such a body is read and dropped first, up to DRAIN_LIMIT_BYTES
+        # (and within admin.request_timeout_s); a client that waits for 100-continue has
+        # sent nothing and is answered at once.
+        drain = (headers.get("expect", "").lower() != "100-continue"
+                 and not (declared.isdigit() and int(declared) > DRAIN_LIMIT_BYTES))
         if not self.state.accepting:
-            await self._answer(send, *_json_bytes(503, self.state.refusal))
+            await self._answer(send, *_json_bytes(503, self.state.refusal),
+                               receive=receive if drain else None)
             return
         if not self.state.authorized(headers.get("authorization")):
             await self._answer(send, *_json_bytes(
                 401, "a valid 'Authorization: Bearer <token>' header is required",
-                {"WWW-Authenticate": "Bearer"}))
+                {"WWW-Authenticate": "Bearer"}), receive=receive if drain else None)
             return
-        limit = self.max_body_bytes
-        declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            await self._answer(send, *self._too_large(int(declared)))
+            await self._answer(send, *self._too_large(int(declared)),
+                               receive=receive if drain else None)
             return
         body = bytearray()
         while True:
@@ -394,7 +412,10 @@ class PostGate:
                 return  # the client left; nothing to answer
             body += message.get("body", b"")
             if len(body) > limit:
-                await self._answer(send, *self._too_large(None))
+                more = message.get("more_body", False)
+                await self._answer(send, *self._too_large(None),
+                                   receive=receive if drain and more else None,
+                                   read=len(body))
                 return
             if not message.get("more_body", False):
                 break
@@ -417,7 +438,17 @@ class PostGate:
 
     @staticmethod
     async def _answer(send: Send, status: int, headers: list[tuple[bytes, bytes]],
-                      body: bytes) -> None:
+                      body: bytes, *, receive: Receive | None = None, read: int = 0) -> None:
+        """Send the answer; with `receive`, first read and drop the rest of the request's
+        body (`read` bytes of it were read already), as long as it stays within
+        DRAIN_LIMIT_BYTES."""
+        while receive is not None and read <= DRAIN_LIMIT_BYTES:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left; nothing to answer
+            read += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -540,10 +571,13 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
     @app.post("/reset", tags=["operations"], dependencies=post_security,
               response_model=ResetResult, responses={
                   **POST_RESPONSES,
+                  202: {"model": ResetResult, "description": "the caches were cleared; "
+                        "clearing storage goes on in the background"},
                   409: _error("transfers did not finish within `timeout` (nothing was "
-                              "cleared), or storage=true without a storage tier"),
-                  500: _error("reset incomplete: the caches were cleared but clearing "
-                              "storage failed")})
+                              "cleared), storage=true without a storage tier, or the "
+                              "deployment is asleep or a sleep or wake is under way"),
+                  500: _error("reset incomplete: the caches were cleared but a rank failed "
+                              "to clear storage")})
     def reset(
         storage: Annotated[bool, Query(description="also clear this deployment's storage")]
         = False,
@@ -552,9 +586,10 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
         = DEFAULT_RESET_TIMEOUT_S,
     ) -> JSONResponse:
         """Empty the prefix tree and the device and host caches once in-flight transfers have
-        finished (requests in flight keep their blocks). 200 with what was cleared; 409 with
-        the reason, having cleared nothing, when transfers do not finish within `timeout` or
-        storage is asked for on a deployment without a storage tier."""
+        finished (requests in flight keep their blocks). 200 with what was cleared; 202 when
+        clearing storage outlasts the wait (it goes on in the background); 409 with the
+        reason, having cleared nothing, when transfers do not finish within `timeout`, storage
+        is asked for on a deployment without a storage tier, or a sleep conflicts."""
         if storage and stack.cfg.storage.backend == "none":
             return JSONResponse(
                 {"detail": "storage=true but storage.backend = 'none': there is no storage "
@@ -569,7 +604,9 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
             return JSONResponse(
                 {"detail": "reset incomplete: the device and host caches were cleared but "
                  f"clearing storage failed: {type(e).__name__}: {e}"}, status_code=500)
-        return JSONResponse({"cleared": cleared, "storage": storage})
+        state = cleared.pop("storage_clear", None)
+        return JSONResponse({"cleared": cleared, "storage": storage, "storage_clear": state},
+                            status_code=202 if state == "running" else 200)
 
     @app.post("/pause", tags=["operations"], dependencies=post_security,
               response_model=Paused, responses=POST_RESPONSES)

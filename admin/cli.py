@@ -151,15 +151,12 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
         sock = bind_socket(cfg.admin.host, cfg.admin.port)
     except AdminBindError as e:
         return _fail("serve", f"admin.port = {cfg.admin.port}: {e}", EXIT_USAGE)
-    try:  # after the bind: a second serve refused its port never replaces a live token
+    try:  # its directory only: the file is written once the deployment is ours (issue 27)
         token, token_file = _admin_token(cfg)
     except TokenFileError as e:
         sock.close()
-        return _fail("serve", "admin.token is empty, so a token is generated, but it cannot be "
-                     f"written: {e} (set KVTIER_ADMIN_TOKEN or XDG_STATE_HOME, or admin.auth = "
-                     "'none')", EXIT_USAGE)
+        return _token_failure(e)
     log.info("%s", config_line(cfg))
-    _log_auth(cfg, token_file)
 
     # Imported only now: a bad configuration is reported without loading torch, and
     # `status` never loads FastAPI or uvicorn.
@@ -171,6 +168,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
     server = AdminServer(app := create_app(stack, token=token), cfg.admin.host, sock=sock,
                          limits=cfg.admin)
     code = EXIT_OK
+    written = False  # whether this serve wrote the token file (and so removes it)
     try:
         if stop.is_set():  # a signal while loading: nothing was started
             return EXIT_OK
@@ -184,6 +182,16 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
         except KvtierError as e:  # IPC errors included
             print(f"kvtier serve: cannot start: {e}", file=sys.stderr, flush=True)
             return EXIT_FAILURE
+        # Only now, with the deployment's names ours: a second serve of a live deployment
+        # that refused to start never replaced (nor, leaving, removed) its token file.
+        if token is not None and token_file is not None:
+            from kvtier.admin.auth import write_token
+            try:
+                write_token(token_file, token)
+            except TokenFileError as e:
+                return _token_failure(e)
+            written = True
+        _log_auth(cfg, token_file)
         try:
             server.start()
         except AdminStartError as e:
@@ -202,15 +210,17 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
         phase[0] = "stopping"
         server.stop()
         stack.close()
-        _forget_token(token, token_file)
+        if written:
+            _forget_token(token, token_file)
     log.info("stopped: workers gone, every shared-memory segment and queue removed")
     return code
 
 
 def _admin_token(cfg: KvtierConfig) -> tuple[str | None, Path | None]:
-    """The token the admin requires (None: `admin.auth = "none"`) and, when it was generated
-    here, the state file it was written to (0600; TokenFileError when it cannot be)."""
-    from kvtier.admin.auth import generate_token, token_path, write_token
+    """The token the admin requires (None: `admin.auth = "none"`) and, when it is generated
+    here, the state file it is to be written to once the stack started (its directories are
+    made now: TokenFileError when they cannot be)."""
+    from kvtier.admin.auth import generate_token, prepare_token_dir, token_path
 
     if cfg.admin.auth == "none":
         return None, None
@@ -218,8 +228,14 @@ def _admin_token(cfg: KvtierConfig) -> tuple[str | None, Path | None]:
     if configured:
         return configured, None
     token, path = generate_token(), token_path(cfg.deployment_id)
-    write_token(path, token)
+    prepare_token_dir(path)
     return token, path
+
+
+def _token_failure(e: Exception) -> int:
+    return _fail("serve", "admin.token is empty, so a token is generated, but it cannot be "
+                 f"written: {e} (set KVTIER_ADMIN_TOKEN or XDG_STATE_HOME, or admin.auth = "
+                 "'none')", EXIT_USAGE)
 
 
 def _forget_token(token: str | None, path: Path | None) -> None:

@@ -14,8 +14,15 @@ sends nothing, or trickles its headers or body, holds a connection (and a file d
 forever. Here every request must arrive whole (headers and body) within
 `admin.request_timeout_s` of its first byte, or of the connection's opening (408 and closed
 when something arrived, closed otherwise); an idle keep-alive connection is closed after
-`admin.keep_alive_s`; a connection beyond `admin.max_connections` open ones gets 503 and is
-closed at once. Request headers are limited to 16 KiB by h11 (400 beyond).
+`admin.keep_alive_s`. Request headers are limited to 16 KiB by h11 (400 beyond).
+
+A connection beyond `admin.max_connections` open ones takes the place of the one that has
+waited longest without a request in progress (silent since it opened, trickling headers or a
+body, or idle between requests): that one is closed (with a 503 naming the limit when it had
+sent part of a request). Only when every open connection has a request being handled is the
+new one answered 503 and closed. So a local user who holds every connection open, trickling
+bytes, cannot starve the health probes or an operator (issue 27: 19 of 25 probes got 503):
+their requests arrive whole at once and are in progress before a newer staller comes.
 """
 
 from __future__ import annotations
@@ -77,16 +84,44 @@ class TimedH11Protocol(H11Protocol):
         self.max_connections = limits.max_connections if limits else None
         self._deadline: asyncio.TimerHandle | None = None
         self._bytes_seen = False
+        # since when the connection has had no request in progress (see `_waiting`)
+        self._quiet_since = time.monotonic()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
         if self.max_connections is not None and len(self.connections) > self.max_connections:
-            self.transport.write(_raw_response(
-                503, "Service Unavailable", f"more than admin.max_connections = "
-                f"{self.max_connections} connections are open; try again later"))
-            self.transport.close()
-            return
+            victim = min((c for c in self.connections
+                          if c is not self and isinstance(c, TimedH11Protocol)
+                          and c._waiting() and not c.transport.is_closing()),
+                         key=lambda c: c._quiet_since, default=None)
+            if victim is None:  # every other connection has a request being handled
+                self._refuse(self.transport)
+                return
+            victim._make_room()
         self._arm()
+
+    def _refuse(self, transport: asyncio.Transport) -> None:
+        transport.write(_raw_response(
+            503, "Service Unavailable", f"more than admin.max_connections = "
+            f"{self.max_connections} connections are open; try again later"))
+        transport.close()
+
+    def _waiting(self) -> bool:
+        """No request of this connection is being handled: nothing or part of a request
+        arrived (headers or body still coming), or it is idle between requests."""
+        if self.conn.their_state is h11.SEND_BODY:
+            return True
+        cycle = self.cycle
+        return self.conn.their_state is h11.IDLE and (
+            cycle is None or cycle.response_complete)
+
+    def _make_room(self) -> None:
+        """Closed for a newer connection (see the module docstring)."""
+        self._disarm()
+        if self._bytes_seen or self.conn.their_state is h11.SEND_BODY:
+            self._refuse(self.transport)
+        else:
+            self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         self._bytes_seen = True
@@ -97,6 +132,7 @@ class TimedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._quiet_since = time.monotonic()
         if self.conn.their_state is h11.IDLE:
             self._bytes_seen = False
         self._watch()

@@ -1113,6 +1113,22 @@ def redact_url(url: str) -> str:
     return parts._replace(netloc=f"{user}:***@{host}").geturl()
 
 
+def _foreign_directory_problem(path: Path) -> str | None:
+    """What every worker's file backend would refuse in `path` (issue 27: a 17-line
+    traceback per worker): a folder not owned by this user or writable by group or others."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # not there yet: kvtier creates it 0700
+    if st.st_uid != os.geteuid():
+        return (f"{str(path)!r} is owned by uid {st.st_uid}, not by this user (uid "
+                f"{os.geteuid()}): refusing to read pages anybody else may write")
+    if st.st_mode & 0o022:
+        return (f"{str(path)!r} is writable by group or others (mode {st.st_mode & 0o7777:o}): "
+                f"refusing it (chmod go-w {str(path)!r})")
+    return None
+
+
 def _writable_directory_problem(path: Path, need_bytes: int = 1) -> str | None:
     """Why the file backend could not create or write `path`, leaving nothing behind: the
     nearest existing ancestor must be a directory in which a file can be created (a file
@@ -1149,6 +1165,30 @@ def _writable_directory_problem(path: Path, need_bytes: int = 1) -> str | None:
     return None
 
 
+def check_storage_secret(cfg: KvtierConfig) -> None:
+    """The storage secret can be had (issue 27: a bad `storage.secret_file` was found only
+    once the workers started, exit 1 in three lines): `storage.secret` set, or a safe
+    `storage.secret_file` (this user's regular file, mode 0600, 16 to 4096 bytes), generated
+    now on first use. ConfigError naming the key otherwise."""
+    s = cfg.storage
+    if s.backend == "none" or s.secret.get_secret_value():
+        return
+    from kvtier.manager.private_state import (
+        StorageSecretError,
+        default_secret_file,
+        storage_secret,
+    )
+
+    path = os.path.expanduser(s.secret_file) if s.secret_file else str(default_secret_file())
+    try:
+        storage_secret("", s.secret_file)
+    except StorageSecretError as e:
+        key = (f"storage.secret_file = {_short_repr(s.secret_file)}" if s.secret_file
+               else f"storage.secret_file (default {_short_repr(path)})")
+        problem = str(e).removeprefix(f"storage secret file {path} ")  # the key names it
+        raise ConfigError(f"{key}: {problem}") from None
+
+
 def check_storage_reachable(cfg: KvtierConfig, timeout: float = 2.0) -> None:
     """Fail early, in one line naming the key, when the storage tier cannot be used.
 
@@ -1160,9 +1200,11 @@ def check_storage_reachable(cfg: KvtierConfig, timeout: float = 2.0) -> None:
     backend = cfg.storage.backend
     if backend == "none":
         return
+    check_storage_secret(cfg)
     if backend == "file":
         path = cfg.storage_dir()
-        problem = _writable_directory_problem(Path(path), page_bytes(cfg))
+        problem = (_writable_directory_problem(Path(path), page_bytes(cfg))
+                   or _foreign_directory_problem(Path(path)))
         if problem:
             key = (f"storage.path = {_short_repr(cfg.storage.path)}" if cfg.storage.path
                    else f"storage.path (default {_short_repr(path)})")

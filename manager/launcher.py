@@ -57,7 +57,7 @@ from kvtier.manager.errors import KvtierError, TransferTimeoutError
 from kvtier.manager.transfers import Dispatcher
 from kvtier.worker.ipc import MAX_RANKS, ManagerIPC, SendTimeout, TaskAborted
 from kvtier.worker.kvreg import EngineKVError, read_record, remove_dead_registrations
-from kvtier.worker.spec import WorkerSpec, host_segment_name
+from kvtier.worker.spec import REFUSED_EXIT, REFUSED_PREFIX, WorkerSpec, host_segment_name
 from kvtier.worker.wire import (
     MIN_RESULT_KINDS,
     SUM_RESULT_KINDS,
@@ -77,7 +77,12 @@ SUM_KINDS = SUM_RESULT_KINDS
 
 
 class WorkerStartError(KvtierError):
-    """A worker did not become ready; the message names the rank and its last log lines."""
+    """A worker did not become ready; the message names the rank and its last log lines,
+    or, when the worker refused to start (`refused`), is the one line of its reason."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 @dataclass
@@ -337,7 +342,8 @@ class WorkerSupervisor:
         except BaseException as e:
             self._failed = True
             self.stop()
-            if isinstance(e, WorkerStartError) and self.failure_logs is not None:
+            if (isinstance(e, WorkerStartError) and self.failure_logs is not None
+                    and not e.refused):  # a refusal is one line (issue 27)
                 raise WorkerStartError(
                     f"{e}\n(worker logs kept in {self.failure_logs})") from None
             raise
@@ -387,6 +393,8 @@ class WorkerSupervisor:
                     log.info("worker rank %d ready (pid %d)", w.rank, st.pid)
                     break
                 code = proc.poll()
+                if code == REFUSED_EXIT and (why := self._refusal(w.rank)):
+                    raise WorkerStartError(f"worker rank {w.rank}: {why}", refused=True)
                 if code is not None:
                     raise WorkerStartError(
                         f"worker rank {w.rank} exited with status {code} before it was ready; "
@@ -396,6 +404,13 @@ class WorkerSupervisor:
                         f"worker rank {w.rank} not ready after {timeout:.0f} s; its last log "
                         f"lines:\n{self.last_log_lines(w.rank)}")
                 time.sleep(0.02)
+
+    def _refusal(self, rank: int) -> str | None:
+        """The one-line reason a worker that refused to start gave (`REFUSED_PREFIX`)."""
+        for line in reversed(self.last_log_lines(rank, 5).splitlines()):
+            if line.startswith(REFUSED_PREFIX):
+                return line[len(REFUSED_PREFIX):]
+        return None
 
     def last_log_lines(self, rank: int, n: int = 15) -> str:
         path = self.workers[rank].log_path

@@ -102,10 +102,17 @@ def _read_secret(path: Path) -> bytes | None:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    try:  # before fdopen, which refuses a directory with a bare fd number in its message
+        info = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise StorageSecretError(f"storage secret file {path} is {kind}, not a regular file "
+                                 "holding the secret")
     with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise StorageSecretError(f"storage secret file {path} is not a regular file")
         if info.st_uid != os.geteuid():
             raise StorageSecretError(
                 f"storage secret file {path} belongs to uid {info.st_uid}, not to this user "

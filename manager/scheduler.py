@@ -289,7 +289,10 @@ class KVCacheManager:
                         break
                     node = tree[keys[len(nodes)]]
                     if node.dev is None:
-                        if node.host is None or node.flags & (PREFETCHING | ENGINE_WRITE):
+                        # LOADING without a device block: another match that waits (lock
+                        # released) claimed this host hit; its H2D is not sent yet (issue 27).
+                        if node.host is None or node.flags & (PREFETCHING | ENGINE_WRITE
+                                                              | LOADING):
                             break
                         host_hits.append(len(nodes))
                         if node.flags & FROM_STORAGE:
@@ -322,12 +325,22 @@ class KVCacheManager:
                     break
                 self._dev_lru.size -= unlinked  # the wait below releases the lock
                 unlinked = 0
-                if not storage.on_miss(req, token_ids, len(nodes), limit):
+                try:
+                    again = storage.on_miss(req, token_ids, len(nodes), limit)
+                except BaseException:
+                    self._undo_match(nodes)  # issue 27: a sleep cancelled the wait
+                    raise
+                if not again:
                     break
             self._dev_lru.size -= unlinked
             if self.counters.sleeps != sleeps:
+                self._undo_match(nodes)  # issue 27
                 raise self._cancelled_during_wait(request_id)
-            n_host = self._load_host_hits(req, host_hits, waits) if host_hits else 0
+            try:
+                n_host = self._load_host_hits(req, host_hits, waits) if host_hits else 0
+            except BaseException:
+                self._undo_match(nodes)  # issue 27: a sleep (or timeout) while it waited
+                raise
             n_storage = min(n_storage, n_host)
             req.blocks = self._loops.dev_ids(nodes)  # type: ignore[arg-type,assignment]
             n_hit = len(nodes)
@@ -617,17 +630,21 @@ class KVCacheManager:
         """Empty the tree and both tiers' caches once in-flight transfers have finished.
         Requests in flight keep their blocks (they become the requests' own). Raises
         ResetBusyError, with nothing cleared, if transfers do not finish in `timeout`."""
-        if self.asleep:
-            self._refuse_asleep("reset")
-        self.tree_status = TREE_CLEARING
+        with self._lock:
+            if self.asleep:
+                self._refuse_asleep("reset")
+            sleeps = self.counters.sleeps
+            self.tree_status = TREE_CLEARING
         try:
             deadline = _monotonic() + timeout
             while True:
                 if not self.dispatcher.drain(max(0.0, deadline - _monotonic())):
+                    self._refuse_if_slept(sleeps)
                     raise ResetBusyError(
                         f"reset: {self.dispatcher.pending()} transfer task(s) still in "
                         f"flight after {timeout:.3g} s; nothing was cleared")
                 with self._lock:
+                    self._refuse_if_slept(sleeps)
                     if not self._inflight:
                         cleared = self._clear_all()
                         self.counters.resets += 1
@@ -640,7 +657,17 @@ class KVCacheManager:
                         f"{timeout:.3g} s; nothing was cleared")
                 time.sleep(0.001)
         finally:
-            self.tree_status = TREE_NORMAL
+            with self._lock:  # issue 27: a sleep that overtook the reset owns the status
+                if self.counters.sleeps == sleeps:
+                    self.tree_status = TREE_NORMAL
+
+    def _refuse_if_slept(self, sleeps: int) -> None:
+        """A reset that a sleep overtook while it waited for transfers (issue 27): a conflict
+        (AsleepError, a 409), never a clear of the sleeping tree."""
+        if self.counters.sleeps != sleeps:
+            raise AsleepError("reset: the deployment went to sleep while the reset waited for "
+                              "transfers (the sleep emptied the caches; the reset did "
+                              "nothing); wake it first")
 
     def lose_all(self) -> dict[str, int]:
         """Every cached byte is gone (a worker died with its pools): forget the tree now,
@@ -1087,6 +1114,19 @@ class KVCacheManager:
         self.counters.h2d_blocks += len(loaded)
         waits.append((seq, host_hits[0]))
         return len(loaded)
+
+    def _undo_match(self, nodes: list[Node | None]) -> None:
+        """A match that raises after its walk (a sleep, or a timeout, while it waited with
+        the lock released) gives back what it took: its references, and the LOADING flag of
+        its host hits, whose H2D was never sent. A node a sleep (or a lost worker) wrote off
+        meanwhile settles here: no answer will ever come for it, and on main it kept every
+        wake refused as 'still in flight' (issue 27, item 1)."""
+        for node in reversed(nodes):  # tail first: leaves age first
+            if node is None:
+                continue
+            self._unref_after_failed_match(node)
+            if node.key is None:
+                self._settle(node)
 
     def _unref_after_failed_match(self, node: Node) -> None:
         node.ref -= 1

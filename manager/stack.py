@@ -168,7 +168,7 @@ class Stack:
         self.storage: StorageTier | None = None
         self._closed = False
         self._lock = threading.Lock()
-        self._sleep_lock = threading.Lock()  # one sleep or wake at a time
+        self._sleep_lock = threading.Lock()  # one sleep, wake or reset at a time
         self._transfer_observers: list[TransferObserver] = []
 
     # ------------------------------------------------------------------ life cycle
@@ -360,21 +360,37 @@ class Stack:
         """Empty the tree and the device and host caches after in-flight transfers finish;
         with `storage`, also this deployment's storage namespace (given `storage_timeout`
         seconds, default `timeout`). Raises ResetBusyError (nothing cleared) when transfers do
-        not finish in time."""
+        not finish in time. A storage clear that outlasts its wait goes on in the background:
+        `storage_clear` is then "running" (else "done") and `storage_pages` absent.
+        AsleepError (nothing cleared) while asleep or while a sleep or wake runs."""
         m = self.require_manager()
-        if m.asleep:  # the sleep cleared everything; its tree status must stand
-            raise AsleepError("reset: the deployment is asleep (its pools are freed); wake it")
-        self._publish_tree_status(TreeStatus.CLEARING)
+        # Issue 27: one reset, sleep or wake at a time. A sleep that came in while a reset
+        # ran cancelled the reset's waits (a 500); now the sleep waits for the reset (at most
+        # its timeouts), and a reset while a sleep or wake runs is refused (a 409).
+        if not self._sleep_lock.acquire(blocking=False):
+            raise AsleepError("reset: a sleep or wake of the deployment is under way; "
+                              "nothing was cleared")
         try:
-            cleared: dict[str, Any] = dict(m.reset(timeout))
-            if storage:
-                wait = timeout if storage_timeout is None else storage_timeout
-                cleared["storage_pages"] = (self.storage.clear(wait)
-                                            if self.storage is not None else 0)
-            self._publish_tree_status(TreeStatus.CLEARED)
-            return cleared
+            if m.asleep:  # the sleep cleared everything; its tree status must stand
+                raise AsleepError("reset: the deployment is asleep (its pools are freed); "
+                                  "wake it")
+            self._publish_tree_status(TreeStatus.CLEARING)
+            try:
+                cleared: dict[str, Any] = dict(m.reset(timeout))
+                if storage:
+                    wait = timeout if storage_timeout is None else storage_timeout
+                    pages = self.storage.clear(wait) if self.storage is not None else 0
+                    if pages is None:
+                        cleared["storage_clear"] = "running"
+                    else:
+                        cleared["storage_pages"] = pages
+                        cleared["storage_clear"] = "done"
+                self._publish_tree_status(TreeStatus.CLEARED)
+                return cleared
+            finally:
+                self._publish_tree_status(TreeStatus.NORMAL)
         finally:
-            self._publish_tree_status(TreeStatus.NORMAL)
+            self._sleep_lock.release()
 
     def sleep(self, timeout: float = 30.0) -> dict[str, Any]:
         """Free every pool for a weight update (see the module docstring): returns what was

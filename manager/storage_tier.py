@@ -42,6 +42,7 @@ in one BACKUP task per batch; BACKING keeps its host copy alive meanwhile.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,8 @@ from kvtier.worker.wire import Completion, Priority, Task, TaskKind
 
 if TYPE_CHECKING:
     from kvtier.manager.config import KvtierConfig
+
+log = logging.getLogger(__name__)
 
 
 class StorageTier:
@@ -80,6 +83,7 @@ class StorageTier:
         self.timeout_per_1k_s = s.timeout_per_1k_tokens_s
         self.backend = s.backend
         self.prefetching_blocks = 0
+        self.clears_running = 0  # CLEAR tasks sent and not answered (a slow clear goes on)
         self._prefetch_of: dict[Node, int] = {}
         self._prefetches: dict[int, int] = {}
         self._queries: dict[int, int] = {}
@@ -322,33 +326,44 @@ class StorageTier:
 
     # ------------------------------------------------------------------ admin
 
-    def clear(self, timeout: float) -> int:
+    def clear(self, timeout: float) -> int | None:
         """Delete this model shape's pages from storage on every rank; returns pages
-        deleted (summed over ranks)."""
+        deleted (summed over ranks), or None when the clear did not finish within `timeout`:
+        it goes on in the background (`clears_running` in `status`), and its outcome lands
+        in the counters (issue 27: a slow clear is not an error). RuntimeError when a rank
+        failed it."""
         m = self.m
         out: list[int] = []
+        failed: list[str] = []
 
-        def done(ok: bool, comp: Completion) -> None:
+        def done(ok: bool, comp: Completion) -> None:  # lock held (the completion thread)
+            self.clears_running -= 1
             if not ok:
                 self.counters["errors_clear"] += 1
-                raise_later.append(comp.error)
+                failed.append(comp.error)
+                log.warning("clearing storage failed: %s", comp.error)
+                return
             out.append(comp.result)
+            for node in m.cached_nodes():  # every node's storage copy is gone now
+                node.flags &= ~STORED
 
-        raise_later: list[str] = []
         with m.lock:
             seq = m.next_seq()
             task = Task(seq, TaskKind.CLEAR, [], [], [], Priority.CONTROL)
+            self.clears_running += 1
             m.track(task, [], on_done=done)
-            m.wait_unlocked([seq], timeout)  # sends it; the lock is free while it runs
-            if raise_later:
-                raise RuntimeError(f"clearing storage failed: {raise_later[0]}")
-            for node in m.cached_nodes():  # every node's storage copy is gone now
-                node.flags &= ~STORED
+            try:
+                m.wait_unlocked([seq], timeout)  # sends it; the lock is free while it runs
+            except TransferTimeoutError:
+                return None
+            if failed:
+                raise RuntimeError(f"clearing storage failed: {failed[0]}")
         return out[0] if out else 0
 
     def status(self) -> dict[str, Any]:
         c = dict(self.counters)
         return {"backend": self.backend, "prefetch_policy": self.policy,
+                "clears_running": self.clears_running,
                 "prefetch_threshold_tokens": self.threshold_tokens,
                 "prefetch_host_blocks_limit": self.limit,
                 "prefetching_blocks": self.prefetching_blocks,

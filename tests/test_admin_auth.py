@@ -56,11 +56,15 @@ def test_a_written_token_is_readable_by_its_user_only(tmp_path: Path) -> None:
     assert _mode(tmp_path / "state") == 0o700  # created by us: private too
     # A second start replaces the file whole and leaves no temporary file behind.
     write_token(path, "second")
-    assert read_token(path) == "second" and os.listdir(path.parent) == ["admin-token"]
+    assert read_token(path) == "second"
+    assert sorted(os.listdir(path.parent)) == ["admin-token", "admin-token.pid"]
+    assert path.with_name("admin-token.pid").read_text().split()[0] == str(os.getpid())
+    assert _mode(path.with_name("admin-token.pid")) == 0o600
     remove_token(path, "not-this-one")  # a later start's token is never removed
     assert path.exists()
     remove_token(path, "second")
     assert not path.exists() and read_token(path) is None
+    assert os.listdir(path.parent) == []
 
 
 def test_loose_directories_are_tightened_and_foreign_ones_refused(tmp_path: Path) -> None:

@@ -38,8 +38,9 @@ import torch
 from engine_runner import LAYOUTS, RunnerKV, make_kv
 from kvtier.manager.config import KvtierConfig
 from kvtier.manager.errors import KvtierError
+from kvtier.manager.launcher import WorkerStartError
 from kvtier.manager.stack import Stack
-from kvtier.worker import content, kvreg
+from kvtier.worker import content, engine_kv, kvreg
 from kvtier.worker.copy_engine import LAYER_DELAY_ENV, CopyEngine
 from kvtier.worker.engine_kv import KVRegistration, LayerWaiter, kv_planes, shared_kv_tensor
 from kvtier.worker.engine_pool import EnginePool, check_record
@@ -1090,3 +1091,130 @@ def test_cuda_layer_events_let_the_compute_stream_wait_without_a_host_sync() -> 
             os.environ.pop(LAYER_DELAY_ENV, None)
         else:
             os.environ[LAYER_DELAY_ENV] = old
+
+
+# --------------------------------------------------------------------------- trust (issue 27)
+
+
+def _shm_path(name: str) -> Path:
+    return Path("/dev/shm", name.lstrip("/"))
+
+
+def test_a_record_or_segment_not_private_to_this_user_is_refused(dep: str) -> None:
+    """Issue 27, item 4: a registration record or KV segment with mode 0666, or owned by
+    another user, was attached (and `kvtier serve` started on it). Only this user's 0600
+    names are trusted: anything else is refused in one line naming the name and why."""
+    with contextlib.closing(RunnerKV(dep, 1, "vllm", layers=L, blocks=N)):
+        name = kvreg.registration_name(dep, 0)
+        rec = kvreg.read_record(dep, 0)
+        assert rec is not None
+        _shm_path(name).chmod(0o666)
+        with pytest.raises(EngineKVError, match=rf"{name}: mode 666.*refusing"):
+            kvreg.read_record(dep, 0)
+        with pytest.raises(EngineKVError, match="mode 666"):
+            EnginePool.attach(spec_for(dep), timeout=0.2)
+        _shm_path(name).chmod(0o600)
+        seg = rec.segments()[0]
+        _shm_path(seg).chmod(0o644)
+        with pytest.raises(EngineKVError, match=rf"{seg}: mode 644"):
+            EnginePool(spec_for(dep), rec)
+        _shm_path(seg).chmod(0o600)
+        if os.geteuid() == 0:  # only root can give a name to another user
+            os.chown(_shm_path(name), 12345, -1)
+            with pytest.raises(EngineKVError, match="owned by uid 12345, not this user"):
+                kvreg.read_record(dep, 0)
+            os.chown(_shm_path(name), 0, -1)
+        pool = EnginePool.attach(spec_for(dep), timeout=1)  # private again: attached
+        pool.close()
+
+
+def test_a_record_naming_a_live_pid_that_is_not_its_runner_is_stale(dep: str) -> None:
+    """Issue 27, item 4: after a crash the dead runner's pid may be reused by a live
+    process; its record then named a live pid, was taken for live, and the restarted runner
+    failed with "registered by the running pid ...". The record's owner is the pid and its
+    start time: another process under the same pid is not the owner."""
+    runner = RunnerKV(dep, 1, "vllm", layers=L, blocks=N)
+    rec = kvreg.read_record(dep, 0)
+    assert rec is not None
+    runner.close()
+    # The runner "died" and its pid went to another process: a live one started later.
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        forged = dataclasses.replace(rec, owner_pid=other.pid)
+        kvreg.create_segment(kvreg.registration_name(dep, 0),
+                             kvreg.encode_record(forged)).close()
+        now = kvreg.read_record(dep, 0)
+        assert now is not None and now.owner_pid == other.pid
+        assert not now.owner_alive()
+        with contextlib.closing(RunnerKV(dep, 1, "vllm", layers=L, blocks=N)):  # taken over
+            mine = kvreg.read_record(dep, 0)
+            assert mine is not None and mine.owner_pid == os.getpid() and mine.owner_alive()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_half_written_record_is_replaced_and_reported_at_once(dep: str) -> None:
+    """Issue 27, items 6 and 7: a record its writer left half-written (it died) blocked the
+    rank for good (the next runner died with a raw posix_ipc.ExistentialError), and a worker
+    waited its whole timeout to report "none was registered". A record is now published
+    whole or not at all, so a malformed one is reported at once, naming it, and the next
+    runner replaces it."""
+    name = kvreg.registration_name(dep, 0)
+    kvreg.create_segment(name, b'{"format":"kvtier-engine-kv","version":3,"rank').close()
+    t0 = time.monotonic()
+    with pytest.raises(EngineKVError, match=f"{name}: not a JSON registration record"):
+        EnginePool.attach(spec_for(dep), timeout=5)
+    assert time.monotonic() - t0 < 2
+    with contextlib.closing(RunnerKV(dep, 1, "vllm", layers=L, blocks=N)):
+        pool = EnginePool.attach(spec_for(dep), timeout=1)
+        pool.close()
+
+
+@pytest.mark.slow  # worker processes
+def test_a_registration_the_workers_refuse_is_one_line_at_start() -> None:
+    """Issue 27, item 7: a registration whose geometry does not match the configuration
+    made `Stack.start` (and `kvtier serve`) fail with a 17-line worker traceback. A worker
+    refusing to start is one line naming the rank and the field, the traceback in its log."""
+    dep = new_deployment_id("ekv")
+    runner = RunnerKV(dep, 2, "vllm", blocks=8)  # the configuration says 16 device blocks
+    stack = Stack(engine_config(dep), transfer_timeout_s=20)
+    try:
+        with pytest.raises(WorkerStartError) as e:
+            stack.start()
+    finally:
+        stack.close()
+        runner.close()
+    message = str(e.value)
+    assert len(message.splitlines()) == 1, message
+    assert "Traceback" not in message
+    assert "num_blocks = 8 in the registration, cache.device_blocks = 16" in message, message
+    assert message.startswith("worker rank "), message
+    wait_until(lambda: not leftovers(dep, 2), 10, "the deployment leaves nothing")
+
+
+def test_a_kv_segment_whose_owner_pid_was_reused_is_taken_over(dep: str) -> None:
+    """Issue 27, item 4, for KV segments: a dead runner's segment whose pid another process
+    now has blocked `shared_kv_tensor` ("in use by pid ...") and was kept by the manager's
+    cleanup. Its header names the owner by pid and start time too."""
+    name = kvreg.kv_segment_name(dep, 0, "kv")
+    mm = kvreg.create_segment(name, size=kvreg.SEGMENT_HEADER_BYTES + 64)
+    mm[: len(kvreg.segment_header(0, 0))] = kvreg.segment_header(os.getpid(), 64)
+    header = bytearray(mm[:64])
+    mm.close()
+    other = subprocess.Popen(["sleep", "60"])  # alive, started after this process
+    try:
+        header[16:24] = other.pid.to_bytes(8, "little")  # the owner pid, as if reused
+        with open(_shm_path(name), "r+b") as f:
+            f.write(header)
+        assert kvreg.segment_owner(name) == other.pid
+        assert kvreg.remove_dead_registrations(dep) == [name]  # not the owner: removed
+        mm = kvreg.create_segment(name, size=kvreg.SEGMENT_HEADER_BYTES + 64)
+        mm[:64] = bytes(header)
+        mm.close()
+        t = shared_kv_tensor(dep, 0, [4, 8], torch.float16)  # taken over, not "in use"
+        assert kvreg.segment_owner(name) == os.getpid() and t.shape == (4, 8)
+    finally:
+        other.kill()
+        other.wait()
+        engine_kv._release_segments([name])

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 
 import hypothesis.strategies as st
+import pytest
 from content_model import GARBAGE, ContentModel, ModelDispatcher
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
@@ -29,9 +30,16 @@ from hypothesis.stateful import (
     rule,
 )
 from kvtier.manager.config import KvtierConfig
-from kvtier.manager.errors import OutOfBlocksError, ResetBusyError, TransferFailedError
-from kvtier.manager.scheduler import KVCacheManager
+from kvtier.manager.errors import (
+    AsleepError,
+    OutOfBlocksError,
+    RequestCancelledError,
+    ResetBusyError,
+    TransferFailedError,
+)
+from kvtier.manager.scheduler import TREE_CLEARING, KVCacheManager
 from kvtier.manager.storage_tier import StorageTier
+from kvtier.manager.transfers import ManualDispatcher
 from kvtier.manager.tree import EVICTING, LOADING, PREFETCHING, SAVING
 from kvtier.worker.wire import TaskKind
 from support import tiny_config
@@ -560,3 +568,186 @@ def test_randomized_runs_reached_every_path() -> None:
     missing = [k for k, v in REACHED.items() if v == 0]
     assert not missing, f"never reached: {missing} ({REACHED})"
     assert REACHED["steps"] >= 2000, f"only {REACHED['steps']} steps checked"
+
+
+# ---------------------------------------------------------------------- sleep racing waits
+
+
+def _waiting_storage_manager(on_wait):  # type: ignore[no-untyped-def]
+    """A manager with a host tier and a storage tier whose prefetches `match` waits for
+    (wait_complete); `on_wait(task)` runs while a match waits with the lock released, as a
+    sleep or reset on another thread would."""
+    def resolve(task):  # type: ignore[no-untyped-def]
+        on_wait(task)
+        return True, 0  # storage holds nothing
+
+    dispatcher = ManualDispatcher(resolve)
+    m = KVCacheManager(block_size=BS, device_blocks=6, host_blocks=10,
+                       write_policy="write_through", dispatcher=dispatcher,
+                       transfer_timeout_s=5.0)
+    cfg = tiny_config(workers=1, device_blocks=6, host_blocks=10, storage="file",
+                      storage_dir=_storage_config().storage.path, extra={
+                          "KVTIER_STORAGE__PREFETCH_POLICY": "wait_complete",
+                          "KVTIER_STORAGE__PREFETCH_THRESHOLD": str(BS)})
+    m.storage = StorageTier(m, cfg)
+    return m, dispatcher
+
+
+def test_a_sleep_while_a_match_waits_for_storage_leaves_nothing_in_flight() -> None:
+    """Issue 27, item 1 (stuck asleep): a match that found host hits (flagged LOADING, their
+    H2D not sent yet) and then waited for a storage query is cancelled by a sleep. The
+    written-off host hits must settle, or every wake answers 'still in flight' for good."""
+    sleep_now = [False]
+
+    def on_wait(task):  # type: ignore[no-untyped-def]
+        if sleep_now[0] and task.kind == TaskKind.QUERY:
+            sleep_now[0] = False
+            m.sleep()
+
+    m, dispatcher = _waiting_storage_manager(on_wait)
+
+    def settle_all() -> None:
+        while dispatcher.tasks:
+            for seq in sorted(dispatcher.tasks):
+                dispatcher.complete(seq, True, 0)
+
+    head = list(range(1000, 1000 + 2 * BS))
+    m.match("a", [*head, 0])
+    m.allocate("a", 2 * BS + 1, reserve_blocks=0)
+    m.commit("a", [*head, 0], 2 * BS + 1)
+    m.release("a")
+    settle_all()  # the head's host copies land
+    other = list(range(5000, 5000 + 5 * BS))
+    m.match("b", [*other, 0])  # pushes the head off the device (6 device blocks)
+    m.allocate("b", 5 * BS + 1, reserve_blocks=0)
+    m.commit("b", [*other, 0], 5 * BS + 1)
+    m.release("b")
+    settle_all()
+    assert m.stats()["host"]["cached"] >= 2
+    sleep_now[0] = True
+    with pytest.raises(RequestCancelledError, match="sleep"):
+        m.match("c", head + list(range(7000, 7000 + 3 * BS)) + [0])
+    assert m.asleep
+    settle_all()
+    m.check_invariants()
+    assert m.settled(), (f"{len(m._inflight)} task(s), {len(m._written_off)} written-off "
+                         "node(s) that no answer will ever settle")
+    m.rebuild(6, 10)
+    m.wake()
+    m.check_invariants()
+
+
+SLEEP_REACHED = dict.fromkeys(("sleep_in_match_wait", "sleep_in_reset", "sleep_plain",
+                               "wakes"), 0)
+
+
+class SleepMachine(StorageMachine):
+    """The storage machine with sleeps (issue 27): matches wait for storage (wait_complete),
+    and a sleep lands at a random point -- while a match waits for a storage query or
+    prefetch with the lock released, while a reset waits for transfers, or between calls
+    with transfers pending. The workers then cancel every task (answered failed), and the
+    wake must find nothing in flight (`settled`) at once: a host hit of a cancelled match
+    left flagged in flight kept every wake refused on main. A reset the sleep overtook
+    answers AsleepError (a 409) and changes nothing of what the sleep did."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = tiny_config(workers=1, device_blocks=10, host_blocks=10, storage="file",
+                          storage_dir=_storage_config().storage.path, extra={
+                              "KVTIER_STORAGE__PREFETCH_POLICY": "wait_complete",
+                              "KVTIER_STORAGE__PREFETCH_THRESHOLD": str(BS),
+                              "KVTIER_STORAGE__PREFETCH_HOST_BLOCKS_LIMIT": "8"})
+        self.cfg = cfg
+        self.tier = StorageTier(self.m, cfg)
+        self.m.storage = self.tier
+        self.sleep_in_wait = False
+        self.sleep_in_drain = False
+        drain = self.dispatcher.drain
+
+        def drain_then_maybe_sleep(timeout: float) -> bool:
+            if self.sleep_in_drain:  # the sleep lands while a reset waits for transfers
+                self.sleep_in_drain = False
+                SLEEP_REACHED["sleep_in_reset"] += 1
+                self.m.sleep()
+            return drain(timeout)
+
+        self.dispatcher.drain = drain_then_maybe_sleep  # type: ignore[method-assign]
+
+    def _resolve(self, task):  # type: ignore[no-untyped-def]
+        if self.sleep_in_wait and task.kind in (TaskKind.QUERY, TaskKind.PREFETCH):
+            self.sleep_in_wait = False  # a match waits for storage, lock released: sleep
+            SLEEP_REACHED["sleep_in_match_wait"] += 1
+            self.m.sleep()
+        if task.kind == TaskKind.PREFETCH:
+            return True, self.model.leading_stored(list(task.keys))
+        return super()._resolve(task)
+
+    def _wake_up(self) -> None:
+        """What Stack.wake does after a sleep: every rank cancels what it holds (answered
+        failed), nothing may be left in flight, the pools come back empty."""
+        assert self.m.asleep
+        for rid in list(self.reqs):
+            self.release_rid(rid)  # a no-op for a request the sleep cancelled
+        while self.dispatcher.tasks:
+            for seq in sorted(self.dispatcher.tasks):
+                self.dispatcher.complete(seq, False)
+        assert self.m.settled(), (
+            f"asleep with {len(self.m._inflight)} task(s) and {len(self.m._written_off)} "
+            "written-off node(s) that no answer will ever settle: every wake is refused")
+        for contents in (self.model.device, self.model.host):
+            for k in contents:
+                contents[k] = GARBAGE
+        self.m.rebuild(self.device_blocks, self.host_blocks)
+        self.tier.resize(self.cfg)
+        self.m.wake()
+        self.pins.clear()
+        SLEEP_REACHED["wakes"] += 1
+
+    @rule(tokens=tokens_st)
+    def match(self, tokens: tuple[int, ...]) -> None:
+        try:
+            super().match(tokens)
+        except RequestCancelledError:
+            assert self.m.asleep
+            self._wake_up()
+            super().match(tokens)  # the engine runs it again after the wake
+
+    @rule(roll=st.integers(0, 2))
+    def arm_sleep_in_match_wait(self, roll: int) -> None:
+        """The next match that waits for storage is overtaken by a sleep."""
+        self.sleep_in_wait = roll == 0
+
+    @rule(settle_first=st.booleans())
+    def reset_racing_sleep(self, settle_first: bool) -> None:
+        """A sleep lands while a reset waits for transfers (all answered, or some pending)."""
+        if settle_first:
+            self.drain()
+        self.sleep_in_drain = True
+        resets = self.m.counters.resets
+        with pytest.raises((AsleepError, ResetBusyError)) as e:
+            self.m.reset(timeout=0.01)
+        assert isinstance(e.value, AsleepError) or self.dispatcher.tasks, e.value
+        assert self.m.asleep and self.m.tree_status == TREE_CLEARING, self.m.tree_status
+        assert self.m.counters.resets == resets
+        with pytest.raises(AsleepError):
+            self.m.reset(timeout=0.01)  # asleep: refused at once
+        self._wake_up()
+
+    @rule(roll=st.integers(0, 3))
+    def sleep_with_transfers_pending(self, roll: int) -> None:
+        if roll:
+            return
+        SLEEP_REACHED["sleep_plain"] += 1
+        self.m.sleep()
+        self._wake_up()
+
+
+TestSleepRaces = SleepMachine.TestCase
+TestSleepRaces.settings = settings(SETTINGS, max_examples=60)
+
+
+def test_sleep_runs_reached_every_race() -> None:
+    """The sleep machine must have slept inside a match's storage wait and inside a reset's
+    wait for transfers, and woken after each."""
+    missing = [k for k, v in SLEEP_REACHED.items() if v == 0]
+    assert not missing, f"never reached: {missing} ({SLEEP_REACHED})"

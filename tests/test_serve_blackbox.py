@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvtier.admin.auth import client_token
 from prometheus_client.parser import text_string_to_metric_families
 from serve_support import ServeProcess, tiny_toml
 from support import (
@@ -189,6 +190,48 @@ def test_serve_generates_a_private_token_when_none_is_configured(tmp_path: Path)
     assert not path.exists()
 
 
+def test_a_second_serve_of_a_live_deployment_changes_nothing_of_it(tmp_path: Path) -> None:
+    """Issue 27, item 5: a second `kvtier serve` with the running deployment's id (another
+    admin port) refuses to start, and on main it deleted the first one's generated token
+    file on the way out, so every POST with the file's token got 401. Refusing must change
+    nothing: the file still holds the first token, which still works."""
+    dep = new_deployment_id("twice")
+    config = tiny_toml(tmp_path / "kvtier.toml", dep, storage="none")
+    serve = ServeProcess(module_command(), ["serve", "--config", str(config)],
+                         deployment_id=dep, log_path=tmp_path / "serve.log")
+    with serve:
+        path, token = serve.token_file(), serve.token()
+        second = _serve_once(tmp_path, config, serve.env)
+        assert second.returncode == 1, second.stderr
+        assert "cannot start" in second.stderr, second.stderr
+        assert path.exists(), "the second serve removed the first one's token file"
+        assert serve.token() == token
+        with serve.client() as client:
+            auth = {"Authorization": f"Bearer {token}"}
+            assert client.post("/pause", headers=auth).status_code == 200
+            assert client.post("/resume", headers=auth).status_code == 200
+        assert serve.stop(signal.SIGTERM) == 0
+    assert not path.exists()
+
+
+def test_a_killed_serves_token_file_is_not_presented(tmp_path: Path) -> None:
+    """Issue 27, item 9: `kill -9` of `kvtier serve` left its generated token file, which
+    clients kept reading until the next start. The file names its serve (a sibling
+    `admin-token.pid`: pid and start time); a client finding that serve gone removes both
+    and presents no token."""
+    dep = new_deployment_id("k9")
+    config = tiny_toml(tmp_path / "kvtier.toml", dep, storage="none")
+    serve = ServeProcess(module_command(), ["serve", "--config", str(config)],
+                         deployment_id=dep, log_path=tmp_path / "serve.log")
+    with serve:
+        path, token = serve.token_file(), serve.token()
+        assert client_token(dep, serve.env) == token  # its serve runs: presented
+        assert serve.stop(signal.SIGKILL) == -signal.SIGKILL
+        assert path.exists()  # nobody could remove it
+        assert client_token(dep, serve.env) is None
+        assert not path.exists() and not path.with_name("admin-token.pid").exists()
+
+
 def test_auth_none_is_explicit_and_warned_about_off_loopback(tmp_path: Path) -> None:
     """admin.auth = "none" is the only way to an admin without a token; bound to 0.0.0.0 it
     says so in a warning."""
@@ -292,6 +335,66 @@ def test_bad_storage_and_worker_settings_exit_2_in_one_line(
     assert len(lines) == 1 and lines[0].startswith(f"kvtier {command}: "), result.stderr
     assert expected in lines[0], lines[0]
     assert "worker rank" not in result.stderr
+    assert leftovers(dep, 1) == []
+
+
+@pytest.mark.parametrize("command", ["serve", "replay"])
+@pytest.mark.parametrize(("kind", "expected"), [
+    ("0644", "mode 644: others may read or write it"),
+    ("short", "holds 8 bytes; a storage secret is 16 to"),
+    ("directory", "is a directory, not a regular file"),
+])
+def test_a_bad_storage_secret_file_exits_2_in_one_line(
+        tmp_path: Path, command: str, kind: str, expected: str) -> None:
+    """Issue 27, item 8: a storage.secret_file of mode 0644, of 8 bytes or a directory used
+    to skip the configuration check: `serve` exited 1 with 3 lines after starting, `replay`
+    exited 3, a directory read "storage secret file 4: Is a directory". Now exit 2 and one
+    line naming storage.secret_file and what is wrong, before anything starts."""
+    dep = new_deployment_id("sec")
+    secret = tmp_path / "secret"
+    if kind == "directory":
+        secret.mkdir(mode=0o700)
+    else:
+        secret.write_bytes(b"x" * (8 if kind == "short" else 32))
+        secret.chmod(0o644 if kind == "0644" else 0o600)
+    config = tiny_toml(tmp_path / "kvtier.toml", dep, storage="file",
+                       storage_dir=tmp_path / "storage")
+    config.write_text(config.read_text().replace(
+        "[storage]\n", f'[storage]\nsecret_file = "{secret}"\n').replace(
+        "device_blocks = 64", "device_blocks = 400"))  # replay's workload fits
+    result = subprocess.run([*module_command(), command, "--config", str(config),
+                             *(["--limit", "2"] if command == "replay" else [])],
+                            capture_output=True, text=True, timeout=120, env=clean_env(),
+                            cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvtier {command}: "), result.stderr
+    assert f"storage.secret_file = '{secret}'" in lines[0] and expected in lines[0], lines[0]
+    assert leftovers(dep, 1) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a folder to another user")
+@pytest.mark.parametrize("command", ["serve", "replay"])
+def test_a_storage_folder_of_another_user_exits_2_in_one_line(tmp_path: Path,
+                                                               command: str) -> None:
+    """Issue 27, item 7: a storage.path owned by another user (or writable by others) was
+    refused by each worker with a 17-line traceback (exit 1). The configuration check
+    refuses it as the workers would, in one line naming storage.path, exit 2."""
+    dep = new_deployment_id("own")
+    storage = tmp_path / "theirs"
+    storage.mkdir(mode=0o700)
+    os.chown(storage, 12345, -1)
+    config = tiny_toml(tmp_path / "kvtier.toml", dep, storage="file", storage_dir=storage)
+    config.write_text(config.read_text().replace("device_blocks = 64", "device_blocks = 400"))
+    result = subprocess.run([*module_command(), command, "--config", str(config),
+                             *(["--limit", "2"] if command == "replay" else [])],
+                            capture_output=True, text=True, timeout=120, env=clean_env(),
+                            cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvtier {command}: "), result.stderr
+    assert f"storage.path = '{storage}'" in lines[0], lines[0]
+    assert "is owned by uid 12345, not by this user" in lines[0], lines[0]
     assert leftovers(dep, 1) == []
 
 

@@ -66,7 +66,7 @@ from kvtier.worker.ipc import (
     LayerProgress,
     LayerWaitTimeout,
     TreeStatus,
-    pid_alive,
+    process_start_time,
     validate_deployment_id,
 )
 from kvtier.worker.kv_pools import DTYPES, PoolConfigError, parse_dtype
@@ -81,6 +81,8 @@ from kvtier.worker.kvreg import (
     encode_cuda_fields,
     encode_record,
     kv_segment_name,
+    live_segment_owner,
+    publish_segment,
     read_record,
     registration_name,
     remove_registration,
@@ -145,8 +147,8 @@ def shared_kv_tensor(deployment_id: str, rank: int, shape: Sequence[int], dtype:
             raise EngineKVError(
                 f"shared_kv_tensor: {name} already exists in this process; give each tensor "
                 "of a rank its own tag")
-        owner = segment_owner(name)
-        if owner is not None and owner != os.getpid() and pid_alive(owner):
+        owner = live_segment_owner(name)  # issue 27: a reused pid is not the owner
+        if owner is not None and owner != os.getpid():
             raise EngineKVError(f"shared_kv_tensor: {name} is in use by pid {owner}")
         unlink(name)  # a dead runner's segment of the same name
         mm = create_segment(name, size=SEGMENT_HEADER_BYTES + nbytes)
@@ -381,7 +383,8 @@ class KVRegistration:
         self.nonce = secrets.token_hex(16)
         itemsize = self.planes[0].element_size()
         record = Record(
-            deployment_id=deployment_id, rank=rank, owner_pid=os.getpid(), nonce=self.nonce,
+            deployment_id=deployment_id, rank=rank, owner_pid=os.getpid(),
+            owner_start=process_start_time(os.getpid()) or 0, nonce=self.nonce,
             device=device, device_uuid=uuid, dtype=_DTYPE_NAMES[self.dtype], layout=layout,
             num_layers=self.num_layers, num_blocks=self.num_blocks, block_size=block_size,
             num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -390,7 +393,12 @@ class KVRegistration:
         self.record = record
         self._segments = segments
         self._owned = owned
-        create_segment(self.name, encode_record(record)).close()
+        try:  # whole or not at all (issue 27: a half-written record blocked the rank)
+            publish_segment(self.name, encode_record(record))
+        except FileExistsError:
+            raise EngineKVError(
+                f"rank {rank} of deployment {deployment_id!r}: {self.name} was registered "
+                "meanwhile by another process; close that registration first") from None
         self._closed = False
         with _LOCK:
             _LIVE[self.name] = self
@@ -427,8 +435,12 @@ class KVRegistration:
     def _take_over_stale(self) -> None:
         try:
             old = read_record(self.deployment_id, self.rank)
-        except EngineKVError:
-            unlink(self.name)  # unreadable: nobody can use it
+        except EngineKVError as e:
+            # Malformed (a writer died before publish_segment existed) or not ours alone:
+            # nobody can use it. Ours is replaced; another user's cannot be (one line).
+            if not unlink(self.name):
+                raise EngineKVError(f"rank {self.rank} of deployment {self.deployment_id!r} "
+                                    f"cannot be registered: {e}") from None
             return
         if old is None:
             return

@@ -32,6 +32,7 @@ from kvtier.worker.kvreg import (
     EngineKVError,
     LayerEventWords,
     Record,
+    check_private,
     decode_cuda_fields,
     read_record,
     registration_name,
@@ -100,8 +101,9 @@ class EnginePool(PlanePool):
             scale_planes = _cuda_planes(rec.scale_planes, torch.float32, rec, spec)
         else:
             mapped: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-            planes = _cpu_planes(rec.planes, shape.dtype, mapped, "")
-            scale_planes = _cpu_planes(rec.scale_planes, torch.float32, mapped, " scales")
+            planes = _cpu_planes(rec.planes, shape.dtype, mapped, "", rec.owner_pid)
+            scale_planes = _cpu_planes(rec.scale_planes, torch.float32, mapped, " scales",
+                                       rec.owner_pid)
         super().__init__(shape, planes, layout=rec.layout, scale_planes=scale_planes)
         self.layer_events: WorkerLayerEvents | None = None
         if rec.layer_events is not None:
@@ -223,16 +225,16 @@ class WorkerLayerEvents:
 
 def _cpu_planes(recs: tuple[dict[str, Any], ...], dtype: torch.dtype,
                 mapped: dict[tuple[str, torch.dtype], torch.Tensor], what: str,
-                ) -> list[torch.Tensor]:
+                owner_pid: int) -> list[torch.Tensor]:
     """Views of the CPU planes `recs` (KV or scale planes) as `dtype`; `mapped` caches each
-    segment's typed mapping across calls."""
+    segment's typed mapping across calls. Every segment must be the record's owner's."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     planes = []
     for i, p in enumerate(recs):
         where = f"engine KV{what} plane {i} (layer {i // 2} {'KV'[i % 2]})"
         name = p["segment"]
         if (name, dtype) not in mapped:
-            mapped[name, dtype] = _map_segment(name, dtype)
+            mapped[name, dtype] = _map_segment(name, dtype, owner_pid)
         base = mapped[name, dtype]
         offset = p["offset_bytes"]
         if offset < SEGMENT_HEADER_BYTES or offset % itemsize:
@@ -241,12 +243,18 @@ def _cpu_planes(recs: tuple[dict[str, Any], ...], dtype: torch.dtype,
     return planes
 
 
-def _map_segment(name: str, dtype: torch.dtype) -> torch.Tensor:
+def _map_segment(name: str, dtype: torch.dtype, owner_pid: int) -> torch.Tensor:
+    """Map a runner's KV segment: this user's alone (mode 0600, `check_private`) and made by
+    `owner_pid`, the record's runner (its header says so; issue 27)."""
     try:
         shm = posix_ipc.SharedMemory(name)
     except posix_ipc.ExistentialError:
         raise EngineKVError(f"engine KV segment {name} does not exist") from None
+    except posix_ipc.PermissionsError:
+        raise EngineKVError(f"engine KV segment {name} is not this user's: refusing it"
+                            ) from None
     try:
+        check_private(shm.fd, f"engine KV segment {name}")
         size = shm.size
         mm = mmap.mmap(shm.fd, size)
     finally:
@@ -254,6 +262,10 @@ def _map_segment(name: str, dtype: torch.dtype) -> torch.Tensor:
     raw = torch.frombuffer(mm, dtype=torch.uint8)  # holds the mapping while views exist
     if size < SEGMENT_HEADER_BYTES or int(raw[:8].view(torch.int64)) != SEGMENT_MAGIC:
         raise EngineKVError(f"engine KV segment {name} has no kvtier header")
+    made_by = int(raw[16:24].view(torch.int64))  # the header's owner pid (kvreg._HEADER)
+    if made_by != owner_pid:
+        raise EngineKVError(f"engine KV segment {name} was made by pid {made_by}, not by the "
+                            f"registering model runner pid {owner_pid}: refusing it")
     itemsize = torch.empty((), dtype=dtype).element_size()
     return raw[: size - size % itemsize].view(dtype)
 

@@ -82,8 +82,8 @@ class TaskExecutor:
     no storage tier). `backup_one_rank`: only rank 0 writes pages (every rank holds the same
     KV, as in MLA models), the others report success without writing. Test hooks, read once
     from the environment (`kvtier.worker.delays`): `storage_delay_s` slows every storage
-    read, `storage_write_delay_s` every BACKUP, `prefetch_page_delay_s` every page a PREFETCH
-    reads (one page a batch then), `backup_delay_s` every D2H batch.
+    read, `storage_write_delay_s` every BACKUP and CLEAR, `prefetch_page_delay_s` every page
+    a PREFETCH reads (one page a batch then), `backup_delay_s` every D2H batch.
 
     Thread safety: the worker runs each `TaskClass` on its own thread, so `device_batch` may
     run a D2H and an H2D at once (the copy engine orders their steps) and `storage_task` a
@@ -191,6 +191,8 @@ class TaskExecutor:
         if task.kind == TaskKind.QUERY:
             return store.leading_present(task.keys)
         if task.kind == TaskKind.CLEAR:
+            if self.storage_write_delay_s:  # a slow clear (a large store) for the tests
+                time.sleep(self.storage_write_delay_s)
             return store.clear()
         host = self.host
         if host is None:

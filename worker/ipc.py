@@ -346,6 +346,17 @@ def existing_names(deployment_id: str, max_ranks: int = MAX_RANKS) -> list[str]:
 # --------------------------------------------------------------------------- helpers
 
 
+def process_start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot, /proc/<pid>/stat field 22); None
+    when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+        return int(text.rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     """True while `pid` runs (a zombie counts as dead)."""
     if pid <= 0:

@@ -13,6 +13,9 @@ Record: UTF-8 JSON, the whole segment (no pickle, nothing executable). Fields:
     format, version       "kvtier-engine-kv", RECORD_VERSION
     deployment_id, rank   whose KV this is
     owner_pid             the model runner's pid (a record whose owner is dead is stale)
+    owner_start           its start time (clock ticks after boot, /proc/<pid>/stat field 22):
+                          with the pid it names one process for good, so a dead runner's pid
+                          reused by another process does not make its record live
     nonce                 32 random hex digits, new for every registration
     device                "cpu" or "cuda:<index>" (the index in the runner's process)
     device_uuid           the GPU's UUID (CUDA only; "" elsewhere)
@@ -49,11 +52,14 @@ order, so the later record completes after the earlier copy. No host thread wait
 on the GPU.
 
 A KV segment starts with a `SEGMENT_HEADER_BYTES` header (magic, version, owner pid, data
-bytes; little-endian int64 words) so a stale one can be told from a live one even when no
-record names it; the tensor data starts at that page-aligned offset.
+bytes, the owner's start time; little-endian int64 words) so a stale one can be told from a
+live one even when no record names it; the tensor data starts at that page-aligned offset.
 
-The record is written right after the segment is created: a reader that finds it empty or
-half-written treats it as not there yet (`read_record` returns None) and looks again.
+Trust (issue 27): a record or KV segment is used only when it belongs to this user and has
+mode 0600 (what `create_segment` makes); anything else is refused, naming it and why. A record
+is published whole: written under a temporary name, then linked to its own (a writer that
+dies half-way leaves no record, only a temporary name the manager removes), so a malformed
+record is reported at once instead of waited for, and the next runner replaces it.
 """
 
 from __future__ import annotations
@@ -62,22 +68,25 @@ import json
 import mmap
 import os
 import re
+import secrets
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import posix_ipc
 from kvtier.worker.errors import KvtierError
-from kvtier.worker.ipc import pid_alive, validate_deployment_id
+from kvtier.worker.ipc import pid_alive, process_start_time, validate_deployment_id
 
 Layout = Literal["kvtier", "vllm", "fastdeploy"]
 LAYOUTS: tuple[str, ...] = ("kvtier", "vllm", "fastdeploy")
 RECORD_FORMAT = "kvtier-engine-kv"
-RECORD_VERSION = 2  # 2: scale_planes (a version 1 worker would drop scales silently)
+# 2: scale_planes (a version 1 worker would drop scales silently); 3: owner_start
+RECORD_VERSION = 3
 MAX_RECORD_BYTES = 16 << 20
 SEGMENT_HEADER_BYTES = 4096
 SEGMENT_MAGIC = int.from_bytes(b"KVTIERM1", "little")
-SEGMENT_VERSION = 1
+SEGMENT_VERSION = 2  # 2: the owner's start time (issue 27: a reused pid is not the owner)
 CUDA_FIELDS = ("device", "handle", "size_bytes", "offset_bytes", "ref_counter_handle",
                "ref_counter_offset", "event_handle", "event_sync_required")
 _HEX_FIELDS = frozenset({"handle", "ref_counter_handle", "event_handle"})
@@ -85,7 +94,7 @@ EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
 MAX_EVENT_SLOTS = 64
 LAYER_EVENTS_TAG = "layerevents"
 _TAG = re.compile(r"[A-Za-z0-9-]{1,32}")
-_HEADER = struct.Struct("<4q")  # magic, version, owner pid, data bytes
+_HEADER = struct.Struct("<5q")  # magic, version, owner pid, data bytes, owner start time
 _SHM_DIR = "/dev/shm"
 
 
@@ -138,6 +147,7 @@ class Record:
     planes: tuple[dict[str, Any], ...]
     scale_planes: tuple[dict[str, Any], ...] = ()
     layer_events: dict[str, Any] | None = None
+    owner_start: int = 0
 
     @property
     def is_cuda(self) -> bool:
@@ -162,7 +172,10 @@ class Record:
         return [[bytes.fromhex(h) for h in row] for row in self.layer_events["handles"]]
 
     def owner_alive(self) -> bool:
-        return pid_alive(self.owner_pid)
+        """Whether the process that registered runs: its pid alive with the start time
+        recorded (another process under a reused pid is not the owner)."""
+        return (pid_alive(self.owner_pid)
+                and process_start_time(self.owner_pid) == self.owner_start)
 
 
 def encode_record(rec: Record) -> bytes:
@@ -203,8 +216,8 @@ def decode_record(raw: bytes, where: str = "engine KV record") -> Record:
         raise EngineKVError(
             f"{where}: record version {body.get('version')!r}, this kvtier reads version "
             f"{RECORD_VERSION} (model runner and workers run different kvtier versions)")
-    ints = ("rank", "owner_pid", "num_layers", "num_blocks", "block_size", "num_kv_heads",
-            "head_dim", "row_bytes")
+    ints = ("rank", "owner_pid", "owner_start", "num_layers", "num_blocks", "block_size",
+            "num_kv_heads", "head_dim", "row_bytes")
     strs = ("deployment_id", "nonce", "device", "device_uuid", "dtype", "layout")
     values: dict[str, Any] = {n: _field(body, n, int, where) for n in ints}
     values |= {n: _field(body, n, str, where) for n in strs}
@@ -315,8 +328,8 @@ class LayerEventWords:
             raise EngineKVError(f"layer events: slots must be 1..{MAX_EVENT_SLOTS} and layers "
                                 f"positive, got {slots} and {layers}")
         name = kv_segment_name(deployment_id, rank, LAYER_EVENTS_TAG)
-        owner = segment_owner(name)
-        if owner is not None and owner != os.getpid() and pid_alive(owner):
+        owner = live_segment_owner(name)
+        if owner is not None and owner != os.getpid():
             raise EngineKVError(f"layer events: {name} is in use by pid {owner}")
         unlink(name)  # a dead runner's table of the same name
         nbytes = slots * layers * _WORD.size
@@ -332,7 +345,10 @@ class LayerEventWords:
             shm = posix_ipc.SharedMemory(name)
         except posix_ipc.ExistentialError:
             raise EngineKVError(f"layer events: {name} does not exist") from None
+        except posix_ipc.PermissionsError:
+            raise EngineKVError(f"layer events: {name} is not this user's: refusing it") from None
         try:
+            check_private(shm.fd, f"layer events: {name}")
             size = shm.size
             need = SEGMENT_HEADER_BYTES + slots * layers * _WORD.size
             if size < need:
@@ -340,7 +356,7 @@ class LayerEventWords:
             mm = mmap.mmap(shm.fd, size)
         finally:
             shm.close_fd()
-        magic, version, _, _ = _HEADER.unpack(mm[: _HEADER.size])
+        magic, version, _, _, _ = _HEADER.unpack(mm[: _HEADER.size])
         if magic != SEGMENT_MAGIC or version != SEGMENT_VERSION:
             mm.close()
             raise EngineKVError(f"layer events: {name} has no kvtier header")
@@ -414,6 +430,32 @@ def decode_cuda_fields(obj: dict[str, Any], device_index: int | None = None) -> 
 # --------------------------------------------------------------------------- shared memory
 
 
+def check_private(fd: int, name: str) -> None:
+    """Refuse a segment this user does not own alone (issue 27): another user's, or one of
+    a mode other users may read or write. EngineKVError naming it and why."""
+    info = os.fstat(fd)
+    if info.st_uid != os.geteuid():
+        raise EngineKVError(
+            f"{name}: owned by uid {info.st_uid}, not this user (uid {os.geteuid()}): "
+            "refusing engine KV somebody else controls")
+    if info.st_mode & 0o077:
+        raise EngineKVError(
+            f"{name}: mode {stat.S_IMODE(info.st_mode):o}, other users may read or write it "
+            "(kvtier makes these 0600): refusing it")
+
+
+def publish_segment(name: str, data: bytes) -> None:
+    """Create `name` (mode 0600, failing with FileExistsError if it exists) holding `data`,
+    appearing whole: written under a temporary name, then linked to `name` (a writer that
+    dies half-way leaves no `name`)."""
+    tmp = f"{name}_tmp{os.getpid()}x{secrets.token_hex(4)}"  # the pid: see remove_dead_...
+    create_segment(tmp, data).close()
+    try:
+        os.link(os.path.join(_SHM_DIR, tmp.lstrip("/")), os.path.join(_SHM_DIR, name.lstrip("/")))
+    finally:
+        unlink(tmp)
+
+
 def create_segment(name: str, data: bytes | None = None, size: int | None = None) -> mmap.mmap:
     """Create `name` (mode 0600, failing if it exists) of `size` bytes, or holding `data`;
     returns its mapping."""
@@ -437,8 +479,8 @@ def unlink(name: str) -> bool:
     """Unlink a segment; False when it did not exist."""
     try:
         posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        return False
+    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+        return False  # gone, or another user's (the caller then refuses it)
     return True
 
 
@@ -448,7 +490,11 @@ def read_segment(name: str, limit: int = MAX_RECORD_BYTES) -> bytes | None:
         shm = posix_ipc.SharedMemory(name, read_only=True)
     except posix_ipc.ExistentialError:
         return None
+    except posix_ipc.PermissionsError:
+        raise EngineKVError(f"{name}: not readable by this user: refusing engine KV somebody "
+                            "else controls") from None
     try:
+        check_private(shm.fd, name)
         size = shm.size
         if size > limit:
             raise EngineKVError(f"{name}: {size} bytes, more than a record may hold ({limit})")
@@ -458,18 +504,14 @@ def read_segment(name: str, limit: int = MAX_RECORD_BYTES) -> bytes | None:
 
 
 def read_record(deployment_id: str, rank: int) -> Record | None:
-    """Rank `rank`'s registration record, or None when there is none (or it is still being
-    written). EngineKVError when it is there and malformed."""
+    """Rank `rank`'s registration record, or None when there is none. EngineKVError when
+    it is there and malformed (records are published whole: `publish_segment`) or not this
+    user's alone (`check_private`)."""
     name = registration_name(deployment_id, rank)
     raw = read_segment(name)
-    if raw is None or not raw.strip(b"\0"):
+    if raw is None:
         return None
-    try:
-        rec = decode_record(raw, name)
-    except EngineKVError:
-        if raw.rstrip(b"\0").endswith(b"}"):
-            raise
-        return None  # half-written: the writer fills it right after creating it
+    rec = decode_record(raw, name)
     if rec.deployment_id != deployment_id or rec.rank != rank:
         raise EngineKVError(
             f"{name}: the record is for deployment {rec.deployment_id!r} rank {rec.rank}")
@@ -477,23 +519,41 @@ def read_record(deployment_id: str, rank: int) -> Record | None:
 
 
 def segment_header(owner_pid: int, data_bytes: int) -> bytes:
-    return _HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, owner_pid, data_bytes)
+    start = process_start_time(owner_pid) if owner_pid > 0 else None
+    return _HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, owner_pid, data_bytes, start or 0)
+
+
+def _header_owner(name: str) -> tuple[int, int] | None:
+    """(owner pid, owner start time) from a KV segment's header; None when the segment is
+    gone or has no valid header."""
+    try:
+        shm = posix_ipc.SharedMemory(name, read_only=True)
+    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+        return None
+    try:
+        if shm.size < _HEADER.size:
+            return None
+        magic, version, pid, _, start = _HEADER.unpack(os.pread(shm.fd, _HEADER.size, 0))
+    finally:
+        shm.close_fd()
+    return (pid, start) if magic == SEGMENT_MAGIC and version == SEGMENT_VERSION else None
+
+
+def live_segment_owner(name: str) -> int | None:
+    """The pid of the process that made KV segment `name`, while it runs (pid alive with
+    the start time in the header: a reused pid is not the owner); None otherwise."""
+    owner = _header_owner(name)
+    if owner is None:
+        return None
+    pid, start = owner
+    return pid if pid_alive(pid) and process_start_time(pid) == start else None
 
 
 def segment_owner(name: str) -> int | None:
     """The owner pid written in a KV segment's header; None when the segment is gone or has
     no valid header."""
-    try:
-        shm = posix_ipc.SharedMemory(name, read_only=True)
-    except posix_ipc.ExistentialError:
-        return None
-    try:
-        if shm.size < _HEADER.size:
-            return None
-        magic, version, pid, _ = _HEADER.unpack(os.pread(shm.fd, _HEADER.size, 0))
-    finally:
-        shm.close_fd()
-    return pid if magic == SEGMENT_MAGIC and version == SEGMENT_VERSION else None
+    owner = _header_owner(name)
+    return None if owner is None else owner[0]
 
 
 def deployment_entries(deployment_id: str, kind: str) -> list[str]:
@@ -535,6 +595,9 @@ def remove_dead_registrations(deployment_id: str) -> list[str]:
     for name in deployment_entries(deployment_id, "kvreg"):
         rank_text = name.rsplit("_r", 1)[-1]
         if not rank_text.isdigit():
+            writer = rank_text.rpartition("_tmp")[2].partition("x")[0]
+            if writer.isdigit() and not pid_alive(int(writer)) and unlink(name):
+                removed.append(name)  # a record a writer died publishing (publish_segment)
             continue
         try:
             rec = read_record(deployment_id, int(rank_text))
@@ -546,7 +609,7 @@ def remove_dead_registrations(deployment_id: str) -> list[str]:
             removed += remove_registration(rec)
     for name in deployment_entries(deployment_id, "kvmem"):
         owner = segment_owner(name)  # None: being created right now, or not ours
-        if owner is not None and not pid_alive(owner) and unlink(name):
+        if owner is not None and live_segment_owner(name) is None and unlink(name):
             removed.append(name)
     return removed
 

@@ -70,9 +70,10 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 
+from kvtier.worker.errors import KvtierError
 from kvtier.worker.executor import MERGEABLE, TASK_CLASSES, RankResources, TaskClass
 from kvtier.worker.ipc import ManagerGone, WorkerIPC
-from kvtier.worker.spec import WorkerSpec, host_segment_name
+from kvtier.worker.spec import REFUSED_EXIT, REFUSED_PREFIX, WorkerSpec, host_segment_name
 from kvtier.worker.wire import Completion, Task, TaskKind
 
 __all__ = ["Worker", "WorkerSpec", "host_segment_name", "main"]
@@ -508,7 +509,12 @@ def main(argv: list[str] | None = None) -> int:
         index = int(spec.device[5:])
         if torch.cuda.is_available() and index < torch.cuda.device_count():
             torch.cuda.set_device(index)  # else the device pool refuses it in one line
-    worker = Worker(spec)
+    try:
+        worker = Worker(spec)
+    except KvtierError as e:  # a deliberate refusal: one line for the manager to report
+        log.info("rank %d: start refused", spec.rank, exc_info=True)  # the traceback: the log
+        print(REFUSED_PREFIX + " ".join(str(e).split()), file=sys.stderr, flush=True)
+        return REFUSED_EXIT
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("rank %d: signal %d, stopping", spec.rank, signum)

@@ -11,6 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.worker.storage.backend import namespace_for
 
+REFUSED_EXIT = 3
+"""A worker's exit status when it refused to start (a deliberate KvtierError: a registration
+that does not fit, a pool that cannot be had): its stderr (the log) then ends with one line
+REFUSED_PREFIX + the reason, which the manager reports instead of a traceback (issue 27)."""
+REFUSED_PREFIX = "kvtier-worker refused to start: "
+
 if TYPE_CHECKING:
     from kvtier.worker.kv_pools import KVShape
 
