@@ -1,0 +1,242 @@
+"""kvtier inside the real `vllm serve` CLI (vLLM's CPU build in `.venv-vllm`), as an operator
+meets it: started with default settings, driven over vLLM's OpenAI-compatible HTTP API with
+token-id prompts (the tiny random Llama of examples/vllm_offload.py has no tokenizer), and
+stopped the ways an operator stops it.
+
+* Two instances side by side with default settings (no admin port, no sizes, no storage path
+  given); each is stopped, one by Ctrl-C (SIGINT to its process group, as a terminal sends it),
+  one by SIGTERM to its main process (as `docker stop` sends it). vLLM then kills its engine
+  process tree with SIGKILL, so what this checks is kvtier's watcher: no name of either
+  deployment is left in /dev/shm or among the message queues, no log folder in /tmp, no state
+  folder.
+* A crash (kill -9 of every process, kvtier's watcher and worker included) leaves the names;
+  the next start removes them. That start finds the crashed instance's pages in the default
+  file storage (the same model reuses one location), so its run hits storage and then host:
+  kvtier's /status and /metrics, vLLM's `prompt_tokens_cached_by_source` and the Grafana
+  dashboard's hit-rate queries (Prometheus scraping both) are read and checked against each
+  other.
+* A mistyped key in `kv_connector_extra_config` stops vLLM with one line naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import free_port, leftovers, pid_exists, remove_leftovers, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_VENV = ROOT / os.environ.get("KVTIER_VLLM_VENV", ".venv-vllm")
+VLLM = VLLM_VENV / "bin" / "vllm"
+VLLM_PYTHON = VLLM_VENV / "bin" / "python"
+BLOCK = 32
+VOCAB = 512
+PROMPT_TOKENS = 200  # 6 full blocks of 32 + 8
+PREFIX_TOKENS = 192
+START_TIMEOUT_S = 420  # two vLLM servers starting at once on two shared cores
+STOP_TIMEOUT_S = 60
+
+if not VLLM_PYTHON.exists():
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` builds it (make vllm-env)")
+    pytest.skip(f"vLLM's environment {VLLM_PYTHON} is not built (make vllm-env)",
+                allow_module_level=True)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * START_TIMEOUT_S + 300)]
+
+START_LINE = re.compile(r"kvtier offloading: deployment (vllm-[0-9a-f]{12}), (\d+) host blocks "
+                        r".*?, admin (http://[0-9.]+:\d+)")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("vllm-model") / "tiny-llama"
+    subprocess.run([str(VLLM_PYTHON), "-c", "import sys; sys.path.insert(0, 'examples'); "
+                    "from pathlib import Path; import vllm_offload; "
+                    f"vllm_offload.build_model(Path({str(path)!r}))"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    return path
+
+
+class Served:
+    """One `vllm serve` process (its own process group) with kvtier, its log file, and what
+    its log says of kvtier (deployment id, admin URL)."""
+
+    def __init__(self, model: Path, home: Path, log: Path, extra: dict[str, Any]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        self.model = str(model)
+        kt = {"kv_connector": "KvtierConnector",
+              "kv_connector_module_path": "kvtier.integrations.vllm",
+              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+              "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec",
+                                            "spec_module_path": "kvtier.integrations.vllm",
+                                            **extra}}
+        env = {k: v for k, v in os.environ.items() if not k.upper().startswith("KVTIER_")}
+        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "XDG_CACHE_HOME": str(home / "cache"),
+                    "XDG_STATE_HOME": str(home / "state")})
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(
+            [str(VLLM), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+             "--enforce-eager", "--skip-tokenizer-init", "--max-model-len", "320",
+             "--block-size", str(BLOCK), "--dtype", "bfloat16", "--num-gpu-blocks-override",
+             "12", "--seed", "0", "--kv-transfer-config", json.dumps(kt)],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=home,
+            start_new_session=True)
+        self.deployment_id = ""
+        self.admin_url = ""
+        self.host_blocks = 0
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.text().splitlines()[-n:])
+
+    def wait_ready(self) -> None:
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vllm serve exited {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    return bool(r.status == 200)
+            except (urllib.error.URLError, OSError):
+                return False
+
+        wait_until(ready, START_TIMEOUT_S, f"vllm serve on {self.url} healthy", 1.0)
+        found = START_LINE.search(self.text())
+        assert found, f"kvtier's start line is not in vLLM's log:\n{self.tail()}"
+        self.deployment_id, blocks, self.admin_url = found.groups()
+        self.host_blocks = int(blocks)
+
+    def complete(self, tokens: list[int]) -> dict[str, Any]:
+        body = {"model": self.model, "prompt": tokens, "max_tokens": 4, "temperature": 0.0}
+        req = urllib.request.Request(self.url + "/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out: dict[str, Any] = json.loads(r.read())
+        return out
+
+    def stop(self, sig: signal.Signals, *, group: bool) -> int:
+        if group:
+            os.killpg(self.proc.pid, sig)
+        else:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=STOP_TIMEOUT_S)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._log.close()
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return str(r.read().decode())
+
+
+def prompts(seed: int) -> tuple[list[int], list[list[int]]]:
+    """Prompt A and four others of 200 tokens (the others push A out of vLLM's 12 blocks)."""
+    rng = random.Random(seed)
+    a = [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
+    return a, [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(4)]
+
+
+def left_of(deployment_id: str, home: Path) -> list[str]:
+    """Everything of the deployment still there: IPC names, /tmp log folders, its state."""
+    found = leftovers(deployment_id, 1)
+    found += [str(p) for p in Path("/tmp").glob(f"kvtier-{deployment_id}-*")]
+    state = home / "state" / "kvtier" / deployment_id
+    if state.exists():
+        found.append(str(state))
+    return found
+
+
+def watcher_pids(deployment_id: str) -> list[int]:
+    """The pids of kvtier's watcher processes of the deployment (from /proc)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"kvtier.manager.janitor" in cmd and deployment_id.encode() in cmd:
+                pids.append(int(proc.name))
+    return pids
+
+
+@contextlib.contextmanager
+def serving(model: Path, home: Path, name: str, **extra: Any) -> Iterator[Served]:
+    s = Served(model, home, home / f"{name}.log", extra)
+    try:
+        yield s
+    finally:
+        s.close()
+        if s.deployment_id:
+            for pid in watcher_pids(s.deployment_id):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            remove_leftovers(s.deployment_id)
+
+
+def test_two_instances_with_defaults_serve_and_stop_clean_on_ctrl_c_and_sigterm(
+        model_dir: Path, tmp_path: Path) -> None:
+    with serving(model_dir, tmp_path, "a") as a, serving(model_dir, tmp_path, "b") as b:
+        a.wait_ready()
+        b.wait_ready()
+        assert a.deployment_id != b.deployment_id
+        assert a.admin_url != b.admin_url, "two instances on one admin port"
+        for s in (a, b):
+            for text in ("This API is experimental", "out-of-tree offloading spec"):
+                assert text not in s.text(), f"vLLM's log still says {text!r}"
+            status = json.loads(get(s.admin_url + "/status"))
+            assert status["deployment_id"] == s.deployment_id
+            host = status["config"]["cache"]["host_blocks"] if "cache" in status[
+                "config"] else s.host_blocks
+            assert host == s.host_blocks > 0
+            prompt, _ = prompts(7)
+            out = s.complete(prompt)
+            assert out["usage"]["prompt_tokens"] == PROMPT_TOKENS, out
+            assert len(out["choices"][0]["text"]) or out["choices"][0].get("token_ids"), out
+        assert a.stop(signal.SIGINT, group=True) is not None  # Ctrl-C
+        assert b.stop(signal.SIGTERM, group=False) is not None  # docker stop
+        for s in (a, b):
+            left: list[str] = []
+
+            def clean(s: Served = s) -> bool:
+                nonlocal left
+                left = left_of(s.deployment_id, tmp_path)
+                return not left
+
+            try:
+                wait_until(clean, 30, "the deployment's names gone", 0.2)
+            except AssertionError:
+                raise AssertionError(
+                    f"{s.deployment_id} left {left} after vllm serve stopped:\n"
+                    f"{s.tail(20)}") from None
+            assert not watcher_pids(s.deployment_id)
+
+
+def test_unknown_key_stops_vllm_with_one_line_naming_it(model_dir: Path, tmp_path: Path) -> None:
+    with serving(model_dir, tmp_path, "typo", host_block=16) as s:
+        rc = s.proc.wait(timeout=START_TIMEOUT_S)
+        assert rc != 0
+        line = ("kv_connector_extra_config: unknown key 'host_block' (did you mean "
+                "'host_blocks'?); kvtier reads ")
+        assert line in s.text(), s.tail()
+        assert not pid_exists(s.proc.pid)
