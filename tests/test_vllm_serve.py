@@ -27,14 +27,24 @@ import random
 import re
 import signal
 import subprocess
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import free_port, leftovers, pid_exists, remove_leftovers, wait_until
+from compose_support import dashboard_queries, promql_without_grafana_variables
+from support import (
+    free_port,
+    leftovers,
+    pid_exists,
+    remove_leftovers,
+    require_tool,
+    wait_until,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = ROOT / os.environ.get("KVTIER_VLLM_VENV", ".venv-vllm")
@@ -206,9 +216,7 @@ def test_two_instances_with_defaults_serve_and_stop_clean_on_ctrl_c_and_sigterm(
                 assert text not in s.text(), f"vLLM's log still says {text!r}"
             status = json.loads(get(s.admin_url + "/status"))
             assert status["deployment_id"] == s.deployment_id
-            host = status["config"]["cache"]["host_blocks"] if "cache" in status[
-                "config"] else s.host_blocks
-            assert host == s.host_blocks > 0
+            assert status["tiers"]["host"]["capacity"] == s.host_blocks > 0, status["tiers"]
             prompt, _ = prompts(7)
             out = s.complete(prompt)
             assert out["usage"]["prompt_tokens"] == PROMPT_TOKENS, out
@@ -240,3 +248,109 @@ def test_unknown_key_stops_vllm_with_one_line_naming_it(model_dir: Path, tmp_pat
                 "'host_blocks'?); kvtier reads ")
         assert line in s.text(), s.tail()
         assert not pid_exists(s.proc.pid)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` whose labels include `labels` (Prometheus text)."""
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+@contextlib.contextmanager
+def prometheus(tmp_path: Path, targets: dict[str, str]) -> Iterator[str]:
+    """A real Prometheus (Debian package `prometheus`) scraping `targets` (job -> host:port)
+    every second on loopback; yields its URL."""
+    binary = require_tool("prometheus", "prometheus")
+    port = free_port()
+    jobs = "".join(f"  - job_name: {job}\n    static_configs:\n      - targets: [\"{t}\"]\n"
+                   for job, t in targets.items())
+    config = tmp_path / "prometheus.yml"
+    config.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                      f"scrape_configs:\n{jobs}")
+    log = (tmp_path / "prometheus.log").open("wb")
+    proc = subprocess.Popen([binary, f"--config.file={config}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def ready() -> bool:
+            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()
+            with contextlib.suppress(OSError):
+                return "Ready" in get(url + "/-/ready")
+            return False
+
+        wait_until(ready, 60, "prometheus ready", 0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def promql(url: str, expr: str) -> list[dict[str, Any]]:
+    q = urllib.parse.urlencode({"query": expr})
+    body = json.loads(get(f"{url}/api/v1/query?{q}"))
+    assert body["status"] == "success", body
+    result: list[dict[str, Any]] = body["data"]["result"]
+    return result
+
+
+def test_a_crash_is_reclaimed_at_the_next_start_and_every_figure_is_right(
+        model_dir: Path, tmp_path: Path) -> None:
+    prompt, others = prompts(11)
+    with serving(model_dir, tmp_path, "crashed") as crashed:
+        crashed.wait_ready()
+        for p in (prompt, *others):
+            crashed.complete(p)
+        wait_until(lambda: not json.loads(get(crashed.admin_url + "/status"))["tasks_inflight"],
+                   60, "kvtier's backups to storage landed", 0.2)
+        status = json.loads(get(crashed.admin_url + "/status"))
+        workers = [int(w["pid"]) for w in status["workers"] if w.get("pid")]
+        watchers = watcher_pids(crashed.deployment_id)
+        assert workers and watchers, (workers, watchers)
+        for pid in (*workers, *watchers):  # everything dies at once: nothing cleans up
+            os.kill(pid, signal.SIGKILL)
+        os.killpg(crashed.proc.pid, signal.SIGKILL)
+        crashed.proc.wait(timeout=STOP_TIMEOUT_S)
+        wait_until(lambda: not any(pid_exists(p) for p in (*workers, *watchers)), 30,
+                   "the crashed processes gone")
+        stale = left_of(crashed.deployment_id, tmp_path)
+        assert any("_ctl" in n for n in stale), f"a crash left nothing to reclaim: {stale}"
+
+    with serving(model_dir, tmp_path, "restarted") as s:
+        s.wait_ready()
+        assert left_of(crashed.deployment_id, tmp_path) == [], "the crash was not reclaimed"
+        assert f"names of dead deployment {crashed.deployment_id}" in s.text()
+        admin = s.admin_url.removeprefix("http://")
+        with prometheus(tmp_path, {"kvtier-vllm": admin, "vllm": f"127.0.0.1:{s.port}"}) as prom:
+            wait_until(lambda: len(promql(prom, "up == 1")) == 2, 60, "both targets up", 0.5)
+            s.complete(prompt)  # from the crashed run's pages in the default file storage
+            for p in prompts(12)[1]:  # new ones (misses) push it out of vLLM's device blocks
+                s.complete(p)
+            s.complete(prompt)  # from kvtier's host tier
+            kvtier_metrics = get(s.admin_url + "/metrics")
+            vllm_metrics = get(s.url + "/metrics")
+            status = json.loads(get(s.admin_url + "/status"))
+            time.sleep(3)  # two more scrapes of the final counters
+            hit_expr = next(e for e in dashboard_queries() if "kvtier_lookup_tokens_total" in e)
+            dashboard = {r["metric"]["tier"]: float(r["value"][1])
+                         for r in promql(prom, promql_without_grafana_variables(hit_expr, "5m"))}
+
+    hits = {t: metric(kvtier_metrics, "kvtier_hit_tokens_total", tier=t)
+            for t in ("host", "storage")}
+    lookup = metric(kvtier_metrics, "kvtier_lookup_tokens_total")
+    assert hits == {"host": PREFIX_TOKENS, "storage": PREFIX_TOKENS}, hits
+    # kvtier was asked about every prompt's 6 full blocks past vLLM's device hits
+    assert lookup == 6 * PREFIX_TOKENS, lookup
+    rate = status["hit_rate"]
+    assert rate["host"] == rate["storage"] == pytest.approx(PREFIX_TOKENS / lookup), rate
+    by_source = {src: metric(vllm_metrics, "vllm:prompt_tokens_cached_by_source_total",
+                             source=src) for src in ("host", "disk", "device")}
+    assert by_source == {"host": PREFIX_TOKENS, "disk": PREFIX_TOKENS, "device": 0}, by_source
+    assert dashboard["host"] == pytest.approx(rate["host"], rel=1e-3), dashboard
+    assert dashboard["storage"] == pytest.approx(rate["storage"], rel=1e-3), dashboard
