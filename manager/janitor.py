@@ -88,7 +88,10 @@ def remove_deployment(deployment_id: str) -> list[str]:
     """Remove every name, log folder and state folder of `deployment_id` (see the module
     docstring); returns what existed. Only for an id no live owner holds."""
     validate_deployment_id(deployment_id)
-    removed = cleanup_stale(deployment_id)
+    try:
+        removed = cleanup_stale(deployment_id)
+    except OSError:  # a name of another user's (not ours to remove): the rest still goes
+        removed = []
     unlink = {"segment": posix_ipc.unlink_shared_memory,
               "semaphore": posix_ipc.unlink_semaphore,
               "queue": posix_ipc.unlink_message_queue}
@@ -106,22 +109,30 @@ def remove_deployment(deployment_id: str) -> list[str]:
     return removed
 
 
+def _mine(entry: os.DirEntry[str]) -> bool:
+    """Owned by this user: another user's names are neither readable nor removable here."""
+    try:
+        return entry.stat(follow_symlinks=False).st_uid == os.geteuid()
+    except OSError:
+        return False
+
+
 def _ids_seen(pattern: re.Pattern[str]) -> set[str]:
-    """Ids matching `pattern` that own something in /dev/shm, /dev/mqueue, the temporary
-    folder (log folders) or the state folder."""
+    """Ids matching `pattern` that own something of this user's in /dev/shm, /dev/mqueue,
+    the temporary folder (log folders) or the state folder."""
     ids: set[str] = set()
     name = re.compile(r"(?:sem\.)?kvtier_(.+?)_[a-z0-9]+(?:_[a-z0-9]+)*")
     for folder in (SHM_DIR, MQUEUE_DIR):
         with contextlib.suppress(OSError), os.scandir(folder) as entries:
             for e in entries:
                 m = name.fullmatch(e.name)
-                if m is not None and pattern.fullmatch(m.group(1)):
+                if m is not None and pattern.fullmatch(m.group(1)) and _mine(e):
                     ids.add(m.group(1))
     log_dir = re.compile(r"kvtier-(.+)-[a-z0-9_]{8}")
     with contextlib.suppress(OSError), os.scandir(tempfile.gettempdir()) as entries:
         for e in entries:
             m = log_dir.fullmatch(e.name)
-            if m is not None and pattern.fullmatch(m.group(1)):
+            if m is not None and pattern.fullmatch(m.group(1)) and _mine(e):
                 ids.add(m.group(1))
     with contextlib.suppress(OSError), os.scandir(state_base()) as entries:
         for e in entries:
