@@ -223,6 +223,11 @@ def test_two_instances_with_defaults_serve_and_stop_clean_on_ctrl_c_and_sigterm(
             status = json.loads(get(s.admin_url + "/status"))
             assert status["deployment_id"] == s.deployment_id
             assert status["tiers"]["host"]["capacity"] == s.host_blocks > 0, status["tiers"]
+            # sized from this machine, stored where every instance of the model looks
+            assert re.search(r"defaults: host tier \d+ blocks per rank \((10% of MemAvailable|"
+                             r"50% of free /dev/shm) ", s.text()), s.tail(5)
+            storage = tmp_path / "cache" / "kvtier" / "vllm" / "storage"
+            assert f"storage file {storage}," in s.text(), s.tail(5)
             prompt, _ = prompts(7)
             out = s.complete(prompt)
             assert out["usage"]["prompt_tokens"] == PROMPT_TOKENS, out
@@ -249,8 +254,14 @@ def test_two_instances_with_defaults_serve_and_stop_clean_on_ctrl_c_and_sigterm(
 
 def test_unknown_key_stops_vllm_with_one_line_naming_it(model_dir: Path, tmp_path: Path) -> None:
     with serving(model_dir, tmp_path, "typo", host_block=16) as s:
-        rc = s.proc.wait(timeout=START_TIMEOUT_S)
-        assert rc != 0
+        def ended() -> bool:
+            with contextlib.suppress(OSError), urllib.request.urlopen(s.url + "/health",
+                                                                        timeout=5):
+                raise AssertionError(f"vLLM started with an unknown key:\n{s.tail()}")
+            return s.proc.poll() is not None
+
+        wait_until(ended, START_TIMEOUT_S, "vllm serve refused the key", 1.0)
+        assert s.proc.returncode != 0
         line = ("kv_connector_extra_config: unknown key 'host_block' (did you mean "
                 "'host_blocks'?); kvtier reads ")
         assert line in s.text(), s.tail()
