@@ -180,14 +180,19 @@ def watch(deployment_id: str, owner_pid: int) -> list[str]:
     """Wait until `owner_pid` ends, then until the deployment's workers have ended (at most
     `WORKER_GRACE_S`), and remove what is left of the deployment."""
     _wait_for_exit(owner_pid)
+
+    def taken_over() -> bool:  # a given (stable) id restarted meanwhile: not ours to clean
+        now = owner_state(deployment_id)
+        return now is not None and now.manager_pid != owner_pid and now.alive
+
     state = owner_state(deployment_id)
-    if state is not None and state.manager_pid != owner_pid and state.alive:
-        return []  # the id has a new live owner: not ours to clean
+    if taken_over():
+        return []
     workers = [p for p in (state.worker_pids if state else ()) if p > 0]
     deadline = time.monotonic() + WORKER_GRACE_S
     while any(pid_alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return remove_deployment(deployment_id)
+    return [] if taken_over() else remove_deployment(deployment_id)
 
 
 def spawn_watcher(deployment_id: str, owner_pid: int | None = None) -> None:
