@@ -126,6 +126,7 @@ class KeyedHostCache:
         self._reads: dict[Node, int] = {}
         self._abandoned: list[Node] = []
         self._queries: dict[str, _Query] = {}
+        self._asked: set[str] = set()  # requests counted in lookup_tokens (`count_asked`)
         self.counters = dict.fromkeys((
             "stores_prepared", "stores_completed", "stores_failed",
             "stores_refused", "loads_prepared", "loads_completed", "storage_queries"), 0)
@@ -190,10 +191,23 @@ class KeyedHostCache:
                                    on_answer=lambda: setattr(q, "done", True))
         self.m.flush()
 
+    def count_asked(self, request_id: str, blocks: int) -> None:
+        """The engine asks about `blocks` blocks of a request, those past its own device hits:
+        counted once per request as the manager's lookup tokens (the denominator of kvtier's
+        hit rates, in /status and for `kvtier_lookup_tokens_total`; the engine's device hits
+        are not kvtier's to see, so they are in neither part of the rate)."""
+        with self._lock:
+            if request_id in self._asked:
+                return
+            self._asked.add(request_id)
+            self.m.counters.requests += 1
+            self.m.counters.lookup_tokens += blocks * self.block_size
+
     def forget_request(self, request_id: str) -> None:
         """The engine is done with a request: drop its storage query record."""
         with self._lock:
             self._queries.pop(request_id, None)
+            self._asked.discard(request_id)
 
     def pending_work(self) -> bool:
         """True while a storage query or prefetch is in flight (the engine should keep
@@ -205,9 +219,12 @@ class KeyedHostCache:
 
     # ------------------------------------------------------------------ loads
 
-    def prepare_load(self, hashes: Sequence[bytes]) -> list[int]:
+    def prepare_load(self, hashes: Sequence[bytes],
+                     from_storage: list[bool] | None = None) -> list[int]:
         """Host block ids of these blocks, protected from eviction until `complete_load`.
-        Every block must be a HIT now; all or nothing."""
+        Every block must be a HIT now; all or nothing. `from_storage`, when given, gets one
+        flag per block: whether this load is its first hit since it came from storage (what
+        the hit counters count it as; the flag on the node is cleared here)."""
         with self._lock:
             nodes: list[Node] = []
             for h in hashes:
@@ -226,11 +243,14 @@ class KeyedHostCache:
                 self._readers.setdefault(h, []).append(node)
                 if not n:
                     node.flags |= ENGINE_READ
-                if node.flags & FROM_STORAGE:  # its first hit since it came from storage
+                stored = bool(node.flags & FROM_STORAGE)
+                if stored:  # its first hit since it came from storage
                     node.flags &= ~FROM_STORAGE
                     self.m.counters.hit_storage_tokens += self.block_size
                 else:
                     self.m.counters.hit_host_tokens += self.block_size
+                if from_storage is not None:
+                    from_storage.append(stored)
                 node.hits += 1
                 node.last = now
                 self.m.relist(node)

@@ -343,6 +343,47 @@ def existing_names(deployment_id: str, max_ranks: int = MAX_RANKS) -> list[str]:
     return found
 
 
+@dataclass(frozen=True, slots=True)
+class OwnerState:
+    """What a deployment's control segment says of its manager (`owner_state`)."""
+
+    manager_pid: int
+    beat_age_s: float  # seconds since the manager's last heartbeat
+    worker_pids: tuple[int, ...]  # the pids the ranks last published (0: none)
+
+    @property
+    def alive(self) -> bool:
+        """The manager runs, or beat recently (a pid of another pid namespace looks dead)."""
+        return pid_alive(self.manager_pid) or self.beat_age_s < MANAGER_TIMEOUT_S
+
+
+def owner_state(deployment_id: str) -> OwnerState | None:
+    """The control segment's manager pid, heartbeat age and worker pids; None when the
+    deployment has no control segment (or not a complete one). Read-only: for a sweep of
+    dead deployments' names, which must never touch a live one."""
+    try:
+        mm = _open_segment(ipc_names(deployment_id, 1).control, 0, create=False,
+                           read_only=True)
+    except (posix_ipc.ExistentialError, ValueError, OSError):
+        return None
+    try:
+        words = memoryview(mm).cast("q")
+        try:
+            if len(words) < _HEADER_WORDS or words[_W_MAGIC] != _MAGIC:
+                return None
+            ranks, slots = words[_W_RANKS], words[_W_SLOTS]
+            stride = _RANK_FIXED_WORDS + slots
+            pids = tuple(int(words[_HEADER_WORDS + r * stride + _R_PID])
+                         for r in range(max(0, min(ranks, MAX_RANKS)))
+                         if _HEADER_WORDS + r * stride + _R_PID < len(words))
+            return OwnerState(int(words[_W_MANAGER_PID]),
+                              (time.monotonic_ns() - words[_W_MANAGER_BEAT]) / 1e9, pids)
+        finally:
+            words.release()
+    finally:
+        mm.close()
+
+
 # --------------------------------------------------------------------------- helpers
 
 

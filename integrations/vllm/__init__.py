@@ -20,10 +20,10 @@ from kvtier.integrations.vllm.adapter import (
     KvtierOffloadingManager,
     KvtierOffloadingSpec,
     KvtierOffloadingWorker,
-    VllmAdapterError,
     kvtier_config,
     storage_namespace,
 )
+from kvtier.integrations.vllm.errors import VllmAdapterError
 
 __all__ = ["MODULE_PATH", "SPEC_NAME", "KvtierConnector", "KvtierLoadStoreSpec",
            "KvtierOffloadingManager", "KvtierOffloadingSpec", "KvtierOffloadingWorker",

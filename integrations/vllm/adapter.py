@@ -42,6 +42,9 @@ import hashlib
 import json
 import logging
 import os
+import re
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Collection, Iterable, Mapping
@@ -50,6 +53,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from kvtier.integrations.vllm import defaults
+from kvtier.integrations.vllm.errors import VllmAdapterError
+from kvtier.manager import janitor
 from kvtier.manager.config import KvtierConfig, load_config
 from kvtier.manager.errors import InvalidRequestError
 from kvtier.manager.keyed import KeyedHostCache, Lookup, engine_key
@@ -91,10 +97,6 @@ _DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16",
            "float32": "float32", "float": "float32", "fp8": "float8_e4m3fn",
            "fp8_e4m3": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
-
-
-class VllmAdapterError(KvtierError, ValueError):
-    """vLLM was configured in a way kvtier cannot serve (the message names the setting)."""
 
 
 # ---------------------------------------------------------------------------- configuration
@@ -143,7 +145,12 @@ def kvtier_config(offloading: OffloadingConfig, extra: Mapping[str, Any]) -> Kvt
     """kvtier's configuration for this vLLM engine: the TOML file `kvtier_config` (if given)
     and `KVTIER_*` variables as for `kvtier serve`, with the KV shape, block size, rank count
     and deployment id taken from vLLM (they must match vLLM's, so they are not the operator's
-    to set). Raises VllmAdapterError / ConfigError naming the setting at fault."""
+    to set). Raises VllmAdapterError / ConfigError naming the setting at fault.
+
+    Values nobody set here get the defaults of a vLLM deployment later, on the scheduler side
+    (`defaults.apply_defaults`: host tier from free memory, shared file storage, any free
+    admin port)."""
+    defaults.check_extra_config(extra)
     if len(offloading.groups) != 1:
         raise VllmAdapterError(
             f"kvtier serves models with one KV cache group (full attention); this one has "
@@ -264,25 +271,44 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
                         "its block hashes are random per process: this instance will never "
                         "share stored KV with another. Set PYTHONHASHSEED (the same in every "
                         "instance) to share.", identity["hash"])
+        cfg, notes = defaults.apply_defaults(cfg, spec.extra_config)
         self.cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
             update={"name": namespace})})
+        # What dead deployments of earlier runs left (kill -9 of everything); then a watcher
+        # outside vLLM's process tree, which vLLM kills with SIGKILL on Ctrl-C and SIGTERM.
+        for dead, names in janitor.sweep_dead(defaults.DEPLOYMENT_PATTERN,
+                                              keep=self.cfg.deployment_id).items():
+            log.info("kvtier: removed %d names of dead deployment %s: %s", len(names), dead,
+                     " ".join(names))
         self.stack = Stack(self.cfg).start()
+        try:
+            janitor.spawn_watcher(self.cfg.deployment_id)
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("kvtier: no watcher for deployment %s (%s): if vLLM is killed, the "
+                        "next start removes its names", self.cfg.deployment_id, e)
         manager = self.stack.require_manager()
         self.cache = KeyedHostCache(manager, self.stack.storage,
                                     namespace=namespace.encode(),
                                     host_ready=self.stack.workers_ready)
         self._inodes: tuple[int, tuple[int, ...]] | None = None
         self._abandoned: list[list[Any]] = []  # [steps left, nodes] per vLLM reset
+        # req id -> block hash -> whether its last load was its first hit from storage
+        self._sources: dict[str, dict[bytes, bool]] = {}
         self.admin: Any = None
         self.admin_url = ""
+        self._token_file: Path | None = None  # a token generated for this run
         self._closed = False
         if spec.extra_config.get("admin", True):
             self._start_admin(spec.extra_config)
         log.info("kvtier offloading: deployment %s, %d host blocks of %d bytes per rank, "
-                 "storage %s, namespace %s (%s)%s", self.cfg.deployment_id,
-                 self.cfg.cache.host_blocks, self.stack.page_bytes,
-                 self.cfg.storage.backend, namespace, json.dumps(identity, sort_keys=True),
-                 f", admin {self.admin_url}" if self.admin_url else "")
+                 "storage %s%s, admin %s; defaults: %s; namespace %s (%s)",
+                 self.cfg.deployment_id, self.cfg.cache.host_blocks, self.stack.page_bytes,
+                 self.cfg.storage.backend,
+                 f" {self.cfg.storage.path}" if self.cfg.storage.backend == "file" else "",
+                 self.admin_url + (f" (token in {self._token_file})" if self._token_file
+                                   else "") if self.admin_url else "off",
+                 "; ".join(notes) or "none", namespace,
+                 json.dumps(identity, sort_keys=True))
         atexit.register(self.shutdown)
 
     def _start_admin(self, extra: Mapping[str, Any]) -> None:
@@ -294,7 +320,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         token: str | None = a.token.get_secret_value() or None
         if token is None and a.auth == "token":
             token = generate_token()
-            write_token(token_path(self.cfg.deployment_id), token)
+            self._token_file = token_path(self.cfg.deployment_id)
+            write_token(self._token_file, token)
         self.admin = AdminServer(create_app(self.stack, token=token), a.host, a.port,
                                  limits=a).start()
         self.admin_url = self.admin.url
@@ -331,7 +358,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         h = self._hash(key)
-        found = self.cache.lookup(h, req_context.req_id, self._following(key, req_context))
+        following = self._following(key, req_context)
+        self.cache.count_asked(req_context.req_id, 1 + len(following))
+        found = self.cache.lookup(h, req_context.req_id, following)
         if found is Lookup.HIT:
             return LookupResult.HIT
         if found is Lookup.PENDING:
@@ -352,16 +381,24 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return [bytes(get_offload_block_hash(k)) for _, k in later]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        node = self.stack.require_manager().lookup(engine_key(self._hash(key)))
-        if node is not None and node.flags & FROM_STORAGE:
-            return CacheHitSource.DISK
-        return CacheHitSource.HOST
+        """Where a block of this request's load came from. vLLM asks after `prepare_load`
+        (which counts the block and clears its came-from-storage mark), so the answer is the
+        one `prepare_load` recorded for the request."""
+        h = self._hash(key)
+        stored = self._sources.get(req_context.req_id, {}).get(h)
+        if stored is None:  # not loaded by this request: where it would come from now
+            node = self.stack.require_manager().lookup(engine_key(h))
+            stored = node is not None and bool(node.flags & FROM_STORAGE)
+        return CacheHitSource.DISK if stored else CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey],
                      req_context: ReqContext) -> LoadStoreSpec:
         hashes = self._hashes(keys)
         try:
-            return self._spec(self.cache.prepare_load(hashes))
+            from_storage: list[bool] = []
+            ids = self.cache.prepare_load(hashes, from_storage)
+            self._sources[req_context.req_id] = dict(zip(hashes, from_storage, strict=True))
+            return self._spec(ids)
         except InvalidRequestError as e:
             # A block vLLM saw as a HIT is gone since (evicted for a prefetch that landed
             # meanwhile, or lost with a worker): a spec no worker accepts, so the load is
@@ -393,6 +430,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.cache.forget_request(req_context.req_id)
+        self._sources.pop(req_context.req_id, None)
 
     def has_pending_work(self) -> bool:
         return self.cache.pending_work()
@@ -425,6 +463,10 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if self.admin is not None:
             self.admin.stop()
         self.stack.close()
+        if self._token_file is not None and re.fullmatch(defaults.DEPLOYMENT_PATTERN,
+                                                         self.cfg.deployment_id):
+            # the id is this run's only: its token folder would never be read again
+            shutil.rmtree(self._token_file.parent, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -603,6 +645,7 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
     `kvtier_config` (a TOML file) and `KVTIER_*` variables, the KV shape from vLLM."""
 
     def __init__(self, config: OffloadingConfig) -> None:
+        defaults.route_kvtier_logs()
         super().__init__(config)
         self.kvtier = kvtier_config(config, self.extra_config)
         self._manager: KvtierOffloadingManager | None = None
@@ -633,7 +676,8 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         from vllm.config import set_current_vllm_config
 
-        with set_current_vllm_config(vllm_config):
+        defaults.route_kvtier_logs()
+        with set_current_vllm_config(vllm_config), defaults.quiet_vllm_warnings():
             super().__init__(vllm_config, role, kv_cache_config)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -641,3 +685,15 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc]
         if isinstance(worker, KvtierOffloadingWorker):
             return worker.take_load_errors()
         return set()
+
+
+def _register_spec() -> None:
+    """Make kvtier's spec one vLLM knows by name, so loading it is not the out-of-tree path
+    (which warns that its API is experimental on every start, in every vLLM process)."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    with contextlib.suppress(ValueError):  # registered already (the module reloaded)
+        OffloadingSpecFactory.register_spec(SPEC_NAME, MODULE_PATH, SPEC_NAME)
+
+
+_register_spec()
