@@ -1,7 +1,7 @@
 /* kvtier.manager._native: the per-block loops of the scheduler thread and the tree they
  * walk, compiled.
  *
- * What is here (kvtier.manager.native has the pure-Python twin of each, and
+ * What is here (kvtier.manager.core.native has the pure-Python twin of each, and
  * tests/test_native.py holds the two to identical keys and identical manager states):
  *
  *   chain_keys    token list -> chained 128-bit tree keys (manager/keys.py's formula)
@@ -28,7 +28,7 @@
  * symbol is missing or any check differs, the import fails and kvtier uses the pure-Python
  * path, so keys are the package's keys either way.
  *
- * A manager takes its map, node classes and loops from kvtier.manager.native when it is
+ * A manager takes its map, node classes and loops from kvtier.manager.core.native when it is
  * built, so compiled nodes only ever meet compiled loops; the walks still hand anything
  * unexpected (a node of another class, a flagged node) back to Python.
  */
@@ -276,14 +276,14 @@ key_halves(PyObject *key, uint64_t *lo, uint64_t *hi)
 }
 
 /* DeviceNode: what a device-only deployment stores per cached block, in 80 bytes (the
- * pure-Python twin, tree.DeviceNode, is 96 bytes plus its 48-byte int key). The key is held
+ * pure-Python twin, core.nodes.DeviceNode, is 96 bytes plus its 48-byte int key). The key is held
  * as two 64-bit halves (`has_key` 0: detached); block ids as int32 with -1 for None; `last`
  * as a double. The LRU links stay object references, so Python code and the IntrusiveLRU
  * descriptors handle them as before.
  *
  * Nodes are not tracked by the garbage collector (no GC header, and a full collection does
  * not walk millions of them: at 10M cached blocks that walk was a pause of its own). The
- * only cycles among nodes are the LRU rings, which tree.IntrusiveLRU breaks when it is
+ * only cycles among nodes are the LRU rings, which core.nodes.IntrusiveLRU breaks when it is
  * freed; a node's other references (its storage key) lead to no container. */
 typedef struct {
     PyObject_HEAD
@@ -618,7 +618,7 @@ static PyGetSetDef dnode_getset[] = {
     {"key", get_key, set_key, "tree key (int in [0, 2**128)), None once detached", NULL},
     {"dev", get_dev, set_dev, "device block id or None", NULL},
     INT_FIELD(ref, "requests holding the node"),
-    INT_FIELD(flags, "transfer and state flags (see kvtier.manager.tree)"),
+    INT_FIELD(flags, "transfer and state flags (see kvtier.manager.core.nodes)"),
     INT_FIELD(hits, "times matched (saturates at 2**31 - 1 in the compiled walk)"),
     {"last", get_last, set_last, "monotonic time of the last match or commit", NULL},
     {"host", get_none, NULL, "always None: a device-only node", NULL},
@@ -650,7 +650,7 @@ static PyTypeObject DNode_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvtier.manager._native.DeviceNode",
     .tp_doc = PyDoc_STR("DeviceNode(key, dev, host, last): a cached block-sized prefix of a "
-                        "device-only deployment (kvtier.manager.tree.DeviceNode, compiled)."),
+                        "device-only deployment (kvtier.manager.core.nodes.DeviceNode, compiled)."),
     .tp_basicsize = sizeof(DNodeObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_new = node_new,
@@ -664,7 +664,7 @@ static PyTypeObject HNode_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvtier.manager._native.Node",
     .tp_doc = PyDoc_STR("Node(key, dev, host, last): a cached block-sized prefix with the host "
-                        "tier's fields (kvtier.manager.tree.Node, compiled)."),
+                        "tier's fields (kvtier.manager.core.nodes.Node, compiled)."),
     .tp_basicsize = sizeof(HNodeObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_new = node_new,
@@ -1565,7 +1565,7 @@ PyDoc_STRVAR(pool_free_doc,
 "Give `ids` (a list) back to a block pool: `used` its bytearray (1 per id out of the pool),\n"
 "`free` its free list. Only when every id is an exact int in range, out of the pool and\n"
 "given once: marks them free, appends them to `free` and returns True. Otherwise changes\n"
-"nothing and returns False (kvtier.manager.block_pool then raises the precise error).");
+"nothing and returns False (kvtier.manager.core.block_pool then raises the precise error).");
 
 static PyObject *
 pool_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -1748,7 +1748,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvtier.manager._native",
-    "The scheduler thread's per-block loops, compiled (see kvtier.manager.native).", -1,
+    "The scheduler thread's per-block loops, compiled (see kvtier.manager.core.native).", -1,
     methods,
 };
 

@@ -29,10 +29,10 @@ from hypothesis.stateful import (
     rule,
 )
 from kvtier.manager.config import KvtierConfig
+from kvtier.manager.core.nodes import EVICTING, LOADING, PREFETCHING, SAVING
 from kvtier.manager.errors import OutOfBlocksError, ResetBusyError, TransferFailedError
 from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.storage_tier import StorageTier
-from kvtier.manager.tree import EVICTING, LOADING, PREFETCHING, SAVING
 from kvtier.worker.wire import TaskKind
 from support import tiny_config
 

@@ -1,6 +1,6 @@
 """The compiled hot path (`kvtier.manager._native`) against its pure-Python twin.
 
-`kvtier.manager.native` picks the compiled loops when the extension imports, else pure Python
+`kvtier.manager.core.native` picks the compiled loops when the extension imports, else pure Python
 (KVTIER_NATIVE=0 forces that). Both must give identical tree keys, identical hits and
 identical manager states: here both run on the same randomized inputs, and the stateful
 machines of test_manager_stateful run again with the pure-Python loops (the file itself runs
@@ -18,7 +18,7 @@ import hypothesis.strategies as st
 import pytest
 import xxhash
 from hypothesis import given, settings
-from kvtier.manager import native
+from kvtier.manager.core import native
 from kvtier.manager.keys import chain_keys
 from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.transfers import ManualDispatcher
@@ -184,7 +184,7 @@ def test_managers_reach_identical_states(seed: int, host_blocks: int, policy: st
 
 def _pool_run(seed: int) -> list[object]:
     """Random allocations and frees (bad ones included) through a block pool."""
-    from kvtier.manager.block_pool import BlockPool
+    from kvtier.manager.core.block_pool import BlockPool
     rng = random.Random(seed)
     pool = BlockPool("device", 24)
     out: list[object] = []
@@ -263,7 +263,8 @@ def test_keymap_behaves_as_a_dict(bits: int, seed: int, capacity: int) -> None:
 @needs_native
 @pytest.mark.parametrize("host", [False, True])
 def test_compiled_nodes_read_and_write_as_python_nodes(host: bool) -> None:
-    from kvtier.manager import _native, tree
+    from kvtier.manager import _native
+    from kvtier.manager.core import nodes as tree
     py_cls, c_cls = (tree.Node, _native.Node) if host else (tree.DeviceNode, _native.DeviceNode)
     key = 2**127 + 2**64 + 12345
     nodes = [cls(key, 7, 3 if host else None, 1.25) for cls in (py_cls, c_cls)]

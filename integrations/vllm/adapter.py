@@ -51,10 +51,10 @@ from typing import Any
 import numpy as np
 import torch
 from kvtier.manager.config import KvtierConfig, load_config
+from kvtier.manager.core.nodes import FROM_STORAGE
 from kvtier.manager.errors import InvalidRequestError
 from kvtier.manager.keyed import KeyedHostCache, Lookup, engine_key
 from kvtier.manager.stack import Stack
-from kvtier.manager.tree import FROM_STORAGE
 from kvtier.worker.errors import KvtierError
 from kvtier.worker.kv_pools import HostPool, KVShape, parse_dtype
 from kvtier.worker.spec import host_segment_name

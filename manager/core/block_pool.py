@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvtier.manager import native
+from kvtier.manager.core import native
 from kvtier.manager.errors import BlockPoolError, OutOfBlocksError
 
 

@@ -6,7 +6,7 @@ victims; it keeps one node per cached block in one map. The compiled module
 `kvtier.manager._native` (manager/_native.c, built by `pip install` / `make install` from
 setup.py) provides all of it: the loops, and compact nodes (`DeviceNode` / `Node`, 80 / 104
 bytes, no int key object, untracked by the garbage collector) in an open-addressing `KeyMap`.
-The functions below are the pure-Python twins (with tree.py's slots nodes in a dict), with
+The functions below are the pure-Python twins (with core/nodes.py's slots nodes in a dict), with
 the same arguments, results and effects on nodes, so keys and manager states are identical
 either way (tests/test_native.py runs both on the same randomized inputs and the stateful
 machines with each).
@@ -30,7 +30,7 @@ from collections.abc import Callable, MutableMapping, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple, cast
 
-from kvtier.manager.tree import DeviceNode, Node
+from kvtier.manager.core.nodes import DeviceNode, Node
 
 ChainKeys = Callable[[Sequence[int], int, int, int, int], "list[int] | None"]
 TreeMap = MutableMapping[int, Node]
