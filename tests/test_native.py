@@ -9,10 +9,16 @@ them with whatever is selected, i.e. the compiled ones on a built tree).
 
 from __future__ import annotations
 
+import ast
 import os
 import random
+import shutil
 import struct
+import subprocess
+import sys
+import sysconfig
 from collections.abc import Iterator
+from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
@@ -42,6 +48,49 @@ def test_extension_is_built_unless_turned_off() -> None:
     else:
         assert native.available(), native.UNAVAILABLE
         assert native.active()
+
+
+_FALLBACK = """
+import sys, warnings
+sys.modules["kvtier.manager._native"] = None  # as if the build had failed
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    from kvtier.manager.core import native
+print(native.active(), [f"{w.category.__name__}: {w.message}" for w in caught])
+"""
+
+
+@pytest.mark.parametrize("setting", ["", "0"])
+def test_a_fallback_to_pure_python_is_loud(setting: str) -> None:
+    """Without the extension kvtier still runs, but says so at import with a warning
+    (unless KVTIER_NATIVE=0 chose pure Python)."""
+    env = {k: v for k, v in os.environ.items() if k != "KVTIER_NATIVE"}
+    if setting:
+        env["KVTIER_NATIVE"] = setting
+    out = subprocess.run([sys.executable, "-c", _FALLBACK], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert out.startswith("False"), out
+    if setting == "0":
+        assert "NativeFallbackWarning" not in out, out
+    else:
+        assert "NativeFallbackWarning: kvtier runs its hot loops in pure Python" in out, out
+        assert "does not import" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
+def test_extension_compiles_warning_free(tmp_path: Path) -> None:
+    """manager/_native.c compiles with setup.py's flags and every warning an error, against
+    this Python's headers (the Python CI builds: `requires-python` claims no other)."""
+    root = Path(__file__).resolve().parents[1]
+    setup_src = (root / "setup.py").read_text()
+    flags = ast.literal_eval(setup_src.split("extra_compile_args=", 1)[1].split("]", 1)[0] + "]")
+    include = sysconfig.get_paths()["include"]
+    proc = subprocess.run(
+        ["gcc", *flags, "-Werror", "-fPIC", "-shared", f"-I{include}",
+         str(root / "manager" / "_native.c"), "-ldl", "-o", str(tmp_path / "_native.so")],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr[-4000:]
 
 
 def test_use_refuses_a_missing_extension(monkeypatch: pytest.MonkeyPatch) -> None:
