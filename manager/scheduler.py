@@ -34,7 +34,7 @@ owned by a request (allocated to it and not in the tree, or held by a detached n
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -45,7 +45,7 @@ from kvtier.manager.core.cache import (
     CacheCore,
     Counters,
 )
-from kvtier.manager.core.hooks import OnDone, RequestState
+from kvtier.manager.core.hooks import OnDone, RequestState, StorageHooks
 from kvtier.manager.core.nodes import DEVICE_BUSY, ENGINE_WRITE, PREFETCHING, Node
 from kvtier.manager.errors import (
     AsleepError,
@@ -125,7 +125,13 @@ class KVCacheManager(CacheCore):
         page_bytes: int = 0,
         num_layers: int = 1,
         transfer_timeout_s: float = 30.0,
+        storage: Callable[[CacheCore], StorageHooks] | None = None,
+        track_device_copies: bool = False,
     ) -> None:
+        """`storage`: builds the storage tier over this manager's core (called once, here);
+        `track_device_copies`: engine KV, host copies read from a model runner's memory wait
+        for `confirm_device_copies` before they are trusted (see the core). The rest: the
+        configuration's `cache.*` keys."""
         if block_size <= 0:
             raise ValueError(f"cache.block_size must be > 0, got {block_size}")
         if device_blocks <= 0:
@@ -150,6 +156,9 @@ class KVCacheManager(CacheCore):
         # holds the requests a sleep cancelled until they are released or matched again.
         self.asleep = False
         self._cancelled: set[str] = set()
+        self.track_device_copies = track_device_copies
+        if storage is not None:
+            self.storage = storage(self)
 
     # ------------------------------------------------------------------ scheduler API
 

@@ -53,7 +53,7 @@ import torch
 from kvtier.manager.config import KvtierConfig, load_config
 from kvtier.manager.core.nodes import FROM_STORAGE
 from kvtier.manager.errors import InvalidRequestError
-from kvtier.manager.keyed import KeyedHostCache, Lookup, engine_key
+from kvtier.manager.keyed import Lookup, engine_key
 from kvtier.manager.stack import Stack
 from kvtier.worker.errors import KvtierError
 from kvtier.worker.kv_pools import HostPool, KVShape, parse_dtype
@@ -266,11 +266,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
                         "instance) to share.", identity["hash"])
         self.cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
             update={"name": namespace})})
-        self.stack = Stack(self.cfg).start()
-        manager = self.stack.require_manager()
-        self.cache = KeyedHostCache(manager, self.stack.storage,
-                                    namespace=namespace.encode(),
-                                    host_ready=self.stack.workers_ready)
+        self.stack = Stack(self.cfg, keyed_namespace=namespace.encode()).start()
+        self.cache = self.stack.require_keyed()
         self._inodes: tuple[int, tuple[int, ...]] | None = None
         self._abandoned: list[list[Any]] = []  # [steps left, nodes] per vLLM reset
         self.admin: Any = None
