@@ -232,7 +232,7 @@ def storage_namespace(offloading: OffloadingConfig) -> tuple[str, dict[str, Any]
 # ---------------------------------------------------------------------------- load/store spec
 
 
-class KvtierLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc]
+class KvtierLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc,unused-ignore]
     """Where blocks live in kvtier's host pools: one host block id per vLLM block, and the
     inode of each rank's host segment when the copy was planned (a worker replaced since then
     has a new segment: the copy is refused rather than done into the new one)."""
@@ -248,7 +248,7 @@ class KvtierLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc]
 # ---------------------------------------------------------------------------- scheduler side
 
 
-class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
+class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
     """vLLM's scheduler-side offloading manager over a kvtier `KeyedHostCache`.
 
     Data structures: the keyed cache (tree, host LRU, storage tier) of the stack it owns;
@@ -427,7 +427,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
 # ---------------------------------------------------------------------------- worker side
 
 
-class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
+class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
     """Copies between vLLM's KV tensors and kvtier's host pool of this rank, in vLLM's worker
     process.
 
@@ -594,7 +594,7 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
 # ---------------------------------------------------------------------------- the spec
 
 
-class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
+class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
     """The offloading spec vLLM loads by name (`spec_name = "KvtierOffloadingSpec"`,
     `spec_module_path = "kvtier.integrations.vllm"`). kvtier's own configuration comes from
     `kvtier_config` (a TOML file) and `KVTIER_*` variables, the KV shape from vLLM."""
@@ -617,7 +617,7 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         return self._worker
 
 
-class KvtierConnector(OffloadingConnector):  # type: ignore[misc]
+class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
     """vLLM's OffloadingConnector, reporting loads kvtier could not serve (see the module
     docstring). Load it with `kv_connector="KvtierConnector"`,
     `kv_connector_module_path="kvtier.integrations.vllm"`.
