@@ -32,6 +32,7 @@ from itertools import compress
 from kvtier.manager.core import native
 from kvtier.manager.core.block_pool import BlockPool
 from kvtier.manager.core.hooks import OnDone, RequestState, StorageHooks
+from kvtier.manager.core.invariants import check_ownership
 from kvtier.manager.core.ledger import Inflight, TaskLedger
 from kvtier.manager.core.nodes import (
     BACKING,
@@ -196,7 +197,7 @@ class CacheCore:
         """Send the tasks queued so far (the scheduler API calls do it when they end)."""
         self.ledger.flush()
 
-    def _flush(self) -> None:
+    def _flush(self) -> None:  # the scheduler API's spelling (its calls end with it)
         self.ledger.flush()
 
     @property
@@ -229,7 +230,6 @@ class CacheCore:
                 "the deployment went to sleep while this call waited for a transfer; "
                 "match again after the wake")
 
-    _wait_unlocked = wait_unlocked
 
     # ------------------------------------------------------------------ host blocks
 
@@ -251,7 +251,6 @@ class CacheCore:
             self._forget(victim)
         return hb  # handed over without passing through the free list
 
-    _host_block = take_host_block
 
     def give_host_blocks(self, ids: list[int]) -> None:
         """Return host blocks taken with `take_host_block` and never used."""
@@ -291,7 +290,6 @@ class CacheCore:
             else:
                 self._host_lru.unlink(node)
 
-    _refresh = relist
 
     def relist_tail(self, node: Node) -> None:
         """Make an evictable host copy the most recently used."""
@@ -483,9 +481,11 @@ class CacheCore:
 
     def _on_complete(self, comp: Completion) -> None:
         with self._lock:
-            if self.ledger.complete(comp) is not None and not comp.ok:
+            ledger = self.ledger
+            if not comp.ok and comp.seq in ledger.inflight:
                 self.counters.failed_tasks += 1
-            self.ledger.flush()
+            ledger.complete(comp)
+            ledger.flush()
 
     def _finish_load(self, rec: Inflight, ok: bool, error: str = "") -> None:
         exclusive = self.policy.exclusive
@@ -934,66 +934,9 @@ class CacheCore:
         """Assert every ownership invariant with a full scan (tests call it after every
         step); `requests`: the active requests, whose blocks are theirs."""
         with self._lock:
-            for tier, pool, attr, lru in (("device", self._dev_pool, "dev", self._dev_lru),
-                                          ("host", self._host_pool, "host", self._host_lru)):
-                free = pool.free_ids()
-                assert len(free) == len(set(free)), f"{tier}: free list has duplicates"
-                tree_ids = [getattr(n, attr) for n in self._map.values()
-                            if getattr(n, attr) is not None]
-                assert len(tree_ids) == len(set(tree_ids)), f"{tier}: id held by two nodes"
-                owned: list[int] = []
-                if tier == "device":
-                    seen_detached: set[int] = set()
-                    for req in requests:
-                        for i, b in enumerate(req.blocks):
-                            node = req.nodes[i] if i < len(req.nodes) else None
-                            if i >= len(req.nodes) or node is None:
-                                owned.append(b)
-                            elif node.key is None and id(node) not in seen_detached:
-                                seen_detached.add(id(node))
-                                assert node.dev == b, f"device: detached node lost block {b}"
-                                owned.append(b)
-                            elif node.key is not None:
-                                assert node.dev == b, (
-                                    f"device: request block {b} differs from its node {node}")
-                    assert len(owned) == len(set(owned)), f"{tier}: id owned twice"
-                    owned += [n.dev for n in self._written_off
-                              if n.dev is not None and id(n) not in seen_detached]
-                else:
-                    owned += [n.host for n in self._written_off if n.host is not None]
-                everything = free + tree_ids + owned
-                assert len(everything) == len(set(everything)), (
-                    f"{tier}: an id is in two of free/tree/requests")
-                assert len(everything) == pool.capacity, (
-                    f"{tier}: {len(free)} free + {len(tree_ids)} tree + {len(owned)} owned "
-                    f"!= capacity {pool.capacity}")
-                for i in free:
-                    assert pool.is_free(i)
-                in_lru = list(lru)
-                assert len(in_lru) == lru.size, f"{tier}: LRU size counter is off"
-                busy = DEVICE_BUSY if tier == "device" else HOST_BUSY
-                for n in in_lru:
-                    assert n.key is not None and self._map.get(n.key) is n, f"{tier}: stale LRU"
-                    assert getattr(n, attr) is not None
-                    assert not n.flags & busy, f"{tier}: busy node {n} is evictable"
-                    if tier == "device":
-                        assert n.ref == 0, f"device: referenced node {n} is evictable"
-                for n in self._map.values():
-                    want = getattr(n, attr) is not None and not n.flags & busy and (
-                        tier == "host" or n.ref == 0)
-                    linked = (n.dprev if tier == "device" else n.hprev) is not None
-                    assert want == linked, f"{tier}: node {n} LRU membership wrong"
-            assert self._dev_in_tree == sum(1 for n in self._map.values() if n.dev is not None)
-            assert self._host_in_tree == sum(1 for n in self._map.values()
-                                             if n.host is not None)
-            for node in self._pins:
-                assert node.flags & PINNED and node.key is not None
-            for key, node in self._map.items():
-                assert node.key == key
-                assert node.dev is not None or node.host is not None, f"empty node {node}"
-                assert node.ref >= 0
-                if node.flags & PINNED:
-                    assert node in self._pins
+            check_ownership(
+                self._map, ((self._dev_pool, self._dev_lru), (self._host_pool, self._host_lru)),
+                requests, self._written_off, self._pins, (self._dev_in_tree, self._host_in_tree))
             self.ledger.check()
             inflight_nodes = {id(n) for r in self.ledger.inflight.values() for n in r.nodes}
             for n in self._map.values():
