@@ -200,7 +200,7 @@ class KVCacheManager(CacheCore):
             walk_hits = self._loops.walk_hits
             while True:
                 while True:
-                    # Plain device hits in one call (compiled or not, see manager.native);
+                    # Plain device hits in one call (compiled or not, see manager.core.native);
                     # it stops at a miss, at the limit, or at a node handled here.
                     stop, n_unlinked = walk_hits(tree, keys, nodes, limit, now,
                                                  hit_threshold, backups)
@@ -334,7 +334,7 @@ class KVCacheManager(CacheCore):
             commit_walk = self._loops.commit_walk
             joined = 0
             while True:
-                # New nodes and duplicates in one call (compiled or not, see manager.native);
+                # New nodes and duplicates in one call (compiled or not, see manager.core.native);
                 # it stops at a node cached on the host only, handled here.
                 i = commit_walk(m, keys, blocks, nodes, n_full, now, new_node, new_nodes)
                 if i >= n_full:
@@ -387,7 +387,7 @@ class KVCacheManager(CacheCore):
                 pool.free(blocks[n:])
             # Tail first, so a request's leaves are older than its inner blocks: evictable
             # nodes join the device LRU's tail in one pass (compiled or not, see
-            # manager.native), which leaves the request's own blocks to free here.
+            # manager.core.native), which leaves the request's own blocks to free here.
             lru = self._dev_lru
             rest, appended = self._loops.release_walk(nodes, lru.head, now, DEVICE_BUSY)
             lru.size += appended

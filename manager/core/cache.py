@@ -90,7 +90,7 @@ class CacheCore:
 
     Data structures:
       * `_map`: tree key (int) -> Node, the whole prefix tree (keys are chained): a dict, or
-        the compiled `KeyMap` with compiled nodes (see manager.native).
+        the compiled `KeyMap` with compiled nodes (see manager.core.native).
       * `_dev_pool` / `_host_pool`: BlockPool free lists of each tier.
       * `_dev_lru` / `_host_lru`: intrusive LRU lists of evictable nodes (manager.core.nodes).
       * `_dev_in_tree` / `_host_in_tree`: blocks of each tier the tree holds.
@@ -113,7 +113,7 @@ class CacheCore:
         self._dev_pool = BlockPool("device", device_blocks)
         self._host_pool = BlockPool("host", host_blocks)
         # The tree map, node classes and per-block loops, compiled or pure Python, fixed for
-        # this core's lifetime (see manager.native): nodes and maps of one kind only ever
+        # this core's lifetime (see manager.core.native): nodes and maps of one kind only ever
         # meet loops of the same kind.
         self._loops = loops = native.bound()
         self._dev_lru = DeviceLRU(loops.node_class)
@@ -731,7 +731,7 @@ class CacheCore:
         c = self.counters
         if not host_tier:
             # Device only: every victim is dropped. Unlink a run of victims from the head of
-            # the list in one pass (compiled or not, see manager.native) and free their
+            # the list in one pass (compiled or not, see manager.core.native) and free their
             # blocks in one call.
             freed = self._loops.evict_drop(self._map, lru.head, n)
             lru.size -= len(freed)
@@ -789,7 +789,7 @@ class CacheCore:
         # Every node in the LRU lists is in the tree: both lists empty in one pass each.
         self._dev_lru.clear()
         self._host_lru.clear()
-        # Nodes with no transfer in flight in one call (compiled or not, see manager.native).
+        # Nodes with no transfer in flight in one call (compiled or not, see manager.core.native).
         dev_freed, host_freed, detached, busy = self._loops.clear_walk(
             list(self._map.values()), dev_ids, host_ids, IN_FLIGHT)
         for node in busy:  # a transfer still uses its blocks
