@@ -46,7 +46,8 @@ class RequestState:
 
 
 class StorageHooks(Protocol):
-    """The storage tier as the scheduler sees it (called with the manager's lock held)."""
+    """The storage tier as the core, the scheduler and the keyed surface see it (called with
+    the core's lock held)."""
 
     threshold_tokens: int
     """Misses shorter than this many tokens are not worth a storage query."""
