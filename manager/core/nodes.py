@@ -12,31 +12,37 @@ The complete state diagram of one node (one block-sized prefix). A state is whic
 holds (device `dev`, host `host`, storage: the STORED flag) plus the transfer flags; each
 arrow names the core transition that takes it::
 
-    (no node) --commit_blocks--> ON_DEVICE (ref > 0 while requests hold it)
+    (no node) --new_device_node (commit)--> ON_DEVICE (ref > 0 while requests hold it)
     (no node) --start_prefetch (S2H, PREFETCHING)--> ON_HOST* --finish_prefetch-->
                   ok: ON_HOST + FROM_STORAGE + STORED | failed: host freed, (gone)
     (no node) --start_engine_write (engine KV -> host, ENGINE_WRITE)--> ON_HOST* --
                   finish_engine_write--> ok: ON_HOST | failed: host freed, (gone)
 
-    ON_DEVICE --backup (D2H, SAVING)--> ON_BOTH* --finish_d2h--> ok: ON_BOTH | fail: ON_DEVICE
-    ON_DEVICE --evict, write_back (D2H, EVICTING)--> ON_BOTH* --finish_d2h-->
+    ON_DEVICE --backup_hot / commit backup (D2H, SAVING)--> ON_BOTH* --finish_d2h-->
+                  ok: ON_BOTH | fail: ON_DEVICE
+    ON_DEVICE --evict_device, write_back (D2H, EVICTING)--> ON_BOTH* --finish_d2h-->
                   ok: ON_HOST (device block freed) | fail: (gone)
-                  hit meanwhile (CANCEL_EVICT) or pinned: ON_BOTH
-    ON_DEVICE --evict (no host copy wanted)--> (gone)
-    ON_BOTH   --evict device copy--> ON_HOST
-    ON_BOTH   --evict host copy (take_host_block)--> ON_DEVICE
-    ON_HOST   --host hit or pin: device block + H2D (LOADING)--> ON_BOTH* --finish_load-->
-                  ok: ON_BOTH (exclusive policy: ON_DEVICE) | fail: ON_HOST (a fresh node;
-                  the failed one stays with its requests, detached)
+                  hit meanwhile (hit_busy_device_copy: CANCEL_EVICT) or pinned: ON_BOTH
+    ON_DEVICE --evict_device (no host copy wanted)--> (gone)
+    ON_BOTH   --evict_device--> ON_HOST
+    ON_BOTH   --take_host_block (LRU host eviction)--> ON_DEVICE
+    ON_HOST   --hit_host_copy + load_host_copies, or pin_node: device block, H2D
+                  (LOADING)--> ON_BOTH* --finish_load--> ok: ON_BOTH (exclusive policy:
+                  ON_DEVICE) | fail: ON_HOST (a fresh node; the failed one stays with its
+                  requests, detached)
+    ON_HOST   --attach_device_copy (commit of a host-only block)--> ON_BOTH (exclusive
+                  policy: ON_DEVICE)
     ON_HOST   --take_host_block (LRU host eviction)--> (gone)
     ON_HOST / ON_BOTH --start_storage_backup (H2S, BACKING)--> same* --finish_storage_backup-->
                   same, + STORED when every page was written
     ON_HOST / ON_BOTH --start_engine_read (host -> engine KV, ENGINE_READ, counted per
                   reader)--> same* --finish_engine_read (last reader)--> same
-    any       --pin / unpin--> PINNED set / cleared (a host-only node is loaded first)
-    any       --reset, sleep, lost worker (clear_all), lost device memory, failed load-->
-                  detached (key None): blocks requests hold become theirs; blocks a transfer
-                  in flight uses come back when it is answered (written off, `settle`)
+    ON_HOST*  --drop_engine_io (the engine abandoned its copy)--> same (a read) | (gone)
+    any       --pin_node / unpin_node--> PINNED set / cleared
+    any       --clear_all (reset, sleep, lost worker), lose_device_copies (lost device
+                  memory), write_off--> detached (key None): blocks requests hold become
+                  theirs; blocks a transfer in flight uses come back when it is answered
+                  (written off, then `settle`)
 
     (* = a transfer flag is set: the copy it protects is neither evicted nor freed)
 
