@@ -297,6 +297,7 @@ class Stack:
         if self.workers is not None:
             self.workers.close()
         self.manager = None
+        self.keyed = None
 
     def __enter__(self) -> Stack:
         return self.start()
