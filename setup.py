@@ -1,7 +1,7 @@
 """The compiled part of kvtier: `kvtier.manager._native` (manager/_native.c).
 
 Everything else is declared in pyproject.toml; setuptools reads both. The extension needs only
-a C compiler and the Python headers; kvtier runs without it (`kvtier.manager.native` falls back
+a C compiler and the Python headers; kvtier runs without it (`kvtier.manager.core.native` falls back
 to pure Python, with identical keys and states).
 """
 

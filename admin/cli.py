@@ -19,7 +19,8 @@ printed as one line naming the key and the value.
       POSTs refused (503), /readyz 503; transfers drained (bounded); admin stopped;
       stack closed: workers stopped, every segment and queue unlinked  -> "stopped", exit 0
 
-`replay` lives in `kvtier.manager.replay`, imported only when that subcommand runs, so `serve` and
+`replay` lives in `kvtier.admin.replay` (its front end: arguments, progress, plot, exit codes)
+and `kvtier.manager.replay` (the driver), imported only when that subcommand runs, so `serve` and
 `status` never pay for (or depend on) the replay machinery.
 
 The command sits in the top layer, next to the admin it serves: it imports the manager (the
@@ -422,7 +423,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from kvtier.manager.replay import run_replay_command
+    from kvtier.admin.replay import run_replay_command
 
     return int(run_replay_command(args))
 
@@ -441,7 +442,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def build_parser(with_replay_arguments: bool = False) -> argparse.ArgumentParser:
     """The full parser. The replay subcommand's own arguments are added only when asked,
-    because they come from `kvtier.manager.replay` (imported only for that subcommand)."""
+    because they come from `kvtier.admin.replay` (imported only for that subcommand)."""
     parser = argparse.ArgumentParser(
         prog="kvtier", description="kvtier: a hierarchical KV-cache manager for LLM inference.")
     parser.add_argument("--log-level", default=None,
@@ -480,7 +481,7 @@ def build_parser(with_replay_arguments: bool = False) -> argparse.ArgumentParser
         "stack and print per-tier hit rates and transfer figures.")
     replay.set_defaults(func=cmd_replay)
     if with_replay_arguments:
-        from kvtier.manager.replay import add_replay_arguments
+        from kvtier.admin.replay import add_replay_arguments
 
         add_replay_arguments(replay)
 

@@ -41,7 +41,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from kvtier.manager import native
+from kvtier.manager.core import native
 from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.workloads import WARMUP_FRAC, capacity_blocks, make_chat_workload
 

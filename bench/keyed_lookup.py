@@ -13,7 +13,7 @@ import hashlib
 import statistics
 import time
 
-from kvtier.manager import native
+from kvtier.manager.core import native
 from kvtier.manager.keyed import KeyedHostCache
 from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.transfers import ImmediateDispatcher

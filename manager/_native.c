@@ -1,7 +1,7 @@
 /* kvtier.manager._native: the per-block loops of the scheduler thread and the tree they
  * walk, compiled.
  *
- * What is here (kvtier.manager.native has the pure-Python twin of each, and
+ * What is here (kvtier.manager.core.native has the pure-Python twin of each, and
  * tests/test_native.py holds the two to identical keys and identical manager states):
  *
  *   chain_keys    token list -> chained 128-bit tree keys (manager/keys.py's formula)
@@ -28,15 +28,20 @@
  * symbol is missing or any check differs, the import fails and kvtier uses the pure-Python
  * path, so keys are the package's keys either way.
  *
- * A manager takes its map, node classes and loops from kvtier.manager.native when it is
+ * A manager takes its map, node classes and loops from kvtier.manager.core.native when it is
  * built, so compiled nodes only ever meet compiled loops; the walks still hand anything
  * unexpected (a node of another class, a flagged node) back to Python.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#if PY_VERSION_HEX < 0x030C0000
+/* Before 3.12 the member type codes live in structmember.h under their old names. */
 #include <structmember.h>
+#define Py_T_OBJECT_EX T_OBJECT_EX
+#endif
 #include <dlfcn.h>
 #include <sys/mman.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -112,13 +117,28 @@ store_le64(unsigned char *p, uint64_t v)
     }
 }
 
+/* 128-bit ints to and from bytes. CPython 3.13 made this public API (PyLong_AsNativeBytes,
+ * PyLong_FromUnsignedNativeBytes); before it, the only way without a shift and an or per key
+ * (three int objects: 0.1 us a key on match's walk) is the private pair below, whose
+ * signatures are the ones of exactly 3.11 and 3.12 (3.13 added a sixth argument to
+ * _PyLong_AsByteArray). Any other version takes the public calls. */
+#if PY_VERSION_HEX >= 0x030D0000
+#define KEY_BYTES_FLAGS (Py_ASNATIVEBYTES_LITTLE_ENDIAN | Py_ASNATIVEBYTES_UNSIGNED_BUFFER)
+#elif PY_VERSION_HEX < 0x030B0000
+#error "kvtier.manager._native needs CPython 3.11 or later"
+#endif
+
 static PyObject *
 key_from_halves(uint64_t lo, uint64_t hi)
 {
     unsigned char b[16];
     store_le64(b, lo);
     store_le64(b + 8, hi);
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyLong_FromUnsignedNativeBytes(b, 16, KEY_BYTES_FLAGS);
+#else
     return _PyLong_FromByteArray(b, 16, 1, 0);
+#endif
 }
 
 /* A key (an exact int in [0, 2**128)) as its two 64-bit halves; -1 (no error set) otherwise. */
@@ -126,13 +146,26 @@ static int
 key_to_halves(PyObject *key, uint64_t *lo, uint64_t *hi)
 {
     unsigned char b[16];
-    if (!PyLong_CheckExact(key) || _PyLong_Sign(key) < 0) {
+    if (!PyLong_CheckExact(key)) {
+        return -1;
+    }
+#if PY_VERSION_HEX >= 0x030D0000
+    /* the bytes the value needs (> 16: too big); negative values are refused */
+    Py_ssize_t need = PyLong_AsNativeBytes(key, b, 16,
+                                           KEY_BYTES_FLAGS | Py_ASNATIVEBYTES_REJECT_NEGATIVE);
+    if (need < 0 || need > 16) {
+        PyErr_Clear();
+        return -1;
+    }
+#else
+    if (_PyLong_Sign(key) < 0) {
         return -1;
     }
     if (_PyLong_AsByteArray((PyLongObject *)key, b, 16, 1, 0) < 0) {
         PyErr_Clear();
         return -1;
     }
+#endif
     *lo = load_le64(b);
     *hi = load_le64(b + 8);
     return 0;
@@ -276,14 +309,14 @@ key_halves(PyObject *key, uint64_t *lo, uint64_t *hi)
 }
 
 /* DeviceNode: what a device-only deployment stores per cached block, in 80 bytes (the
- * pure-Python twin, tree.DeviceNode, is 96 bytes plus its 48-byte int key). The key is held
+ * pure-Python twin, core.nodes.DeviceNode, is 96 bytes plus its 48-byte int key). The key is held
  * as two 64-bit halves (`has_key` 0: detached); block ids as int32 with -1 for None; `last`
  * as a double. The LRU links stay object references, so Python code and the IntrusiveLRU
  * descriptors handle them as before.
  *
  * Nodes are not tracked by the garbage collector (no GC header, and a full collection does
  * not walk millions of them: at 10M cached blocks that walk was a pause of its own). The
- * only cycles among nodes are the LRU rings, which tree.IntrusiveLRU breaks when it is
+ * only cycles among nodes are the LRU rings, which core.nodes.IntrusiveLRU breaks when it is
  * freed; a node's other references (its storage key) lead to no container. */
 typedef struct {
     PyObject_HEAD
@@ -618,7 +651,7 @@ static PyGetSetDef dnode_getset[] = {
     {"key", get_key, set_key, "tree key (int in [0, 2**128)), None once detached", NULL},
     {"dev", get_dev, set_dev, "device block id or None", NULL},
     INT_FIELD(ref, "requests holding the node"),
-    INT_FIELD(flags, "transfer and state flags (see kvtier.manager.tree)"),
+    INT_FIELD(flags, "transfer and state flags (see kvtier.manager.core.nodes)"),
     INT_FIELD(hits, "times matched (saturates at 2**31 - 1 in the compiled walk)"),
     {"last", get_last, set_last, "monotonic time of the last match or commit", NULL},
     {"host", get_none, NULL, "always None: a device-only node", NULL},
@@ -629,8 +662,8 @@ static PyGetSetDef dnode_getset[] = {
 };
 
 static PyMemberDef dnode_members[] = {
-    {"dprev", T_OBJECT_EX, offsetof(DNodeObject, dprev), 0, "device LRU link"},
-    {"dnext", T_OBJECT_EX, offsetof(DNodeObject, dnext), 0, "device LRU link"},
+    {"dprev", Py_T_OBJECT_EX, offsetof(DNodeObject, dprev), 0, "device LRU link"},
+    {"dnext", Py_T_OBJECT_EX, offsetof(DNodeObject, dnext), 0, "device LRU link"},
     {NULL},
 };
 
@@ -640,9 +673,9 @@ static PyGetSetDef hnode_getset[] = {
 };
 
 static PyMemberDef hnode_members[] = {
-    {"hprev", T_OBJECT_EX, offsetof(HNodeObject, hprev), 0, "host LRU link"},
-    {"hnext", T_OBJECT_EX, offsetof(HNodeObject, hnext), 0, "host LRU link"},
-    {"skey", T_OBJECT_EX, offsetof(HNodeObject, skey), 0, "storage key (bytes) or None"},
+    {"hprev", Py_T_OBJECT_EX, offsetof(HNodeObject, hprev), 0, "host LRU link"},
+    {"hnext", Py_T_OBJECT_EX, offsetof(HNodeObject, hnext), 0, "host LRU link"},
+    {"skey", Py_T_OBJECT_EX, offsetof(HNodeObject, skey), 0, "storage key (bytes) or None"},
     {NULL},
 };
 
@@ -650,7 +683,7 @@ static PyTypeObject DNode_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvtier.manager._native.DeviceNode",
     .tp_doc = PyDoc_STR("DeviceNode(key, dev, host, last): a cached block-sized prefix of a "
-                        "device-only deployment (kvtier.manager.tree.DeviceNode, compiled)."),
+                        "device-only deployment (kvtier.manager.core.nodes.DeviceNode, compiled)."),
     .tp_basicsize = sizeof(DNodeObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_new = node_new,
@@ -664,7 +697,7 @@ static PyTypeObject HNode_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvtier.manager._native.Node",
     .tp_doc = PyDoc_STR("Node(key, dev, host, last): a cached block-sized prefix with the host "
-                        "tier's fields (kvtier.manager.tree.Node, compiled)."),
+                        "tier's fields (kvtier.manager.core.nodes.Node, compiled)."),
     .tp_basicsize = sizeof(HNodeObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_new = node_new,
@@ -1565,7 +1598,7 @@ PyDoc_STRVAR(pool_free_doc,
 "Give `ids` (a list) back to a block pool: `used` its bytearray (1 per id out of the pool),\n"
 "`free` its free list. Only when every id is an exact int in range, out of the pool and\n"
 "given once: marks them free, appends them to `free` and returns True. Otherwise changes\n"
-"nothing and returns False (kvtier.manager.block_pool then raises the precise error).");
+"nothing and returns False (kvtier.manager.core.block_pool then raises the precise error).");
 
 static PyObject *
 pool_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -1746,31 +1779,57 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* Multi-phase initialisation (PEP 489): the module object is created by the import system
+ * and filled in here.
+ *
+ * The three types stay static types, deliberately: every per-block loop recognises a node by
+ * comparing its type with &DNode_Type / &HNode_Type, a constant address; heap types would
+ * turn that into a module-state lookup per call (and a per-module type per block). The price
+ * is that the module cannot be loaded into several interpreters at once, which the slots
+ * below declare (the import then fails cleanly in a subinterpreter), and the module holds no
+ * per-module state besides them: the xxh3 entry point it resolves is the process's one. */
+static int
+native_exec(PyObject *mod)
+{
+    if (resolve_xxh3() < 0) {
+        return -1;
+    }
+    HNode_Type.tp_base = &DNode_Type;
+    if (PyType_Ready(&DNode_Type) < 0 || PyType_Ready(&HNode_Type) < 0
+            || PyType_Ready(&KeyMap_Type) < 0) {
+        return -1;
+    }
+    if (PyModule_AddType(mod, &DNode_Type) < 0 || PyModule_AddType(mod, &HNode_Type) < 0
+            || PyModule_AddType(mod, &KeyMap_Type) < 0) {
+        return -1;
+    }
+    return 0;
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, (void *)native_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
+#endif
+#if PY_VERSION_HEX >= 0x030D0000
+    /* the loops rely on the GIL: nodes and the map are not locked (a free-threaded build
+     * re-enables the GIL when it imports this module) */
+    {Py_mod_gil, Py_MOD_GIL_USED},
+#endif
+    {0, NULL},
+};
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvtier.manager._native",
-    "The scheduler thread's per-block loops, compiled (see kvtier.manager.native).", -1,
-    methods,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvtier.manager._native",
+    .m_doc = "The scheduler thread's per-block loops, compiled (see kvtier.manager.core.native).",
+    .m_size = 0,
+    .m_methods = methods,
+    .m_slots = module_slots,
 };
 
 PyMODINIT_FUNC
 PyInit__native(void)
 {
-    if (resolve_xxh3() < 0) {
-        return NULL;
-    }
-    HNode_Type.tp_base = &DNode_Type;
-    if (PyType_Ready(&DNode_Type) < 0 || PyType_Ready(&HNode_Type) < 0
-            || PyType_Ready(&KeyMap_Type) < 0) {
-        return NULL;
-    }
-    PyObject *mod = PyModule_Create(&module);
-    if (mod == NULL) {
-        return NULL;
-    }
-    if (PyModule_AddType(mod, &DNode_Type) < 0 || PyModule_AddType(mod, &HNode_Type) < 0
-            || PyModule_AddType(mod, &KeyMap_Type) < 0) {
-        Py_DECREF(mod);
-        return NULL;
-    }
-    return mod;
+    return PyModuleDef_Init(&module);
 }

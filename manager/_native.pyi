@@ -1,18 +1,18 @@
 """Types of the compiled `kvtier.manager._native` (manager/_native.c); see
-`kvtier.manager.native` for what each function does and its pure-Python twin."""
+`kvtier.manager.core.native` for what each function does and its pure-Python twin."""
 
 from collections.abc import Sequence
 
-from kvtier.manager.tree import Node as PyNode
+from kvtier.manager.core.nodes import Node as PyNode
 
 class DeviceNode:
-    """The compiled twin of kvtier.manager.tree.DeviceNode (same attributes)."""
+    """The compiled twin of kvtier.manager.core.nodes.DeviceNode (same attributes)."""
 
     def __init__(self, key: int | None, dev: int | None, host: int | None,
                  last: float, /) -> None: ...
 
 class Node(DeviceNode):
-    """The compiled twin of kvtier.manager.tree.Node (same attributes)."""
+    """The compiled twin of kvtier.manager.core.nodes.Node (same attributes)."""
 
 class KeyMap:
     """Tree key (int in [0, 2**128)) -> node, presized for `capacity` entries."""

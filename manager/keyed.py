@@ -45,12 +45,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from kvtier.manager import native
-from kvtier.manager.cache_state import RequestState
+from kvtier.manager.core import native
+from kvtier.manager.core.cache import CacheCore
+from kvtier.manager.core.hooks import RequestState, StorageHooks
+from kvtier.manager.core.nodes import ENGINE_READ, ENGINE_WRITE, PREFETCHING, Node
 from kvtier.manager.errors import InvalidRequestError
-from kvtier.manager.scheduler import KVCacheManager
-from kvtier.manager.storage_tier import StorageTier
-from kvtier.manager.tree import ENGINE_READ, ENGINE_WRITE, FROM_STORAGE, PREFETCHING, Node
 
 _monotonic = time.monotonic
 
@@ -110,7 +109,7 @@ class KeyedHostCache:
     False every lookup misses and nothing is stored.
     """
 
-    def __init__(self, manager: KVCacheManager, storage: StorageTier | None, *,
+    def __init__(self, manager: CacheCore, storage: StorageHooks | None, *,
                  namespace: bytes, host_ready: Callable[[], bool] = lambda: True) -> None:
         if manager.host_capacity == 0:
             raise InvalidRequestError(
@@ -241,19 +240,9 @@ class KeyedHostCache:
                 n = self._reads.get(node, 0)
                 self._reads[node] = n + 1
                 self._readers.setdefault(h, []).append(node)
-                if not n:
-                    node.flags |= ENGINE_READ
-                stored = bool(node.flags & FROM_STORAGE)
-                if stored:  # its first hit since it came from storage
-                    node.flags &= ~FROM_STORAGE
-                    self.m.counters.hit_storage_tokens += self.block_size
-                else:
-                    self.m.counters.hit_host_tokens += self.block_size
+                stored = self.m.start_engine_read(node, not n, self.block_size, now)
                 if from_storage is not None:
                     from_storage.append(stored)
-                node.hits += 1
-                node.last = now
-                self.m.relist(node)
                 ids.append(node.host)  # type: ignore[arg-type]
             self.counters["loads_prepared"] += len(ids)
             return ids
@@ -273,8 +262,7 @@ class KeyedHostCache:
                     self._reads[node] = n
                     continue
                 del self._reads[node]
-                node.flags &= ~ENGINE_READ
-                self.m.after_transfer(node)
+                self.m.finish_engine_read(node)
                 self.counters["loads_completed"] += 1
 
     def touch(self, hashes: Sequence[bytes]) -> None:
@@ -284,9 +272,7 @@ class KeyedHostCache:
             for h in hashes:
                 node = self.m.lookup(engine_key(h))
                 if node is not None and node.host is not None:
-                    node.last = now
-                    if node.hprev is not None:
-                        self.m.relist_tail(node)
+                    self.m.touch_host_copy(node, now)
 
     # ------------------------------------------------------------------ stores
 
@@ -322,11 +308,8 @@ class KeyedHostCache:
             now = _monotonic()
             storage = self.storage
             for h, hb in zip(todo, taken, strict=True):
-                node = m.new_host_node(engine_key(h), hb, now)
-                node.flags = ENGINE_WRITE
-                if storage is not None:
-                    node.skey = self.storage_key(h)
-                m.adopt_host_node(node)
+                node = m.start_engine_write(
+                    engine_key(h), hb, None if storage is None else self.storage_key(h), now)
                 self._writers.setdefault(h, []).append(node)
             self.counters["stores_prepared"] += len(todo)
             return StorePlan(todo, taken, evicted)
@@ -343,15 +326,11 @@ class KeyedHostCache:
                 node = fifo.pop(0)
                 if not fifo:
                     del self._writers[h]
-                node.flags &= ~ENGINE_WRITE
-                if ok and node.key is not None:
+                if self.m.finish_engine_write(node, ok):
                     landed.append(node)
                     self.counters["stores_completed"] += 1
                 else:
-                    if node.host is not None and node.key is not None:
-                        self.m.free_host_copy(node)
                     self.counters["stores_failed"] += 1
-                self.m.after_transfer(node)
             if landed and self.storage is not None:
                 self.storage.backup(landed)
             self.m.flush()
@@ -378,11 +357,7 @@ class KeyedHostCache:
         with self._lock:
             for node in nodes:
                 self._abandoned.remove(node)
-                writing = node.flags & ENGINE_WRITE
-                node.flags &= ~(ENGINE_READ | ENGINE_WRITE)
-                if writing and node.host is not None and node.key is not None:
-                    self.m.free_host_copy(node)
-                self.m.after_transfer(node)
+                self.m.drop_engine_io(node)
 
     # ------------------------------------------------------------------ checks
 

@@ -20,7 +20,7 @@ Both encode tokens canonically as little-endian int32, never Python `hash()` or 
 process on any machine computes the same keys. Token ids must fit in int32.
 
 Tree keys of plain int token lists are computed by the compiled `kvtier.manager._native` when
-it is built (`kvtier.manager.native`), with the xxhash package's own xxh3-128: the same keys as
+it is built (`kvtier.manager.core.native`), with the xxhash package's own xxh3-128: the same keys as
 the Python code below, which handles everything else (multimodal blocks, other sequences, and
 the errors).
 """
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import xxhash
-from kvtier.manager import native
+from kvtier.manager.core import native
 from kvtier.manager.errors import KvtierError
 
 _MASK64 = (1 << 64) - 1

@@ -1,5 +1,4 @@
-"""Worker processes: start them, watch them, replace them, stop them; and the dispatcher that
-sends them tasks.
+"""Worker processes: start them, watch them, replace them, stop them.
 
 `WorkerSupervisor` owns the deployment's IPC names (through `kvtier.worker.ipc.ManagerIPC`) and one
 worker process per rank. A monitor thread checks every worker's process and heartbeat; a
@@ -7,11 +6,9 @@ worker that died or stopped beating is killed, its in-flight tasks are failed, t
 told every cached block is lost (the rank's pools went with it), and a replacement is
 started. `/readyz` is 503 until it is ready again.
 
-`ProcessDispatcher` broadcasts each task to every rank and merges their answers: a task
-succeeds when every rank succeeded; counts (storage queries and prefetches) take the minimum
-over ranks, because a page is only usable where every rank has it. Completions are applied on
-a thread of their own, so the IPC reader never waits for the manager's lock (which a
-scheduler call may hold while it sends).
+The dispatcher that sends the workers tasks (`kvtier.manager.transfers.ProcessDispatcher`)
+is made here (`make_dispatcher`), over the supervisor's IPC; the IPC reader hands it every
+rank's answer.
 
 Worker states (`WORKER_STATES`; exported per rank as `kvtier_worker_state`):
 
@@ -33,12 +30,10 @@ at start.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
 import os
-import queue
 import re
 import shutil
 import signal
@@ -48,23 +43,20 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
 from kvtier.manager.config import NON_CONFIG_ENV
 from kvtier.manager.errors import KvtierError, TransferTimeoutError
-from kvtier.manager.transfers import Dispatcher
-from kvtier.worker.ipc import MAX_RANKS, ManagerIPC, SendTimeout, TaskAborted
+from kvtier.manager.transfers import ProcessDispatcher, TransferObserver
+from kvtier.worker.ipc import MAX_RANKS, ManagerIPC
 from kvtier.worker.kvreg import EngineKVError, read_record, remove_dead_registrations
 from kvtier.worker.spec import REFUSED_EXIT, REFUSED_PREFIX, WorkerSpec, host_segment_name
 from kvtier.worker.wire import (
     MIN_RESULT_KINDS,
     SUM_RESULT_KINDS,
     Completion,
-    Task,
-    TaskKind,
-    merge_results,
 )
 
 log = logging.getLogger("kvtier.launcher")
@@ -83,128 +75,6 @@ class WorkerStartError(KvtierError):
     def __init__(self, message: str, *, refused: bool = False) -> None:
         super().__init__(message)
         self.refused = refused
-
-
-@dataclass
-class _Pending:
-    kind: TaskKind
-    ranks: set[int]
-    ok: bool = True
-    result: int | None = None
-    detail: set[int] = field(default_factory=set)
-    errors: list[str] = field(default_factory=list)
-
-
-class ProcessDispatcher(Dispatcher):
-    """Tasks to worker processes over `ManagerIPC`; outcomes merged over ranks.
-
-    Data structures: `_acks` seq -> _Pending (ranks that still owe an answer, merged
-    outcome); `_applyq` merged completions waiting for the apply thread.
-    """
-
-    def __init__(self, ipc: ManagerIPC, num_ranks: int) -> None:
-        super().__init__()
-        self.ipc = ipc
-        self.num_ranks = num_ranks
-        self._acks: dict[int, _Pending] = {}
-        self._acks_lock = threading.Lock()
-        self._applyq: queue.SimpleQueue[Completion | None] = queue.SimpleQueue()
-        self._applier = threading.Thread(target=self._apply_loop, daemon=True,
-                                         name="kvtier-apply")
-        self._applier.start()
-        self.transfer_seconds: collections.deque[tuple[TaskKind, int, float]] = (
-            collections.deque(maxlen=4096))
-        self._sent_at: dict[int, tuple[TaskKind, int, float]] = {}
-
-    def _send(self, task: Task) -> None:
-        with self._acks_lock:
-            self._acks[task.seq] = _Pending(task.kind, set(range(self.num_ranks)))
-            self._sent_at[task.seq] = (task.kind, max(len(task.src), len(task.dst)),
-                                       time.monotonic())
-        try:
-            self.ipc.send_task(task)
-        except Exception as e:  # a dead rank's full queue, a rank down: fail, never hang
-            log.warning("task %d (%s) could not be sent: %s", task.seq, task.kind.name, e)
-            # Ranks that did get the task still run it: it is reported once they answered,
-            # so no block it names is reused under their copy.
-            delivered = set(e.delivered) if isinstance(e, SendTimeout) else set()
-            with self._acks_lock:
-                pend = self._acks.get(task.seq)
-                if pend is not None:
-                    pend.ok = False
-                    pend.errors.append(str(e))
-                    pend.ranks &= delivered
-                    if not pend.ranks:
-                        self._finish_locked(task.seq)
-
-    def on_rank_completion(self, comp: Completion) -> None:
-        """Called by the IPC reader thread for every rank's answer."""
-        with self._acks_lock:
-            pend = self._acks.get(comp.seq)
-            if pend is None or comp.rank not in pend.ranks:
-                return  # a late answer for a task already failed
-            pend.ranks.discard(comp.rank)
-            if not comp.ok:
-                pend.ok = False
-                pend.errors.append(f"rank {comp.rank}: {comp.error}")
-                self.ipc.abort_task(comp.seq, f"rank {comp.rank}: {comp.error}")
-            pend.result = (comp.result if pend.result is None
-                           else merge_results(pend.kind, pend.result, comp.result))
-            pend.detail.update(comp.detail)
-            if not pend.ranks:
-                self._finish_locked(comp.seq)
-
-    def fail_rank(self, rank: int, reason: str, upto_seq: int | None = None) -> list[int]:
-        """Fail every task still waiting for `rank` (it died), or only those with a seq up to
-        `upto_seq` (sent to the dead worker; later ones go to its replacement). Returns their
-        seqs: each is reported once the other ranks have answered it too."""
-        failed: list[int] = []
-        with self._acks_lock:
-            for seq, pend in list(self._acks.items()):
-                if rank in pend.ranks and (upto_seq is None or seq <= upto_seq):
-                    pend.ranks.discard(rank)
-                    pend.ok = False
-                    pend.errors.append(f"rank {rank}: {reason}")
-                    self.ipc.abort_task(seq, f"rank {rank}: {reason}")
-                    failed.append(seq)
-                    if not pend.ranks:
-                        self._finish_locked(seq)
-        return failed
-
-    def _finish_locked(self, seq: int) -> None:
-        pend = self._acks.pop(seq)
-        sent = self._sent_at.pop(seq, None)
-        if sent is not None:
-            kind, blocks, t0 = sent
-            self.transfer_seconds.append((kind, blocks, time.monotonic() - t0))
-        self._applyq.put(Completion(seq, -1, pend.ok, pend.result or 0, sorted(pend.detail),
-                                    "; ".join(pend.errors)))
-
-    def _apply_loop(self) -> None:
-        while True:
-            comp = self._applyq.get()
-            if comp is None:
-                return
-            try:
-                self._deliver(comp)
-            except Exception:  # the manager must keep hearing about later tasks
-                log.exception("applying the completion of task %d failed", comp.seq)
-
-    def wait_layer(self, seq: int, layer: int, timeout: float) -> None:
-        try:
-            self.ipc.wait_layer(seq, layer, timeout)
-        except TaskAborted:
-            # The load failed: wait until the manager has applied that, so the caller's
-            # handle reports it.
-            self.wait((seq,), timeout)
-        except TimeoutError as e:
-            if not self.is_pending(seq):
-                return  # completed (layer words may have been overwritten since)
-            raise TransferTimeoutError(str(e)) from None
-
-    def close(self) -> None:
-        self._applyq.put(None)
-        self._applier.join(timeout=5)
 
 
 WORKER_STATES = ("starting", "ready", "dead", "start_failed", "stopped")
@@ -326,8 +196,16 @@ class WorkerSupervisor:
         if self.dispatcher is not None:
             self.dispatcher.on_rank_completion(comp)
 
-    def make_dispatcher(self) -> ProcessDispatcher:
-        self.dispatcher = ProcessDispatcher(self.ipc, self.num_ranks)
+    def manager_threads(self) -> list[threading.Thread] | None:
+        """The threads the manager side of this deployment runs (the watcher, the completion
+        applier, the IPC readers); None until `start` and `make_dispatcher` made them."""
+        if self._monitor is None or self.dispatcher is None:
+            return None
+        return [self._monitor, self.dispatcher.applier, *self.ipc.threads()]
+
+    def make_dispatcher(self, on_transfer: TransferObserver | None = None) -> ProcessDispatcher:
+        """The dispatcher to these workers (`on_transfer`: see `ProcessDispatcher`)."""
+        self.dispatcher = ProcessDispatcher(self.ipc, self.num_ranks, on_transfer)
         return self.dispatcher
 
     # ------------------------------------------------------------------ start

@@ -2,8 +2,8 @@
 
 Each policy is a small strategy object the manager consults at three moments: a block is
 committed, a block is hit, a block is evicted from the device. Eviction order itself is LRU
-over the intrusive lists in `kvtier.manager.tree` (O(1) per block), not a policy object, because no
-other order has earned its place yet.
+over the intrusive lists in `kvtier.manager.core.nodes` (O(1) per block), not a policy object,
+because no other order has earned its place yet.
 
 | policy                  | on commit | on hit                | device eviction   | after a load |
 |-------------------------|-----------|-----------------------|-------------------|--------------|

@@ -31,57 +31,38 @@ Block ownership (the invariant the tests check after every operation): each bloc
 tier is exactly one of free (in the pool), held by the tree (a node in the map has it), or
 owned by a request (allocated to it and not in the tree, or held by a detached node).
 """
-
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from itertools import compress
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TypedDict
 
-from kvtier.manager import native
-from kvtier.manager.block_pool import BlockPool
-from kvtier.manager.cache_state import OnDone, RequestState, StorageHooks
+from kvtier.manager.core.cache import (
+    TREE_CLEARED,
+    TREE_CLEARING,
+    TREE_NORMAL,
+    CacheCore,
+    Counters,
+)
+from kvtier.manager.core.hooks import OnDone, RequestState, StorageHooks
+from kvtier.manager.core.nodes import DEVICE_BUSY, ENGINE_WRITE, LOADING, PREFETCHING, Node
 from kvtier.manager.errors import (
     AsleepError,
     InvalidRequestError,
-    OutOfBlocksError,
     RequestCancelledError,
     ResetBusyError,
-    TransferTimeoutError,
     UnknownRequestError,
 )
 from kvtier.manager.keys import TokenKeyError, chain_keys
 from kvtier.manager.policies import WritePolicy, make_write_policy
-from kvtier.manager.transfers import Dispatcher, ImmediateDispatcher, LoadHandle
-from kvtier.manager.tree import (
-    BACKING,
-    CANCEL_EVICT,
-    DEVICE_BUSY,
-    ENGINE_READ,
-    ENGINE_WRITE,
-    EVICTING,
-    FROM_STORAGE,
-    HOST_BUSY,
-    LOADING,
-    PINNED,
-    PREFETCHING,
-    SAVING,
-    STORED,
-    DeviceLRU,
-    HostLRU,
-    Node,
-)
-from kvtier.worker.wire import Completion, Priority, Task, TaskKind
+from kvtier.manager.transfers import Dispatcher, LoadHandle
+from kvtier.worker.wire import Priority, Task, TaskKind
+
+__all__ = ["TREE_CLEARED", "TREE_CLEARING", "TREE_NORMAL", "Counters", "KVCacheManager",
+           "MatchResult", "SchedulerStats"]
 
 _monotonic = time.monotonic
-# ENGINE_READ / ENGINE_WRITE: host copies an engine's own process is copying (manager.keyed).
-IN_FLIGHT = LOADING | SAVING | EVICTING | PREFETCHING | BACKING | ENGINE_READ | ENGINE_WRITE
-
-TREE_NORMAL, TREE_CLEARING, TREE_CLEARED = 0, 1, 2
 
 
 @dataclass(slots=True)
@@ -100,25 +81,6 @@ class MatchResult:
         return self.device_tokens + self.host_tokens + self.storage_tokens
 
 
-@dataclass(slots=True)
-class Counters:
-    """Monotonic counters read by metrics without the lock."""
-
-    requests: int = 0
-    lookup_tokens: int = 0
-    hit_device_tokens: int = 0
-    hit_host_tokens: int = 0
-    hit_storage_tokens: int = 0
-    evicted_device_drop: int = 0
-    evicted_device_demote: int = 0
-    evicted_host_drop: int = 0
-    d2h_blocks: int = 0
-    h2d_blocks: int = 0
-    failed_tasks: int = 0
-    resets: int = 0
-    lost_all: int = 0
-    sleeps: int = 0
-    lost_device: int = 0  # the device memory was replaced, host copies kept (`lose_device`)
 
 
 class SchedulerStats(TypedDict):
@@ -136,28 +98,18 @@ class SchedulerStats(TypedDict):
     counters: dict[str, int]
 
 
-@dataclass(slots=True)
-class _Inflight:
-    """A submitted task the manager still waits to hear about."""
 
-    task: Task
-    nodes: list[Node]
-    first_block: int = 0
-    handles: list[tuple[LoadHandle, int]] = field(default_factory=list)  # (waiter, block idx)
-    on_done: OnDone | None = None  # diagnostic and storage-tier tasks
+class KVCacheManager(CacheCore):
+    """The scheduler API of one deployment's device and host tiers: requests, on top of the
+    cache core (`kvtier.manager.core.cache.CacheCore`, which owns the tree, the pools, the LRU
+    lists, the counters and the tasks, and alone changes node state).
 
-
-class KVCacheManager:
-    """Prefix tree, free lists and policies of the device and host tiers of one deployment.
-
-    Data structures:
-      * `_map`: tree key (int) -> Node, the whole prefix tree (keys are chained): a dict, or
-        the compiled `KeyMap` with compiled nodes (see manager.native).
-      * `_dev_pool` / `_host_pool`: BlockPool free lists of each tier.
-      * `_dev_lru` / `_host_lru`: intrusive LRU lists of evictable nodes (see manager.tree).
-      * `_requests`: request id -> RequestState (`kvtier.manager.cache_state`).
-      * `_inflight`: task seq -> _Inflight for every task not yet reported.
-      * `_pins`: node -> pin count (admin pins; a pinned node is never evicted).
+    Data structures (beyond the core's):
+      * `_requests`: request id -> RequestState (`kvtier.manager.core.hooks`).
+      * `_lost_requests`: requests active when every cached byte (or the device memory) was
+        lost: what they computed before is gone on some rank, so their commits join nothing.
+      * `_cancelled`: requests a sleep cancelled, until they are released or matched again.
+    Invariants: the core's, with the active requests' blocks as theirs (`check_invariants`).
     """
 
     def __init__(
@@ -173,7 +125,13 @@ class KVCacheManager:
         page_bytes: int = 0,
         num_layers: int = 1,
         transfer_timeout_s: float = 30.0,
+        storage: Callable[[CacheCore], StorageHooks] | None = None,
+        track_device_copies: bool = False,
     ) -> None:
+        """`storage`: builds the storage tier over this manager's core (called once, here);
+        `track_device_copies`: engine KV, host copies read from a model runner's memory wait
+        for `confirm_device_copies` before they are trusted (see the core). The rest: the
+        configuration's `cache.*` keys."""
         if block_size <= 0:
             raise ValueError(f"cache.block_size must be > 0, got {block_size}")
         if device_blocks <= 0:
@@ -183,62 +141,24 @@ class KVCacheManager:
         if decode_reserve_blocks < 0:
             raise ValueError(
                 f"cache.decode_reserve_blocks must be >= 0, got {decode_reserve_blocks}")
-        self.block_size = block_size
+        super().__init__(
+            block_size=block_size, device_blocks=device_blocks, host_blocks=host_blocks,
+            policy=(write_policy if isinstance(write_policy, WritePolicy)
+                    else make_write_policy(write_policy, hit_threshold)),
+            dispatcher=dispatcher, page_bytes=page_bytes,
+            transfer_timeout_s=transfer_timeout_s)
         self.num_layers = num_layers
-        self.page_bytes = page_bytes
         self.decode_reserve_blocks = decode_reserve_blocks
-        self.transfer_timeout_s = transfer_timeout_s
-        self.policy = (write_policy if isinstance(write_policy, WritePolicy)
-                       else make_write_policy(write_policy, hit_threshold))
-        self._dev_pool = BlockPool("device", device_blocks)
-        self._host_pool = BlockPool("host", host_blocks)
-        # The tree map, node classes and per-block loops, compiled or pure Python, fixed for
-        # this manager's lifetime (see manager.native): nodes and maps of one kind only ever
-        # meet loops of the same kind.
-        self._loops = loops = native.bound()
-        self._dev_lru = DeviceLRU(loops.node_class)
-        # Device-only deployments use the leaner node (no host links, no storage key). The
-        # scheduler handles it as a Node (same attributes, host ones class constants). The
-        # narrow ignores on the hot paths below stand for what the types cannot say without
-        # a per-block check: a node linked in an LRU list has its `dev` (or `host`) and links.
-        self._node_cls = loops.node_class if host_blocks else loops.device_node_class
-        self._host_lru = HostLRU(loops.node_class)
-        # Sized for the most nodes the tree can hold (each holds a block of its own), so the
-        # compiled map never grows while serving: no resize pause at 10M blocks.
-        self._map: native.TreeMap = loops.new_tree(device_blocks + host_blocks)
         self._requests: dict[str, RequestState] = {}
-        self._inflight: dict[int, _Inflight] = {}
-        self._pins: dict[Node, int] = {}
-        # Nodes that left the tree (worker lost) while a transfer still used their blocks:
-        # the blocks return to the free lists when the last rank has answered.
-        self._written_off: set[Node] = set()
-        # Requests active when every cached byte was lost (`lose_all`): what they computed
-        # before is gone on some rank, so their commits join nothing.
         self._lost_requests: set[str] = set()
-        # Engine KV (`track_device_copies`): host copies whose D2H completed after the last
-        # registration check that confirmed the device memory they were read from, as
-        # (completion number, node, host block); trusted, and backed up to storage, only
-        # once `confirm_device_copies` covers them, dropped by `lose_device`.
-        self.track_device_copies = False
-        self._unconfirmed: deque[tuple[int, Node, int]] = deque()
-        self._d2h_done = 0
-        self._seq = 0
-        self._outbox: list[Task] = []
-        self._lock = threading.RLock()
-        self.dispatcher = dispatcher or ImmediateDispatcher()
-        self.dispatcher.bind(self._on_complete)
-        self.counters = Counters()
-        self.tree_status = TREE_NORMAL
         self.paused = False
         # Sleep (see the module docstring): `asleep` refuses scheduler calls; `_cancelled`
         # holds the requests a sleep cancelled until they are released or matched again.
         self.asleep = False
         self._cancelled: set[str] = set()
-        self._dev_in_tree = 0
-        self._host_in_tree = 0
-        # The storage tier, handed in by whoever builds the manager (`kvtier.manager.stack`)
-        # when storage is configured; it sees the manager as a `CacheState`.
-        self.storage: StorageHooks | None = None
+        self.track_device_copies = track_device_copies
+        if storage is not None:
+            self.storage = storage(self)
 
     # ------------------------------------------------------------------ scheduler API
 
@@ -280,7 +200,7 @@ class KVCacheManager:
             walk_hits = self._loops.walk_hits
             while True:
                 while True:
-                    # Plain device hits in one call (compiled or not, see manager.native);
+                    # Plain device hits in one call (compiled or not, see manager.core.native);
                     # it stops at a miss, at the limit, or at a node handled here.
                     stop, n_unlinked = walk_hits(tree, keys, nodes, limit, now,
                                                  hit_threshold, backups)
@@ -295,29 +215,12 @@ class KVCacheManager:
                                                               | LOADING):
                             break
                         host_hits.append(len(nodes))
-                        if node.flags & FROM_STORAGE:
-                            n_storage += 1
-                        node.flags = (node.flags | LOADING) & ~FROM_STORAGE
-                        if node.hprev is not None:
-                            self._host_lru.unlink(node)
+                        n_storage += self.hit_host_copy(node)
                     elif node.flags:
-                        fl = node.flags
-                        if fl & EVICTING:
-                            node.flags = fl | CANCEL_EVICT
-                        if fl & LOADING:
-                            seq = self._loading_seq(node)
-                            if seq is not None:
-                                waits.append((seq, len(nodes)))
-                    prev = node.dprev
-                    if prev is not None:  # leave the device LRU (inlined DeviceLRU.unlink)
-                        nxt = node.dnext
-                        prev.dnext = nxt
-                        nxt.dprev = prev  # type: ignore[union-attr]
-                        node.dprev = node.dnext = None
-                        unlinked += 1
-                    node.ref += 1
-                    node.hits += 1
-                    node.last = now
+                        seq = self.hit_busy_device_copy(node)
+                        if seq is not None:
+                            waits.append((seq, len(nodes)))
+                    self.reference(node, now)
                     if hit_threshold and node.host is None and node.hits >= hit_threshold:
                         backups.append(node)
                     add(node)
@@ -353,8 +256,7 @@ class KVCacheManager:
             c.hit_host_tokens += (n_host - n_storage) * bs
             c.hit_storage_tokens += n_storage * bs
             if backups:
-                self._backup([n for n in backups if n.dev is not None and n.host is None
-                              and not n.flags & (SAVING | LOADING | EVICTING)])
+                self.backup_hot(backups)
             handle = LoadHandle(self.dispatcher if waits else None, waits, n_hit * bs, bs,
                                 self.transfer_timeout_s)
             req.handle = handle
@@ -364,11 +266,11 @@ class KVCacheManager:
                 # cached.
                 handle.note_failure(0)
                 self._lost_requests.add(request_id)
+            ledger = self.ledger
             for seq, idx in waits:
-                rec = self._inflight.get(seq)
-                if rec is not None:
-                    rec.handles.append((handle, idx))
-            self._flush()
+                ledger.add_waiter(seq, handle, idx)
+            if ledger.outbox:
+                ledger.flush()
             return MatchResult(list(req.blocks), (n_hit - n_host) * bs,
                                (n_host - n_storage) * bs, n_storage * bs, handle)
 
@@ -441,12 +343,11 @@ class KVCacheManager:
             m = self._map
             blocks = req.blocks
             new_nodes: list[Node] = []
-            exclusive = self.policy.exclusive
             new_node = self._node_cls
             commit_walk = self._loops.commit_walk
             joined = 0
             while True:
-                # New nodes and duplicates in one call (compiled or not, see manager.native);
+                # New nodes and duplicates in one call (compiled or not, see manager.core.native);
                 # it stops at a node cached on the host only, handled here.
                 i = commit_walk(m, keys, blocks, nodes, n_full, now, new_node, new_nodes)
                 if i >= n_full:
@@ -454,19 +355,12 @@ class KVCacheManager:
                 key = keys[i]
                 node = m.get(key)
                 if node is None:
-                    node = new_node(key, blocks[i], None, now)
-                    node.ref = 1
-                    m[key] = node
+                    node = self.new_device_node(key, blocks[i], now)
                     new_nodes.append(node)
                 elif node.dev is None:
                     # Cached on the host only: our freshly computed block becomes its
                     # device copy.
-                    node.dev = blocks[i]
-                    node.ref += 1
-                    node.last = now
-                    self._dev_in_tree += 1
-                    if exclusive and node.host is not None and not node.flags & HOST_BUSY:
-                        self._drop_host_copy(node)
+                    self.attach_device_copy(node, blocks[i], now)
                     joined += 1
                 else:
                     node = None  # a duplicate: the request keeps its own block
@@ -475,13 +369,12 @@ class KVCacheManager:
             self._dev_in_tree += len(new_nodes)
             if self.storage is not None and new_nodes:
                 skeys = self.storage.request_skeys(req, token_ids, n_full)
-                for i in range(start, n_full):
-                    node = nodes[i]
-                    if node is not None and node.skey is None:
-                        node.skey = skeys[i]
+                self.name_storage_pages(nodes, skeys, start, n_full)
             if new_nodes and self.policy.backup_on_commit and self._host_pool.capacity:
                 self._backup(new_nodes)
-            self._flush()
+            ledger = self.ledger
+            if ledger.outbox:
+                ledger.flush()
             return joined
 
     def release(self, request_id: str) -> None:
@@ -507,7 +400,7 @@ class KVCacheManager:
                 pool.free(blocks[n:])
             # Tail first, so a request's leaves are older than its inner blocks: evictable
             # nodes join the device LRU's tail in one pass (compiled or not, see
-            # manager.native), which leaves the request's own blocks to free here.
+            # manager.core.native), which leaves the request's own blocks to free here.
             lru = self._dev_lru
             rest, appended = self._loops.release_walk(nodes, lru.head, now, DEVICE_BUSY)
             lru.size += appended
@@ -515,9 +408,8 @@ class KVCacheManager:
                 node = nodes[i]
                 if node is None:
                     pool.free_one(blocks[i])
-                elif node.dev is not None and not node.flags & IN_FLIGHT:
-                    pool.free_one(node.dev)  # detached: the block was the requests' own
-                    node.dev = None
+                else:  # detached: the block was the requests' own
+                    self.free_detached_device(node)
 
     def prefetch(self, token_ids: Sequence[int],
                  extra_keys: Sequence[object] | None = None) -> bool:
@@ -578,26 +470,8 @@ class KVCacheManager:
             pinned: list[Node] = []
             for key in keys:
                 node = self._map.get(key)
-                if node is None:
+                if node is None or not self.pin_node(node):
                     break
-                if node.dev is None:
-                    if node.host is None or node.flags & HOST_BUSY:
-                        break
-                    if not self._room_for(1):
-                        break
-                    node.flags |= LOADING  # keeps the host copy while room is made
-                    if node.hprev is not None:
-                        self._host_lru.unlink(node)
-                    self._make_room(1, "pin")
-                    node.dev = self._dev_pool.allocate_one()
-                    self._dev_in_tree += 1
-                    self._submit(TaskKind.H2D, [node.host], [node.dev], [node], Priority.LOAD)
-                    self.counters.h2d_blocks += 1
-                if node.flags & EVICTING:  # a demotion in flight must keep the device copy
-                    node.flags |= CANCEL_EVICT
-                node.flags |= PINNED
-                self._refresh(node)
-                self._pins[node] = self._pins.get(node, 0) + 1
                 pinned.append(node)
             self._flush()
             return len(pinned)
@@ -612,18 +486,13 @@ class KVCacheManager:
             freed: list[Node] = []
             for key in keys:
                 node = self._map.get(key)
-                if node is None or node not in self._pins:
+                if node is None or not self.is_pinned(node):
                     break
-                left = self._pins[node] - 1
-                if left:
-                    self._pins[node] = left
-                else:
-                    del self._pins[node]
-                    node.flags &= ~PINNED
+                if self.unpin_node(node):
                     freed.append(node)
                 count += 1
             for node in reversed(freed):  # tail first: leaves age first
-                self._refresh(node)
+                self.relist(node)
             return count
 
     def reset(self, timeout: float = 10.0) -> dict[str, int]:
@@ -724,17 +593,7 @@ class KVCacheManager:
                     f"rebuild: {len(self._inflight)} task(s) and {len(self._written_off)} "
                     "written-off block(s) of before the sleep are still in flight (an engine's "
                     "own copies must complete first)")
-            self._dev_pool = BlockPool("device", device_blocks)
-            self._host_pool = BlockPool("host", host_blocks)
-            loops = self._loops
-            self._dev_lru = DeviceLRU(loops.node_class)
-            self._host_lru = HostLRU(loops.node_class)
-            self._node_cls = loops.node_class if host_blocks else loops.device_node_class
-            self._map.clear()
-            self._pins.clear()
-            self._written_off.clear()
-            self._unconfirmed.clear()  # their nodes went with the tree
-            self._dev_in_tree = self._host_in_tree = 0
+            self._rebuild_pools(device_blocks, host_blocks)
             self.tree_status = TREE_CLEARED
 
     def wake(self) -> None:
@@ -768,12 +627,7 @@ class KVCacheManager:
         unchanged: the host copies completed before `mark` were read from live, current
         memory. They become trusted and go on to storage. Returns how many were confirmed."""
         with self._lock:
-            confirmed: list[Node] = []
-            queue = self._unconfirmed
-            while queue and queue[0][0] < mark:
-                _, node, host = queue.popleft()
-                if node.key is not None and node.host == host:
-                    confirmed.append(node)
+            confirmed = self.confirmed_device_copies(mark)
             if confirmed and self.storage is not None:
                 self.storage.backup(confirmed)
                 self._flush()  # the backup tasks go out now, not with the next API call
@@ -788,92 +642,10 @@ class KVCacheManager:
         their blocks return when the transfer is answered; they are never matched again).
         Requests active now commit nothing more (what they computed is in the old memory)."""
         with self._lock:
-            host_dropped = written_off = dev_dropped = detached = 0
-            while self._unconfirmed:
-                _, node, host = self._unconfirmed.popleft()
-                if node.key is None or node.host != host:
-                    continue
-                if node.flags & (HOST_BUSY & ~PINNED):
-                    self._write_off(node)
-                    written_off += 1
-                    continue
-                self._drop_host_copy(node)
-                host_dropped += 1
-                self._refresh(node)
-                self._forget(node)
-            for node in list(self._map.values()):
-                if node.dev is None:
-                    continue
-                if node.flags & (LOADING | SAVING | EVICTING):
-                    self._write_off(node)
-                    written_off += 1
-                    continue
-                if node.ref == 0:
-                    if node.dprev is not None:
-                        self._dev_lru.unlink(node)
-                    self._dev_pool.free_one(node.dev)
-                    node.dev = None
-                    self._dev_in_tree -= 1
-                    dev_dropped += 1
-                    self._refresh(node)
-                    self._forget(node)
-                    continue
-                # Requests hold the block: it becomes theirs (a detached node); a host copy
-                # stays cached under a fresh node, unless a host transfer uses it now.
-                if node.host is not None and node.flags & (PREFETCHING | BACKING):
-                    self._write_off(node)
-                    written_off += 1
-                    continue
-                detached += 1
-                key = node.key
-                assert key is not None
-                if node.host is not None:
-                    fresh = self._node_cls(key, None, node.host, node.last)
-                    fresh.hits = node.hits
-                    fresh.skey = node.skey
-                    fresh.flags = node.flags & (STORED | FROM_STORAGE | PINNED)
-                    if node.hprev is not None:
-                        self._host_lru.unlink(node)
-                    self._map[key] = fresh
-                    if node in self._pins:
-                        self._pins[fresh] = self._pins.pop(node)
-                    node.host = None
-                    self._refresh(fresh)
-                else:
-                    del self._map[key]
-                    self._pins.pop(node, None)
-                if node.dprev is not None:
-                    self._dev_lru.unlink(node)
-                node.key = None
-                node.flags &= ~(PINNED | STORED | FROM_STORAGE)
-                self._dev_in_tree -= 1
+            lost = self._lose_device_copies()
             self._lost_requests.update(self._requests)
             self.counters.lost_device += 1
-            return {"device_blocks": dev_dropped, "detached_in_use": detached,
-                    "unconfirmed_host_blocks": host_dropped, "written_off": written_off,
-                    "nodes_kept": len(self._map)}
-
-    def _write_off(self, node: Node) -> None:
-        """Take an attached node out of the tree now. Blocks a transfer in flight uses come
-        back when it is answered (`_written_off`, `_settle`); a device block requests hold
-        becomes theirs. Caller holds the lock."""
-        if node.dprev is not None:
-            self._dev_lru.unlink(node)
-        if node.hprev is not None:
-            self._host_lru.unlink(node)
-        if node.dev is not None:
-            self._dev_in_tree -= 1
-        if node.host is not None:
-            self._host_in_tree -= 1
-        if node.key is not None and self._map.get(node.key) is node:
-            del self._map[node.key]
-        self._pins.pop(node, None)
-        node.key = None
-        node.flags &= ~PINNED
-        if node.flags & IN_FLIGHT:
-            self._written_off.add(node)
-        else:
-            self._settle(node)
+            return lost
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -884,13 +656,12 @@ class KVCacheManager:
         if kind not in (TaskKind.FILL, TaskKind.CHECK):
             raise ValueError(f"not a diagnostic task kind: {kind!r}")
         with self._lock:
-            seq = self._next_seq()
+            seq = self.next_seq()
             if kind == TaskKind.FILL:
                 task = Task(seq, kind, [], list(dev_ids), list(keys), Priority.CONTROL)
             else:
                 task = Task(seq, kind, list(dev_ids), [], list(keys), Priority.CONTROL)
-            self._inflight[seq] = _Inflight(task, [], on_done=on_done)
-            self._outbox.append(task)
+            self.track(task, [], on_done=on_done)
             self._flush()
             return seq
 
@@ -947,90 +718,11 @@ class KVCacheManager:
             "counters": {k: getattr(c, k) for k in c.__slots__},
         }
 
-    # ------------------------------------------------------------------ storage tier interface
-    # `kvtier.manager.cache_state.CacheState`: what the storage tier is handed instead of the
-    # manager's internals. Called with the lock held (except `lock`); none of it is on the
-    # match / allocate / commit / release path.
-
-    @property
-    def lock(self) -> threading.RLock:
-        return self._lock
-
-    def lookup(self, key: int) -> Node | None:
-        return self._map.get(key)
-
-    def cached_nodes(self) -> Iterable[Node]:
-        return self._map.values()
-
-    def next_seq(self) -> int:
-        return self._next_seq()
-
-    def track(self, task: Task, nodes: list[Node], on_done: OnDone | None = None) -> None:
-        """Queue a task built elsewhere (storage tier); sent at the end of the API call."""
-        self._inflight[task.seq] = _Inflight(task, nodes, on_done=on_done)
-        self._outbox.append(task)
-
-    def wait_unlocked(self, seqs: list[int], timeout: float | None = None) -> None:
-        self._wait_unlocked(seqs, timeout)
-
-    def take_host_block(self) -> int | None:
-        return self._host_block()
-
-    def new_host_node(self, key: int, host: int, now: float) -> Node:
-        return self._loops.node_class(key, None, host, now)
-
-    def adopt_host_node(self, node: Node) -> None:
-        assert node.key is not None and node.host is not None and node.dev is None
-        self._map[node.key] = node
-        self._host_in_tree += 1
-
-    def free_host_copy(self, node: Node) -> None:
-        self._host_pool.free_one(node.host)  # type: ignore[arg-type]
-        node.host = None
-        self._host_in_tree -= node.key is not None
-
-    def relist(self, node: Node) -> None:
-        self._refresh(node)
-
-    def after_transfer(self, node: Node) -> None:
-        self._refresh(node)
-        self._forget(node)
-        self._settle(node)
-
-    # ------------------------------------------------------------------ key-addressed surface
-    # What `kvtier.manager.keyed.KeyedHostCache` needs beyond `CacheState` (lock held).
-
-    @property
-    def tree_map(self) -> native.TreeMap:
-        """The tree map itself (key -> node; the object lives as long as the manager), for
-        the compiled batch lookups of `kvtier.manager.keyed`."""
-        return self._map
-
-    @property
-    def host_capacity(self) -> int:
-        return self._host_pool.capacity
-
-    @property
-    def host_free(self) -> int:
-        return self._host_pool.num_free
-
-    def host_block_is_free(self, host_id: int) -> bool:
-        return self._host_pool.is_free(host_id)
-
-    def give_host_blocks(self, ids: list[int]) -> None:
-        """Return host blocks taken with `take_host_block` and never used."""
-        if ids:
-            self._host_pool.free(ids)
-
-    def relist_tail(self, node: Node) -> None:
-        """Make an evictable host copy the most recently used."""
-        if node.hprev is not None:
-            self._host_lru.unlink(node)
-            self._host_lru.append(node)
-
-    def flush(self) -> None:
-        """Send the tasks queued so far (the scheduler API calls do it when they end)."""
-        self._flush()
+    def check_invariants(self) -> None:  # type: ignore[override]
+        """Assert every ownership invariant with a full scan (tests call it after every
+        step), the active requests' blocks counted as theirs."""
+        with self._lock:
+            super().check_invariants(list(self._requests.values()))
 
     # ------------------------------------------------------------------ internals
 
@@ -1052,35 +744,6 @@ class KVCacheManager:
         except (TokenKeyError, TypeError) as e:
             raise InvalidRequestError(f"token_ids: {e}") from None
 
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
-
-    def _submit(self, kind: TaskKind, src: list[int], dst: list[int], nodes: list[Node],
-                priority: int, first_block: int = 0) -> int:
-        seq = self._next_seq()
-        task = Task(seq, kind, src, dst, [], priority)
-        self._inflight[seq] = _Inflight(task, nodes, first_block)
-        self._outbox.append(task)
-        return seq
-
-    def _flush(self) -> None:
-        """Hand queued tasks to the dispatcher once the state they describe is complete (an
-        immediate dispatcher re-enters `_on_complete`)."""
-        while self._outbox:
-            tasks, self._outbox = self._outbox, []
-            for t in tasks:
-                self.dispatcher.submit(t)
-
-    def _loading_seq(self, node: Node) -> int | None:
-        for seq, rec in self._inflight.items():
-            if rec.task.kind == TaskKind.H2D and node in rec.nodes:
-                return seq
-        return None
-
-    def _room_for(self, n: int) -> bool:
-        return self._dev_pool.num_free + self._dev_lru.size >= n
-
     def _load_host_hits(self, req: RequestState, host_hits: list[int],
                         waits: list[tuple[int, int]]) -> int:
         """Give the host-only nodes of a match device blocks and one H2D task; truncate the
@@ -1094,472 +757,20 @@ class KVCacheManager:
             # Keep the prefix up to the first host hit that cannot get a device block.
             cut = host_hits[room]
             for node in nodes[cut:]:
-                self._unref_after_failed_match(node)  # type: ignore[arg-type]
+                self.unhit(node)  # type: ignore[arg-type]
             del nodes[cut:]
             host_hits = host_hits[:room]
         if not host_hits:
             return 0
         self._make_room(len(host_hits), "match")
         ids = self._dev_pool.allocate(len(host_hits))
-        src: list[int] = []
-        loaded: list[Node] = []
-        for i, dev in zip(host_hits, ids, strict=True):
-            node = nodes[i]
-            assert node is not None
-            node.dev = dev
-            src.append(node.host)  # type: ignore[arg-type]
-            loaded.append(node)
-        self._dev_in_tree += len(loaded)
-        seq = self._submit(TaskKind.H2D, src, ids, loaded, Priority.LOAD, host_hits[0])
-        self.counters.h2d_blocks += len(loaded)
+        loaded: list[Node] = [nodes[i] for i in host_hits]  # type: ignore[misc]
+        seq = self.load_host_copies(loaded, ids, host_hits[0])
         waits.append((seq, host_hits[0]))
         return len(loaded)
 
     def _undo_match(self, nodes: list[Node | None]) -> None:
         """A match that raises after its walk (a sleep, or a timeout, while it waited with
-        the lock released) gives back what it took: its references, and the LOADING flag of
-        its host hits, whose H2D was never sent. A node a sleep (or a lost worker) wrote off
-        meanwhile settles here: no answer will ever come for it, and on main it kept every
-        wake refused as 'still in flight' (issue 27, item 1)."""
-        for node in reversed(nodes):  # tail first: leaves age first
-            if node is None:
-                continue
-            self._unref_after_failed_match(node)
-            if node.key is None:
-                self._settle(node)
-
-    def _unref_after_failed_match(self, node: Node) -> None:
-        node.ref -= 1
-        node.hits -= 1
-        if node.dev is None:
-            node.flags &= ~LOADING
-        self._refresh(node)
-
-    def _make_room(self, n: int, who: str) -> None:
-        """Evict until `n` device blocks are free. When free and evictable blocks are too
-        few but transfers in flight will free or release enough, first wait for them
-        (bounded by `transfer_timeout_s`, lock released). Raises OutOfBlocksError (having
-        evicted nothing) if even evicting every evictable block would not be enough."""
-        pool = self._dev_pool
-        if pool.num_free >= n:
-            return
-        if pool.num_free + self._dev_lru.size < n:
-            busy = self._await_room(n)
-            if pool.num_free + self._dev_lru.size < n:
-                more = f"; {busy} more busy in transfers in flight" if busy else ""
-                raise OutOfBlocksError(
-                    f"{who}: {n} device blocks needed, {pool.num_free} free and "
-                    f"{self._dev_lru.size} evictable of {pool.capacity}{more}")
-        while pool.num_free < n:
-            if not self._dev_lru.size:  # a demotion waited for was cancelled by a hit
-                raise OutOfBlocksError(
-                    f"{who}: {n} device blocks needed, {pool.num_free} free and nothing "
-                    f"left to evict of {pool.capacity}")
-            demoting = self._evict_device(n - pool.num_free)
-            if demoting:
-                self._flush()
-                self._wait_unlocked(demoting)
-
-    def _busy_device_blocks(self) -> list[tuple[int, int]]:
-        """(seq, blocks) of the transfers in flight whose device blocks no request holds: each
-        block becomes free or evictable when its task is answered. Oldest first. A scan of
-        the tasks in flight: only for allocations that would otherwise fail."""
-        out: list[tuple[int, int]] = []
-        for seq, rec in self._inflight.items():
-            if rec.task.kind not in (TaskKind.D2H, TaskKind.H2D):
-                continue
-            n = sum(1 for node in rec.nodes
-                    if node.dev is not None and node.ref == 0 and not node.flags & PINNED)
-            if n:
-                out.append((seq, n))
-        out.sort()
-        return out
-
-    def _await_room(self, n: int) -> int:
-        """Wait (lock released, at most `transfer_timeout_s` in all) for the transfers in
-        flight that will make free + evictable reach `n` device blocks, as long as they
-        can. Returns the device blocks still busy in transfers."""
-        pool, lru = self._dev_pool, self._dev_lru
-        deadline = _monotonic() + self.transfer_timeout_s
-        while True:
-            busy = self._busy_device_blocks()
-            total = sum(b for _, b in busy)
-            short = n - pool.num_free - lru.size
-            if short <= 0 or total < short:
-                return total
-            left = deadline - _monotonic()
-            if left <= 0:
-                return total
-            seqs: list[int] = []
-            got = 0
-            for seq, b in busy:  # the oldest tasks that together free enough
-                seqs.append(seq)
-                got += b
-                if got >= short:
-                    break
-            try:
-                self._wait_unlocked(seqs, left)
-            except TransferTimeoutError:
-                return sum(b for _, b in self._busy_device_blocks())
-
-    def _evict_device(self, n: int) -> list[int]:
-        """Evict up to `n` LRU device blocks; returns the seqs of demotions to wait for."""
-        lru = self._dev_lru
-        pool = self._dev_pool
-        policy = self.policy
-        host_tier = self._host_pool.capacity > 0
-        c = self.counters
-        if not host_tier:
-            # Device only: every victim is dropped. Unlink a run of victims from the head of
-            # the list in one pass (compiled or not, see manager.native) and free their
-            # blocks in one call.
-            freed = self._loops.evict_drop(self._map, lru.head, n)
-            lru.size -= len(freed)
-            self._dev_in_tree -= len(freed)
-            c.evicted_device_drop += len(freed)
-            pool.free(freed)
-            return []
-        demote_src: list[int] = []
-        demote_dst: list[int] = []
-        demote_nodes: list[Node] = []
-        for _ in range(n):
-            victim = lru.oldest()
-            if victim is None:
-                break
-            lru.unlink(victim)
-            if victim.host is not None:
-                c.evicted_device_demote += 1
-                pool.free_one(victim.dev)  # type: ignore[arg-type]
-                victim.dev = None
-                self._dev_in_tree -= 1
-                continue
-            if policy.demote_on_evict and host_tier:
-                hb = self._host_block()
-                if hb is not None:
-                    victim.host = hb
-                    self._host_in_tree += 1
-                    victim.flags |= EVICTING
-                    demote_src.append(victim.dev)  # type: ignore[arg-type]
-                    demote_dst.append(hb)
-                    demote_nodes.append(victim)
-                    continue
-            c.evicted_device_drop += 1
-            pool.free_one(victim.dev)  # type: ignore[arg-type]
-            victim.dev = None
-            self._dev_in_tree -= 1
-            self._forget(victim)
-        if not demote_nodes:
-            return []
-        c.evicted_device_demote += len(demote_nodes)
-        c.d2h_blocks += len(demote_nodes)
-        return [self._submit(TaskKind.D2H, demote_src, demote_dst, demote_nodes,
-                             Priority.EVICT)]
-
-    def _host_block(self) -> int | None:
-        """One free host block, evicting the LRU host copy if needed; None if impossible."""
-        pool = self._host_pool
-        if pool.num_free:
-            return pool.allocate_one()
-        victim = self._host_lru.oldest()
-        if victim is None:
-            return None
-        self._host_lru.unlink(victim)
-        hb = victim.host
-        victim.host = None
-        self._host_in_tree -= 1
-        self.counters.evicted_host_drop += 1
-        if victim.dev is None:
-            self._forget(victim)
-        return hb  # handed over without passing through the free list
-
-    def _forget(self, node: Node) -> None:
-        """Remove a node that holds no block any more from the tree."""
-        if node.key is not None and node.dev is None and node.host is None:
-            if self._map.get(node.key) is node:
-                del self._map[node.key]
-            self._pins.pop(node, None)
-            node.key = None
-
-    def _drop_host_copy(self, node: Node) -> None:
-        if node.hprev is not None:
-            self._host_lru.unlink(node)
-        self._host_pool.free_one(node.host)  # type: ignore[arg-type]
-        node.host = None
-        self._host_in_tree -= 1
-
-    def _backup(self, nodes: list[Node]) -> None:
-        """Copy device blocks to the host in one low-priority D2H task, as far as host
-        blocks can be had without evicting anything busy."""
-        src: list[int] = []
-        dst: list[int] = []
-        saving: list[Node] = []
-        for node in reversed(nodes):  # tail first, so their LRU order stays leaves-first
-            if node.host is not None or node.dev is None:
-                continue
-            hb = self._host_block()
-            if hb is None:
-                break
-            node.host = hb
-            self._host_in_tree += 1
-            node.flags |= SAVING
-            if node.dprev is not None:
-                self._dev_lru.unlink(node)
-            src.append(node.dev)
-            dst.append(hb)
-            saving.append(node)
-        if saving:
-            self.counters.d2h_blocks += len(saving)
-            self._submit(TaskKind.D2H, src, dst, saving, Priority.BACKUP)
-
-    def _refresh(self, node: Node) -> None:
-        """Put `node` in exactly the LRU lists it belongs to (after any state change)."""
-        flags = node.flags
-        attached = node.key is not None
-        want_dev = (attached and node.dev is not None and node.ref == 0
-                    and not flags & DEVICE_BUSY)
-        if want_dev != (node.dprev is not None):
-            if want_dev:
-                self._dev_lru.append(node)
-            else:
-                self._dev_lru.unlink(node)
-        want_host = attached and node.host is not None and not flags & HOST_BUSY
-        if want_host != (node.hprev is not None):
-            if want_host:
-                self._host_lru.append(node)
-            else:
-                self._host_lru.unlink(node)
-
-    def _wait_unlocked(self, seqs: list[int], timeout: float | None = None) -> None:
-        """Send what is queued, then wait for tasks with the lock released, so the completion
-        thread can apply them."""
-        self._flush()
-        sleeps = self.counters.sleeps
-        depth = 0
-        while True:  # release however many times the calling thread holds the lock
-            try:
-                self._lock.release()
-            except RuntimeError:
-                break
-            depth += 1
-        try:
-            self.dispatcher.wait(seqs, self.transfer_timeout_s if timeout is None else timeout)
-        finally:
-            for _ in range(depth):
-                self._lock.acquire()
-        if self.counters.sleeps != sleeps:
-            # Everything this call held was reclaimed by the sleep: it must not go on.
-            raise RequestCancelledError(
-                "the deployment went to sleep while this call waited for a transfer; "
-                "match again after the wake")
-
-    # ------------------------------------------------------------------ completions
-
-    def _on_complete(self, comp: Completion) -> None:
-        with self._lock:
-            rec = self._inflight.pop(comp.seq, None)
-            if rec is None:
-                return
-            ok = comp.ok
-            if not ok:
-                self.counters.failed_tasks += 1
-            kind = rec.task.kind
-            if kind == TaskKind.H2D:
-                self._finish_load(rec, ok, comp.error)
-            elif kind == TaskKind.D2H:
-                self._finish_d2h(rec, ok)
-            if rec.on_done is not None:
-                rec.on_done(ok, comp)
-            self._flush()
-
-    def _finish_load(self, rec: _Inflight, ok: bool, error: str = "") -> None:
-        exclusive = self.policy.exclusive
-        for node in reversed(rec.nodes):  # tail first: leaves age first
-            node.flags &= ~LOADING
-            if ok:
-                if exclusive and node.host is not None and node.key is not None:
-                    self._host_pool.free_one(node.host)
-                    node.host = None
-                    self._host_in_tree -= 1
-                self._refresh(node)
-                self._settle(node)
-                continue
-            # The device copy is garbage. Requests holding the node keep the block (they
-            # recompute into it); the host copy stays cached under a fresh node.
-            dev = node.dev
-            node.dev = None
-            if node.key is not None:
-                self._dev_in_tree -= 1
-            if node.ref > 0:
-                if node.key is not None:
-                    fresh = self._node_cls(node.key, None, node.host, node.last)
-                    fresh.hits = node.hits
-                    self._map[node.key] = fresh
-                    if node in self._pins:
-                        self._pins[fresh] = self._pins.pop(node)
-                        fresh.flags |= PINNED
-                    node.host = None
-                    node.key = None
-                    self._refresh(fresh)
-                node.dev = dev  # detached: owned by its requests now
-                node.flags &= ~PINNED
-                self._refresh(node)
-            else:
-                self._dev_pool.free_one(dev)  # type: ignore[arg-type]
-                self._refresh(node)
-                self._forget(node)
-            self._settle(node)
-        if not ok:
-            for h, idx in rec.handles:
-                h.note_failure(idx, error)
-        rec.handles.clear()
-
-    def _finish_d2h(self, rec: _Inflight, ok: bool) -> None:
-        for node in rec.nodes:
-            flags = node.flags
-            evicting = flags & EVICTING
-            node.flags = flags & ~(SAVING | EVICTING | CANCEL_EVICT)
-            attached = node.key is not None
-            if not ok and node.host is not None:
-                self._host_pool.free_one(node.host)
-                node.host = None
-                self._host_in_tree -= attached
-            if (evicting and not flags & (CANCEL_EVICT | PINNED) and node.ref == 0
-                    and node.dev is not None):
-                # The demotion landed (or failed: the block was being evicted anyway).
-                self._dev_pool.free_one(node.dev)
-                node.dev = None
-                self._dev_in_tree -= attached
-            self._refresh(node)
-            self._forget(node)
-            self._settle(node)
-        if ok and self.track_device_copies:
-            # Read from the model runner's memory, which may have been replaced under the
-            # task: trusted (and backed up) once a registration check confirms it.
-            done = self._d2h_done
-            self._d2h_done = done + 1
-            for node in rec.nodes:
-                if node.key is not None and node.host is not None:
-                    self._unconfirmed.append((done, node, node.host))
-        elif ok and self.storage is not None:
-            self.storage.backup(rec.nodes)
-
-    def _settle(self, node: Node) -> None:
-        """A detached node whose last transfer has been answered gives its blocks back (the
-        device block only once no request holds it)."""
-        if node.key is not None or node.flags & IN_FLIGHT:
-            return
-        self._written_off.discard(node)
-        if node.host is not None:
-            self._host_pool.free_one(node.host)
-            node.host = None
-        if node.ref == 0 and node.dev is not None:
-            self._dev_pool.free_one(node.dev)
-            node.dev = None
-
-    def _clear_all(self) -> dict[str, int]:
-        """Drop every node. Nodes held by requests become detached (their device blocks the
-        requests' own); nodes a transfer still uses keep their blocks until it is answered
-        (`_written_off`). Caller holds the lock."""
-        # Freed ids go back in id order (marked here, listed in one pass below), so the free
-        # lists come out the same whichever map (dict or compiled, iterated in different
-        # orders) holds the tree.
-        dev_ids = bytearray(self._dev_pool.capacity)
-        host_ids = bytearray(self._host_pool.capacity)
-        # Every node in the LRU lists is in the tree: both lists empty in one pass each.
-        self._dev_lru.clear()
-        self._host_lru.clear()
-        # Nodes with no transfer in flight in one call (compiled or not, see manager.native).
-        dev_freed, host_freed, detached, busy = self._loops.clear_walk(
-            list(self._map.values()), dev_ids, host_ids, IN_FLIGHT)
-        for node in busy:  # a transfer still uses its blocks
-            node.flags &= IN_FLIGHT
-            node.key = None
-            self._written_off.add(node)
-            if (node.dev is not None and node.ref == 0
-                    and not node.flags & (LOADING | SAVING | EVICTING)):
-                # Only its host copy is in use (a storage backup reads it): the device
-                # block is free now, not when that slower task is answered.
-                dev_ids[node.dev] = 1
-                node.dev = None
-                dev_freed += 1
-        self._dev_pool.free(compress(range(len(dev_ids)), dev_ids))
-        self._host_pool.free(compress(range(len(host_ids)), host_ids))
-        nodes = len(self._map)
-        pins = len(self._pins)
-        self._unconfirmed.clear()
-        self._map.clear()
-        self._pins.clear()
-        self._dev_in_tree = 0
-        self._host_in_tree = 0
-        return {"nodes": nodes, "device_blocks": dev_freed, "host_blocks": host_freed,
-                "detached_in_use": detached, "pins": pins}
-
-    # ------------------------------------------------------------------ invariants
-
-    def check_invariants(self) -> None:
-        """Assert the brief's invariants with a full scan (tests call it after every step)."""
-        with self._lock:
-            for tier, pool, attr, lru in (("device", self._dev_pool, "dev", self._dev_lru),
-                                          ("host", self._host_pool, "host", self._host_lru)):
-                free = pool.free_ids()
-                assert len(free) == len(set(free)), f"{tier}: free list has duplicates"
-                tree_ids = [getattr(n, attr) for n in self._map.values()
-                            if getattr(n, attr) is not None]
-                assert len(tree_ids) == len(set(tree_ids)), f"{tier}: id held by two nodes"
-                owned: list[int] = []
-                if tier == "device":
-                    seen_detached: set[int] = set()
-                    for req in self._requests.values():
-                        for i, b in enumerate(req.blocks):
-                            node = req.nodes[i] if i < len(req.nodes) else None
-                            if i >= len(req.nodes) or node is None:
-                                owned.append(b)
-                            elif node.key is None and id(node) not in seen_detached:
-                                seen_detached.add(id(node))
-                                assert node.dev == b, f"device: detached node lost block {b}"
-                                owned.append(b)
-                            elif node.key is not None:
-                                assert node.dev == b, (
-                                    f"device: request block {b} differs from its node {node}")
-                    assert len(owned) == len(set(owned)), f"{tier}: id owned twice"
-                    owned += [n.dev for n in self._written_off
-                              if n.dev is not None and id(n) not in seen_detached]
-                else:
-                    owned += [n.host for n in self._written_off if n.host is not None]
-                everything = free + tree_ids + owned
-                assert len(everything) == len(set(everything)), (
-                    f"{tier}: an id is in two of free/tree/requests")
-                assert len(everything) == pool.capacity, (
-                    f"{tier}: {len(free)} free + {len(tree_ids)} tree + {len(owned)} owned "
-                    f"!= capacity {pool.capacity}")
-                for i in free:
-                    assert pool.is_free(i)
-                in_lru = list(lru)
-                assert len(in_lru) == lru.size, f"{tier}: LRU size counter is off"
-                busy = DEVICE_BUSY if tier == "device" else HOST_BUSY
-                for n in in_lru:
-                    assert n.key is not None and self._map.get(n.key) is n, f"{tier}: stale LRU"
-                    assert getattr(n, attr) is not None
-                    assert not n.flags & busy, f"{tier}: busy node {n} is evictable"
-                    if tier == "device":
-                        assert n.ref == 0, f"device: referenced node {n} is evictable"
-                for n in self._map.values():
-                    want = getattr(n, attr) is not None and not n.flags & busy and (
-                        tier == "host" or n.ref == 0)
-                    linked = (n.dprev if tier == "device" else n.hprev) is not None
-                    assert want == linked, f"{tier}: node {n} LRU membership wrong"
-            assert self._dev_in_tree == sum(1 for n in self._map.values() if n.dev is not None)
-            assert self._host_in_tree == sum(1 for n in self._map.values()
-                                             if n.host is not None)
-            for node in self._pins:
-                assert node.flags & PINNED and node.key is not None
-            for key, node in self._map.items():
-                assert node.key == key
-                assert node.dev is not None or node.host is not None, f"empty node {node}"
-                assert node.ref >= 0
-                if node.flags & PINNED:
-                    assert node in self._pins
-            inflight_nodes = {id(n) for r in self._inflight.values() for n in r.nodes}
-            for n in self._map.values():
-                if n.flags & (LOADING | SAVING | EVICTING | PREFETCHING | BACKING):
-                    assert id(n) in inflight_nodes, f"{n} flagged in flight but no task"
+        the lock released) gives back what it took (issue 27, item 1): the core's
+        `unhit_match`."""
+        self.unhit_match([n for n in nodes if n is not None])

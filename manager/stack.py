@@ -1,7 +1,11 @@
 """One deployment's running parts, built from its configuration: the workers, the dispatcher
 that feeds them, the manager and its storage tier. This is the one place a configuration
-becomes a manager plus workers; `kvtier serve` and `kvtier replay` run a Stack, and engine
-builders do too (`with Stack(cfg) as stack:`, then `stack.manager` is the scheduler API).
+becomes a manager plus workers: `assemble` builds the manager side over a dispatcher (the
+cache core and its scheduler API, the storage tier handed to its constructor, and on request
+the key-addressed surface), `Stack` adds the workers. `kvtier serve` and `kvtier replay` run
+a Stack, the vLLM adapter does (`Stack(cfg, keyed_namespace=...)`, then `stack.keyed`), and
+engine builders do too (`with Stack(cfg) as stack:`, then `stack.manager` is the scheduler
+API).
 
 Two kinds of workers, one wiring:
 
@@ -18,9 +22,9 @@ Two kinds of workers, one wiring:
   "wait_complete"`: `best_effort` and `timeout` cannot be honoured and are refused
   (`ConfigError`) at start.
 
-Either way the workers get the same `WorkerSpec`s (`worker_specs(cfg)`), the manager is the
-same `KVCacheManager`, and a `StorageTier` is built and handed to it when a storage backend
-is configured.
+Either way the workers get the same `WorkerSpec`s (`worker_specs(cfg)`), and `assemble`
+builds the same `KVCacheManager`, with a `StorageTier` handed to its constructor when a
+storage backend is configured.
 
 Sleep and wake (weight updates, FastDeploy's "clear the tree, free the KV, re-create it"):
 
@@ -41,7 +45,8 @@ and a model runner's `LayerWaiter.wait` raises `DeploymentAsleep`. A failed wake
 could not re-create its pools) leaves the deployment asleep: wake again, e.g. smaller.
 
 Start order: IPC names (stale ones of this deployment removed) -> worker processes (each
-builds its pools and reports ready) -> dispatcher -> manager (-> storage tier). Stop order is
+builds its pools and reports ready) -> dispatcher -> `assemble`: manager with its storage
+tier (-> keyed surface). Stop order is
 the reverse, and `close()` is safe to call from any state: it always ends with every process
 stopped (or every embedded rank closed) and every shared-memory segment and queue of the
 deployment unlinked.
@@ -49,11 +54,11 @@ deployment unlinked.
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.manager.config import (
@@ -64,12 +69,14 @@ from kvtier.manager.config import (
     summary,
     with_pool_sizes,
 )
+from kvtier.manager.core.cache import CacheCore
 from kvtier.manager.errors import AsleepError, KvtierError, TransferTimeoutError
+from kvtier.manager.keyed import KeyedHostCache
 from kvtier.manager.launcher import WorkerSupervisor
 from kvtier.manager.private_state import storage_secret
 from kvtier.manager.scheduler import TREE_CLEARED, KVCacheManager
 from kvtier.manager.storage_tier import StorageTier
-from kvtier.manager.transfers import Dispatcher, ImmediateDispatcher
+from kvtier.manager.transfers import Dispatcher, ImmediateDispatcher, TransferObserver
 from kvtier.worker.ipc import TreeStatus
 from kvtier.worker.spec import WorkerSpec
 from kvtier.worker.wire import TaskKind
@@ -79,26 +86,49 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.stack")
 
-TransferObserver = Callable[[TaskKind, int, float], None]
-"""Called as `observer(kind, blocks, seconds)` once per finished task (every rank answered)."""
 
 
-class _ObservedTransferLog(collections.deque[tuple[TaskKind, int, float]]):
-    """The dispatcher's log of finished tasks (kind, blocks, seconds), which also hands every
-    entry to the stack's observers as it is appended: a histogram fed here sees every task,
-    where one drained from the bounded log at scrape time would miss those pushed out."""
+@dataclass(frozen=True, slots=True)
+class Assembly:
+    """What `assemble` built: the scheduler API, the storage tier (None without a storage
+    backend) and the key-addressed surface (None unless asked for)."""
 
-    def __init__(self, maxlen: int | None, observers: list[TransferObserver]) -> None:
-        super().__init__(maxlen=maxlen)
-        self._observers = observers
+    manager: KVCacheManager
+    storage: StorageTier | None
+    keyed: KeyedHostCache | None
 
-    def append(self, item: tuple[TaskKind, int, float]) -> None:
-        super().append(item)
-        for observe in self._observers:
-            try:
-                observe(*item)
-            except Exception:  # an observer must never break the dispatcher
-                log.exception("transfer observer %r failed", observe)
+
+def assemble(cfg: KvtierConfig, dispatcher: Dispatcher, *, transfer_timeout_s: float = 30.0,
+             track_device_copies: bool = False, keyed_namespace: bytes | None = None,
+             host_ready: Callable[[], bool] | None = None) -> Assembly:
+    """The one place a configuration becomes a manager over a dispatcher: the cache core
+    with its scheduler API (`KVCacheManager`), the storage tier handed to the manager's
+    constructor when `storage.backend` is not "none", and, with `keyed_namespace`, the
+    key-addressed surface of an engine that owns its device tier (`KeyedHostCache`,
+    `host_ready`: whether its host pools can be used now). Nothing is wired afterwards.
+    `Stack.start` calls it (and so `kvtier serve`, `kvtier replay` and the vLLM adapter)."""
+    c = cfg
+    built: list[StorageTier] = []
+
+    def storage_tier(core: CacheCore) -> StorageTier:
+        built.append(StorageTier(core, c))
+        return built[-1]
+
+    manager = KVCacheManager(
+        block_size=c.cache.block_size, device_blocks=c.cache.device_blocks,
+        host_blocks=c.cache.host_blocks, write_policy=c.cache.write_policy,
+        hit_threshold=c.cache.hit_threshold,
+        decode_reserve_blocks=c.cache.decode_reserve_blocks, dispatcher=dispatcher,
+        page_bytes=page_bytes(c), num_layers=c.model.num_layers + c.model.num_extra_layers,
+        transfer_timeout_s=transfer_timeout_s,
+        storage=storage_tier if c.storage.backend != "none" else None,
+        track_device_copies=track_device_copies)
+    storage = built[0] if built else None
+    keyed = None
+    if keyed_namespace is not None:
+        keyed = KeyedHostCache(manager, storage, namespace=keyed_namespace,
+                               host_ready=host_ready or (lambda: True))
+    return Assembly(manager, storage, keyed)
 
 
 def worker_spec(cfg: KvtierConfig, rank: int, storage_tag: str = "") -> WorkerSpec:
@@ -155,7 +185,8 @@ class Stack:
 
     def __init__(self, cfg: KvtierConfig, *, embedded: bool = False,
                  log_dir: str | None = None, transfer_timeout_s: float = 30.0,
-                 keep_worker_logs: bool = False, storage_tag: str = "") -> None:
+                 keep_worker_logs: bool = False, storage_tag: str = "",
+                 keyed_namespace: bytes | None = None) -> None:
         self.cfg = cfg
         self.embedded = embedded
         self.log_dir = log_dir  # None: a temporary folder (see WorkerSupervisor)
@@ -166,6 +197,11 @@ class Stack:
         self.workers: EmbeddedWorkers | None = None
         self.manager: KVCacheManager | None = None
         self.storage: StorageTier | None = None
+        # An engine that owns its device tier (vLLM) addresses the host and storage tiers by
+        # its own block hashes: `keyed` is that surface, built when `keyed_namespace` is given
+        # (the storage keys' namespace, see KeyedHostCache).
+        self.keyed_namespace = keyed_namespace
+        self.keyed: KeyedHostCache | None = None
         self._closed = False
         self._lock = threading.Lock()
         self._sleep_lock = threading.Lock()  # one sleep, wake or reset at a time
@@ -192,8 +228,8 @@ class Stack:
                 from kvtier.worker.embedded import EmbeddedWorkers
 
                 self.workers = EmbeddedWorkers(worker_specs(c, self.storage_tag))
-                dispatcher = ImmediateDispatcher(executor=self.workers.execute)
-                dispatcher.num_ranks = self.workers.num_ranks
+                dispatcher = ImmediateDispatcher(executor=self.workers.execute,
+                                                 num_ranks=self.workers.num_ranks)
             else:
                 self.supervisor = WorkerSupervisor(
                     self.worker_spec, c.workers.count, c.deployment_id,
@@ -203,25 +239,15 @@ class Stack:
                     on_device_lost=self._on_device_lost,
                     device_copy_mark=self._device_copy_mark,
                     on_device_confirmed=self._on_device_confirmed)
-                to_processes = self.supervisor.make_dispatcher()
-                to_processes.transfer_seconds = _ObservedTransferLog(
-                    to_processes.transfer_seconds.maxlen, self._transfer_observers)
+                dispatcher = self.supervisor.make_dispatcher(on_transfer=self._observe_transfer)
                 self.supervisor.start()
-                dispatcher = to_processes
-            self.manager = KVCacheManager(
-                block_size=c.cache.block_size, device_blocks=c.cache.device_blocks,
-                host_blocks=c.cache.host_blocks, write_policy=c.cache.write_policy,
-                hit_threshold=c.cache.hit_threshold,
-                decode_reserve_blocks=c.cache.decode_reserve_blocks, dispatcher=dispatcher,
-                page_bytes=self.page_bytes,
-                num_layers=c.model.num_layers + c.model.num_extra_layers,
-                transfer_timeout_s=self.transfer_timeout_s)
             # engine KV: host copies read from the model runner's memory are trusted once a
             # registration check confirms that memory (see WorkerSupervisor._check_engine_kv)
-            self.manager.track_device_copies = c.workers.engine_kv and not self.embedded
-            if c.storage.backend != "none":
-                self.storage = StorageTier(self.manager, c)
-                self.manager.storage = self.storage
+            parts = assemble(c, dispatcher, transfer_timeout_s=self.transfer_timeout_s,
+                             track_device_copies=c.workers.engine_kv and not self.embedded,
+                             keyed_namespace=self.keyed_namespace,
+                             host_ready=self.workers_ready)
+            self.manager, self.storage, self.keyed = parts.manager, parts.storage, parts.keyed
         except BaseException:
             self.close()
             raise
@@ -271,6 +297,7 @@ class Stack:
         if self.workers is not None:
             self.workers.close()
         self.manager = None
+        self.keyed = None
 
     def __enter__(self) -> Stack:
         return self.start()
@@ -284,6 +311,20 @@ class Stack:
         if self.manager is None:
             raise KvtierError("the stack is not running")
         return self.manager
+
+    def require_keyed(self) -> KeyedHostCache:
+        """The key-addressed surface (`Stack(cfg, keyed_namespace=...)`)."""
+        if self.keyed is None:
+            raise KvtierError("the stack is not running, or was built without "
+                              "keyed_namespace (no key-addressed surface)")
+        return self.keyed
+
+    def _observe_transfer(self, kind: TaskKind, blocks: int, seconds: float) -> None:
+        for observe in self._transfer_observers:
+            try:
+                observe(kind, blocks, seconds)
+            except Exception:  # an observer must never break the dispatcher
+                log.exception("transfer observer %r failed", observe)
 
     def add_transfer_observer(self, observer: TransferObserver) -> None:
         """Call `observer(kind, blocks, seconds)` for every task that finishes from now on
@@ -304,11 +345,9 @@ class Stack:
                 return False, "starting"
             return True, "embedded workers (no manager threads)"
         sup = self.supervisor
-        if sup is None or self.manager is None or sup.dispatcher is None:
+        threads = None if sup is None or self.manager is None else sup.manager_threads()
+        if sup is None or threads is None:
             return False, "starting"
-        if sup._monitor is None:
-            return False, "starting"
-        threads = [sup._monitor, sup.dispatcher._applier, *sup.ipc._threads]
         dead = [t.name for t in threads if not t.is_alive()]
         if dead:
             return False, "manager thread(s) stopped: " + ", ".join(map(str, dead))

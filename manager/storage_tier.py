@@ -6,10 +6,11 @@ instance serving the same model finds the pages another one wrote. Nothing here 
 it emits QUERY, PREFETCH, BACKUP and CLEAR tasks and applies their outcomes under the
 manager's lock.
 
-The tier never sees the manager's internals: it is handed a `CacheState`
-(`kvtier.manager.cache_state`), the few operations it needs on the tree, the host free list
-and the task queue, and the scheduler calls it through `StorageHooks`. This module does not
-import the scheduler, nor the scheduler this one; `kvtier.manager.stack` wires the two.
+The tier is a client of the cache core (`kvtier.manager.core.cache.CacheCore`): it asks the
+core for the prefetch and storage-backup transitions of a node (it never writes node state
+itself), host blocks and task tracking; the core and the scheduler call it through
+`StorageHooks`. This module does not import the scheduler or the keyed surface, nor they this
+one; `kvtier.manager.stack.assemble` builds them all.
 
 Prefetch life cycle::
 
@@ -47,10 +48,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from kvtier.manager.cache_state import CacheState, RequestState
+from kvtier.manager.core.cache import CacheCore
+from kvtier.manager.core.hooks import RequestState
+from kvtier.manager.core.nodes import PREFETCHING, Node
 from kvtier.manager.errors import TransferTimeoutError
 from kvtier.manager.keys import storage_keys
-from kvtier.manager.tree import BACKING, FROM_STORAGE, PREFETCHING, STORED, Node
 from kvtier.worker.wire import Completion, Priority, Task, TaskKind
 
 if TYPE_CHECKING:
@@ -70,7 +72,7 @@ class StorageTier:
     is PREFETCHING exactly while it is in `_prefetch_of`.
     """
 
-    def __init__(self, manager: CacheState, cfg: KvtierConfig) -> None:
+    def __init__(self, manager: CacheCore, cfg: KvtierConfig) -> None:
         s = cfg.storage
         self.m = manager
         self.bs = cfg.cache.block_size
@@ -206,10 +208,7 @@ class StorageTier:
             hb = m.take_host_block()
             if hb is None:
                 break
-            node = m.new_host_node(key, hb, now)
-            node.flags = PREFETCHING
-            node.skey = skey
-            m.adopt_host_node(node)
+            node = m.start_prefetch(key, skey, hb, now)
             nodes.append(node)
             dst.append(hb)
             fetch_keys.append(skey)
@@ -243,12 +242,7 @@ class StorageTier:
         self.counters["prefetch_pages_revoked"] += len(nodes) - good
         for i, node in enumerate(nodes):
             self._prefetch_of.pop(node, None)
-            node.flags &= ~PREFETCHING
-            if i < good:
-                node.flags |= FROM_STORAGE | STORED
-            elif node.host is not None:
-                m.free_host_copy(node)
-            m.after_transfer(node)
+            m.finish_prefetch(node, i < good)
 
     def resize(self, cfg: KvtierConfig) -> None:
         """The host tier was re-created (a wake, nothing in flight): take its new size."""
@@ -292,13 +286,10 @@ class StorageTier:
         keys: list[bytes] = []
         batch: list[Node] = []
         for node in nodes:
-            if (node.host is None or node.skey is None or node.key is None
-                    or node.flags & (STORED | BACKING | PREFETCHING)):
+            if not self.m.start_storage_backup(node):
                 continue
-            node.flags |= BACKING
-            self.m.relist(node)
-            src.append(node.host)
-            keys.append(node.skey)
+            src.append(node.host)  # type: ignore[arg-type]
+            keys.append(node.skey)  # type: ignore[arg-type]
             batch.append(node)
         if not batch:
             return
@@ -319,10 +310,7 @@ class StorageTier:
         self.counters["backup_failed_pages"] += len(nodes) - written
         stored = written == len(nodes)
         for node in nodes:
-            node.flags &= ~BACKING
-            if stored:
-                node.flags |= STORED
-            self.m.after_transfer(node)
+            self.m.finish_storage_backup(node, stored)
 
     # ------------------------------------------------------------------ admin
 
@@ -344,8 +332,7 @@ class StorageTier:
                 log.warning("clearing storage failed: %s", comp.error)
                 return
             out.append(comp.result)
-            for node in m.cached_nodes():  # every node's storage copy is gone now
-                node.flags &= ~STORED
+            m.forget_stored()  # every node's storage copy is gone now
 
         with m.lock:
             seq = m.next_seq()

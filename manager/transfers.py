@@ -9,7 +9,13 @@ rank). Dispatchers:
   embedding without workers).
 * `ManualDispatcher` keeps tasks pending until a test completes them, in any order, with any
   outcome.
-* `kvtier.manager.launcher.ProcessDispatcher` sends them to worker processes.
+* `ProcessDispatcher` sends them to worker processes over `kvtier.worker.ipc.ManagerIPC`
+  (made by `kvtier.manager.launcher.WorkerSupervisor`, which starts the processes): it
+  broadcasts each task to every rank and merges their answers. A task succeeds when every
+  rank succeeded; counts (storage queries and prefetches) take the minimum over ranks,
+  because a page is only usable where every rank has it. Completions are applied on a thread
+  of their own, so the IPC reader never waits for the manager's lock (which a scheduler call
+  may hold while it sends).
 
 `LoadHandle` is what `match` returns for the model runner: it waits for the loads a request
 depends on, per layer when the dispatcher can report layers.
@@ -17,15 +23,24 @@ depends on, per layer when the dispatcher can report layers.
 
 from __future__ import annotations
 
+import collections
+import logging
+import queue
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 
 from kvtier.manager.errors import TransferFailedError, TransferTimeoutError
-from kvtier.worker.wire import Completion, Task
+from kvtier.worker.ipc import ManagerIPC, SendTimeout, TaskAborted
+from kvtier.worker.wire import Completion, Task, TaskKind, merge_results
+
+log = logging.getLogger("kvtier.transfers")
 
 CompletionCallback = Callable[[Completion], None]
+TransferObserver = Callable[[TaskKind, int, float], None]
+"""Called as `observer(kind, blocks, seconds)` once per finished task (every rank answered)."""
 
 
 class Dispatcher(ABC):
@@ -113,9 +128,11 @@ class ImmediateDispatcher(Dispatcher):
     `executor(task) -> Completion` lets a test or an in-process runner do real work.
     """
 
-    def __init__(self, executor: Callable[[Task], Completion] | None = None) -> None:
+    def __init__(self, executor: Callable[[Task], Completion] | None = None,
+                 num_ranks: int = 1) -> None:
         super().__init__()
         self._executor = executor
+        self.num_ranks = num_ranks
 
     def _send(self, task: Task) -> None:
         if self._executor is None:
@@ -152,6 +169,144 @@ class ManualDispatcher(Dispatcher):
                 ok, result = self._resolver(task) if self._resolver else (True, 0)
                 self.complete(seq, ok, result)
         super().wait(seqs, timeout)
+
+
+@dataclass
+class _Pending:
+    kind: TaskKind
+    ranks: set[int]
+    ok: bool = True
+    result: int | None = None
+    detail: set[int] = field(default_factory=set)
+    errors: list[str] = field(default_factory=list)
+
+
+class ProcessDispatcher(Dispatcher):
+    """Tasks to worker processes over `ManagerIPC`; outcomes merged over ranks.
+
+    Data structures: `_acks` seq -> _Pending (ranks that still owe an answer, merged
+    outcome); `_applyq` merged completions waiting for the apply thread.
+    """
+
+    def __init__(self, ipc: ManagerIPC, num_ranks: int,
+                 on_transfer: TransferObserver | None = None) -> None:
+        super().__init__()
+        self.ipc = ipc
+        # Called with every entry of `transfer_seconds` as it is logged (under the acks
+        # lock, on the IPC reader's thread): a histogram fed here sees every task, where one
+        # drained from the bounded log at scrape time would miss those pushed out.
+        self._on_transfer = on_transfer
+        self.num_ranks = num_ranks
+        self._acks: dict[int, _Pending] = {}
+        self._acks_lock = threading.Lock()
+        self._applyq: queue.SimpleQueue[Completion | None] = queue.SimpleQueue()
+        self._applier = threading.Thread(target=self._apply_loop, daemon=True,
+                                         name="kvtier-apply")
+        self._applier.start()
+        self.transfer_seconds: collections.deque[tuple[TaskKind, int, float]] = (
+            collections.deque(maxlen=4096))
+        self._sent_at: dict[int, tuple[TaskKind, int, float]] = {}
+
+    def _send(self, task: Task) -> None:
+        with self._acks_lock:
+            self._acks[task.seq] = _Pending(task.kind, set(range(self.num_ranks)))
+            self._sent_at[task.seq] = (task.kind, max(len(task.src), len(task.dst)),
+                                       time.monotonic())
+        try:
+            self.ipc.send_task(task)
+        except Exception as e:  # a dead rank's full queue, a rank down: fail, never hang
+            log.warning("task %d (%s) could not be sent: %s", task.seq, task.kind.name, e)
+            # Ranks that did get the task still run it: it is reported once they answered,
+            # so no block it names is reused under their copy.
+            delivered = set(e.delivered) if isinstance(e, SendTimeout) else set()
+            with self._acks_lock:
+                pend = self._acks.get(task.seq)
+                if pend is not None:
+                    pend.ok = False
+                    pend.errors.append(str(e))
+                    pend.ranks &= delivered
+                    if not pend.ranks:
+                        self._finish_locked(task.seq)
+
+    def on_rank_completion(self, comp: Completion) -> None:
+        """Called by the IPC reader thread for every rank's answer."""
+        with self._acks_lock:
+            pend = self._acks.get(comp.seq)
+            if pend is None or comp.rank not in pend.ranks:
+                return  # a late answer for a task already failed
+            pend.ranks.discard(comp.rank)
+            if not comp.ok:
+                pend.ok = False
+                pend.errors.append(f"rank {comp.rank}: {comp.error}")
+                self.ipc.abort_task(comp.seq, f"rank {comp.rank}: {comp.error}")
+            pend.result = (comp.result if pend.result is None
+                           else merge_results(pend.kind, pend.result, comp.result))
+            pend.detail.update(comp.detail)
+            if not pend.ranks:
+                self._finish_locked(comp.seq)
+
+    def fail_rank(self, rank: int, reason: str, upto_seq: int | None = None) -> list[int]:
+        """Fail every task still waiting for `rank` (it died), or only those with a seq up to
+        `upto_seq` (sent to the dead worker; later ones go to its replacement). Returns their
+        seqs: each is reported once the other ranks have answered it too."""
+        failed: list[int] = []
+        with self._acks_lock:
+            for seq, pend in list(self._acks.items()):
+                if rank in pend.ranks and (upto_seq is None or seq <= upto_seq):
+                    pend.ranks.discard(rank)
+                    pend.ok = False
+                    pend.errors.append(f"rank {rank}: {reason}")
+                    self.ipc.abort_task(seq, f"rank {rank}: {reason}")
+                    failed.append(seq)
+                    if not pend.ranks:
+                        self._finish_locked(seq)
+        return failed
+
+    def _finish_locked(self, seq: int) -> None:
+        pend = self._acks.pop(seq)
+        sent = self._sent_at.pop(seq, None)
+        if sent is not None:
+            kind, blocks, t0 = sent
+            took = time.monotonic() - t0
+            self.transfer_seconds.append((kind, blocks, took))
+            if self._on_transfer is not None:
+                try:
+                    self._on_transfer(kind, blocks, took)
+                except Exception:  # an observer must never break the dispatcher
+                    log.exception("transfer observer %r failed", self._on_transfer)
+        self._applyq.put(Completion(seq, -1, pend.ok, pend.result or 0, sorted(pend.detail),
+                                    "; ".join(pend.errors)))
+
+    def _apply_loop(self) -> None:
+        while True:
+            comp = self._applyq.get()
+            if comp is None:
+                return
+            try:
+                self._deliver(comp)
+            except Exception:  # the manager must keep hearing about later tasks
+                log.exception("applying the completion of task %d failed", comp.seq)
+
+    def wait_layer(self, seq: int, layer: int, timeout: float) -> None:
+        try:
+            self.ipc.wait_layer(seq, layer, timeout)
+        except TaskAborted:
+            # The load failed: wait until the manager has applied that, so the caller's
+            # handle reports it.
+            self.wait((seq,), timeout)
+        except TimeoutError as e:
+            if not self.is_pending(seq):
+                return  # completed (layer words may have been overwritten since)
+            raise TransferTimeoutError(str(e)) from None
+
+    @property
+    def applier(self) -> threading.Thread:
+        """The thread that applies merged completions."""
+        return self._applier
+
+    def close(self) -> None:
+        self._applyq.put(None)
+        self._applier.join(timeout=5)
 
 
 class LoadHandle:

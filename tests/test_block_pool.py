@@ -8,7 +8,7 @@ allocation must take nothing.
 from __future__ import annotations
 
 import pytest
-from kvtier.manager.block_pool import BlockPool
+from kvtier.manager.core.block_pool import BlockPool
 from kvtier.manager.errors import BlockPoolError, OutOfBlocksError
 
 

@@ -27,11 +27,13 @@ def _modules() -> list[ModuleType]:
 
 
 def _exception_classes() -> dict[str, type[BaseException]]:
-    """Every Exception subclass defined (not merely imported) in a kvtier module."""
+    """Every Exception subclass defined (not merely imported) in a kvtier module; warning
+    categories (`warnings.warn`, never raised) are not errors."""
     found: dict[str, type[BaseException]] = {}
     for module in _modules():
         for _, obj in inspect.getmembers(module, inspect.isclass):
-            if obj.__module__ == module.__name__ and issubclass(obj, Exception):
+            if (obj.__module__ == module.__name__ and issubclass(obj, Exception)
+                    and not issubclass(obj, Warning)):
                 found[f"{obj.__module__}.{obj.__qualname__}"] = obj
     return found
 

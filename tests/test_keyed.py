@@ -20,10 +20,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kvtier.manager.core.nodes import ENGINE_READ, ENGINE_WRITE
 from kvtier.manager.errors import InvalidRequestError
 from kvtier.manager.keyed import KeyedHostCache, Lookup, engine_key
 from kvtier.manager.stack import Stack
-from kvtier.manager.tree import ENGINE_READ, ENGINE_WRITE
 from kvtier.worker.kv_pools import HostPool
 from stack_support import attached_host_pools, running_stack
 from support import tiny_config

@@ -30,6 +30,7 @@ from hypothesis.stateful import (
     rule,
 )
 from kvtier.manager.config import KvtierConfig
+from kvtier.manager.core.nodes import EVICTING, LOADING, PREFETCHING, SAVING
 from kvtier.manager.errors import (
     AsleepError,
     OutOfBlocksError,
@@ -40,7 +41,6 @@ from kvtier.manager.errors import (
 from kvtier.manager.scheduler import TREE_CLEARING, KVCacheManager
 from kvtier.manager.storage_tier import StorageTier
 from kvtier.manager.transfers import ManualDispatcher
-from kvtier.manager.tree import EVICTING, LOADING, PREFETCHING, SAVING
 from kvtier.worker.wire import TaskKind
 from support import tiny_config
 

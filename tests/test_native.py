@@ -1,6 +1,6 @@
 """The compiled hot path (`kvtier.manager._native`) against its pure-Python twin.
 
-`kvtier.manager.native` picks the compiled loops when the extension imports, else pure Python
+`kvtier.manager.core.native` picks the compiled loops when the extension imports, else pure Python
 (KVTIER_NATIVE=0 forces that). Both must give identical tree keys, identical hits and
 identical manager states: here both run on the same randomized inputs, and the stateful
 machines of test_manager_stateful run again with the pure-Python loops (the file itself runs
@@ -9,16 +9,22 @@ them with whatever is selected, i.e. the compiled ones on a built tree).
 
 from __future__ import annotations
 
+import ast
 import os
 import random
+import shutil
 import struct
+import subprocess
+import sys
+import sysconfig
 from collections.abc import Iterator
+from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
 import xxhash
 from hypothesis import given, settings
-from kvtier.manager import native
+from kvtier.manager.core import native
 from kvtier.manager.keys import chain_keys
 from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.transfers import ManualDispatcher
@@ -42,6 +48,49 @@ def test_extension_is_built_unless_turned_off() -> None:
     else:
         assert native.available(), native.UNAVAILABLE
         assert native.active()
+
+
+_FALLBACK = """
+import sys, warnings
+sys.modules["kvtier.manager._native"] = None  # as if the build had failed
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    from kvtier.manager.core import native
+print(native.active(), [f"{w.category.__name__}: {w.message}" for w in caught])
+"""
+
+
+@pytest.mark.parametrize("setting", ["", "0"])
+def test_a_fallback_to_pure_python_is_loud(setting: str) -> None:
+    """Without the extension kvtier still runs, but says so at import with a warning
+    (unless KVTIER_NATIVE=0 chose pure Python)."""
+    env = {k: v for k, v in os.environ.items() if k != "KVTIER_NATIVE"}
+    if setting:
+        env["KVTIER_NATIVE"] = setting
+    out = subprocess.run([sys.executable, "-c", _FALLBACK], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert out.startswith("False"), out
+    if setting == "0":
+        assert "NativeFallbackWarning" not in out, out
+    else:
+        assert "NativeFallbackWarning: kvtier runs its hot loops in pure Python" in out, out
+        assert "does not import" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
+def test_extension_compiles_warning_free(tmp_path: Path) -> None:
+    """manager/_native.c compiles with setup.py's flags and every warning an error, against
+    this Python's headers (the Python CI builds: `requires-python` claims no other)."""
+    root = Path(__file__).resolve().parents[1]
+    setup_src = (root / "setup.py").read_text()
+    flags = ast.literal_eval(setup_src.split("extra_compile_args=", 1)[1].split("]", 1)[0] + "]")
+    include = sysconfig.get_paths()["include"]
+    proc = subprocess.run(
+        ["gcc", *flags, "-Werror", "-fPIC", "-shared", f"-I{include}",
+         str(root / "manager" / "_native.c"), "-ldl", "-o", str(tmp_path / "_native.so")],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr[-4000:]
 
 
 def test_use_refuses_a_missing_extension(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -184,7 +233,7 @@ def test_managers_reach_identical_states(seed: int, host_blocks: int, policy: st
 
 def _pool_run(seed: int) -> list[object]:
     """Random allocations and frees (bad ones included) through a block pool."""
-    from kvtier.manager.block_pool import BlockPool
+    from kvtier.manager.core.block_pool import BlockPool
     rng = random.Random(seed)
     pool = BlockPool("device", 24)
     out: list[object] = []
@@ -263,7 +312,8 @@ def test_keymap_behaves_as_a_dict(bits: int, seed: int, capacity: int) -> None:
 @needs_native
 @pytest.mark.parametrize("host", [False, True])
 def test_compiled_nodes_read_and_write_as_python_nodes(host: bool) -> None:
-    from kvtier.manager import _native, tree
+    from kvtier.manager import _native
+    from kvtier.manager.core import nodes as tree
     py_cls, c_cls = (tree.Node, _native.Node) if host else (tree.DeviceNode, _native.DeviceNode)
     key = 2**127 + 2**64 + 12345
     nodes = [cls(key, 7, 3 if host else None, 1.25) for cls in (py_cls, c_cls)]

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from kvtier.manager.core.nodes import BACKING, EVICTING, SAVING, Node
 from kvtier.manager.errors import (
     InvalidRequestError,
     OutOfBlocksError,
@@ -31,7 +32,6 @@ from kvtier.manager.keys import chain_keys
 from kvtier.manager.scheduler import KVCacheManager, MatchResult
 from kvtier.manager.storage_tier import StorageTier
 from kvtier.manager.transfers import ImmediateDispatcher, ManualDispatcher
-from kvtier.manager.tree import BACKING, EVICTING, SAVING, Node
 from kvtier.worker.wire import Priority, Task, TaskKind
 from support import tiny_config
 

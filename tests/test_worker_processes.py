@@ -32,9 +32,9 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import initialize, invariant, rule, run_state_machine_as_test
 from kvtier.manager.config import KvtierConfig
+from kvtier.manager.core.nodes import EVICTING, LOADING, PREFETCHING, SAVING
 from kvtier.manager.errors import TransferFailedError, TransferTimeoutError
 from kvtier.manager.stack import Stack
-from kvtier.manager.tree import EVICTING, LOADING, PREFETCHING, SAVING
 from kvtier.worker import content
 from kvtier.worker.copy_engine import LAYER_DELAY_ENV
 from kvtier.worker.delays import BACKUP_DELAY_ENV, STORAGE_WRITE_DELAY_ENV

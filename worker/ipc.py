@@ -761,6 +761,10 @@ class ManagerIPC:
             cleanup_stale(self.deployment_id, self.num_ranks)  # just created, all ours
             raise
 
+    def threads(self) -> list[threading.Thread]:
+        """The reader threads this manager side runs (completions, notify)."""
+        return list(self._threads)
+
     def _start_threads(self) -> None:
         for target, name in (
             (self._read_completions, "completions"),

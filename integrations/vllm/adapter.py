@@ -57,10 +57,10 @@ from kvtier.integrations.vllm import defaults
 from kvtier.integrations.vllm.errors import VllmAdapterError
 from kvtier.manager import janitor
 from kvtier.manager.config import KvtierConfig, load_config
+from kvtier.manager.core.nodes import FROM_STORAGE
 from kvtier.manager.errors import InvalidRequestError
-from kvtier.manager.keyed import KeyedHostCache, Lookup, engine_key
+from kvtier.manager.keyed import Lookup, engine_key
 from kvtier.manager.stack import Stack
-from kvtier.manager.tree import FROM_STORAGE
 from kvtier.worker.errors import KvtierError
 from kvtier.worker.kv_pools import HostPool, KVShape, parse_dtype
 from kvtier.worker.spec import host_segment_name
@@ -239,7 +239,7 @@ def storage_namespace(offloading: OffloadingConfig) -> tuple[str, dict[str, Any]
 # ---------------------------------------------------------------------------- load/store spec
 
 
-class KvtierLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc]
+class KvtierLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc,unused-ignore]
     """Where blocks live in kvtier's host pools: one host block id per vLLM block, and the
     inode of each rank's host segment when the copy was planned (a worker replaced since then
     has a new segment: the copy is refused rather than done into the new one)."""
@@ -255,7 +255,7 @@ class KvtierLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc]
 # ---------------------------------------------------------------------------- scheduler side
 
 
-class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
+class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
     """vLLM's scheduler-side offloading manager over a kvtier `KeyedHostCache`.
 
     Data structures: the keyed cache (tree, host LRU, storage tier) of the stack it owns;
@@ -280,16 +280,13 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
                                               keep=self.cfg.deployment_id).items():
             log.info("kvtier: removed %d names of dead deployment %s: %s", len(names), dead,
                      " ".join(names))
-        self.stack = Stack(self.cfg).start()
+        self.stack = Stack(self.cfg, keyed_namespace=namespace.encode()).start()
         try:
             janitor.spawn_watcher(self.cfg.deployment_id)
         except (OSError, subprocess.SubprocessError) as e:
             log.warning("kvtier: no watcher for deployment %s (%s): if vLLM is killed, the "
                         "next start removes its names", self.cfg.deployment_id, e)
-        manager = self.stack.require_manager()
-        self.cache = KeyedHostCache(manager, self.stack.storage,
-                                    namespace=namespace.encode(),
-                                    host_ready=self.stack.workers_ready)
+        self.cache = self.stack.require_keyed()
         self._inodes: tuple[int, tuple[int, ...]] | None = None
         self._abandoned: list[list[Any]] = []  # [steps left, nodes] per vLLM reset
         # req id -> block hash -> whether its last load was its first hit from storage
@@ -472,7 +469,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
 # ---------------------------------------------------------------------------- worker side
 
 
-class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
+class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-ignore]
     """Copies between vLLM's KV tensors and kvtier's host pool of this rank, in vLLM's worker
     process.
 
@@ -639,7 +636,7 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
 # ---------------------------------------------------------------------------- the spec
 
 
-class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
+class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
     """The offloading spec vLLM loads by name (`spec_name = "KvtierOffloadingSpec"`,
     `spec_module_path = "kvtier.integrations.vllm"`). kvtier's own configuration comes from
     `kvtier_config` (a TOML file) and `KVTIER_*` variables, the KV shape from vLLM."""
@@ -663,7 +660,7 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         return self._worker
 
 
-class KvtierConnector(OffloadingConnector):  # type: ignore[misc]
+class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
     """vLLM's OffloadingConnector, reporting loads kvtier could not serve (see the module
     docstring). Load it with `kv_connector="KvtierConnector"`,
     `kv_connector_module_path="kvtier.integrations.vllm"`.

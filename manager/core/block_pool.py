@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvtier.manager import native
+from kvtier.manager.core import native
 from kvtier.manager.errors import BlockPoolError, OutOfBlocksError
 
 
@@ -69,7 +69,7 @@ class BlockPool:
     def free(self, ids: Iterable[int]) -> None:
         """Return ids; raises BlockPoolError (changing nothing) on a double or foreign free."""
         ids = list(ids)
-        # The compiled check-and-free (see manager.native) does the same in one call; it
+        # The compiled check-and-free (see manager.core.native) does the same in one call; it
         # declines (changing nothing) whenever an error is due, which is raised below.
         if native.pool_free is not None and native.pool_free(self._used, self._free, ids):
             return

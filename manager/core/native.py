@@ -6,7 +6,7 @@ victims; it keeps one node per cached block in one map. The compiled module
 `kvtier.manager._native` (manager/_native.c, built by `pip install` / `make install` from
 setup.py) provides all of it: the loops, and compact nodes (`DeviceNode` / `Node`, 80 / 104
 bytes, no int key object, untracked by the garbage collector) in an open-addressing `KeyMap`.
-The functions below are the pure-Python twins (with tree.py's slots nodes in a dict), with
+The functions below are the pure-Python twins (with core/nodes.py's slots nodes in a dict), with
 the same arguments, results and effects on nodes, so keys and manager states are identical
 either way (tests/test_native.py runs both on the same randomized inputs and the stateful
 machines with each).
@@ -25,12 +25,14 @@ that are not plain ints always take keys.py's Python path.
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from collections.abc import Callable, MutableMapping, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple, cast
 
-from kvtier.manager.tree import DeviceNode, Node
+from kvtier.manager.core.nodes import DeviceNode, Node
 
 ChainKeys = Callable[[Sequence[int], int, int, int, int], "list[int] | None"]
 TreeMap = MutableMapping[int, Node]
@@ -215,6 +217,10 @@ PY_LOOPS = Loops(py_new_tree, cast("type[Node]", DeviceNode), Node, py_walk_hits
                  py_dev_ids)
 
 
+class NativeFallbackWarning(RuntimeWarning):
+    """The compiled extension did not import and nobody asked for pure Python."""
+
+
 def _load() -> tuple[ModuleType | None, str]:
     setting = os.environ.get("KVTIER_NATIVE", "")
     if setting == "0":
@@ -224,7 +230,16 @@ def _load() -> tuple[ModuleType | None, str]:
     except ImportError as e:
         if setting == "1":
             raise ImportError(f"KVTIER_NATIVE=1 but the extension does not import: {e}") from e
-        return None, f"kvtier.manager._native does not import: {e}"
+        why = f"kvtier.manager._native does not import: {e}"
+        # Loud: an install whose compile step failed (no compiler, headers of a Python the
+        # extension does not build on) otherwise "succeeds" and runs about 3x slower.
+        warnings.warn(
+            f"kvtier runs its hot loops in pure Python (about 3x slower): {why}. Reinstall "
+            "with a C compiler and this Python's headers (`make install`), or set "
+            "KVTIER_NATIVE=0 to choose the pure-Python path and silence this warning.",
+            NativeFallbackWarning, stacklevel=2)
+        logging.getLogger("kvtier.manager").warning("pure-Python hot path: %s", why)
+        return None, why
     return _native, ""
 
 

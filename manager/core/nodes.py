@@ -1,33 +1,58 @@
-"""Nodes of the prefix tree and the per-tier LRU lists of evictable nodes.
+"""Nodes of the prefix tree, their state diagram, and the per-tier LRU lists of evictable nodes.
 
 Keys are chained (a block's key covers its whole prefix), so the tree needs no child maps:
 it is one flat dict from key to `Node`, and walking a prompt's keys in order walks its path.
 
-Node residency and transfer state machine (one node = one block-sized prefix):
+Only the cache core (`kvtier.manager.core.cache.CacheCore`, and the per-block loops of
+`kvtier.manager.core.native` / `_native.c` it calls) changes a node's state; its clients (the
+scheduler API, the storage tier, the key-addressed surface) ask it for the named transitions
+below (`tests/test_core_owns_flags.py` fails when Python code elsewhere writes `flags`).
 
-                        commit (new block)
-                              |
-                              v
-     +----- evict/drop --- ON_DEVICE ----- backup D2H ------> SAVING (dev -> host)
-     |                      ^    |                              |   ok: ON_BOTH
-     |        load H2D done |    | write_back eviction          |   fail: ON_DEVICE
-     v                      |    v                              |   (an eviction drops
-  (gone)               LOADING  EVICTING (D2H, dev freed        |    the device copy)
-     ^                 (host->  on success, kept if the node    |
-     |                  dev)    was hit meanwhile)              v
-     |                      ^                              ON_BOTH (dev + host)
-     |    host hit: alloc   |                               |         |
-     +---- drop ------- ON_HOST <--- device eviction -------+         | host eviction
-                         ^   |                                        v
-            prefetch S2H |   | backup H2S (BACKING: host           ON_DEVICE
-            (PREFETCHING)|   |  copy must not be freed)
-                      (storage)
+The complete state diagram of one node (one block-sized prefix). A state is which copies it
+holds (device `dev`, host `host`, storage: the STORED flag) plus the transfer flags; each
+arrow names the core transition that takes it::
+
+    (no node) --new_device_node (commit)--> ON_DEVICE (ref > 0 while requests hold it)
+    (no node) --start_prefetch (S2H, PREFETCHING)--> ON_HOST* --finish_prefetch-->
+                  ok: ON_HOST + FROM_STORAGE + STORED | failed: host freed, (gone)
+    (no node) --start_engine_write (engine KV -> host, ENGINE_WRITE)--> ON_HOST* --
+                  finish_engine_write--> ok: ON_HOST | failed: host freed, (gone)
+
+    ON_DEVICE --backup_hot / commit backup (D2H, SAVING)--> ON_BOTH* --finish_d2h-->
+                  ok: ON_BOTH | fail: ON_DEVICE
+    ON_DEVICE --evict_device, write_back (D2H, EVICTING)--> ON_BOTH* --finish_d2h-->
+                  ok: ON_HOST (device block freed) | fail: (gone)
+                  hit meanwhile (hit_busy_device_copy: CANCEL_EVICT) or pinned: ON_BOTH
+    ON_DEVICE --evict_device (no host copy wanted)--> (gone)
+    ON_BOTH   --evict_device--> ON_HOST
+    ON_BOTH   --take_host_block (LRU host eviction)--> ON_DEVICE
+    ON_HOST   --hit_host_copy + load_host_copies, or pin_node: device block, H2D
+                  (LOADING)--> ON_BOTH* --finish_load--> ok: ON_BOTH (exclusive policy:
+                  ON_DEVICE) | fail: ON_HOST (a fresh node; the failed one stays with its
+                  requests, detached)
+    ON_HOST   --attach_device_copy (commit of a host-only block)--> ON_BOTH (exclusive
+                  policy: ON_DEVICE)
+    ON_HOST   --take_host_block (LRU host eviction)--> (gone)
+    ON_HOST / ON_BOTH --start_storage_backup (H2S, BACKING)--> same* --finish_storage_backup-->
+                  same, + STORED when every page was written
+    ON_HOST / ON_BOTH --start_engine_read (host -> engine KV, ENGINE_READ, counted per
+                  reader)--> same* --finish_engine_read (last reader)--> same
+    ON_HOST*  --drop_engine_io (the engine abandoned its copy)--> same (a read) | (gone)
+    any       --pin_node / unpin_node--> PINNED set / cleared
+    any       --clear_all (reset, sleep, lost worker), lose_device_copies (lost device
+                  memory), write_off--> detached (key None): blocks requests hold become
+                  theirs; blocks a transfer in flight uses come back when it is answered
+                  (written off, then `settle`)
+
+    (* = a transfer flag is set: the copy it protects is neither evicted nor freed)
 
 * Flags (`Node.flags`) mark what is in flight: LOADING, SAVING, EVICTING, PREFETCHING,
-  BACKING, plus PINNED, STORED (storage has a copy) and FROM_STORAGE (the host copy came
-  from storage and has not been hit yet). A node with LOADING/SAVING/EVICTING is never
-  evicted from the device; one with SAVING/LOADING/PREFETCHING/BACKING never loses its host
-  block.
+  BACKING, ENGINE_READ, ENGINE_WRITE (an engine that owns its device tier copies a host block
+  in its own process, `kvtier.manager.keyed`), plus PINNED, STORED (storage has a copy) and
+  FROM_STORAGE (the host copy came from storage and has not been hit yet). A node with
+  LOADING/SAVING/EVICTING is never evicted from the device (DEVICE_BUSY); one with any
+  transfer flag never loses its host block (HOST_BUSY). A node being written
+  (ENGINE_WRITE) or prefetched (PREFETCHING) is never served.
 * A node whose device copy is being demoted (EVICTING) and is hit meanwhile is served from
   the device: the hit sets CANCEL_EVICT and the completion keeps the device block.
 * A node is *detached* (`key is None`) when it left the tree while requests still hold it
@@ -37,7 +62,7 @@ Node residency and transfer state machine (one node = one block-sized prefix):
 The classes here are the pure-Python nodes. With the compiled extension a manager uses their
 twins, `kvtier.manager._native.DeviceNode` / `Node` (same attributes and states, 80 / 104
 bytes instead of 96 / 128 plus a 48-byte key int, not tracked by the garbage collector: the
-LRU rings, their only cycles, are broken when a list is freed); see kvtier.manager.native.
+LRU rings, their only cycles, are broken when a list is freed); see kvtier.manager.core.native.
 
 Evictable = in the LRU list of its tier. Device list: has a device block, no references, not
 pinned, no device-side transfer. Host list: has a host block, not pinned, no host-side
@@ -66,6 +91,7 @@ ENGINE_WRITE = 1024  # the engine is storing its KV into this host block: not re
 DEVICE_BUSY = LOADING | SAVING | EVICTING | PINNED
 HOST_BUSY = (LOADING | SAVING | EVICTING | PREFETCHING | BACKING | PINNED | ENGINE_READ
              | ENGINE_WRITE)
+IN_FLIGHT = LOADING | SAVING | EVICTING | PREFETCHING | BACKING | ENGINE_READ | ENGINE_WRITE
 
 
 class DeviceNode:
@@ -138,7 +164,7 @@ class IntrusiveLRU:
 
     def __init__(self, prev: str, nxt: str, node_class: type[Node] = Node) -> None:
         # `node_class`: the nodes' class with the host fields (tree.Node, or the compiled one
-        # of kvtier.manager.native); the sentinel is one of them.
+        # of kvtier.manager.core.native); the sentinel is one of them.
         prev_slot = getattr(node_class, prev)  # slot (member) descriptors
         next_slot = getattr(node_class, nxt)
         self._get_prev, self._set_prev = prev_slot.__get__, prev_slot.__set__

@@ -1,0 +1,81 @@
+"""What the core's clients know of each other, and nothing more.
+
+The cache core (`kvtier.manager.core.cache.CacheCore`) owns the prefix tree, the free lists,
+the task ledger and the lock; its clients are the scheduler API (`kvtier.manager.scheduler`),
+the storage tier (`kvtier.manager.storage_tier`) and the key-addressed surface
+(`kvtier.manager.keyed`). None of them imports another: each imports the core.
+
+* `RequestState`: one request's per-block state, built by the scheduler and read by the
+  storage tier (its keys, its matched nodes, its storage keys).
+* `StorageHooks`: the calls the core, the scheduler and the keyed surface make into a storage
+  tier (`StorageTier` implements them); the core holds one in `CacheCore.storage`, or None.
+* `OnDone`: a tracked task's completion callback.
+
+The one place that builds them all and hands the storage tier to the core is
+`kvtier.manager.stack.assemble`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+from kvtier.manager.core.nodes import Node
+from kvtier.manager.transfers import LoadHandle
+from kvtier.worker.wire import Completion
+
+OnDone = Callable[[bool, Completion], None]
+"""`on_done(ok, completion)`: called (lock held) once every rank answered a tracked task."""
+
+
+class RequestState:
+    """Per-request state. `nodes[i]` is the node block i is held through, or None when the
+    block is the request's own (a duplicate of a cached block); `blocks[i]` is block i's
+    device id; blocks past `len(nodes)` are owned by the request."""
+
+    __slots__ = ("blocks", "extra_keys", "handle", "keys", "length", "nodes", "skeys")
+
+    def __init__(self, keys: list[int], extra_keys: Sequence[object] | None) -> None:
+        self.keys = keys
+        self.extra_keys = extra_keys
+        self.nodes: list[Node | None] = []
+        self.blocks: list[int] = []
+        self.length = 0  # tokens the request has device slots for (counted from 0)
+        self.handle: LoadHandle | None = None
+        self.skeys: list[bytes] = []  # storage keys, computed only with a storage tier
+
+
+class StorageHooks(Protocol):
+    """The storage tier as the core, the scheduler and the keyed surface see it (called with
+    the core's lock held)."""
+
+    threshold_tokens: int
+    """Misses shorter than this many tokens are not worth a storage query."""
+    prefetching_blocks: int
+    """Host blocks that prefetches in flight hold."""
+
+    def request_skeys(self, req: RequestState, token_ids: Sequence[int],
+                      upto: int) -> list[bytes]:
+        """The request's storage keys for its first `upto` blocks."""
+        ...
+
+    def on_miss(self, req: RequestState, token_ids: Sequence[int], start: int,
+                cap: int) -> bool:
+        """`match` found nothing cached from block `start` of `cap` matchable blocks on:
+        query or prefetch, and wait per policy. True when the walk should look again."""
+        ...
+
+    def query(self, req: RequestState, token_ids: Sequence[int] | None, start: int,
+              cap: int, on_answer: Callable[[], None] | None = None) -> int:
+        """Ask storage for blocks `start..cap` without waiting (`on_answer` runs when it is
+        answered, lock held); returns the task's seq."""
+        ...
+
+    def backup(self, nodes: list[Node]) -> None:
+        """Write the host copies among `nodes` that storage does not hold yet."""
+        ...
+
+    def revoke(self, keys: Iterable[int] | None = None) -> int:
+        """Cancel the queries and prefetches in flight that fill only blocks of `keys` (every
+        one when None), keeping the pages already read; returns how many."""
+        ...
