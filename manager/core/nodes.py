@@ -30,11 +30,14 @@ arrow names the core transition that takes it::
                   (LOADING)--> ON_BOTH* --finish_load--> ok: ON_BOTH (exclusive policy:
                   ON_DEVICE) | fail: ON_HOST (a fresh node; the failed one stays with its
                   requests, detached)
+    ON_HOST (hit, LOADING, no H2D sent) --unhit / unhit_match (a match cut short: a sleep or
+                  timeout while it waited)--> ON_HOST (a detached one settles: blocks freed)
     ON_HOST   --attach_device_copy (commit of a host-only block)--> ON_BOTH (exclusive
                   policy: ON_DEVICE)
     ON_HOST   --take_host_block (LRU host eviction)--> (gone)
     ON_HOST / ON_BOTH --start_storage_backup (H2S, BACKING)--> same* --finish_storage_backup-->
                   same, + STORED when every page was written
+    any       --forget_stored (storage cleared)--> STORED cleared
     ON_HOST / ON_BOTH --start_engine_read (host -> engine KV, ENGINE_READ, counted per
                   reader)--> same* --finish_engine_read (last reader)--> same
     ON_HOST*  --drop_engine_io (the engine abandoned its copy)--> same (a read) | (gone)
