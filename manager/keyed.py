@@ -177,19 +177,25 @@ class KeyedHostCache:
             if asked is None:
                 asked = self._queries[request_id] = {}
             seen = asked.get(block_hash)
+            keys = [block_hash, *following]
             if seen is not None:
                 q, i = seen
                 if not q.done:
                     return Lookup.RETRY
                 # Answered. From this block (a prefetch that was not worth it, or landed and
-                # was consumed), or the first block storage lacked: a miss. Otherwise it was
-                # held but is not on the host (the prefetch was capped by
-                # prefetch_host_blocks_limit), or it lies past the first block storage lacked
-                # (unknown): asked again from this block. A block asked from itself is
-                # answered for good, so this ends.
+                # was consumed), or the first block storage lacked: a miss. Held but not on
+                # the host (the prefetch was capped by prefetch_host_blocks_limit): asked
+                # again from this block, with the blocks after it. Past the first block
+                # storage lacked (storage counts leading blocks, so unknown): asked again,
+                # alone, so that every such block of a pass is settled by the next answer
+                # (a window looked up backwards over blocks storage lacks settles in two
+                # answers, not one answer per block). A block asked from itself is answered
+                # for good, so this ends.
                 if i == 0 or i == q.found:
                     return Lookup.MISS
-            q = _Query([block_hash, *following])
+                if i > q.found:
+                    keys = [block_hash]
+            q = _Query(keys)
             for i, h in enumerate(q.keys):
                 asked[h] = (q, i)
             self._query(q, threshold_tokens)

@@ -130,5 +130,81 @@ def test_a_killed_kvtier_worker_never_stops_vllm(model_dir: Path) -> None:
     assert r["tokens_loaded_from_kvtier"] == 0 and r["identical"] is True, r
 
 
+# ---------------------------------------------------------------- hybrid attention (two groups)
+#
+# `--model hybrid`: Gemma 3's text architecture, random weights, layers alternating a 64-token
+# sliding window (two blocks) and full attention: vLLM makes KV cache group 0 (sliding window)
+# and group 1 (full). Prompt A is 200 tokens, longer than the window: vLLM's hit stops a token
+# short of the prompt (192 tokens, 6 blocks) and needs only the window's last 2 blocks of the
+# sliding-window group, so that group's early blocks are never loaded (nor stored).
+
+SWA_WINDOW_BLOCKS = 2
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-hybrid") / "tiny-gemma3"
+
+
+def hybrid(model_dir: Path, *args: str) -> dict[str, Any]:
+    r = run_example(model_dir, "--model", "hybrid", *args)
+    assert [(g["group_id"], g["kind"]) for g in r["kv_cache_groups"]] == [
+        (0, "sliding_window"), (1, "full")], r
+    return r
+
+
+@pytest.mark.slow
+def test_hybrid_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(
+        hybrid_dir: Path) -> None:
+    r = hybrid(hybrid_dir)
+    assert r["vllm_num_cached_tokens"] == PREFIX_TOKENS, r
+    # tokens count once (the full-attention group's blocks), not once per group
+    assert r["tokens_by_tier"] == {"host": PREFIX_TOKENS, "storage": 0}, r
+    # the whole prefix for the full-attention layers, only the window for the others
+    assert r["blocks_loaded_by_group"] == {"0": SWA_WINDOW_BLOCKS, "1": PREFIX_TOKENS // 32}, r
+    assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
+
+
+@pytest.mark.slow
+def test_hybrid_negative_control_overwritten_host_pages_change_the_output(
+        hybrid_dir: Path) -> None:
+    r = hybrid(hybrid_dir, "--corrupt-host")
+    assert r["corrupted_bytes"] > 0 and r["tokens_loaded_from_kvtier"] == PREFIX_TOKENS, r
+    assert r["identical"] is False, (
+        f"kvtier's host pages were overwritten, yet the hybrid model's output did not change: {r}")
+
+
+@pytest.mark.slow
+def test_hybrid_a_new_vllm_process_finds_both_groups_in_file_storage(
+        hybrid_dir: Path, tmp_path: Path) -> None:
+    storage, ref = tmp_path / "storage", tmp_path / "cold.json"
+    args = ("--storage", "file", "--storage-path", str(storage), "--reference", str(ref))
+    first = hybrid(hybrid_dir, *args)
+    assert first["identical"] is True and first["reference"] == "this run", first
+    second = hybrid(hybrid_dir, *args)
+    assert second["reference"] == "file", second
+    assert second["tokens_by_tier"] == {"host": 0, "storage": PREFIX_TOKENS}, second
+    assert second["blocks_loaded_by_group"] == {"0": SWA_WINDOW_BLOCKS,
+                                                "1": PREFIX_TOKENS // 32}, second
+    assert second["identical"] is True and second["max_abs_logprob_diff"] == 0.0, second
+
+
+@pytest.mark.slow
+def test_hybrid_one_groups_pages_missing_from_storage_means_a_recompute(
+        hybrid_dir: Path, tmp_path: Path) -> None:
+    """No hit from half a block set: with one group's pages of A deleted from storage and
+    the other's present, A is recomputed (nothing loaded), and still exact."""
+    storage, ref = tmp_path / "storage", tmp_path / "cold.json"
+    args = ("--storage", "file", "--storage-path", str(storage), "--reference", str(ref))
+    assert hybrid(hybrid_dir, *args)["identical"] is True
+    for kind, pages in (("sliding_window", SWA_WINDOW_BLOCKS), ("full", PREFIX_TOKENS // 32)):
+        # each run recomputes A and stores the missing pages again: the runs are independent
+        r = hybrid(hybrid_dir, *args, "--drop-group-pages", kind)
+        assert r["dropped_pages"] == pages, r  # that group's pages of A, and only those
+        assert r["tokens_loaded_from_kvtier"] == 0 and r["vllm_num_cached_tokens"] == 0, r
+        assert r["blocks_loaded_by_group"] == {"0": 0, "1": 0}, r
+        assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
