@@ -153,6 +153,26 @@ def hybrid(model_dir: Path, *args: str) -> dict[str, Any]:
     return r
 
 
+def test_kv_cache_groups_are_told_apart_refused_in_one_line_and_copied_apart() -> None:
+    """tests/vllm_groups_check.py in vLLM's environment, with vLLM's own KV cache spec
+    classes and a real kvtier worker for the copies."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_groups_check.py")],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["kinds"] == ["sliding_window", "full"] and r["window_blocks"] == [3, None], r
+    assert r["keys_differ"] and r["page_layers"] == 2, r
+    for what, words in (("mamba_refused", ("KV cache group 1", "MambaSpec", "mixer1")),
+                        ("geometry_refused", ("groups 0 and 1", "tokens per block")),
+                        ("no_kv_cache_config_refused", ("2 KV cache groups", "KvtierConnector"))):
+        assert all(w in r[what] for w in words) and "\n" not in r[what], (what, r[what])
+    assert r["group0_page_exact"] and r["group1_page_exact"] and r["group1_page_rest_zero"], r
+    assert r["round_trip_exact"] and r["jobs_done"] == [1, 2], r
+    assert "2 groups" in r["bad_group_sizes_refused"], r
+
+
 @pytest.mark.slow
 def test_hybrid_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(
         hybrid_dir: Path) -> None:
