@@ -174,6 +174,23 @@ def test_kv_cache_groups_are_told_apart_refused_in_one_line_and_copied_apart() -
 
 
 @pytest.mark.slow
+def test_a_model_with_a_state_group_is_refused_at_start_naming_it(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A tiny Jamba (Mamba mixers + attention) in a real vLLM: vLLM makes a Mamba group and a
+    full-attention group; kvtier refuses the model in one line naming the state group."""
+    model = tmp_path_factory.mktemp("vllm-jamba") / "tiny-jamba"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_state_group_check.py"), str(model)],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    msg = r["refused"]
+    assert msg.startswith("KV cache group 0 (MambaSpec, layers model.layers.0.mixer"), r
+    assert "recurrent state" in msg and "\n" not in msg, r
+
+
+@pytest.mark.slow
 def test_hybrid_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(
         hybrid_dir: Path) -> None:
     r = hybrid(hybrid_dir)
