@@ -16,6 +16,12 @@ cache after a few other prompts; A again is then served from kvtier:
   recomputed (0 tokens from kvtier) and still exact.
 * `--kill-worker`: kill -9 kvtier's worker process before A comes again: vLLM goes on serving
   (from its own cache or recomputing), never hangs.
+* `--model hybrid` (Gemma 3 text) or `--model gemma2`: random models whose layers alternate a
+  64-token sliding window and full attention, so vLLM makes two KV cache groups (24 device
+  blocks: a request holds blocks in both). A is longer than the window: the full-attention
+  group loads A's whole prefix, the sliding-window group only the window's blocks
+  (`blocks_loaded_by_group`). `--drop-group-pages full|sliding_window` (file storage) deletes
+  one group's pages of A before A comes again: A is recomputed, still identical.
 
 The last line of output is one JSON object (with `--json`).
 """
@@ -49,7 +55,7 @@ VOCAB = 512
 # attention layers interleaved, so vLLM makes two KV cache groups; A (200 tokens) is longer than
 # the window, so the sliding-window layers' early blocks lie outside it.
 WINDOW = 64
-DEVICE_BLOCKS = {"llama": 12, "hybrid": 24}  # a hybrid request holds blocks in both groups
+DEVICE_BLOCKS = {"llama": 12, "hybrid": 24, "gemma2": 24}  # hybrid: blocks in both groups
 
 
 def build_model(path: Path, kind: str = "llama") -> Path:
@@ -68,6 +74,14 @@ def build_model(path: Path, kind: str = "llama") -> Path:
             max_position_embeddings=512,
             layer_types=["sliding_attention", "full_attention"] * 2)
         Gemma3ForCausalLM(gcfg).to(torch.bfloat16).save_pretrained(path)
+        return path
+    if kind == "gemma2":  # Gemma 2: every other layer sliding-window, logit soft-capping
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        g2 = Gemma2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                          num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+                          head_dim=64, sliding_window=WINDOW, max_position_embeddings=512)
+        Gemma2ForCausalLM(g2).to(torch.bfloat16).save_pretrained(path)
         return path
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -189,9 +203,9 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
-    ap.add_argument("--model", choices=["llama", "hybrid"], default="llama",
+    ap.add_argument("--model", choices=["llama", "hybrid", "gemma2"], default="llama",
                     help="llama: one KV cache group; hybrid: Gemma 3 text, sliding-window and "
-                    "full attention (two groups)")
+                    "full attention (two groups); gemma2: Gemma 2, the same two groups")
     ap.add_argument("--model-dir", default="", help="where the random model is built "
                     "(default: a folder per --model under the temp dir)")
     ap.add_argument("--drop-group-pages", choices=["full", "sliding_window"], default="",
@@ -218,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("kvtier").setLevel(logging.INFO)
 
     model_dir = args.model_dir or os.path.join(
-        tempfile.gettempdir(), "kvtier-vllm-tiny-llama" if args.model == "llama"
-        else "kvtier-vllm-tiny-gemma3")
+        tempfile.gettempdir(), {"llama": "kvtier-vllm-tiny-llama",
+                                "hybrid": "kvtier-vllm-tiny-gemma3",
+                                "gemma2": "kvtier-vllm-tiny-gemma2"}[args.model])
     model = build_model(Path(model_dir), args.model)
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-") as tmp:
         url_file = Path(tmp) / "admin-url"

@@ -146,8 +146,8 @@ def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vllm-hybrid") / "tiny-gemma3"
 
 
-def hybrid(model_dir: Path, *args: str) -> dict[str, Any]:
-    r = run_example(model_dir, "--model", "hybrid", *args)
+def hybrid(model_dir: Path, *args: str, model: str = "hybrid") -> dict[str, Any]:
+    r = run_example(model_dir, "--model", model, *args)
     assert [(g["group_id"], g["kind"]) for g in r["kv_cache_groups"]] == [
         (0, "sliding_window"), (1, "full")], r
     return r
@@ -198,6 +198,18 @@ def test_hybrid_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(
     # tokens count once (the full-attention group's blocks), not once per group
     assert r["tokens_by_tier"] == {"host": PREFIX_TOKENS, "storage": 0}, r
     # the whole prefix for the full-attention layers, only the window for the others
+    assert r["blocks_loaded_by_group"] == {"0": SWA_WINDOW_BLOCKS, "1": PREFIX_TOKENS // 32}, r
+    assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
+
+
+@pytest.mark.slow
+def test_gemma2_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Gemma 2's architecture (every other layer a sliding window, logit soft-capping): the
+    same two groups, the same exact return."""
+    model_dir = tmp_path_factory.mktemp("vllm-gemma2") / "tiny-gemma2"
+    r = hybrid(model_dir, model="gemma2")
+    assert r["tokens_by_tier"] == {"host": PREFIX_TOKENS, "storage": 0}, r
     assert r["blocks_loaded_by_group"] == {"0": SWA_WINDOW_BLOCKS, "1": PREFIX_TOKENS // 32}, r
     assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
 
