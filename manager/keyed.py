@@ -177,7 +177,7 @@ class KeyedHostCache:
             if asked is None:
                 asked = self._queries[request_id] = {}
             seen = asked.get(block_hash)
-            keys = [block_hash, *following]
+            alone = False
             if seen is not None:
                 q, i = seen
                 if not q.done:
@@ -193,9 +193,9 @@ class KeyedHostCache:
                 # for good, so this ends.
                 if i == 0 or i == q.found:
                     return Lookup.MISS
-                if i > q.found:
-                    keys = [block_hash]
-            q = _Query(keys)
+                alone = i > q.found
+            # `following` is read only here: an engine may hand a lazy sequence
+            q = _Query([block_hash] if alone else [block_hash, *following])
             for i, h in enumerate(q.keys):
                 asked[h] = (q, i)
             self._query(q, threshold_tokens)

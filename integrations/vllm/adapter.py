@@ -45,9 +45,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -281,6 +281,34 @@ class KvtierLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc]
 # ---------------------------------------------------------------------------- scheduler side
 
 
+class _LazyKeys(Sequence[bytes]):
+    """A sequence of keys worked out on first use (a storage query's `following`)."""
+
+    def __init__(self, make: Callable[[], list[bytes]]) -> None:
+        self._make: Callable[[], list[bytes]] | None = make
+        self._keys: list[bytes] = []
+
+    def _get(self) -> list[bytes]:
+        if self._make is not None:
+            self._keys, self._make = self._make(), None
+        return self._keys
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[bytes]: ...
+
+    def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
+        return self._get()[i]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._get())
+
+
 class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
     """vLLM's scheduler-side offloading manager over a kvtier `KeyedHostCache`.
 
@@ -415,27 +443,35 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return LookupResult.MISS
 
     def _following(self, key: OffloadKey,
-                   req_context: ReqContext) -> tuple[list[bytes], int | None]:
+                   req_context: ReqContext) -> tuple[Sequence[bytes], int | None]:
         """What a storage query from `key` should cover, in the order storage counts held
         blocks, and the prefetch threshold for it (None: the configured one). A prefix
         (full-attention) group: the request's later blocks. A windowed group: the blocks
         before `key` back to its window's length, nearest first (vLLM looks such a group up
         backwards from the hit boundary and loads only the window), prefetched when the
         prefix they end reaches the threshold. vLLM records each key's end position on the
-        request context before it looks up."""
+        request context before it looks up. The keys are worked out only when a query is
+        made (`_LazyKeys`): most lookups are answered from the host or an earlier answer, and
+        working them out for every lookup is quadratic in the prompt's blocks."""
         positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
         at = positions.get(key)
         if at is None or self.cache.storage is None:
-            return [], None
+            return (), None
         gid = get_offload_group_idx(key)
         group = self._groups.get(gid)
-        mine = ((p, k) for k, p in positions.items() if get_offload_group_idx(k) == gid)
-        if group is None or group.window_blocks is None:
-            later = sorted((p, k) for p, k in mine if p > at)
-            return self._hashes(k for _, k in later), None
-        earlier = sorted(((p, k) for p, k in mine if p < at), reverse=True)
-        keys = self._hashes(k for _, k in earlier[:group.window_blocks - 1])
-        return keys, 0 if at >= self.cfg.storage.prefetch_threshold else None
+        window = group.window_blocks if group is not None else None
+
+        def keys() -> list[bytes]:
+            mine = ((p, k) for k, p in positions.items() if get_offload_group_idx(k) == gid)
+            if window is None:
+                return self._hashes(k for _, k in sorted((p, k) for p, k in mine if p > at))
+            earlier = sorted(((p, k) for p, k in mine if p < at), reverse=True)
+            return self._hashes(k for _, k in earlier[:window - 1])
+
+        threshold = None
+        if window is not None and at >= self.cfg.storage.prefetch_threshold:
+            threshold = 0
+        return _LazyKeys(keys), threshold
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         node = self.stack.require_manager().lookup(engine_key(self._hash(key)))
