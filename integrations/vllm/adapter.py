@@ -17,8 +17,11 @@ between vLLM's KV tensors and the offloaded medium. `KvtierOffloadingSpec` provi
 
 `KvtierConnector` is vLLM's `OffloadingConnector` plus one thing it lacks: a load that cannot be
 served (the host pool of that rank was replaced by a restarted kvtier worker since the load was
-planned) is reported through `get_block_ids_with_load_errors`, so vLLM (with
-`kv_load_failure_policy="recompute"`) recomputes those blocks instead of reading garbage.
+planned) is reported through `get_block_ids_with_load_errors` (one KV cache group) or as a
+failed request (`failed_recving`, several groups: vLLM cannot map a block id back to requests
+then), so vLLM (with `kv_load_failure_policy="recompute"`) recomputes instead of reading
+garbage. Models with several KV cache groups (hybrid attention) are described in
+`kv_groups.py`.
 
 Why an offloading spec and not a whole `KVConnectorBase_V1`: vLLM's offloading connector
 already does the scheduler bookkeeping (which blocks to store after each step, deferred
@@ -612,6 +615,7 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self._jobs: list[tuple[int, Any, int, float]] = []
         self._done: list[TransferResult] = []
         self._load_errors: set[int] = set()
+        self._failed_load_jobs: set[int] = set()  # their job ids (several-group models)
         self._lock = threading.Lock()
 
     # -- the host pool
@@ -669,6 +673,7 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             if not store:
                 with self._lock:
                     self._load_errors.update(int(b) for b in dev_ids)
+                    self._failed_load_jobs.add(job_id)
             with self._lock:
                 self._done.append(TransferResult(job_id, True, 0, 0.0))
             return True
@@ -737,9 +742,17 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             e.synchronize()
 
     def take_load_errors(self) -> set[int]:
+        """vLLM block ids of the loads refused since the last call."""
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
             return errors
+
+    def take_failed_load_jobs(self) -> set[int]:
+        """Job ids of the loads refused since the last call (and their block ids dropped)."""
+        with self._lock:
+            jobs, self._failed_load_jobs = self._failed_load_jobs, set()
+            self._load_errors.clear()
+            return jobs
 
     def shutdown(self) -> None:
         if self._stream is not None:
@@ -790,6 +803,8 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         from vllm.config import set_current_vllm_config
 
+        self._refused = 0  # refused loads not logged yet, and when they last were
+        self._refused_logged = -1e9
         token = _KV_CACHE_CONFIG.set(kv_cache_config)
         try:
             with set_current_vllm_config(vllm_config):
@@ -797,8 +812,41 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc]
         finally:
             _KV_CACHE_CONFIG.reset(token)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
+    def _kvtier_worker(self) -> KvtierOffloadingWorker | None:
         worker = getattr(self.connector_worker, "worker", None)
-        if isinstance(worker, KvtierOffloadingWorker):
-            return worker.take_load_errors()
-        return set()
+        return worker if isinstance(worker, KvtierOffloadingWorker) else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        worker = self._kvtier_worker()
+        if worker is None or len(worker.groups) > 1:
+            return set()  # several groups: reported by request (get_transfer_results)
+        return worker.take_load_errors()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM's transfer results, plus the requests whose load kvtier refused when the model
+        has several KV cache groups: vLLM maps a failed block id back to requests only with
+        one group (a block id is unique only within its group) and stops with a RuntimeError
+        otherwise, so such failures are reported by request (`failed_recving`; vLLM then
+        recomputes the request's prompt)."""
+        worker = self._kvtier_worker()
+        several = worker is not None and len(worker.groups) > 1
+        # job id -> request of the loads in flight (vLLM's worker side forgets them as it
+        # reports them finished, below)
+        loads = dict(getattr(self.connector_worker, "_load_jobs", {})) if several else {}
+        results = super().get_transfer_results(finished_req_ids)
+        if several and worker is not None:
+            jobs = worker.take_failed_load_jobs()
+            if jobs - loads.keys():  # never serve a load that copied nothing: fail closed
+                raise VllmAdapterError(
+                    f"loads {sorted(jobs - loads.keys())} were refused and cannot be traced "
+                    "to their requests (this vLLM's offloading worker keeps no _load_jobs)")
+            failed = {loads[j] for j in jobs}
+            if failed:
+                self._refused += len(failed)
+                now = time.monotonic()
+                if now - self._refused_logged >= 10.0:  # at most one line per 10 s
+                    log.warning("kvtier: loads refused for %d request(s) since the last "
+                                "report; vLLM recomputes them", self._refused)
+                    self._refused, self._refused_logged = 0, now
+                results.failed_recving |= failed
+        return results
