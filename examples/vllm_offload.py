@@ -16,6 +16,12 @@ cache after a few other prompts; A again is then served from kvtier:
   recomputed (0 tokens from kvtier) and still exact.
 * `--kill-worker`: kill -9 kvtier's worker process before A comes again: vLLM goes on serving
   (from its own cache or recomputing), never hangs.
+* `--model hybrid` (Gemma 3 text) or `--model gemma2`: random models whose layers alternate a
+  64-token sliding window and full attention, so vLLM makes two KV cache groups (24 device
+  blocks: a request holds blocks in both). A is longer than the window: the full-attention
+  group loads A's whole prefix, the sliding-window group only the window's blocks
+  (`blocks_loaded_by_group`). `--drop-group-pages full|sliding_window` (file storage) deletes
+  one group's pages of A before A comes again: A is recomputed, still identical.
 
 The last line of output is one JSON object (with `--json`).
 """
@@ -45,14 +51,40 @@ PROMPT_TOKENS = 200  # 6 full blocks of 32 + 8
 VOCAB = 512
 
 
-def build_model(path: Path) -> Path:
-    """A random Llama saved with transformers (no hub access); built once per path."""
+# `hybrid`: Gemma 3's text architecture, sliding-window (64 tokens, two blocks) and full
+# attention layers interleaved, so vLLM makes two KV cache groups; A (200 tokens) is longer than
+# the window, so the sliding-window layers' early blocks lie outside it.
+WINDOW = 64
+DEVICE_BLOCKS = {"llama": 12, "hybrid": 24, "gemma2": 24}  # hybrid: blocks in both groups
+
+
+def build_model(path: Path, kind: str = "llama") -> Path:
+    """A random model saved with transformers (no hub access); built once per path."""
     if (path / "config.json").exists():
         return path
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    if kind == "hybrid":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        gcfg = Gemma3TextConfig(
+            vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+            num_attention_heads=2, num_key_value_heads=2, head_dim=64, sliding_window=WINDOW,
+            max_position_embeddings=512,
+            layer_types=["sliding_attention", "full_attention"] * 2)
+        Gemma3ForCausalLM(gcfg).to(torch.bfloat16).save_pretrained(path)
+        return path
+    if kind == "gemma2":  # Gemma 2: every other layer sliding-window, logit soft-capping
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        g2 = Gemma2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                          num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+                          head_dim=64, sliding_window=WINDOW, max_position_embeddings=512)
+        Gemma2ForCausalLM(g2).to(torch.bfloat16).save_pretrained(path)
+        return path
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                       max_position_embeddings=512)
@@ -60,7 +92,34 @@ def build_model(path: Path) -> Path:
     return path
 
 
-def make_llm(model: Path, extra: dict[str, Any]) -> Any:
+def kvtier_manager(llm: Any) -> Any:
+    """kvtier's scheduler side inside this (in-process) vLLM engine."""
+    core = llm.llm_engine.engine_core.engine_core
+    return core.scheduler.get_kv_connector().connector_scheduler.manager
+
+
+def drop_group_pages(llm: Any, storage_path: str, tokens: list[int], kind: str) -> int:
+    """Delete from file storage the pages of the `kind` group ("full" or "sliding_window")
+    of every full block of `tokens` (the other group's pages stay). Returns how many."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    manager = kvtier_manager(llm)
+    group = next(g for g in manager.groups if g.kind == kind)
+    fn = get_hash_fn_by_name(llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo)
+    parent = None
+    dropped = 0
+    for i in range(len(tokens) // BLOCK):
+        parent = kv_cache_utils.hash_block_tokens(fn, parent, tokens[i * BLOCK:(i + 1) * BLOCK])
+        hexkey = manager.storage_key(make_offload_key(parent, group.group_id)).hex()
+        for page in Path(storage_path).glob(f"**/{hexkey[:2]}/{hexkey}"):
+            page.unlink()
+            dropped += 1
+    return dropped
+
+
+def make_llm(model: Path, extra: dict[str, Any], kind: str = "llama") -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -70,7 +129,7 @@ def make_llm(model: Path, extra: dict[str, Any]) -> Any:
         kv_connector_extra_config={"spec_name": "KvtierOffloadingSpec",
                                    "spec_module_path": "kvtier.integrations.vllm", **extra})
     return LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
-               dtype="bfloat16", block_size=BLOCK, num_gpu_blocks_override=12,
+               dtype="bfloat16", block_size=BLOCK, num_gpu_blocks_override=DEVICE_BLOCKS[kind],
                max_model_len=320, kv_transfer_config=kt, seed=0)
 
 
@@ -144,8 +203,14 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
-    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(),
-                                                        "kvtier-vllm-tiny-llama"))
+    ap.add_argument("--model", choices=["llama", "hybrid", "gemma2"], default="llama",
+                    help="llama: one KV cache group; hybrid: Gemma 3 text, sliding-window and "
+                    "full attention (two groups); gemma2: Gemma 2, the same two groups")
+    ap.add_argument("--model-dir", default="", help="where the random model is built "
+                    "(default: a folder per --model under the temp dir)")
+    ap.add_argument("--drop-group-pages", choices=["full", "sliding_window"], default="",
+                    help="file storage: delete that KV cache group's pages of A before A "
+                    "again (the other group's stay; A must be recomputed)")
     ap.add_argument("--storage", choices=["none", "file", "redis"], default="none")
     ap.add_argument("--storage-path", default="", help="file backend directory")
     ap.add_argument("--redis-url", default="", help="redis backend URL")
@@ -166,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("kvtier").addHandler(handler)
     logging.getLogger("kvtier").setLevel(logging.INFO)
 
-    model = build_model(Path(args.model_dir))
+    model_dir = args.model_dir or os.path.join(
+        tempfile.gettempdir(), {"llama": "kvtier-vllm-tiny-llama",
+                                "hybrid": "kvtier-vllm-tiny-gemma3",
+                                "gemma2": "kvtier-vllm-tiny-gemma2"}[args.model])
+    model = build_model(Path(model_dir), args.model)
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-") as tmp:
         url_file = Path(tmp) / "admin-url"
         extra: dict[str, Any] = {"host_blocks": 64, "storage_backend": args.storage,
@@ -177,13 +246,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.storage == "redis":
             extra["storage_url"] = args.redis_url
         t0 = time.monotonic()
-        llm = make_llm(model, extra)
+        llm = make_llm(model, extra, args.model)
         url = url_file.read_text().strip()
         rng = random.Random(args.seed)
         prompt_a = [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
         others = [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(4)]
         ref_path = Path(args.reference) if args.reference else None
-        report: dict[str, Any] = {"storage": args.storage}
+        report: dict[str, Any] = {"storage": args.storage, "model": args.model,
+                                  "kv_cache_groups": [
+                                      {"group_id": g.group_id, "kind": g.kind,
+                                       "layers": len(g.layer_names),
+                                       "window_tokens": g.window_tokens}
+                                      for g in kvtier_manager(llm).groups]}
         if ref_path is not None and ref_path.exists():
             cold = json.loads(ref_path.read_text())
             report["reference"] = "file"
@@ -203,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 time.sleep(0.1)
         before = hit_tokens(url)
+        by_group = kvtier_manager(llm).blocks_by_group
+        loaded_before = {g: c["loaded"] for g, c in by_group.items()}
+        if args.drop_group_pages:
+            if args.storage != "file":
+                ap.error("--drop-group-pages needs --storage file")
+            report["dropped_pages"] = drop_group_pages(llm, extra["storage_path"], prompt_a,
+                                                       args.drop_group_pages)
         if args.corrupt_host:
             report["corrupted_bytes"] = corrupt_host_pool(url)
         if args.reset_storage:
@@ -238,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_by_tier": {t: int(after.get(t, 0.0) - before.get(t, 0.0))
                                for t in ("host", "storage")},
             "vllm_num_cached_tokens": warm["num_cached_tokens"],
+            # blocks of A loaded per KV cache group (vLLM's group id)
+            "blocks_loaded_by_group": {str(g): c["loaded"] - loaded_before.get(g, 0)
+                                       for g, c in by_group.items()},
             "identical": same,
             "max_abs_logprob_diff": diff,
             "tokens": warm["tokens"],

@@ -74,14 +74,20 @@ class StorePlan:
 
 
 class _Query:
-    """One request's storage query: the keys it covered and whether it was answered."""
+    """One storage query of a request: the keys it covered (in the order asked), whether it
+    was answered and, once answered, how many leading keys storage held (`found`)."""
 
-    __slots__ = ("done", "keys", "seq")
+    __slots__ = ("done", "found", "keys", "seq")
 
     def __init__(self, keys: list[bytes]) -> None:
         self.keys = keys
         self.seq = 0
         self.done = False
+        self.found = 0
+
+    def answer(self, found: int) -> None:
+        self.found = found
+        self.done = True
 
 
 def engine_key(block_hash: bytes) -> int:
@@ -124,7 +130,9 @@ class KeyedHostCache:
         self._readers: dict[bytes, list[Node]] = {}
         self._reads: dict[Node, int] = {}
         self._abandoned: list[Node] = []
-        self._queries: dict[str, _Query] = {}
+        # request -> block hash -> (the latest query that covered it, its index there)
+        self._queries: dict[str, dict[bytes, tuple[_Query, int]]] = {}
+        self._open_queries = 0  # queries asked and not answered yet
         self._asked: set[str] = set()  # requests counted in lookup_tokens (`count_asked`)
         self.counters = dict.fromkeys((
             "stores_prepared", "stores_completed", "stores_failed",
@@ -145,10 +153,14 @@ class KeyedHostCache:
     # ------------------------------------------------------------------ lookups
 
     def lookup(self, block_hash: bytes, request_id: str = "",
-               following: Sequence[bytes] = ()) -> Lookup:
+               following: Sequence[bytes] = (), *,
+               threshold_tokens: int | None = None) -> Lookup:
         """Is this block on the host and ready? On a miss with a storage tier, the block and
-        `following` (the request's next hashes, in order) are asked of storage once per
-        request; the answer may start a prefetch (then the block is PENDING)."""
+        `following` (the hashes a hit on this block is worth most with, in the order storage
+        should count them: the request's next blocks for a prefix, the window's earlier ones
+        for a sliding window) are asked of storage once per request; the answer may start a
+        prefetch (then the block is PENDING). `threshold_tokens` overrides the storage tier's
+        prefetch threshold for that query."""
         if type(block_hash) is not bytes or not block_hash:
             _check_hash(block_hash)
         with self._lock:
@@ -161,17 +173,33 @@ class KeyedHostCache:
                 return Lookup.HIT
             if self.storage is None or not request_id:
                 return Lookup.MISS
-            q = self._queries.get(request_id)
-            # A new query from this block when none covered it, or when an answered one began
-            # earlier (its prefetch was capped by prefetch_host_blocks_limit, or landed and
-            # was consumed): every re-query starts later, so this ends.
-            if q is None or block_hash not in q.keys or (q.done and q.keys[0] != block_hash):
-                keys = [block_hash, *following]
-                q = _Query(keys)
-                self._queries[request_id] = q
-                self._query(q)
-                return Lookup.RETRY
-            return Lookup.MISS if q.done else Lookup.RETRY
+            asked = self._queries.get(request_id)
+            if asked is None:
+                asked = self._queries[request_id] = {}
+            seen = asked.get(block_hash)
+            alone = False
+            if seen is not None:
+                q, i = seen
+                if not q.done:
+                    return Lookup.RETRY
+                # Answered. From this block (a prefetch that was not worth it, or landed and
+                # was consumed), or the first block storage lacked: a miss. Held but not on
+                # the host (the prefetch was capped by prefetch_host_blocks_limit): asked
+                # again from this block, with the blocks after it. Past the first block
+                # storage lacked (storage counts leading blocks, so unknown): asked again,
+                # alone, so that every such block of a pass is settled by the next answer
+                # (a window looked up backwards over blocks storage lacks settles in two
+                # answers, not one answer per block). A block asked from itself is answered
+                # for good, so this ends.
+                if i == 0 or i == q.found:
+                    return Lookup.MISS
+                alone = i > q.found
+            # `following` is read only here: an engine may hand a lazy sequence
+            q = _Query([block_hash] if alone else [block_hash, *following])
+            for i, h in enumerate(q.keys):
+                asked[h] = (q, i)
+            self._query(q, threshold_tokens)
+            return Lookup.RETRY
 
     def count_hits(self, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of `hashes` are on the host and ready (one lock for all:
@@ -181,16 +209,22 @@ class KeyedHostCache:
                 return 0
             return native.keyed_hits(self.m.tree_map, hashes, ENGINE_WRITE | PREFETCHING)
 
-    def _query(self, q: _Query) -> None:
+    def _query(self, q: _Query, threshold_tokens: int | None = None) -> None:
         assert self.storage is not None
         req = RequestState([engine_key(h) for h in q.keys], None)
         req.skeys = [self.storage_key(h) for h in q.keys]
         self.counters["storage_queries"] += 1
-        q.seq = self.storage.query(req, None, 0, len(q.keys),
-                                   on_answer=lambda: setattr(q, "done", True))
+        self._open_queries += 1
+
+        def answered(found: int) -> None:
+            self._open_queries -= 1
+            q.answer(found)
+
+        q.seq = self.storage.query(req, None, 0, len(q.keys), on_answer=answered,
+                                   threshold_tokens=threshold_tokens)
         self.m.flush()
 
-    def count_asked(self, request_id: str, blocks: int) -> None:
+    def count_asked(self, request_id: str, blocks: int | Callable[[], int]) -> None:
         """The engine asks about `blocks` blocks of a request, those past its own device hits:
         counted once per request as the manager's lookup tokens (the denominator of kvtier's
         hit rates, in /status and for `kvtier_lookup_tokens_total`; the engine's device hits
@@ -199,8 +233,9 @@ class KeyedHostCache:
             if request_id in self._asked:
                 return
             self._asked.add(request_id)
+            n = blocks() if callable(blocks) else blocks  # worked out once per request
             self.m.counters.requests += 1
-            self.m.counters.lookup_tokens += blocks * self.block_size
+            self.m.counters.lookup_tokens += n * self.block_size
 
     def forget_request(self, request_id: str) -> None:
         """The engine is done with a request: drop its storage query record."""
@@ -212,18 +247,26 @@ class KeyedHostCache:
         """True while a storage query or prefetch is in flight (the engine should keep
         stepping so a deferred lookup is asked again)."""
         with self._lock:
-            if any(not q.done for q in self._queries.values()):
+            if self._open_queries > 0:
                 return True
             return self.storage is not None and self.storage.prefetching_blocks > 0
 
     # ------------------------------------------------------------------ loads
 
     def prepare_load(self, hashes: Sequence[bytes],
+                     count_tokens: Sequence[bool] | None = None,
                      from_storage: list[bool] | None = None) -> list[int]:
         """Host block ids of these blocks, protected from eviction until `complete_load`.
-        Every block must be a HIT now; all or nothing. `from_storage`, when given, gets one
-        flag per block: whether this load is its first hit since it came from storage (what
-        the hit counters count it as; the flag on the node is cleared here)."""
+        Every block must be a HIT now; all or nothing. `count_tokens[i]` says whether block i
+        adds its tokens to the hit counters (default: every block). An engine with several
+        KV cache groups loads one block per group for the same tokens and counts one group.
+        `from_storage`, when given, gets one flag per block: whether this load is its first
+        hit since it came from storage (what the hit counters count it as; the flag on the
+        node is cleared here)."""
+        if count_tokens is not None and len(count_tokens) != len(hashes):
+            raise InvalidRequestError(
+                f"prepare_load: {len(count_tokens)} count_tokens flags for {len(hashes)} "
+                "blocks")
         with self._lock:
             nodes: list[Node] = []
             for h in hashes:
@@ -236,11 +279,12 @@ class KeyedHostCache:
                 nodes.append(node)
             now = _monotonic()
             ids: list[int] = []
-            for h, node in zip(hashes, nodes, strict=True):
+            for j, (h, node) in enumerate(zip(hashes, nodes, strict=True)):
                 n = self._reads.get(node, 0)
                 self._reads[node] = n + 1
                 self._readers.setdefault(h, []).append(node)
-                stored = self.m.start_engine_read(node, not n, self.block_size, now)
+                tokens = self.block_size if count_tokens is None or count_tokens[j] else 0
+                stored = self.m.start_engine_read(node, not n, tokens, now)
                 if from_storage is not None:
                     from_storage.append(stored)
                 ids.append(node.host)  # type: ignore[arg-type]

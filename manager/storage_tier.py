@@ -159,9 +159,12 @@ class StorageTier:
     # ------------------------------------------------------------------ query and prefetch
 
     def query(self, req: RequestState, token_ids: Any, start: int, cap: int,
-              on_answer: Callable[[], None] | None = None) -> int:
+              on_answer: Callable[[int], None] | None = None,
+              threshold_tokens: int | None = None) -> int:
         """Ask storage how many of blocks start..cap it holds; the answer starts a prefetch
-        when it is worth one (`on_answer` runs then, lock held). Returns the query's seq."""
+        when it is worth one (`threshold_tokens`, default `storage.prefetch_threshold`).
+        `on_answer(found)` runs then, lock held, with how many leading blocks storage holds
+        (0 when the query failed or was revoked). Returns the query's seq."""
         skeys = self.request_skeys(req, token_ids, cap)[start:cap]
         keys = req.keys[start:cap]
         m = self.m
@@ -170,11 +173,12 @@ class StorageTier:
         self.counters["queries"] += 1
 
         def done(ok: bool, comp: Completion) -> None:
+            found = 0
             try:
-                self._on_query(seq, ok, comp, keys, skeys)
+                found = self._on_query(seq, ok, comp, keys, skeys, threshold_tokens)
             finally:
                 if on_answer is not None:
-                    on_answer()
+                    on_answer(found)
 
         if keys:
             self._queries[seq] = keys[-1]
@@ -182,20 +186,23 @@ class StorageTier:
         return seq
 
     def _on_query(self, seq: int, ok: bool, comp: Completion, keys: list[int],
-                  skeys: list[bytes]) -> None:
+                  skeys: list[bytes], threshold_tokens: int | None = None) -> int:
+        """Start the prefetch the answer is worth; returns how many leading blocks storage
+        holds."""
         self._queries.pop(seq, None)
         if seq in self._revoked:
             self._revoked.discard(seq)
-            return  # revoked: the scheduler no longer wants these pages
+            return 0  # revoked: the scheduler no longer wants these pages
         if not ok:
             self.counters["errors_query"] += 1
-            return
-        n = min(comp.result, len(keys))
+            return 0
+        found = n = min(comp.result, len(keys))
         self.counters["query_hit_pages"] += n
         room = self.limit - self.prefetching_blocks
         n = min(n, room)
-        if n * self.bs < self.threshold_tokens:
-            return
+        threshold = self.threshold_tokens if threshold_tokens is None else threshold_tokens
+        if n * self.bs < threshold or n <= 0:
+            return found
         m = self.m
         now = time.monotonic()
         nodes: list[Node] = []
@@ -214,7 +221,7 @@ class StorageTier:
             fetch_keys.append(skey)
             last_key = key
         if not nodes:
-            return
+            return found
         pseq = m.next_seq()
         task = Task(pseq, TaskKind.PREFETCH, [], dst, fetch_keys, Priority.PREFETCH)
         for node in nodes:
@@ -224,6 +231,7 @@ class StorageTier:
         self.counters["prefetch_tasks"] += 1
         self.counters["prefetch_pages_issued"] += len(nodes)
         m.track(task, nodes, on_done=lambda ok, comp: self._on_prefetch(pseq, nodes, ok, comp))
+        return found
 
     def _on_prefetch(self, seq: int, nodes: list[Node], ok: bool, comp: Completion) -> None:
         m = self.m

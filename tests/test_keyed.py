@@ -211,6 +211,74 @@ def test_a_new_cache_finds_blocks_in_storage(keyed_stack: tuple[Stack, HostPool]
     fresh.check_invariants()
 
 
+def window_scan(cache: KeyedHostCache, hashes: list[bytes], rid: str,
+                window: int) -> list[Lookup]:
+    """One lookup pass as vLLM makes it for a sliding-window group: from the last block
+    backwards, each block's storage query covering the `window - 1` blocks before it, nearest
+    first. The results, last block first."""
+    return [cache.lookup(hashes[i], rid, hashes[max(0, i - window + 1):i][::-1])
+            for i in reversed(range(len(hashes)))]
+
+
+def settle_window(cache: KeyedHostCache, hashes: list[bytes], rid: str, window: int,
+                  passes: int) -> tuple[list[Lookup], int]:
+    """Window passes until no block is RETRY or PENDING (at most `passes`, waiting for
+    storage's answers between them): the last pass's results and how many passes."""
+    results: list[Lookup] = []
+    for n in range(1, passes + 1):
+        results = window_scan(cache, hashes, rid, window)
+        if not {Lookup.RETRY, Lookup.PENDING} & set(results):
+            return results, n
+        deadline = time.monotonic() + 10
+        while cache.pending_work() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return results, passes
+
+
+def test_a_window_scanned_backwards_over_storage_settles(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    """Lookups that go backwards (a sliding-window group) over storage: every block ends HIT
+    or MISS within a few passes, however many blocks storage lacks. Each storage answer is
+    kept per block, so a block storage lacks is a MISS, not asked again every pass (with one
+    query remembered per request the passes asked again forever), and the blocks past a gap
+    are asked again all at once (not one answer per block)."""
+    stack, pool = keyed_stack
+    cache = make_cache(stack)
+    hashes = chain(11, 6)
+    store(cache, pool, hashes[:5])  # the last block never reaches storage
+    settle(stack)
+    stack.reset()  # the host tier is emptied; storage is kept
+    fresh = KeyedHostCache(stack.require_manager(), stack.storage, namespace=b"test-ns",
+                           host_ready=stack.workers_ready)
+    results, _ = settle_window(fresh, hashes, "w1", window=3, passes=8)
+    assert results[0] is Lookup.MISS, results  # storage never had it
+    assert results[1:3] == [Lookup.HIT, Lookup.HIT], results  # the window before it
+    assert not {Lookup.RETRY, Lookup.PENDING} & set(results), results
+    # blocks storage never had: settled by the second answer, whatever their number
+    absent = chain(13, 16)
+    results, passes = settle_window(fresh, absent, "w2", window=3, passes=4)
+    assert results == [Lookup.MISS] * len(absent) and passes <= 3, (passes, results)
+    fresh.check_invariants()
+
+
+def test_a_load_counts_the_tokens_of_the_blocks_it_is_told_to(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    """An engine with two KV cache groups loads a block per group for the same tokens: only
+    the flagged blocks add to the hit counters."""
+    stack, pool = keyed_stack
+    cache = make_cache(stack)
+    hashes = chain(12, 2) + chain(12, 2, salt=b"group 1")
+    store(cache, pool, hashes)
+    m = stack.require_manager()
+    before = m.counters.hit_host_tokens
+    with pytest.raises(InvalidRequestError, match="count_tokens"):
+        cache.prepare_load(hashes, [True])
+    cache.prepare_load(hashes, [True, True, False, False])
+    assert m.counters.hit_host_tokens - before == 2 * cache.block_size
+    cache.complete_load(hashes)
+    cache.check_invariants()
+
+
 def test_copies_an_engine_abandons_are_held_then_freed_never_served(
         keyed_stack: tuple[Stack, HostPool]) -> None:
     stack, pool = keyed_stack

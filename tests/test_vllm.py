@@ -130,5 +130,130 @@ def test_a_killed_kvtier_worker_never_stops_vllm(model_dir: Path) -> None:
     assert r["tokens_loaded_from_kvtier"] == 0 and r["identical"] is True, r
 
 
+# ---------------------------------------------------------------- hybrid attention (two groups)
+#
+# `--model hybrid`: Gemma 3's text architecture, random weights, layers alternating a 64-token
+# sliding window (two blocks) and full attention: vLLM makes KV cache group 0 (sliding window)
+# and group 1 (full). Prompt A is 200 tokens, longer than the window: vLLM's hit stops a token
+# short of the prompt (192 tokens, 6 blocks) and needs only the window's last 2 blocks of the
+# sliding-window group, so that group's early blocks are never loaded (nor stored).
+
+SWA_WINDOW_BLOCKS = 2
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-hybrid") / "tiny-gemma3"
+
+
+def hybrid(model_dir: Path, *args: str, model: str = "hybrid") -> dict[str, Any]:
+    r = run_example(model_dir, "--model", model, *args)
+    assert [(g["group_id"], g["kind"]) for g in r["kv_cache_groups"]] == [
+        (0, "sliding_window"), (1, "full")], r
+    return r
+
+
+def test_kv_cache_groups_are_told_apart_refused_in_one_line_and_copied_apart() -> None:
+    """tests/vllm_groups_check.py in vLLM's environment, with vLLM's own KV cache spec
+    classes and a real kvtier worker for the copies."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_groups_check.py")],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["kinds"] == ["sliding_window", "full"] and r["window_blocks"] == [3, None], r
+    assert r["keys_differ"] and r["page_layers"] == 2, r
+    for what, words in (("mamba_refused", ("KV cache group 1", "MambaSpec", "mixer1")),
+                        ("geometry_refused", ("groups 0 and 1", "tokens per block")),
+                        ("no_kv_cache_config_refused", ("2 KV cache groups", "KvtierConnector"))):
+        assert all(w in r[what] for w in words) and "\n" not in r[what], (what, r[what])
+    assert r["group0_page_exact"] and r["group1_page_exact"] and r["group1_page_rest_zero"], r
+    assert r["round_trip_exact"] and r["jobs_done"] == [1, 2], r
+    assert "2 groups" in r["bad_group_sizes_refused"], r
+
+
+@pytest.mark.slow
+def test_a_model_with_a_state_group_is_refused_at_start_naming_it(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A tiny Jamba (Mamba mixers + attention) in a real vLLM: vLLM makes a Mamba group and a
+    full-attention group; kvtier refuses the model in one line naming the state group."""
+    model = tmp_path_factory.mktemp("vllm-jamba") / "tiny-jamba"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_state_group_check.py"), str(model)],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    msg = r["refused"]
+    assert msg.startswith("KV cache group 0 (MambaSpec, layers model.layers.0.mixer"), r
+    assert "recurrent state" in msg and "\n" not in msg, r
+
+
+@pytest.mark.slow
+def test_hybrid_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(
+        hybrid_dir: Path) -> None:
+    r = hybrid(hybrid_dir)
+    assert r["vllm_num_cached_tokens"] == PREFIX_TOKENS, r
+    # tokens count once (the full-attention group's blocks), not once per group
+    assert r["tokens_by_tier"] == {"host": PREFIX_TOKENS, "storage": 0}, r
+    # the whole prefix for the full-attention layers, only the window for the others
+    assert r["blocks_loaded_by_group"] == {"0": SWA_WINDOW_BLOCKS, "1": PREFIX_TOKENS // 32}, r
+    assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
+
+
+@pytest.mark.slow
+def test_gemma2_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Gemma 2's architecture (every other layer a sliding window, logit soft-capping): the
+    same two groups, the same exact return."""
+    model_dir = tmp_path_factory.mktemp("vllm-gemma2") / "tiny-gemma2"
+    r = hybrid(model_dir, model="gemma2")
+    assert r["tokens_by_tier"] == {"host": PREFIX_TOKENS, "storage": 0}, r
+    assert r["blocks_loaded_by_group"] == {"0": SWA_WINDOW_BLOCKS, "1": PREFIX_TOKENS // 32}, r
+    assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
+
+
+@pytest.mark.slow
+def test_hybrid_negative_control_overwritten_host_pages_change_the_output(
+        hybrid_dir: Path) -> None:
+    r = hybrid(hybrid_dir, "--corrupt-host")
+    assert r["corrupted_bytes"] > 0 and r["tokens_loaded_from_kvtier"] == PREFIX_TOKENS, r
+    assert r["identical"] is False, (
+        f"kvtier's host pages were overwritten, yet the hybrid model's output did not change: {r}")
+
+
+@pytest.mark.slow
+def test_hybrid_a_new_vllm_process_finds_both_groups_in_file_storage(
+        hybrid_dir: Path, tmp_path: Path) -> None:
+    storage, ref = tmp_path / "storage", tmp_path / "cold.json"
+    args = ("--storage", "file", "--storage-path", str(storage), "--reference", str(ref))
+    first = hybrid(hybrid_dir, *args)
+    assert first["identical"] is True and first["reference"] == "this run", first
+    second = hybrid(hybrid_dir, *args)
+    assert second["reference"] == "file", second
+    assert second["tokens_by_tier"] == {"host": 0, "storage": PREFIX_TOKENS}, second
+    assert second["blocks_loaded_by_group"] == {"0": SWA_WINDOW_BLOCKS,
+                                                "1": PREFIX_TOKENS // 32}, second
+    assert second["identical"] is True and second["max_abs_logprob_diff"] == 0.0, second
+
+
+@pytest.mark.slow
+def test_hybrid_one_groups_pages_missing_from_storage_means_a_recompute(
+        hybrid_dir: Path, tmp_path: Path) -> None:
+    """No hit from half a block set: with one group's pages of A deleted from storage and
+    the other's present, A is recomputed (nothing loaded), and still exact."""
+    storage, ref = tmp_path / "storage", tmp_path / "cold.json"
+    args = ("--storage", "file", "--storage-path", str(storage), "--reference", str(ref))
+    assert hybrid(hybrid_dir, *args)["identical"] is True
+    for kind, pages in (("sliding_window", SWA_WINDOW_BLOCKS), ("full", PREFIX_TOKENS // 32)):
+        # each run recomputes A and stores the missing pages again: the runs are independent
+        r = hybrid(hybrid_dir, *args, "--drop-group-pages", kind)
+        assert r["dropped_pages"] == pages, r  # that group's pages of A, and only those
+        assert r["tokens_loaded_from_kvtier"] == 0 and r["vllm_num_cached_tokens"] == 0, r
+        assert r["blocks_loaded_by_group"] == {"0": 0, "1": 0}, r
+        assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -20,11 +20,13 @@ from kvtier.integrations.vllm.adapter import (
     KvtierOffloadingManager,
     KvtierOffloadingSpec,
     KvtierOffloadingWorker,
+    kv_groups,
     kvtier_config,
     storage_namespace,
 )
 from kvtier.integrations.vllm.errors import VllmAdapterError
+from kvtier.integrations.vllm.kv_groups import KVGroup
 
-__all__ = ["MODULE_PATH", "SPEC_NAME", "KvtierConnector", "KvtierLoadStoreSpec",
+__all__ = ["MODULE_PATH", "SPEC_NAME", "KVGroup", "KvtierConnector", "KvtierLoadStoreSpec",
            "KvtierOffloadingManager", "KvtierOffloadingSpec", "KvtierOffloadingWorker",
-           "VllmAdapterError", "kvtier_config", "storage_namespace"]
+           "VllmAdapterError", "kv_groups", "kvtier_config", "storage_namespace"]

@@ -17,8 +17,11 @@ between vLLM's KV tensors and the offloaded medium. `KvtierOffloadingSpec` provi
 
 `KvtierConnector` is vLLM's `OffloadingConnector` plus one thing it lacks: a load that cannot be
 served (the host pool of that rank was replaced by a restarted kvtier worker since the load was
-planned) is reported through `get_block_ids_with_load_errors`, so vLLM (with
-`kv_load_failure_policy="recompute"`) recomputes those blocks instead of reading garbage.
+planned) is reported through `get_block_ids_with_load_errors` (one KV cache group) or as a
+failed request (`failed_recving`, several groups: vLLM cannot map a block id back to requests
+then), so vLLM (with `kv_load_failure_policy="recompute"`) recomputes instead of reading
+garbage. Models with several KV cache groups (hybrid attention) are described in
+`kv_groups.py`.
 
 Why an offloading spec and not a whole `KVConnectorBase_V1`: vLLM's offloading connector
 already does the scheduler bookkeeping (which blocks to store after each step, deferred
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
 import hashlib
 import json
 import logging
@@ -47,14 +51,15 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
 from kvtier.integrations.vllm import defaults
 from kvtier.integrations.vllm.errors import VllmAdapterError
+from kvtier.integrations.vllm.kv_groups import KVGroup, describe_groups, primary_group
 from kvtier.manager import janitor
 from kvtier.manager.config import KvtierConfig, load_config
 from kvtier.manager.core.nodes import FROM_STORAGE
@@ -82,7 +87,6 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
     get_offload_block_hash,
     get_offload_group_idx,
-    make_offload_key,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -97,6 +101,10 @@ _DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16",
            "float32": "float32", "float": "float32", "fp8": "float8_e4m3fn",
            "fp8_e4m3": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+# vLLM's KVCacheConfig while KvtierConnector builds the spec (the spec itself is handed only
+# the OffloadingConfig, which lacks each group's attention kind and window)
+_KV_CACHE_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar("kvtier_kv_cache_config")
 
 
 # ---------------------------------------------------------------------------- configuration
@@ -141,34 +149,59 @@ def _deployment_id(offloading: OffloadingConfig, extra: Mapping[str, Any]) -> st
     return f"vllm-{digest}"
 
 
-def kvtier_config(offloading: OffloadingConfig, extra: Mapping[str, Any]) -> KvtierConfig:
+def kv_groups(offloading: OffloadingConfig,
+              kv_cache_config: Any = None) -> list[KVGroup] | None:
+    """kvtier's view of the KV cache groups vLLM offloads (kind, geometry, key space), or None
+    for a one-group model whose KV cache config is unknown (vLLM's plain OffloadingConnector
+    loaded the spec; such a group is served as full attention, as before groups were read).
+    Raises VllmAdapterError naming a group kvtier cannot serve."""
+    if kv_cache_config is None:
+        kv_cache_config = _KV_CACHE_CONFIG.get(None)
+    if kv_cache_config is None:
+        if len(offloading.groups) != 1:
+            raise VllmAdapterError(
+                f"this model has {len(offloading.groups)} KV cache groups: kvtier reads each "
+                "group's attention kind from vLLM's KV cache config, which only "
+                "kv_connector='KvtierConnector' hands it (not the plain OffloadingConnector)")
+        return None
+    return describe_groups(offloading, kv_cache_config,
+                           _ITEMSIZE[_kv_dtype(offloading.model.dtype)])
+
+
+def kvtier_config(offloading: OffloadingConfig, extra: Mapping[str, Any],
+                  groups: list[KVGroup] | None = None) -> KvtierConfig:
     """kvtier's configuration for this vLLM engine: the TOML file `kvtier_config` (if given)
     and `KVTIER_*` variables as for `kvtier serve`, with the KV shape, block size, rank count
     and deployment id taken from vLLM (they must match vLLM's, so they are not the operator's
-    to set). Raises VllmAdapterError / ConfigError naming the setting at fault.
+    to set). `groups` (from `kv_groups`): one host page holds one group's layers of one block,
+    so a page has as many layers as the largest group. Raises VllmAdapterError / ConfigError
+    naming the setting at fault.
 
     Values nobody set here get the defaults of a vLLM deployment later, on the scheduler side
     (`defaults.apply_defaults`: host tier from free memory, shared file storage, any free
     admin port)."""
     defaults.check_extra_config(extra)
-    if len(offloading.groups) != 1:
-        raise VllmAdapterError(
-            f"kvtier serves models with one KV cache group (full attention); this one has "
-            f"{len(offloading.groups)}")
+    if groups is None and len(offloading.groups) != 1:
+        groups = kv_groups(offloading)
     if offloading.cache.blocks_per_chunk != 1:
         raise VllmAdapterError(
             "kv_connector_extra_config: kvtier offloads vLLM blocks one by one (leave "
             "'block_size' and 'blocks_per_chunk' unset)")
-    group = offloading.groups[0]
-    layers = len(group.layer_names)
-    per_block = offloading.worker_kv_bytes_per_block
-    if layers == 0 or per_block % layers:
-        raise VllmAdapterError(
-            f"vLLM reports {per_block} KV bytes per block over {layers} layers: not an equal "
-            "page per layer")
     dtype = _kv_dtype(offloading.model.dtype)
-    heads, dim = _kv_heads_and_dim(per_block // layers, group.tokens_per_block,
-                                   _ITEMSIZE[dtype])
+    if groups:
+        widest = max(groups, key=lambda g: len(g.layer_names))
+        layers, heads, dim = len(widest.layer_names), widest.num_kv_heads, widest.head_dim
+        block = widest.tokens_per_block
+    else:
+        group = offloading.groups[0]
+        layers = len(group.layer_names)
+        per_block = offloading.worker_kv_bytes_per_block
+        if layers == 0 or per_block % layers:
+            raise VllmAdapterError(
+                f"vLLM reports {per_block} KV bytes per block over {layers} layers: not an "
+                "equal page per layer")
+        block = group.tokens_per_block
+        heads, dim = _kv_heads_and_dim(per_block // layers, block, _ITEMSIZE[dtype])
     env = {k: v for k, v in os.environ.items() if k.startswith("KVTIER_")}
     env.update({
         "KVTIER_DEPLOYMENT_ID": _deployment_id(offloading, extra),
@@ -179,7 +212,7 @@ def kvtier_config(offloading: OffloadingConfig, extra: Mapping[str, Any]) -> Kvt
         # vLLM's KV cache has no per-block scales and no layers beyond the ones it registers
         "KVTIER_MODEL__KV_SCALES": "none",
         "KVTIER_MODEL__NUM_EXTRA_LAYERS": "0",
-        "KVTIER_CACHE__BLOCK_SIZE": str(group.tokens_per_block),
+        "KVTIER_CACHE__BLOCK_SIZE": str(block),
         # vLLM owns the device tier; a kvtier worker keeps a one-block device pool it never
         # uses (its host pool and storage I/O are what it is there for).
         "KVTIER_CACHE__DEVICE_BLOCKS": "1",
@@ -207,9 +240,12 @@ def _shape(cfg: KvtierConfig) -> KVShape:
                    parse_dtype(m.dtype))
 
 
-def storage_namespace(offloading: OffloadingConfig) -> tuple[str, dict[str, Any]]:
+def storage_namespace(offloading: OffloadingConfig,
+                      groups: list[KVGroup] | None = None) -> tuple[str, dict[str, Any]]:
     """What makes one vLLM block hash mean the same KV bytes in two instances, and its digest
-    (kvtier's `model.name`, hence part of every storage page's namespace)."""
+    (kvtier's `model.name`, hence part of every storage page's namespace). A model of several
+    KV cache groups adds each group's kind, window and layers; each group's keys are its own
+    besides (`KVGroup.key`)."""
     identity: dict[str, Any] = {
         "model": offloading.model.name, "dtype": offloading.model.dtype,
         "layout": offloading.kv_cache_layout, "tokens_per_block":
@@ -219,6 +255,9 @@ def storage_namespace(offloading: OffloadingConfig) -> tuple[str, dict[str, Any]
         "pcp": offloading.parallel.pcp_size, "dcp": offloading.parallel.dcp_size,
         "bytes_per_block": offloading.worker_kv_bytes_per_block,
     }
+    if groups is not None and len(groups) > 1:  # one group: the namespace as it always was
+        identity["groups"] = [g.identity() for g in groups]
+        identity["layers"] = [n for g in groups for n in g.layer_names]
     try:
         from vllm.config import get_current_vllm_config
         from vllm.v1.core import kv_cache_utils
@@ -255,16 +294,56 @@ class KvtierLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc,unused-ignore]
 # ---------------------------------------------------------------------------- scheduler side
 
 
+class _LazyKeys(Sequence[bytes]):
+    """A sequence of keys worked out on first use (a storage query's `following`)."""
+
+    def __init__(self, make: Callable[[], list[bytes]]) -> None:
+        self._make: Callable[[], list[bytes]] | None = make
+        self._keys: list[bytes] = []
+
+    def _get(self) -> list[bytes]:
+        if self._make is not None:
+            self._keys, self._make = self._make(), None
+        return self._keys
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[bytes]: ...
+
+    def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
+        return self._get()[i]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._get())
+
+
 class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
     """vLLM's scheduler-side offloading manager over a kvtier `KeyedHostCache`.
 
     Data structures: the keyed cache (tree, host LRU, storage tier) of the stack it owns;
-    `_inodes`: each rank's host segment inode, read once per kvtier generation (a worker lost
-    and replaced is a new generation)."""
+    `_groups`: vLLM's group id -> `KVGroup` (its kind, window and key space); `_inodes`: each
+    rank's host segment inode, read once per kvtier generation (a worker lost and replaced is
+    a new generation). Invariant: with several groups every key kvtier holds is a group's own
+    (`KVGroup.key`), so no group's copy ever answers for another's; with one group the key is
+    vLLM's block hash, as it always was."""
 
     def __init__(self, spec: KvtierOffloadingSpec) -> None:
         cfg = spec.kvtier
-        namespace, identity = storage_namespace(spec.config)
+        groups = spec.groups
+        self._groups: dict[int, KVGroup] = {g.group_id: g for g in groups or ()}
+        self._keyed_groups = len(self._groups) > 1
+        self._single_group_id = groups[0].group_id if groups else 0
+        self._primary = primary_group(groups).group_id if groups else self._single_group_id
+        # vLLM group id -> blocks vLLM loaded from / stored into kvtier (for tests and tools:
+        # a sliding-window group loads its window, never the whole prefix)
+        self.blocks_by_group: dict[int, dict[str, int]] = {
+            gid: {"loaded": 0, "stored": 0} for gid in (self._groups or [self._primary])}
+        namespace, identity = storage_namespace(spec.config, groups)
         if identity.get("seed_from_env") is False and str(identity.get("hash")).startswith(
                 "xxhash") and cfg.storage.backend != "none":
             log.warning("kvtier: vLLM hashes blocks with %s and PYTHONHASHSEED is not set, so "
@@ -329,12 +408,39 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     # -- keys
 
     def _hash(self, key: OffloadKey) -> bytes:
-        if get_offload_group_idx(key) != 0:
-            raise VllmAdapterError("kvtier serves one KV cache group (group 0)")
+        """kvtier's key of an offloaded block: vLLM's block hash (one group), or the group's
+        own key of it (several)."""
+        gid = get_offload_group_idx(key)
+        if self._keyed_groups:
+            group = self._groups.get(gid)
+            if group is None:
+                raise VllmAdapterError(f"vLLM asked about KV cache group {gid}, which it did "
+                                       f"not offload (groups {sorted(self._groups)})")
+            return group.key(bytes(get_offload_block_hash(key)))
+        if gid != self._single_group_id:
+            raise VllmAdapterError(
+                f"vLLM asked about KV cache group {gid}; it offloads group "
+                f"{self._single_group_id} only")
         return bytes(get_offload_block_hash(key))
 
     def _hashes(self, keys: Iterable[OffloadKey]) -> list[bytes]:
         return [self._hash(k) for k in keys]
+
+    @property
+    def groups(self) -> list[KVGroup]:
+        """The KV cache groups kvtier serves (empty: one group whose kind vLLM did not say)."""
+        return list(self._groups.values())
+
+    def _count(self, keys: Iterable[OffloadKey], what: str) -> None:
+        for k in keys:
+            counts = self.blocks_by_group.get(get_offload_group_idx(k))
+            if counts is not None:
+                counts[what] += 1
+
+    def storage_key(self, key: OffloadKey) -> bytes:
+        """The name of this block's page in storage (tests and tools find a group's pages
+        by it)."""
+        return self.cache.storage_key(self._hash(key))
 
     def _host_inodes(self) -> tuple[int, ...]:
         gen = self.cache.generation
@@ -355,9 +461,10 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         h = self._hash(key)
-        following = self._following(key, req_context)
-        self.cache.count_asked(req_context.req_id, 1 + len(following))
-        found = self.cache.lookup(h, req_context.req_id, following)
+        following, threshold = self._following(key, req_context)
+        self.cache.count_asked(req_context.req_id, lambda: self._asked_blocks(key, req_context))
+        found = self.cache.lookup(h, req_context.req_id, following,
+                                  threshold_tokens=threshold)
         if found is Lookup.HIT:
             return LookupResult.HIT
         if found is Lookup.PENDING:
@@ -366,16 +473,47 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             return LookupResult.RETRY
         return LookupResult.MISS
 
-    def _following(self, key: OffloadKey, req_context: ReqContext) -> list[bytes]:
-        """The request's hashes after `key`, in order (what a storage query should cover).
-        vLLM records each key's end position on the request context before it looks up."""
+    def _asked_blocks(self, key: OffloadKey, req_context: ReqContext) -> int:
+        """How many blocks of the request vLLM asks kvtier about, from `key` on (those past its
+        own device hits), in one group's count: kvtier's lookup tokens count each token once
+        whatever the number of KV cache groups."""
         positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
         at = positions.get(key)
         if at is None:
-            return []
-        later = sorted((p, k) for k, p in positions.items()
-                       if p > at and get_offload_group_idx(k) == 0)
-        return [bytes(get_offload_block_hash(k)) for _, k in later]
+            return 1
+        return 1 + sum(1 for k, p in positions.items()
+                       if p > at and get_offload_group_idx(k) == self._primary)
+
+    def _following(self, key: OffloadKey,
+                   req_context: ReqContext) -> tuple[Sequence[bytes], int | None]:
+        """What a storage query from `key` should cover, in the order storage counts held
+        blocks, and the prefetch threshold for it (None: the configured one). A prefix
+        (full-attention) group: the request's later blocks. A windowed group: the blocks
+        before `key` back to its window's length, nearest first (vLLM looks such a group up
+        backwards from the hit boundary and loads only the window), prefetched when the
+        prefix they end reaches the threshold. vLLM records each key's end position on the
+        request context before it looks up. The keys are worked out only when a query is
+        made (`_LazyKeys`): most lookups are answered from the host or an earlier answer, and
+        working them out for every lookup is quadratic in the prompt's blocks."""
+        positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
+        at = positions.get(key)
+        if at is None or self.cache.storage is None:
+            return (), None
+        gid = get_offload_group_idx(key)
+        group = self._groups.get(gid)
+        window = group.window_blocks if group is not None else None
+
+        def keys() -> list[bytes]:
+            mine = ((p, k) for k, p in positions.items() if get_offload_group_idx(k) == gid)
+            if window is None:
+                return self._hashes(k for _, k in sorted((p, k) for p, k in mine if p > at))
+            earlier = sorted(((p, k) for p, k in mine if p < at), reverse=True)
+            return self._hashes(k for _, k in earlier[:window - 1])
+
+        threshold = None
+        if window is not None and at >= self.cfg.storage.prefetch_threshold:
+            threshold = 0
+        return _LazyKeys(keys), threshold
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         """Where a block of this request's load came from. vLLM asks after `prepare_load`
@@ -390,12 +528,17 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
 
     def prepare_load(self, keys: Collection[OffloadKey],
                      req_context: ReqContext) -> LoadStoreSpec:
+        keys = list(keys)
         hashes = self._hashes(keys)
+        # every group loads a block for the same tokens: the hit counters count one group's
+        counted = ([get_offload_group_idx(k) == self._primary for k in keys]
+                   if self._keyed_groups else None)
         try:
             from_storage: list[bool] = []
-            ids = self.cache.prepare_load(hashes, from_storage)
+            spec = self._spec(self.cache.prepare_load(hashes, counted, from_storage))
             self._sources[req_context.req_id] = dict(zip(hashes, from_storage, strict=True))
-            return self._spec(ids)
+            self._count(keys, "loaded")
+            return spec
         except InvalidRequestError as e:
             # A block vLLM saw as a HIT is gone since (evicted for a prefetch that landed
             # meanwhile, or lost with a worker): a spec no worker accepts, so the load is
@@ -413,11 +556,16 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
-        plan = self.cache.prepare_store(self._hashes(keys))
+        hashes = self._hashes(keys)
+        plan = self.cache.prepare_store(hashes)
         if plan is None:
             return None
+        # kvtier's keys back to vLLM's (a group's key is not vLLM's block hash)
+        offload_key = dict(zip(hashes, keys, strict=True))
+        stored = [offload_key[h] for h in plan.keys]
+        self._count(stored, "stored")
         return PrepareStoreOutput(
-            keys_to_store=[make_offload_key(h, 0) for h in plan.keys],
+            keys_to_store=stored,
             store_spec=self._spec(plan.host_ids),
             evicted_keys=[])
 
@@ -486,22 +634,30 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         self.shape = shape
         self.rank = rank
         self.segment = host_segment_name(cfg.deployment_id, rank)
-        groups = kv_caches.group_data_refs
-        if len(groups) != 1:
-            raise VllmAdapterError(f"kvtier serves one KV cache group; got {len(groups)}")
-        refs = groups[0]
-        if len(refs) != shape.num_layers:
-            raise VllmAdapterError(
-                f"vLLM registered {len(refs)} KV layers, the spec was built for "
-                f"{shape.num_layers}")
-        self.layers: list[torch.Tensor] = []
-        for ref in refs:
-            t = kv_caches.tensors[ref.tensor_idx].tensor
-            if ref.page_size_bytes != shape.layer_bytes:
+        # groups[g][l]: vLLM's KV of layer l of group g (a host page holds one group's layers
+        # of one block, the group's layer l at layer slot l; groups may share vLLM tensors)
+        self.groups: list[list[torch.Tensor]] = []
+        for g, refs in enumerate(kv_caches.group_data_refs):
+            if not refs or len(refs) > shape.num_layers:
                 raise VllmAdapterError(
-                    f"a vLLM KV page holds {ref.page_size_bytes} bytes per layer, kvtier "
-                    f"expects {shape.layer_bytes}")
-            self.layers.append(t.view(torch.uint8)[:, : shape.layer_bytes])
+                    f"vLLM registered {len(refs)} KV layers in group {g}, the spec was built "
+                    f"for pages of at most {shape.num_layers}")
+            layers: list[torch.Tensor] = []
+            for ref in refs:
+                t = kv_caches.tensors[ref.tensor_idx].tensor
+                if ref.page_size_bytes != shape.layer_bytes:
+                    raise VllmAdapterError(
+                        f"a vLLM KV page holds {ref.page_size_bytes} bytes per layer "
+                        f"(group {g}), kvtier expects {shape.layer_bytes}")
+                layers.append(t.view(torch.uint8)[:, : shape.layer_bytes])
+            self.groups.append(layers)
+        if not self.groups:
+            raise VllmAdapterError("vLLM registered no KV cache group")
+        if len(self.groups) == 1 and len(self.groups[0]) != shape.num_layers:
+            raise VllmAdapterError(
+                f"vLLM registered {len(self.groups[0])} KV layers, the spec was built for "
+                f"{shape.num_layers}")
+        self.layers = self.groups[0]
         self.device = self.layers[0].device
         self._pool: HostPool | None = None
         self._host: torch.Tensor | None = None  # [num_host_blocks, num_layers, layer_bytes]
@@ -510,6 +666,7 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         self._jobs: list[tuple[int, Any, int, float]] = []
         self._done: list[TransferResult] = []
         self._load_errors: set[int] = set()
+        self._failed_load_jobs: set[int] = set()  # their job ids (several-group models)
         self._lock = threading.Lock()
 
     # -- the host pool
@@ -567,11 +724,22 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             if not store:
                 with self._lock:
                     self._load_errors.update(int(b) for b in dev_ids)
+                    self._failed_load_jobs.add(job_id)
             with self._lock:
                 self._done.append(TransferResult(job_id, True, 0, 0.0))
             return True
         if len(host_ids):
-            self._copy(host, dev_ids, host_ids, store=store)
+            sizes = list(getattr(dev_spec, "group_sizes", None) or [len(dev_ids)])
+            if len(sizes) != len(self.groups) or sum(sizes) != len(dev_ids):
+                raise VllmAdapterError(
+                    f"vLLM's transfer names {len(sizes)} groups of {sizes} blocks; kvtier "
+                    f"copies {len(self.groups)} groups of {len(dev_ids)} blocks")
+            at = 0
+            for layers, n in zip(self.groups, sizes, strict=True):
+                if n:
+                    self._copy(host, dev_ids[at:at + n], host_ids[at:at + n], layers,
+                               store=store)
+                at += n
         if self._stream is not None:
             event = torch.cuda.Event()
             event.record(self._stream)
@@ -583,8 +751,11 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
                     TransferResult(job_id, True, nbytes, time.perf_counter() - start))
         return True
 
-    def _copy(self, host: torch.Tensor | None, dev_ids: np.ndarray, host_ids: np.ndarray, *,
-              store: bool) -> None:
+    def _copy(self, host: torch.Tensor | None, dev_ids: np.ndarray, host_ids: np.ndarray,
+              layers: list[torch.Tensor], *, store: bool) -> None:
+        """Copy one group's blocks: its layer l to / from layer slot l of the host pages. A
+        store into a page with more layer slots than the group has zeroes the rest (a page
+        never carries bytes of a block it does not hold, into storage or elsewhere)."""
         assert host is not None
         dev = torch.from_numpy(dev_ids).to(self.device, non_blocking=True)
         hid = torch.from_numpy(np.ascontiguousarray(host_ids)).to(host.device,
@@ -594,11 +765,13 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
         with ctx:
             if self._stream is not None:  # the KV it reads or writes was made on the
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))  # main stream
-            for layer, kv in enumerate(self.layers):
+            for layer, kv in enumerate(layers):
                 if store:
                     host[:, layer].index_copy_(0, hid, kv.index_select(0, dev))
                 else:
                     kv.index_copy_(0, dev, host[:, layer].index_select(0, hid))
+            if store and len(layers) < host.shape[1]:
+                host[:, len(layers):].index_fill_(0, hid, 0)
 
     def get_finished(self) -> list[TransferResult]:
         with self._lock:
@@ -620,9 +793,17 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             e.synchronize()
 
     def take_load_errors(self) -> set[int]:
+        """vLLM block ids of the loads refused since the last call."""
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
             return errors
+
+    def take_failed_load_jobs(self) -> set[int]:
+        """Job ids of the loads refused since the last call (and their block ids dropped)."""
+        with self._lock:
+            jobs, self._failed_load_jobs = self._failed_load_jobs, set()
+            self._load_errors.clear()
+            return jobs
 
     def shutdown(self) -> None:
         if self._stream is not None:
@@ -644,7 +825,8 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
     def __init__(self, config: OffloadingConfig) -> None:
         defaults.route_kvtier_logs()
         super().__init__(config)
-        self.kvtier = kvtier_config(config, self.extra_config)
+        self.groups = kv_groups(config)
+        self.kvtier = kvtier_config(config, self.extra_config, self.groups)
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None
 
@@ -674,14 +856,53 @@ class KvtierConnector(OffloadingConnector):  # type: ignore[misc,unused-ignore]
         from vllm.config import set_current_vllm_config
 
         defaults.route_kvtier_logs()
-        with set_current_vllm_config(vllm_config), defaults.quiet_vllm_warnings():
-            super().__init__(vllm_config, role, kv_cache_config)
+        self._refused = 0  # refused loads not logged yet, and when they last were
+        self._refused_logged = -1e9
+        token = _KV_CACHE_CONFIG.set(kv_cache_config)
+        try:
+            with set_current_vllm_config(vllm_config), defaults.quiet_vllm_warnings():
+                super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            _KV_CACHE_CONFIG.reset(token)
+
+    def _kvtier_worker(self) -> KvtierOffloadingWorker | None:
+        worker = getattr(self.connector_worker, "worker", None)
+        return worker if isinstance(worker, KvtierOffloadingWorker) else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        worker = getattr(self.connector_worker, "worker", None)
-        if isinstance(worker, KvtierOffloadingWorker):
-            return worker.take_load_errors()
-        return set()
+        worker = self._kvtier_worker()
+        if worker is None or len(worker.groups) > 1:
+            return set()  # several groups: reported by request (get_transfer_results)
+        return worker.take_load_errors()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM's transfer results, plus the requests whose load kvtier refused when the model
+        has several KV cache groups: vLLM maps a failed block id back to requests only with
+        one group (a block id is unique only within its group) and stops with a RuntimeError
+        otherwise, so such failures are reported by request (`failed_recving`; vLLM then
+        recomputes the request's prompt)."""
+        worker = self._kvtier_worker()
+        several = worker is not None and len(worker.groups) > 1
+        # job id -> request of the loads in flight (vLLM's worker side forgets them as it
+        # reports them finished, below)
+        loads = dict(getattr(self.connector_worker, "_load_jobs", {})) if several else {}
+        results = super().get_transfer_results(finished_req_ids)
+        if several and worker is not None:
+            jobs = worker.take_failed_load_jobs()
+            if jobs - loads.keys():  # never serve a load that copied nothing: fail closed
+                raise VllmAdapterError(
+                    f"loads {sorted(jobs - loads.keys())} were refused and cannot be traced "
+                    "to their requests (this vLLM's offloading worker keeps no _load_jobs)")
+            failed = {loads[j] for j in jobs}
+            if failed:
+                self._refused += len(failed)
+                now = time.monotonic()
+                if now - self._refused_logged >= 10.0:  # at most one line per 10 s
+                    log.warning("kvtier: loads refused for %d request(s) since the last "
+                                "report; vLLM recomputes them", self._refused)
+                    self._refused, self._refused_logged = 0, now
+                results.failed_recving |= failed
+        return results
 
 
 def _register_spec() -> None:

@@ -66,9 +66,12 @@ class StorageHooks(Protocol):
         ...
 
     def query(self, req: RequestState, token_ids: Sequence[int] | None, start: int,
-              cap: int, on_answer: Callable[[], None] | None = None) -> int:
-        """Ask storage for blocks `start..cap` without waiting (`on_answer` runs when it is
-        answered, lock held); returns the task's seq."""
+              cap: int, on_answer: Callable[[int], None] | None = None,
+              threshold_tokens: int | None = None) -> int:
+        """Ask storage for blocks `start..cap` without waiting (`on_answer(found)` runs when
+        it is answered, lock held, with how many leading blocks storage holds; a prefetch
+        starts when the hit reaches `threshold_tokens`, default `storage.prefetch_threshold`);
+        returns the task's seq."""
         ...
 
     def backup(self, nodes: list[Node]) -> None:
