@@ -15,6 +15,9 @@ from pathlib import Path; import vllm_offload; vllm_offload.build_model(Path('$M
 fi
 CONFIG="${KVTIER_CONFIG:-/etc/kvtier/kvtier.toml}"
 [ -e "$CONFIG" ] || CONFIG=""
+# kvtier reads every KVTIER_<KEY> of the environment as a setting, and `config` is none:
+# KVTIER_CONFIG is this script's, the file goes to kvtier through the connector's config.
+unset KVTIER_CONFIG
 KV_TRANSFER_CONFIG=$(python3 -c "import json, sys; print(json.dumps({
     'kv_connector': 'KvtierConnector',
     'kv_connector_module_path': 'kvtier.integrations.vllm',

@@ -112,9 +112,16 @@ def ensure_debian_packages(packages: Sequence[str], timeout: float = 600) -> lis
         policy.chmod(0o755)
         placed = True
     try:
-        run([*_sudo(), "apt-get", "update", "-qq"], timeout, env=env)
-        run([*_sudo(), "apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
-            timeout, env=env)
+        for attempt in range(2):  # a mirror's hiccup gets one more try
+            try:
+                run([*_sudo(), "apt-get", "update", "-qq"], timeout, env=env)
+                run([*_sudo(), "apt-get", "install", "-y", "-qq", "--no-install-recommends",
+                     *missing], timeout, env=env)
+                break
+            except StepError:
+                if attempt == 1:
+                    raise
+                time.sleep(10)
     finally:
         if placed:
             policy.unlink(missing_ok=True)
@@ -384,7 +391,9 @@ def derived_compose(path: Path, peer_deployment: str = "vllm-peer") -> dict[str,
         if "ports" in svc:
             svc["ports"] = [free_port_spec(p) for p in svc["ports"]]
     vllm = services["vllm"]
+    # later arguments win: the entrypoint's --max-model-len 480 would not fit 12 x 32 tokens
     vllm["command"] = ["--num-gpu-blocks-override", str(VLLM_DEVICE_BLOCKS),
+                       "--max-model-len", str(VLLM_DEVICE_BLOCKS * 32 - 64),
                        "--enable-prompt-tokens-details", "--max-num-seqs", "4"]
     vllm["environment"]["VLLM_CPU_KVCACHE_SPACE"] = "1"
     peer = copy.deepcopy(vllm)
@@ -415,7 +424,7 @@ class ComposeProject:
 
     def __call__(self, *args: str, timeout: float = 300, check: bool = True
                  ) -> subprocess.CompletedProcess[str]:
-        return run(["docker-compose", "--no-ansi", "-p", self.name, "-f", str(self.file),
+        return run(["docker-compose", "--ansi", "never", "-p", self.name, "-f", str(self.file),
                     "--project-directory", str(REPO), *args], timeout, env=self.env,
                    check=check)
 

@@ -163,14 +163,17 @@ def complete(s: Stack, which: str, prompt: list[int]) -> dict[str, Any]:
     greedy, 4 tokens; returns the response with the cached token count lifted out."""
     body = {"model": s.model, "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
 
-    def ask() -> dict[str, Any]:
-        r = httpx.post(f"{s.url(which)}/v1/completions", json=body, timeout=120)
-        r.raise_for_status()
-        return dict(r.json())
-
-    # one retry: a request that meets vLLM busy on two cores may time out once
-    answer = wait_for(ask, 300, f"completion from {which}", lambda: s.explain("vllm"),
-                      interval=2.0)
+    # a request that meets vLLM busy on two cores may time out: retried twice, not more;
+    # an HTTP error is an answer and fails at once
+    for attempt in range(3):
+        try:
+            r = httpx.post(f"{s.url(which)}/v1/completions", json=body, timeout=120)
+            break
+        except httpx.TransportError:
+            if attempt == 2:
+                raise
+    assert r.status_code == 200, f"{which}: {r.status_code} {r.text[:500]}"
+    answer = dict(r.json())
     details = answer["usage"].get("prompt_tokens_details") or {}
     answer["cached_tokens"] = int(details.get("cached_tokens") or 0)
     return dict(answer)
