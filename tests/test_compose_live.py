@@ -16,7 +16,6 @@ Stage times go to .kvtier/compose-live-timings.json (and are printed with -s).
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import secrets
@@ -457,5 +456,3 @@ def test_killed_kvtier_comes_back_and_vllm_keeps_answering(stack: Stack):
 def test_down_with_volumes_leaves_nothing_of_the_project(stack: Stack):
     stack.project.down()
     assert stack.project.leftovers() == {"containers": [], "volumes": [], "networks": []}
-    assert os.environ.get("DOCKER_HOST") != stack.engine.env.get("DOCKER_HOST") \
-        or not stack.engine.started
