@@ -379,8 +379,11 @@ def test_prometheus_scrapes_every_job_and_sees_the_traffic(stack: Stack):
         return set(targets) == {"kvtier", "kvtier-vllm", "vllm"} and all(
             t["health"] == "up" for t in targets.values())
 
-    wait_for(all_up, 90, "Prometheus: jobs kvtier, kvtier-vllm and vllm up",
-             lambda: json.dumps(_targets(stack), indent=1)[-3000:])
+    def health() -> str:
+        return json.dumps({job: [t["health"], t["scrapeUrl"], t["lastError"]]
+                           for job, t in _targets(stack).items()}, indent=1)
+
+    wait_for(all_up, 90, "Prometheus: jobs kvtier, kvtier-vllm and vllm up", health)
     # the hits of the traffic above, as scraped (a scrape every 5 s)
     wait_for(lambda: any(float(r["value"][1]) > 0 for r in prom_query(
         stack, 'kvtier_hit_tokens_total{job="kvtier-vllm",tier=~"host|storage"}')),
