@@ -388,8 +388,11 @@ def test_prometheus_scrapes_every_job_and_sees_the_traffic(stack: Stack):
     wait_for(lambda: any(float(r["value"][1]) > 0 for r in prom_query(
         stack, 'kvtier_hit_tokens_total{job="kvtier-vllm",tier=~"host|storage"}')),
         60, "kvtier's host/storage hit tokens > 0 in Prometheus")
-    before = {r["metric"]["tier"]: float(r["value"][1]) for r in prom_query(
-        stack, 'kvtier_lookup_tokens_total{job="kvtier-vllm"}')}
+    def lookups() -> float:
+        return sum(float(r["value"][1]) for r in prom_query(
+            stack, 'kvtier_lookup_tokens_total{job="kvtier-vllm"}'))
+
+    before = lookups()
     queries = prom_query(stack, '{job="vllm",__name__=~"vllm:prefix_cache_queries(_total)?"}')
     assert queries, "vLLM's prefix-cache series are missing in Prometheus"
     queried = max(float(r["value"][1]) for r in queries)
@@ -397,9 +400,7 @@ def test_prometheus_scrapes_every_job_and_sees_the_traffic(stack: Stack):
     wait_for(lambda: max(float(r["value"][1]) for r in prom_query(
         stack, '{job="vllm",__name__=~"vllm:prefix_cache_queries(_total)?"}')) > queried,
         60, "vLLM's prefix-cache queries grow in Prometheus")
-    wait_for(lambda: sum(float(r["value"][1]) for r in prom_query(
-        stack, 'kvtier_lookup_tokens_total{job="kvtier-vllm"}')) > sum(before.values()),
-        60, "kvtier's lookup tokens grow in Prometheus")
+    wait_for(lambda: lookups() > before, 60, "kvtier's lookup tokens grow in Prometheus")
 
 
 def test_every_dashboard_query_returns_data(stack: Stack):
