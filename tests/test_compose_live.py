@@ -388,11 +388,11 @@ def test_prometheus_scrapes_every_job_and_sees_the_traffic(stack: Stack):
     wait_for(lambda: any(float(r["value"][1]) > 0 for r in prom_query(
         stack, 'kvtier_hit_tokens_total{job="kvtier-vllm",tier=~"host|storage"}')),
         60, "kvtier's host/storage hit tokens > 0 in Prometheus")
-    def lookups() -> float:
+    def backed_up() -> float:  # a new prompt's full blocks are written through to Redis
         return sum(float(r["value"][1]) for r in prom_query(
-            stack, 'kvtier_lookup_tokens_total{job="kvtier-vllm"}'))
+            stack, 'kvtier_storage_backup_pages_total{job="kvtier-vllm"}'))
 
-    before = lookups()
+    before = backed_up()
     queries = prom_query(stack, '{job="vllm",__name__=~"vllm:prefix_cache_queries(_total)?"}')
     assert queries, "vLLM's prefix-cache series are missing in Prometheus"
     queried = max(float(r["value"][1]) for r in queries)
@@ -400,7 +400,7 @@ def test_prometheus_scrapes_every_job_and_sees_the_traffic(stack: Stack):
     wait_for(lambda: max(float(r["value"][1]) for r in prom_query(
         stack, '{job="vllm",__name__=~"vllm:prefix_cache_queries(_total)?"}')) > queried,
         60, "vLLM's prefix-cache queries grow in Prometheus")
-    wait_for(lambda: lookups() > before, 60, "kvtier's lookup tokens grow in Prometheus")
+    wait_for(lambda: backed_up() > before, 60, "kvtier's backed-up pages grow in Prometheus")
 
 
 def test_every_dashboard_query_returns_data(stack: Stack):
