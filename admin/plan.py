@@ -19,17 +19,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.admin.inputs import add_source_arguments, requests_from_args
 from kvtier.manager.config import ConfigError, load_config, page_bytes
-from kvtier.manager.workloads import WORKLOADS, TraceError, WorkRequest, chat_requests, read_trace
+from kvtier.manager.workloads import TraceError
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--trace", metavar="FILE",
-                     help="a Mooncake-format trace (JSON lines: timestamp, input_length, "
-                          "output_length, hash_ids)")
-    src.add_argument("--workload", metavar="NAME", choices=WORKLOADS,
-                     help=f"a built-in workload ({', '.join(WORKLOADS)}; the default)")
+    add_source_arguments(p)
     p.add_argument("--limit", type=int, metavar="N", help="plan for the first N requests only")
     p.add_argument("--config", metavar="FILE",
                    help="TOML configuration (block size, KV shape, tier sizes, write policy)")
@@ -38,14 +34,6 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PNG", help="write the hit-rate curves as a PNG")
     p.add_argument("--points", type=int, default=80, metavar="N",
                    help="points per curve (at least 50; default 80)")
-
-
-def _requests(args: argparse.Namespace) -> list[WorkRequest]:
-    if args.limit is not None and args.limit < 0:
-        raise TraceError(f"--limit must be >= 0, got {args.limit}")
-    if args.trace:
-        return list(read_trace(args.trace, args.limit))
-    return chat_requests(args.limit)
 
 
 def run_plan_command(args: argparse.Namespace) -> int:
@@ -58,7 +46,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
             raise ConfigError(f"--points must be >= 50, got {args.points}")
         # Planning sizes pools for the machine that will run them, not this one.
         cfg = load_config(args.config, check_resources=False)
-        requests = _requests(args)
+        requests = requests_from_args(args)
     except (ConfigError, TraceError) as e:
         print(f"kvtier plan: {e}", file=sys.stderr)
         return 2

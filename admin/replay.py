@@ -16,17 +16,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtier.admin.inputs import add_source_arguments, requests_from_args
 from kvtier.manager.config import ConfigError, check_storage_reachable, load_config, summary
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.replay import ProgressCallback, ReplayReport, replay
 from kvtier.manager.stack import Stack
 from kvtier.manager.workloads import (
-    WORKLOADS,
     TraceError,
-    WorkRequest,
-    chat_requests,
     check_requests_fit,
-    read_trace,
 )
 
 if TYPE_CHECKING:
@@ -34,12 +31,7 @@ if TYPE_CHECKING:
 
 
 def add_replay_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--trace", metavar="FILE",
-                     help="a Mooncake-format trace (JSON lines: timestamp, input_length, "
-                          "output_length, hash_ids)")
-    src.add_argument("--workload", metavar="NAME", choices=WORKLOADS,
-                     help=f"a built-in workload ({', '.join(WORKLOADS)}; the default)")
+    add_source_arguments(p)
     p.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
     p.add_argument("--verify", action="store_true",
                    help="fill computed blocks with key-derived bytes and check every hit "
@@ -49,14 +41,6 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PNG", help="write the cumulative hit rate per tier")
     p.add_argument("--lookahead", type=int, default=4, metavar="N",
                    help="requests ahead to prefetch from storage (default 4)")
-
-
-def _requests(args: argparse.Namespace) -> list[WorkRequest]:
-    if args.limit is not None and args.limit < 0:
-        raise TraceError(f"--limit must be >= 0, got {args.limit}")
-    if args.trace:
-        return list(read_trace(args.trace, args.limit))
-    return chat_requests(args.limit)
 
 
 def _progress_printer(enabled: bool) -> tuple[Progress | None, ProgressCallback | None]:
@@ -146,7 +130,7 @@ def _run_replay_command(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
         check_storage_reachable(cfg)
-        requests = _requests(args)
+        requests = requests_from_args(args)
         check_requests_fit(requests, cfg.cache.block_size, cfg.cache.device_blocks, args.trace)
     except (ConfigError, TraceError) as e:
         print(f"kvtier replay: {e}", file=sys.stderr)
