@@ -38,9 +38,9 @@ fi
 if ! "$PY" -m pip install -q --no-deps --no-build-isolation --target "$SITE" .; then
   # no build backend usable offline: map the three folders into the namespace by hand,
   # exactly as pyproject.toml's package-dir does
-  log "pip could not build kvtier; linking manager/, worker/, admin/, integrations/ as kvtier.*"
+  log "pip could not build kvtier; linking manager/, worker/, admin/, engine/, integrations/ as kvtier.*"
   mkdir -p "$SITE/kvtier"
-  for p in manager worker admin integrations; do ln -sfn "$PWD/$p" "$SITE/kvtier/$p"; done
+  for p in manager worker admin engine integrations; do ln -sfn "$PWD/$p" "$SITE/kvtier/$p"; done
 fi
 "$PY" - <<'EOF' || exit 2
 import sys, torch

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("manager", "worker", "admin", "integrations")  # kvtier.<name>
+PACKAGES = ("manager", "worker", "admin", "engine", "integrations")  # kvtier.<name>
 CORE = ROOT / "manager" / "core"
 
 
