@@ -119,6 +119,15 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
             d, h = ids()
             engine.d2h(d, h)
 
+        # CUDA only: GPU-side marks of each load, in ms from an event recorded on the compute
+        # stream just before the call (the copy stream waits on it): layer 0's copies done, a
+        # kernel on the compute stream that waited for layer 0 (a GPU-side wait, enqueued from
+        # the layer callback while the load is still being enqueued), the whole load done; and
+        # the host time that wait + launch took.
+        marks: list[dict[str, float]] = []
+        probe = torch.zeros(1024, device=dev.device)
+        last_layer = shape.total_layers - 1
+
         def engine_h2d() -> None:
             d, h = ids()
             t0 = time.perf_counter()
@@ -127,7 +136,36 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
                 if layer == 0:
                     layer0.append(time.perf_counter() - t0)
 
-            engine.h2d(h, d, on_layer)
+            if not cuda:
+                engine.h2d(h, d, on_layer)
+                return
+            compute = torch.cuda.current_stream(dev.device)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(compute)
+            events: dict[str, torch.cuda.Event] = {}
+            host_us: list[float] = []
+
+            def enqueued(layer: int, stream: torch.cuda.Stream) -> None:
+                if layer not in (0, last_layer):
+                    return
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record(stream)
+                if layer == last_layer:
+                    events["end"] = ev
+                if layer == 0:
+                    t = time.perf_counter()
+                    compute.wait_event(ev)  # no host sync: the GPU holds the kernel back
+                    probe.add_(1)
+                    done = torch.cuda.Event(enable_timing=True)
+                    done.record(compute)
+                    host_us.append((time.perf_counter() - t) * 1e6)
+                    events["layer0"], events["compute"] = ev, done
+
+            engine.h2d(h, d, on_layer, enqueued)
+            events["end"].synchronize()
+            events["compute"].synchronize()
+            marks.append({k: start.elapsed_time(e) for k, e in events.items()}
+                         | {"wait_host_us": host_us[0]})
 
         def contig_d2h() -> None:
             a, b = offset()
@@ -150,6 +188,7 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
         for fn in ops.values():  # warm-up: staging buffers, thread pools, first-touch
             fn()
         layer0.clear()
+        marks.clear()
         order = list(ops)
         for rep in range(args.reps):
             for key in order if rep % 2 == 0 else reversed(order):
@@ -179,6 +218,21 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
                 per_layer = statistics.median(times["h2d"]) / shape.num_layers
                 row["layer0_ms"] = round(statistics.median(layer0) * 1e3, 3)
                 row["layer0_in_layer_times"] = round(statistics.median(layer0) / per_layer, 2)
+                if marks:
+                    # The same in the GPU's own time: from the compute stream's mark to layer
+                    # 0's event, in units of (the whole load on the GPU) / layers.
+                    gpu_layer = statistics.median(m["end"] for m in marks) / shape.num_layers
+                    gpu0 = statistics.median(m["layer0"] for m in marks)
+                    row["layer0_gpu_ms"] = round(gpu0, 3)
+                    row["layer0_gpu_in_layer_times"] = round(gpu0 / gpu_layer, 2)
+                    # The compute stream's kernel ran after layer 0 and before the load
+                    # ended, with no host wait (its enqueue cost `wait_host_us`).
+                    row["compute_waited_on_gpu"] = all(
+                        m["layer0"] <= m["compute"] < m["end"] for m in marks)
+                    for key, name, digits in (("compute", "compute_done_ms", 3),
+                                              ("end", "load_done_ms", 3),
+                                              ("wait_host_us", "wait_host_us", 1)):
+                        row[name] = round(statistics.median(m[key] for m in marks), digits)
             results.append(row)
     return results
 
@@ -228,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         staged_col = f"{r['staged_gbps']:>11.2f}" if "staged_gbps" in r else f"{'-':>11}"
         l0 = f"{r['layer0_in_layer_times']:>20.2f}" if "layer0_ms" in r else f"{'-':>20}"
+        if "layer0_gpu_in_layer_times" in r:  # CUDA: the same on the GPU's clock, and overlap
+            l0 += (f"  gpu {r['layer0_gpu_in_layer_times']:.2f}, compute waited on GPU: "
+                   f"{r['compute_waited_on_gpu']} ({r['wait_host_us']} us on the host)")
         print(f"{r['block_kib']:>9} {r['blocks']:>6} {r['direction']:>4} {r['path']:>9} "
               f"{r['gbps']:>7.2f} {r['contiguous_gbps']:>11.2f} "
               f"{r['ratio_vs_contiguous']:>19.3f} {staged_col} {l0}")

@@ -291,6 +291,7 @@ class CopyEngine:
                 if alias is not None:
                     alias_pages = alias.view(host_pool.num_blocks, -1)
                     self._host_dev = page_kv_view(alias_pages, shape, self.wide)
+        self._zc_layers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.cuda_path: str = "zero_copy" if self._host_dev is not None else (
             "staged" if self._cuda else "cpu")
         self.bytes_d2h = 0
@@ -440,10 +441,12 @@ class CopyEngine:
         `on_layer_done(layer)` as soon as each layer is complete (in layer order, the extra
         layers after the model's; also for an empty task, so nobody waits on a layer that
         will never come). With scales, every layer's scales are in place before layer 0 is
-        reported. On CUDA with an engine's planes, `on_layer_enqueued(layer, stream)` runs
-        right after each layer's copies are enqueued on the copy stream (the engine's
-        inter-process layer events are recorded there:
-        `kvtier.worker.engine_pool.WorkerLayerEvents`); elsewhere it is not called."""
+        reported. On CUDA (an engine's planes, or kvtier's own pool through the zero-copy
+        path), `on_layer_enqueued(layer, stream)` runs right after each layer's copies are
+        enqueued on the copy stream, so a consumer can record an event there and make its
+        compute stream wait on it without a host sync (the engine's inter-process layer
+        events: `kvtier.worker.engine_pool.WorkerLayerEvents`; bench/transfer.py's overlap
+        figures); on the CPU and the staged path it is not called."""
         src, dst = self._pairs("h2d", host_ids, dev_ids, "host")
         done = on_layer_done if on_layer_done is not None else _ignore_layer
         with self.gate.load():
@@ -460,7 +463,7 @@ class CopyEngine:
             self.bytes_h2d += int(src.numel()) * self.shape.page_bytes
             return
         if self._host_dev is not None:
-            self._h2d_zero_copy(src, dst, done)
+            self._h2d_zero_copy(src, dst, done, on_layer_enqueued)
             self.bytes_h2d += int(src.numel()) * self.shape.page_bytes
             return
         unit = self.shape.layer_bytes
@@ -536,35 +539,50 @@ class CopyEngine:
         n = int(src.numel())
         c = max(1, ZERO_COPY_CHUNK_BYTES // self.shape.page_bytes)
         with torch.cuda.stream(stream):
-            s_all, d_all = src.to(dev.device), dst.to(dev.device)
+            s_all, d_all = _ids_on(dev.device, src, dst)
             for i in range(0, n, c):
                 part = torch.index_select(dev, 2, s_all[i : i + c])  # [L, 2, k, row]
                 host.index_copy_(0, d_all[i : i + c], part.permute(2, 0, 1, 3))
         stream.synchronize()
 
     def _h2d_zero_copy(
-        self, src: torch.Tensor, dst: torch.Tensor, done: Callable[[int], None]
+        self, src: torch.Tensor, dst: torch.Tensor, done: Callable[[int], None],
+        enqueued: Callable[[int, torch.cuda.Stream], None] | None = None,
     ) -> None:
         """Per layer: gather the layer's rows of the pages over the bus, scatter them into
-        the device pool, record an event; callbacks fire as events complete, in order."""
-        dev, host = self._dev_w, self._host_dev
-        assert host is not None
+        the device pool, record an event; callbacks fire as events complete, in order.
+
+        The host side of a layer is two kernel launches and an event: the per-layer views
+        are made once (`_zero_copy_layers`) and a load that fits one chunk is not sliced, so
+        small loads are not bound by Python between layers (H200, 16 KiB x 64 blocks: the
+        GPU copies a layer in ~20 us, about what one launch costs in eager PyTorch)."""
+        assert self._host_dev is not None
+        dev_layers, host_layers = self._zero_copy_layers()
         stream = self._h2d_stream
         n = int(src.numel())
         c = max(1, ZERO_COPY_CHUNK_BYTES // self.shape.layer_bytes)
-        layers = _LayerEvents(done)
-        stream.wait_stream(torch.cuda.current_stream(dev.device))  # readers of old content
+        layers = _LayerEvents(done, enqueued)
+        stream.wait_stream(torch.cuda.current_stream(self._dev_w.device))  # readers of old content
         with torch.cuda.stream(stream):
-            s_all, d_all = src.to(dev.device), dst.to(dev.device)
-            for layer in range(self.shape.total_layers):
-                dev_l, host_l = dev[layer], host[:, layer]  # [2, blocks, row], [pages, 2, row]
-                for i in range(0, n, c):
-                    rows = torch.index_select(host_l, 0, s_all[i : i + c])
-                    dev_l.index_copy_(1, d_all[i : i + c], rows.transpose(0, 1))
+            s_all, d_all = _ids_on(self._dev_w.device, src, dst)
+            chunks = [(s_all, d_all)] if n <= c else [
+                (s_all[i : i + c], d_all[i : i + c]) for i in range(0, n, c)]
+            for layer, (dev_l, host_l) in enumerate(zip(dev_layers, host_layers, strict=True)):
+                for s_ids, d_ids in chunks:  # [pages, 2, row] -> [2, blocks, row]
+                    dev_l.index_copy_(1, d_ids, torch.index_select(host_l, 0, s_ids)
+                                      .transpose(0, 1))
                 layers.recorded(layer, stream)
                 if self.layer_delay_s:
                     time.sleep(self.layer_delay_s)
         layers.finish()
+
+    def _zero_copy_layers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer views of the device pool `[2, blocks, row]` and of the mapped host pool
+        `[pages, 2, row]`, made on first use (views only: no memory)."""
+        if self._zc_layers is None:
+            assert self._host_dev is not None
+            self._zc_layers = (list(self._dev_w.unbind(0)), list(self._host_dev.unbind(1)))
+        return self._zc_layers
 
 
 class _PlaneCopier:
@@ -778,6 +796,14 @@ class _LayerEvents:
             layer, event = self.pending.popleft()
             event.synchronize()
             self.done(layer)
+
+
+def _ids_on(device: torch.device, *ids: torch.Tensor) -> list[torch.Tensor]:
+    """Block ids (CPU int64) on `device`, enqueued on the current stream without blocking the
+    host: staged through pinned memory from PyTorch's caching host allocator (which keeps a
+    buffer until the copies reading it are done). A pageable `.to(device)` is a synchronous
+    copy, a host stall of tens of microseconds per call before the first kernel is enqueued."""
+    return [t.pin_memory().to(device, non_blocking=True) for t in ids]
 
 
 def _ignore_layer(layer: int) -> None:
