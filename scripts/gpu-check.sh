@@ -19,6 +19,10 @@ mkdir -p "$OUT_DIR" "$SITE"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 log() { printf '== %s\n' "$*" >&2; }
 
+# redis-server bundled by scripts/gpu-wheels.sh (the GPU image has none)
+if [ -n "${KVTIER_WHEELS:-}" ] && [ -x "$KVTIER_WHEELS/redis/bin/redis-server" ]; then
+  PATH="$(cd "$KVTIER_WHEELS/redis/bin" && pwd):$PATH"; export PATH
+fi
 log "install into $SITE"
 if [ -n "${KVTIER_WHEELS:-}" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$KVTIER_WHEELS"/*.whl \
@@ -75,19 +79,22 @@ if ! "$PY" bench/transfer.py --device cuda --json --max-working-set-gib 12 \
   status=1; tail -n 20 "$OUT_DIR/transfer.log"
 fi
 
-"$PY" - "$OUT_DIR" "$status" <<'EOF'
+have_redis=0; command -v redis-server >/dev/null && have_redis=1
+"$PY" - "$OUT_DIR" "$status" "$have_redis" <<'EOF'
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 import torch
-out, status = Path(sys.argv[1]), int(sys.argv[2])
+out, status, have_redis = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 summary = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "cuda": torch.version.cuda, "passed": status == 0, "steps": {},
            # what this script does not check, so a green summary is not read as more
+           "redis_server": have_redis,
            "not_covered": ["several GPUs (ranks on distinct devices): one GPU here",
-                           "Redis-backed storage where redis-server is not installed",
                            # tests/vllm_worker_check.py imports vLLM: a CUDA build of vLLM is
                            # not on the lent machines' image and is over what travels there
-                           "the vLLM adapter's CUDA copy path (needs a CUDA build of vLLM)"]}
+                           "the vLLM adapter's CUDA copy path (needs a CUDA build of vLLM)"]
+                          + ([] if have_redis else
+                             ["Redis-backed storage: no redis-server on this machine"])}
 for name in ("cuda", "workers_on_cuda"):
     try:
         suite = ET.parse(out / f"{name}.xml").getroot().find("testsuite")
