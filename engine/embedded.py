@@ -1,68 +1,63 @@
 """Embedded mode: kvtier's whole stack inside one engine instance (no node service).
 
-`EmbeddedCache` starts what an engine instance needs when it runs kvtier itself: a sweep of
-what dead deployments of the same id pattern left (kill -9 of everything), a `Stack` (manager
-plus one kvtier worker process per rank, each owning its rank's host pool segment), a watcher
-outside the engine's process tree (vLLM ends its tree with SIGKILL on Ctrl-C and SIGTERM), and
-kvtier's admin REST with its Prometheus metrics on a thread. The adapter calls the stack's
-key-addressed surface (`cache`, a `KeyedHostCache`), and reads here what lies outside it: each
-rank's host segment (name and inode, read once per generation: a worker lost and replaced is a
-new generation, with a new segment), whether a block came from storage, and the engine's own
-reset of the host tier.
+`EmbeddedDeployment` starts what an engine instance needs when it runs kvtier itself: a sweep
+of what dead deployments of the same id pattern left (kill -9 of everything), a `Stack`
+(manager plus one kvtier worker process per rank, each owning its rank's host pool segment),
+a watcher outside the engine's process tree (vLLM ends its tree with SIGKILL on Ctrl-C and
+SIGTERM), and kvtier's admin REST with its Prometheus metrics on a thread. The adapter calls
+its `cache` (`EmbeddedCache`, the embedded home of `kvtier.engine.cache_api.EngineCache`).
+
+    start: sweep dead ids -> Stack.start -> watcher -> admin (its URL written if asked)
+    close: admin stop -> stack close (workers stopped, segments unlinked) -> token folder
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
+from kvtier.engine.embedded_cache import EmbeddedCache
 from kvtier.manager import janitor
 from kvtier.manager.config import KvtierConfig
-from kvtier.manager.core.nodes import FROM_STORAGE
-from kvtier.manager.keyed import KeyedHostCache, Lookup, StorePlan, engine_key
 from kvtier.manager.stack import Stack
-from kvtier.worker.errors import KvtierError
-from kvtier.worker.spec import host_segment_name
 
-# the key-addressed surface's answers, for the adapter (which imports kvtier.engine only)
-__all__ = ["EmbeddedCache", "KvtierConfig", "Lookup", "StorePlan"]
+__all__ = ["EmbeddedDeployment", "KvtierConfig"]
 
 log = logging.getLogger("kvtier.engine")
 
 
-class EmbeddedCache:
+class EmbeddedDeployment:
     """One engine instance's own kvtier: the stack, its watcher and its admin server.
 
     Data structures: `stack` (tree, host LRU, storage tier, worker processes); `cache`, its
-    key-addressed surface; `_segments`, (generation, each rank's (segment name, inode)).
-    Invariant: `host_segments()` names the segments of the current generation only."""
+    `EngineCache`; `admin`, the admin server (or None) and `token_file`, a token generated
+    for this run. Invariant: everything started is stopped by `close` (idempotent), and a
+    failed start stops what it started."""
 
     def __init__(self, cfg: KvtierConfig, namespace: bytes, *, sweep_pattern: str = "",
                  admin: bool = True, admin_url_file: str = "") -> None:
         self.cfg = cfg
+        self._sweep_pattern = sweep_pattern
         if sweep_pattern:
             for dead, names in janitor.sweep_dead(sweep_pattern,
                                                   keep=cfg.deployment_id).items():
                 log.info("kvtier: removed %d names of dead deployment %s: %s", len(names),
                          dead, " ".join(names))
-        self._sweep_pattern = sweep_pattern
         self.stack = Stack(cfg, keyed_namespace=namespace).start()
+        self.admin: Any = None
+        self.admin_url = ""
+        self.token_file: Path | None = None
+        self._closed = False
         try:
             janitor.spawn_watcher(cfg.deployment_id)
         except (OSError, subprocess.SubprocessError) as e:
             log.warning("kvtier: no watcher for deployment %s (%s): if the engine is killed, "
                         "the next start removes its names", cfg.deployment_id, e)
-        self.cache: KeyedHostCache = self.stack.require_keyed()
-        self._segments: tuple[int, tuple[tuple[str, int], ...]] | None = None
-        self.admin: Any = None
-        self.admin_url = ""
-        self.token_file: Path | None = None  # a token generated for this run
-        self._closed = False
+        self.cache = EmbeddedCache(self.stack)
         try:
             if admin:
                 self._start_admin(admin_url_file)
@@ -89,30 +84,8 @@ class EmbeddedCache:
 
     @property
     def page_bytes(self) -> int:
+        """Bytes of one block on one rank."""
         return self.stack.page_bytes
-
-    def host_segments(self) -> tuple[tuple[str, int], ...]:
-        """Each rank's host pool segment (name, inode) of the current generation."""
-        gen = self.cache.generation
-        if self._segments is None or self._segments[0] != gen:
-            names = [host_segment_name(self.cfg.deployment_id, r)
-                     for r in range(self.cfg.workers.count)]
-            self._segments = (gen, tuple((n, os.stat("/dev/shm" + n).st_ino) for n in names))
-        return self._segments[1]
-
-    def came_from_storage(self, block_hash: bytes) -> bool:
-        """Whether this block's host copy came from storage and was not loaded since."""
-        node = self.stack.require_manager().lookup(engine_key(block_hash))
-        return node is not None and bool(node.flags & FROM_STORAGE)
-
-    def reset_host(self) -> None:
-        """Empty the host tier (storage is kept); logged, not raised, when transfers do not
-        drain in time (the host tier then stays as it was)."""
-        try:
-            self.stack.reset()
-        except KvtierError as e:
-            log.warning("kvtier: the engine's cache reset could not empty kvtier's host "
-                        "tier: %s", e)
 
     def close(self) -> None:
         if self._closed:
@@ -120,7 +93,7 @@ class EmbeddedCache:
         self._closed = True
         if self.admin is not None:
             self.admin.stop()
-        self.stack.close()
+        self.cache.close()
         if self.token_file is not None and self._sweep_pattern and re.fullmatch(
                 self._sweep_pattern, self.cfg.deployment_id):
             # the id is this run's only: its token folder would never be read again

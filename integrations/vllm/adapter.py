@@ -7,10 +7,11 @@ between vLLM's KV tensors and the offloaded medium. `KvtierOffloadingSpec` provi
 
 * scheduler side (`KvtierOffloadingManager`): vLLM's block hashes translated to kvtier's
   key-addressed surface (lookups, prepared and completed loads and stores, touches) of an
-  `EmbeddedCache` (`kvtier.engine.embedded`: a kvtier `Stack` of manager plus worker processes,
-  one per rank, each owning its rank's host pool in shared memory and doing every storage read
-  and write; the policies, prefetch and backup to storage; kvtier's admin REST with its
-  Prometheus metrics on a thread);
+  `EngineCache` (`kvtier.engine.cache_api`). Embedded (the default): `EmbeddedDeployment`
+  (`kvtier.engine.embedded`), a kvtier `Stack` of manager plus worker processes, one per rank,
+  each owning its rank's host pool in shared memory and doing every storage read and write;
+  the policies, prefetch and backup to storage; kvtier's admin REST with its Prometheus
+  metrics on a thread;
 * worker side (`KvtierOffloadingWorker`, in vLLM's worker process, where its KV is reachable):
   vLLM's KV tensors registered as per-group layer views and handed to kvtier's host-pool copier
   (`kvtier.engine.host_copier`), which maps the host pool segment each transfer names and copies
@@ -59,9 +60,10 @@ from typing import Any, overload
 
 import numpy as np
 import torch
+from kvtier.engine.cache_api import EngineCache, InvalidRequestError, Lookup
 from kvtier.engine.defaults import apply_defaults
-from kvtier.engine.embedded import EmbeddedCache, KvtierConfig, Lookup
-from kvtier.engine.errors import InvalidRequestError
+from kvtier.engine.embedded import EmbeddedDeployment, KvtierConfig
+from kvtier.engine.errors import KvtierError
 from kvtier.engine.geometry import ITEMSIZE, KVGeometry, engine_config, kv_shape
 from kvtier.engine.host_copier import HostCopier
 from kvtier.integrations.vllm import defaults
@@ -320,13 +322,12 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self.cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
             update={"name": namespace})})
         extra = spec.extra_config
-        self.node = EmbeddedCache(self.cfg, namespace.encode(),
-                                  sweep_pattern=defaults.DEPLOYMENT_PATTERN,
-                                  admin=bool(extra.get("admin", True)),
-                                  admin_url_file=str(extra.get("admin_url_file") or ""))
-        self.cache = self.node.cache
+        self.node = EmbeddedDeployment(self.cfg, namespace.encode(),
+                                       sweep_pattern=defaults.DEPLOYMENT_PATTERN,
+                                       admin=bool(extra.get("admin", True)),
+                                       admin_url_file=str(extra.get("admin_url_file") or ""))
+        self.cache: EngineCache = self.node.cache
         self.admin_url = self.node.admin_url
-        self._abandoned: list[list[Any]] = []  # [steps left, nodes] per vLLM reset
         # req id -> block hash -> whether its last load was its first hit from storage
         self._sources: dict[str, dict[bytes, bool]] = {}
         self._closed = False
@@ -379,8 +380,13 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         by it)."""
         return self.cache.storage_key(self._hash(key))
 
-    def _spec(self, ids: list[int]) -> KvtierLoadStoreSpec:
-        return KvtierLoadStoreSpec(ids, self.node.host_segments() if ids else ())
+    def _segments(self, generation: int) -> tuple[tuple[str, int], ...] | None:
+        """Each rank's host segment (name, inode) if they still belong to `generation` (the
+        one a plan was made under), else None: the plan's host block ids are void."""
+        pools = self.cache.host_pools()
+        if pools is None or pools.generation != generation:
+            return None
+        return tuple((seg.name, seg.inode) for seg in pools.segments)
 
     # -- OffloadingManager
 
@@ -425,7 +431,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         working them out for every lookup is quadratic in the prompt's blocks."""
         positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
         at = positions.get(key)
-        if at is None or self.cache.storage is None:
+        if at is None or not self.cache.wants_following:
             return (), None
         gid = get_offload_group_idx(key)
         group = self._groups.get(gid)
@@ -450,7 +456,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         h = self._hash(key)
         stored = self._sources.get(req_context.req_id, {}).get(h)
         if stored is None:  # not loaded by this request: where it would come from now
-            stored = self.node.came_from_storage(h)
+            stored = self.cache.from_storage(h)
         return CacheHitSource.DISK if stored else CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey],
@@ -462,10 +468,16 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                    if self._keyed_groups else None)
         try:
             from_storage: list[bool] = []
-            spec = self._spec(self.cache.prepare_load(hashes, counted, from_storage))
+            generation = self.cache.generation
+            ids = self.cache.prepare_load(hashes, counted, from_storage)
+            segments = self._segments(generation)
+            if segments is None:  # the pools changed under the plan: no copy may use it
+                self.cache.complete_load(hashes)
+                raise InvalidRequestError("kvtier's host pools were replaced while the load "
+                                          "was planned")
             self._sources[req_context.req_id] = dict(zip(hashes, from_storage, strict=True))
             self._count(keys, "loaded")
-            return spec
+            return KvtierLoadStoreSpec(ids, segments)
         except InvalidRequestError as e:
             # A block vLLM saw as a HIT is gone since (evicted for a prefetch that landed
             # meanwhile, or lost with a worker): a spec no worker accepts, so the load is
@@ -484,8 +496,13 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                       req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
         hashes = self._hashes(keys)
+        generation = self.cache.generation
         plan = self.cache.prepare_store(hashes)
         if plan is None:
+            return None
+        segments = self._segments(generation) if plan.keys else ()
+        if segments is None:  # the pools changed under the plan: nothing is stored
+            self.cache.complete_store(plan.keys, ok=False)
             return None
         # kvtier's keys back to vLLM's (a group's key is not vLLM's block hash)
         offload_key = dict(zip(hashes, keys, strict=True))
@@ -493,7 +510,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self._count(stored, "stored")
         return PrepareStoreOutput(
             keys_to_store=stored,
-            store_spec=self._spec(plan.host_ids),
+            store_spec=KvtierLoadStoreSpec(plan.host_ids, segments),
             evicted_keys=[])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
@@ -508,22 +525,19 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         return self.cache.pending_work()
 
     def reset_cache(self) -> None:
-        """vLLM's reset_prefix_cache: kvtier's host tier is emptied too (storage is kept;
-        `POST /reset?storage=true` on kvtier's admin empties it). vLLM never completes the
-        copies it prepared before its reset: their host blocks are held for two more
-        scheduler steps (a deferred store may still run) and then given back, never served."""
-        self._abandoned.append([2, self.cache.abandon_engine_io()])
-        self.node.reset_host()
+        """vLLM's reset_prefix_cache: the copies vLLM prepared and never completes are
+        abandoned (held two more scheduler steps, a deferred store may still run, then given
+        back, never served); embedded, kvtier's host tier is emptied too (storage is kept;
+        `POST /reset?storage=true` on kvtier's admin empties it). Attached, the node's blocks
+        stay: other engines use them (the operator's `POST /reset` on the service empties
+        them)."""
+        try:
+            self.cache.reset()
+        except KvtierError as e:  # transfers did not drain: the host tier stays as it was
+            log.warning("kvtier: vLLM's cache reset could not empty kvtier's host tier: %s", e)
 
     def on_schedule_end(self, context: Any) -> None:
-        keep: list[list[Any]] = []
-        for entry in self._abandoned:
-            entry[0] -= 1
-            if entry[0] <= 0:
-                self.cache.release_abandoned(entry[1])
-            else:
-                keep.append(entry)
-        self._abandoned = keep
+        self.cache.end_step()
 
     def shutdown(self) -> None:
         if self._closed:
