@@ -61,6 +61,7 @@ from typing import Any, overload
 import numpy as np
 import torch
 from kvtier.engine.cache_api import EngineCache, InvalidRequestError, Lookup
+from kvtier.engine.attached import attach
 from kvtier.engine.defaults import apply_defaults
 from kvtier.engine.embedded import EmbeddedDeployment, KvtierConfig
 from kvtier.engine.errors import KvtierError
@@ -292,10 +293,18 @@ class _LazyKeys(Sequence[bytes]):
 
 
 class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
-    """vLLM's scheduler-side offloading manager over a kvtier `KeyedHostCache`.
+    """vLLM's scheduler-side offloading manager over kvtier's `EngineCache`, in one of two
+    modes chosen by `kvtier_serve` in kv_connector_extra_config:
 
-    Data structures: `node`, the kvtier this engine uses (`kvtier.engine`: its own stack in
-    embedded mode) and `cache`, its key-addressed surface; `_groups`: vLLM's group id ->
+    * embedded (no `kvtier_serve`): this instance's own kvtier (`EmbeddedDeployment`: stack,
+      watcher, admin REST); one instance, no service needed;
+    * attached (`kvtier_serve = "<socket path>"`): the node's `kvtier serve`, shared with the
+      node's other instances of the same namespace, over its socket (`NodeClient`); while the
+      service is unreachable lookups miss, stores are skipped and loads that cannot be served
+      are reported failed (vLLM recomputes), and the client reconnects with backoff.
+
+    Data structures: `cache`, the `EngineCache` of either mode; `node`, the embedded
+    deployment (None attached); `_groups`: vLLM's group id ->
     `KVGroup` (its kind, window and key space). Invariant: with several groups every key
     kvtier holds is a group's own (`KVGroup.key`), so no group's copy ever answers for
     another's; with one group the key is vLLM's block hash, as it always was."""
@@ -318,29 +327,44 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                         "its block hashes are random per process: this instance will never "
                         "share stored KV with another. Set PYTHONHASHSEED (the same in every "
                         "instance) to share.", identity["hash"])
-        cfg, notes = apply_defaults(cfg, spec.extra_config)
-        self.cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
-            update={"name": namespace})})
         extra = spec.extra_config
-        self.node = EmbeddedDeployment(self.cfg, namespace.encode(),
-                                       sweep_pattern=defaults.DEPLOYMENT_PATTERN,
-                                       admin=bool(extra.get("admin", True)),
-                                       admin_url_file=str(extra.get("admin_url_file") or ""))
-        self.cache: EngineCache = self.node.cache
-        self.admin_url = self.node.admin_url
+        self.node: EmbeddedDeployment | None = None
+        self.admin_url = ""
         # req id -> block hash -> whether its last load was its first hit from storage
         self._sources: dict[str, dict[bytes, bool]] = {}
         self._closed = False
-        token_file = self.node.token_file
-        log.info("kvtier offloading: deployment %s, %d host blocks of %d bytes per rank, "
-                 "storage %s%s, admin %s; defaults: %s; namespace %s (%s)",
-                 self.cfg.deployment_id, self.cfg.cache.host_blocks, self.node.page_bytes,
-                 self.cfg.storage.backend,
-                 f" {self.cfg.storage.path}" if self.cfg.storage.backend == "file" else "",
-                 self.admin_url + (f" (token in {token_file})" if token_file else "")
-                 if self.admin_url else "off",
-                 "; ".join(notes) or "none", namespace,
-                 json.dumps(identity, sort_keys=True))
+        self.socket_path = str(extra.get("kvtier_serve") or "")
+        if self.socket_path:
+            self.cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
+                update={"name": namespace})})
+            self.cache: EngineCache = attach(
+                self.socket_path, namespace, self.cfg, hash_algo=str(identity.get("hash")),
+                hash_seed=str(identity.get("none_hash") or identity.get("seed")))
+            log.info("kvtier offloading: attached to kvtier serve at %s (%s), namespace %s "
+                     "(%s)", self.socket_path,
+                     "connected" if self.cache.host_pools() is not None
+                     else "not answering yet: lookups miss until it does",
+                     namespace, json.dumps(identity, sort_keys=True))
+        else:
+            cfg, notes = apply_defaults(cfg, extra)
+            self.cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
+                update={"name": namespace})})
+            self.node = EmbeddedDeployment(
+                self.cfg, namespace.encode(), sweep_pattern=defaults.DEPLOYMENT_PATTERN,
+                admin=bool(extra.get("admin", True)),
+                admin_url_file=str(extra.get("admin_url_file") or ""))
+            self.cache = self.node.cache
+            self.admin_url = self.node.admin_url
+            token_file = self.node.token_file
+            log.info("kvtier offloading: deployment %s, %d host blocks of %d bytes per rank, "
+                     "storage %s%s, admin %s; defaults: %s; namespace %s (%s)",
+                     self.cfg.deployment_id, self.cfg.cache.host_blocks, self.node.page_bytes,
+                     self.cfg.storage.backend,
+                     f" {self.cfg.storage.path}" if self.cfg.storage.backend == "file" else "",
+                     self.admin_url + (f" (token in {token_file})" if token_file else "")
+                     if self.admin_url else "off",
+                     "; ".join(notes) or "none", namespace,
+                     json.dumps(identity, sort_keys=True))
         atexit.register(self.shutdown)
 
     # -- keys
@@ -543,7 +567,10 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         if self._closed:
             return
         self._closed = True
-        self.node.close()
+        if self.node is not None:
+            self.node.close()
+        else:
+            self.cache.close()
 
 
 # ---------------------------------------------------------------------------- worker side

@@ -30,6 +30,8 @@ from kvtier.integrations.vllm.errors import VllmAdapterError
 DEPLOYMENT_PATTERN = r"vllm-[0-9a-f]{12}"  # the ids `kvtier_config` derives (never a given one)
 
 KVTIER_KEYS: dict[str, str] = {
+    "kvtier_serve": "attached mode: the socket path of the node's `kvtier serve` (unset: "
+                    "embedded, this instance's own kvtier)",
     "kvtier_config": "kvtier's TOML file",
     "deployment_id": "kvtier's deployment id (default: derived from vLLM's engine id)",
     "host_blocks": "cache.host_blocks",
@@ -44,6 +46,12 @@ KVTIER_KEYS: dict[str, str] = {
     "admin_url_file": "a file the admin URL is written to",
 }
 """The keys kvtier reads from `kv_connector_extra_config`, with what each sets."""
+
+EMBEDDED_ONLY = frozenset({
+    "deployment_id", "host_blocks", "storage_backend", "storage_path", "storage_url",
+    "admin", "admin_host", "admin_port", "admin_auth", "admin_url_file"})
+"""Keys of this instance's own kvtier: the node service's configuration decides them when the
+instance is attached (`kvtier_serve`)."""
 
 VLLM_KEYS = frozenset({
     "spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout",
@@ -63,6 +71,17 @@ def check_extra_config(extra: Mapping[str, Any]) -> None:
             f"kv_connector_extra_config: unknown key {key!r}{hint}; kvtier reads "
             f"{', '.join(sorted(KVTIER_KEYS))}; vLLM's offloading connector reads "
             f"{', '.join(sorted(VLLM_KEYS))}")
+    serve = extra.get("kvtier_serve")
+    if serve is not None and (not isinstance(serve, str) or not serve):
+        raise VllmAdapterError(
+            f"kv_connector_extra_config: kvtier_serve = {serve!r}: expected the path of the "
+            "node service's socket (a non-empty string), or leave it unset for embedded mode")
+    clash = sorted(EMBEDDED_ONLY & set(extra)) if serve else []
+    if clash:
+        raise VllmAdapterError(
+            f"kv_connector_extra_config: {', '.join(clash)} configure this instance's own "
+            f"kvtier, which an attached instance (kvtier_serve = {serve!r}) does not run: "
+            "set them on the node service (kvtier serve's TOML file) instead")
 
 
 # ---------------------------------------------------------------------------- logging
