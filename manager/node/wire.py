@@ -171,7 +171,7 @@ class Hello:
 
 
 SHAPE_FIELDS = {"num_layers": int, "num_kv_heads": int, "head_dim": int, "dtype": str,
-                "num_extra_layers": int, "kv_scales": bool}
+                "num_extra_layers": int, "kv_scales": str}
 
 
 @dataclass(frozen=True, slots=True)
