@@ -15,8 +15,9 @@ shared through vLLM itself):
   behind the service's back, B serves Q: B loads Q's blocks (the same count) and its output
   must differ (`negative_control_identical: false`), else the comparison could not fail.
 * `--kill-a`: A serves R cold, then a store-heavy batch, and is killed (SIGKILL) while
-  serving it; a new A' serves R: it hits what A stored, exactly (`after_kill_a_*`), and the
-  service lists the engines alive.
+  serving it (right after the batch's first prompt); a new A' serves R and the batch's first
+  prompt: it hits what A stored, exactly (`after_kill_a_*`), and the service lists only the
+  engines alive.
 * `--kill-serve`: `kvtier serve` is killed (SIGKILL) while B serves; B's requests complete
   (recomputed) within `SERVE_DOWN_BOUND_S` each; serve is started again on the same socket, B
   reconnects (backoff at most 5 s), stores anew and hits again (`after_restart_*`).
@@ -32,12 +33,14 @@ import argparse
 import contextlib
 import json
 import os
+import queue
 import random
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -50,7 +53,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import vllm_offload  # noqa: E402  (the tiny model, the LLM and the comparison)
+import vllm_offload
 
 PROMPT_TOKENS = vllm_offload.PROMPT_TOKENS
 VOCAB = vllm_offload.VOCAB
@@ -106,30 +109,30 @@ class Engine:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                 env=env, bufsize=1)
         self.pid = self.proc.pid
+        # a thread reads the answers (a select() on a buffered pipe misses lines already
+        # read into the buffer); None: the process closed its stdout
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._reader, daemon=True, name=f"engine-{name}").start()
+
+    def _reader(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                self._lines.put(line[len(MARK):])
+        self._lines.put(None)
 
     def read(self, timeout: float) -> dict[str, Any]:
-        """The next answer line, within `timeout` seconds (the process's log on failure)."""
-        import selectors
-
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        """The next answer, within `timeout` seconds (the process's log on failure)."""
         try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    raise RuntimeError(f"engine {self.name}: no answer in {timeout:g} s\n"
-                                       f"{self.tail()}")
-                line = self.proc.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"engine {self.name} exited "
-                                       f"({self.proc.poll()}):\n{self.tail()}")
-                if line.startswith(MARK):
-                    answer: dict[str, Any] = json.loads(line[len(MARK):])
-                    return answer
-        finally:
-            sel.close()
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"engine {self.name}: no answer in {timeout:g} s\n"
+                               f"{self.tail()}") from None
+        if line is None:
+            raise RuntimeError(f"engine {self.name} exited ({self.proc.poll()}):\n"
+                               f"{self.tail()}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
 
     def send(self, cmd: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -330,7 +333,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             batch = [prompt() for _ in range(6)]
             for tokens in batch:  # queued: A stores each as it serves them
                 a.send({"op": "generate", "tokens": tokens})
-            a.read(ANSWER_TIMEOUT_S)  # the first is served: the next ones are under way
+            served = a.read(ANSWER_TIMEOUT_S)  # the first is served, the next under way
             a.kill()
             report["killed_a_pid"] = a.pid
             a2 = start_engine("a2")
@@ -338,11 +341,12 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             again = a2.generate(r)
             report["after_kill_a_tokens_from_host"] = again["num_cached_tokens"]
             report["after_kill_a_identical"] = vllm_offload.compare(cold_r, again)[0]
-            # a prompt of the batch A was killed in: whatever A' finds of it is exact
-            # (compared with a cold run by B after the service forgets nothing it served)
-            late = batch[-1]
-            late_a2 = a2.generate(late)
-            report["after_kill_a_batch_tokens_from_host"] = late_a2["num_cached_tokens"]
+            # the batch's first prompt, which A served (cold) and stored just before it was
+            # killed: A' hits it, exactly
+            first_batch = a2.generate(batch[0])
+            report["after_kill_a_batch_tokens_from_host"] = first_batch["num_cached_tokens"]
+            report["after_kill_a_batch_identical"] = vllm_offload.compare(served,
+                                                                          first_batch)[0]
             report["engines_after_kill_a"] = sorted(
                 e.get("pid", 0) for e in engines(serve.status()))
             a2.close()
@@ -394,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.engine:
         return engine_main(args.engine, args.model_dir)
+
+    def stop(signum: int, frame: Any) -> None:  # SIGTERM: clean up as on any error
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
     with tempfile.TemporaryDirectory(prefix="kvtier-node-") as tmp:
         report = run(args, Path(tmp))
     first = {k: report.pop(k) for k in ("instance_b_tokens_from_host", "identical",

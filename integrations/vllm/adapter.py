@@ -60,8 +60,8 @@ from typing import Any, overload
 
 import numpy as np
 import torch
-from kvtier.engine.cache_api import EngineCache, InvalidRequestError, Lookup
 from kvtier.engine.attached import attach
+from kvtier.engine.cache_api import EngineCache, InvalidRequestError, Lookup
 from kvtier.engine.defaults import apply_defaults
 from kvtier.engine.embedded import EmbeddedDeployment, KvtierConfig
 from kvtier.engine.errors import KvtierError
