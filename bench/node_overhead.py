@@ -46,7 +46,7 @@ from kvtier.manager.stack import Stack
 
 BLOCKS = 256  # 4,096 tokens in 16-token blocks
 BLOCK = 16
-SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16",
+SHAPE: dict[str, Any] = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16",
          "num_extra_layers": 0, "kv_scales": "none"}
 HOST_BLOCKS = 16384
 NAMESPACE = "bench-node-overhead"
