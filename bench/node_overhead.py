@@ -131,6 +131,7 @@ def main() -> int:
                                  "KVTIER_CACHE__DEVICE_BLOCKS": "1",
                                  "KVTIER_CACHE__DECODE_RESERVE_BLOCKS": "0",
                                  "KVTIER_CACHE__HOST_BLOCKS": str(HOST_BLOCKS),
+                                 "KVTIER_STORAGE__BACKEND": "none",
                                  "KVTIER_WORKERS__COUNT": "1",
                                  "KVTIER_WORKERS__DEVICE": "cpu"})
         stack = Stack(cfg, keyed_namespace=NAMESPACE.encode()).start()
