@@ -321,12 +321,14 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self.blocks_by_group: dict[int, dict[str, int]] = {
             gid: {"loaded": 0, "stored": 0} for gid in (self._groups or [self._primary])}
         namespace, identity = storage_namespace(spec.config, groups)
+        shares = cfg.storage.backend != "none" or bool(spec.extra_config.get("kvtier_serve"))
         if identity.get("seed_from_env") is False and str(identity.get("hash")).startswith(
-                "xxhash") and cfg.storage.backend != "none":
+                "xxhash") and shares:
             log.warning("kvtier: vLLM hashes blocks with %s and PYTHONHASHSEED is not set, so "
                         "its block hashes are random per process: this instance will never "
-                        "share stored KV with another. Set PYTHONHASHSEED (the same in every "
-                        "instance) to share.", identity["hash"])
+                        "share KV with another (stored, or on the node's host tier). Set "
+                        "PYTHONHASHSEED (the same in every instance) to share.",
+                        identity["hash"])
         extra = spec.extra_config
         self.node: EmbeddedDeployment | None = None
         self.admin_url = ""
