@@ -39,8 +39,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvtier.engine.cache_api import HostPools, InvalidRequestError, Lookup, PoolSegment, StorePlan
+from kvtier.engine.cache_api import (
+    EngineCache,
+    HostPools,
+    InvalidRequestError,
+    Lookup,
+    PoolSegment,
+    StorePlan,
+)
 from kvtier.manager.node import wire
 
 log = logging.getLogger("kvtier.engine")
@@ -413,3 +421,8 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
 def _read_frame(sock: socket.socket, deadline: float) -> tuple[wire.FrameType, int, bytes]:
     n = wire.frame_length(_recv_exact(sock, wire.LEN_BYTES, deadline))
     return wire.decode_head(_recv_exact(sock, n, deadline))
+
+
+if TYPE_CHECKING:  # mypy holds the attached home to the contract
+    def _conforms(c: NodeClient) -> EngineCache:
+        return c
