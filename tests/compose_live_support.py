@@ -18,8 +18,9 @@ runs (Debian's packages and PyPI are), so everything is built here, once per run
   recorded and removed at the end.
 * `derived_compose`: compose.yaml with what the test must change, and only that (checked by
   test_compose_live.py): host ports published on ephemeral loopback ports (fixed ones may be
-  taken on a shared machine), Grafana left out (its image cannot be had), vLLM given a small
-  device cache so that a prefix leaves it, and a second vLLM (`vllm-peer`) sharing Redis.
+  taken on a shared machine), Grafana left out (its image cannot be had), and both vLLM
+  services (attached to the kvtier service) given a small device cache so that a prefix
+  leaves it.
 * `ComposeProject`: `docker-compose -p NAME -f derived --project-directory REPO`, its
   containers, their health, published ports and logs, and `down -v` with a check that nothing
   of the project is left.
@@ -55,8 +56,11 @@ LIVE_DIR = REPO / "tests" / "compose_live"
 PYTHON_IMAGE = "local/python:3.11-bookworm"
 DEBIAN_IMAGE = "local/debian:bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
-SERVICES = ("redis", "kvtier", "vllm", "vllm-peer", "prometheus")
+SERVICES = ("redis", "kvtier", "vllm", "vllm-b", "prometheus")
 """The services the live test starts (Grafana's image cannot be had here)."""
+
+VLLM_SERVICES = ("vllm", "vllm-b")
+"""The vLLM services, attached to the kvtier service (compose.yaml)."""
 
 VLLM_DEVICE_BLOCKS = 12
 """vLLM's device pool in the test, in blocks of 32 tokens: a 200-token prompt (7 blocks) leaves
@@ -290,9 +294,12 @@ def _timed(timings: Timings, name: str, step: Callable[[], None]) -> None:
 
 
 def upstream_images() -> dict[str, str]:
-    """Service -> image of the services compose.yaml runs from upstream images."""
-    return {name: svc["image"] for name, svc in compose()["services"].items()
-            if "build" not in svc and name in SERVICES}
+    """Service -> image of the services compose.yaml runs from upstream images (not an image
+    another service of the file builds: `vllm-b` runs the `vllm` service's)."""
+    services = compose()["services"]
+    built_here = {svc["image"] for svc in services.values() if "build" in svc}
+    return {name: svc["image"] for name, svc in services.items()
+            if "build" not in svc and name in SERVICES and svc["image"] not in built_here}
 
 
 def build_images(engine: DockerEngine, work: Path, timings: Timings,
@@ -378,11 +385,10 @@ def free_port_spec(spec: str) -> str:
     return f"{address}::{target}" if address else target
 
 
-def derived_compose(path: Path, peer_deployment: str = "vllm-peer") -> dict[str, Any]:
+def derived_compose(path: Path) -> dict[str, Any]:
     """Write the compose file the live test runs to `path` and return it: compose.yaml with
-    ephemeral host ports, without Grafana, with vLLM's device pool small (extra arguments of
-    docker/vllm-entrypoint.sh) and a second vLLM (`vllm-peer`: same image and Redis, its own
-    deployment id and state volume, no build section)."""
+    ephemeral host ports, without Grafana, and the vLLM services' device pools small (extra
+    arguments of docker/vllm-entrypoint.sh), so that a prefix leaves them."""
     spec = copy.deepcopy(compose())
     services = spec["services"]
     services.pop("grafana")
@@ -390,20 +396,13 @@ def derived_compose(path: Path, peer_deployment: str = "vllm-peer") -> dict[str,
     for svc in services.values():
         if "ports" in svc:
             svc["ports"] = [free_port_spec(p) for p in svc["ports"]]
-    vllm = services["vllm"]
-    # later arguments win: the entrypoint's --max-model-len 480 would not fit 12 x 32 tokens
-    vllm["command"] = ["--num-gpu-blocks-override", str(VLLM_DEVICE_BLOCKS),
-                       "--max-model-len", str(VLLM_DEVICE_BLOCKS * 32 - 64),
-                       "--enable-prompt-tokens-details", "--max-num-seqs", "4"]
-    vllm["environment"]["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    peer = copy.deepcopy(vllm)
-    peer.pop("build")
-    peer["environment"]["KVTIER_DEPLOYMENT_ID"] = peer_deployment
-    peer["volumes"] = [v if isinstance(v, dict) else v.replace("kvtier-vllm-state:",
-                                                               "kvtier-vllm-peer-state:")
-                       for v in peer["volumes"]]
-    services["vllm-peer"] = peer
-    spec["volumes"]["kvtier-vllm-peer-state"] = None
+    for name in VLLM_SERVICES:
+        vllm = services[name]
+        # later arguments win: the entrypoint's --max-model-len 480 would not fit 12 x 32
+        vllm["command"] = ["--num-gpu-blocks-override", str(VLLM_DEVICE_BLOCKS),
+                           "--max-model-len", str(VLLM_DEVICE_BLOCKS * 32 - 64),
+                           "--enable-prompt-tokens-details", "--max-num-seqs", "4"]
+        vllm["environment"] = {**vllm["environment"], "VLLM_CPU_KVCACHE_SPACE": "1"}
     prometheus = services["prometheus"]
     prometheus["depends_on"] = [s for s in prometheus["depends_on"] if s in services]
     path.write_text("# Generated by tests/compose_live_support.py from compose.yaml\n"
