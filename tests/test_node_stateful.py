@@ -234,6 +234,9 @@ class NodeMachine(RuleBasedStateMachine):
         for e in self.live():
             with contextlib.suppress(Exception):
                 e.die()
+        # the next example starts from a service that has ended every session of this one
+        wait_until(lambda: not self.srv._sessions and not self.srv._graves, 10,
+                   "every session of the example ended")
 
 
 def test_node_sessions_stateful(server: NodeServer) -> None:
