@@ -92,6 +92,7 @@ class NodeClient:
         self._nonce = b""
         self._segments: tuple[wire.Segment, ...] = ()
         self._pools: HostPools | None = None
+        self._reread = False  # segments to read again (a rank's worker being replaced)
         self._outbox: list[wire.OpRecord] = []
         self._answers: dict[str, dict[bytes, Lookup]] = {}
         self._asked: set[str] = set()
@@ -156,15 +157,22 @@ class NodeClient:
     def _new_generation(self, server_gen: int, welcomed: bool = False) -> None:
         """A new generation: the segments as they are now. Right after WELCOME each must be
         the inode the service named (else it was replaced meanwhile: no pool until the
-        service's next generation); later (a rank's worker replaced) they are read anew."""
+        service's next generation); later (a rank's worker replaced) they are read anew, and
+        again by `host_pools` while a replacement has not created its segment yet."""
         self._server_gen = server_gen
         self._generation += 1
         self._pools = None
+        self._reread = False
+        self._read_pools(welcomed)
+
+    def _read_pools(self, welcomed: bool) -> None:
         try:
             segs = tuple(PoolSegment(s.rank, s.name, os.stat("/dev/shm" + s.name).st_ino,
                                      s.num_blocks) for s in self._segments)
         except OSError:
+            self._reread = not welcomed
             return
+        self._reread = False
         if welcomed and any(a.inode != b.inode
                             for a, b in zip(segs, self._segments, strict=True)):
             return
@@ -273,6 +281,8 @@ class NodeClient:
 
     def host_pools(self) -> HostPools | None:
         with self._lock:
+            if self._pools is None and self._reread and self._sock is not None:
+                self._read_pools(welcomed=False)
             return self._pools
 
     def storage_key(self, block_hash: bytes) -> bytes:
