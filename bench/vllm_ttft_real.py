@@ -29,16 +29,17 @@ against vLLM alone. The bound's drift is vLLM's own prefix-cache drift on the sa
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,7 @@ def child(extra_json: str, device_blocks: int, model_dir: str) -> None:
     from vllm.inputs import TokensPrompt
 
     extra = json.loads(extra_json)
+    url_file = Path(tempfile.gettempdir()) / f"kvtier-ttft-admin-{os.getpid()}"
     if extra is not None and "device_blocks" in extra:
         device_blocks = extra.pop("device_blocks")
         extra = extra or None
@@ -98,31 +100,40 @@ def child(extra_json: str, device_blocks: int, model_dir: str) -> None:
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"spec_name": "KvtierOffloadingSpec",
                                        "spec_module_path": "kvtier.integrations.vllm",
-                                       "admin": False, **extra})
+                                       "admin_port": 0, "admin_auth": "none",
+                                       "admin_url_file": str(url_file), **extra})
     llm = LLM(**kw)
-    counters = None
-    if extra is not None:  # the in-process engine's kvtier manager: its per-tier hit counters
-        from kvtier.integrations.vllm.adapter import KvtierOffloadingManager
-
-        mgrs = [o for o in gc.get_objects() if isinstance(o, KvtierOffloadingManager)]
-        counters = mgrs[0].stack.require_manager().counters
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], sp, use_tqdm=False)  # warm-up
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
-        h0 = (counters.hit_host_tokens, counters.hit_storage_tokens) if counters else (0, 0)
+        h0 = tier_hits(url_file) if extra is not None else (0, 0)
         t = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=req["tokens"])], sp,
                            use_tqdm=False)[0]
         dt = time.perf_counter() - t
-        h1 = (counters.hit_host_tokens, counters.hit_storage_tokens) if counters else (0, 0)
+        h1 = tier_hits(url_file) if extra is not None else (0, 0)
         tok = int(out.outputs[0].token_ids[0])
         lp = out.outputs[0].logprobs
         logprob = float(lp[0][tok].logprob) if lp else float("nan")
         print(json.dumps({"ttft_s": dt, "cached": int(out.num_cached_tokens or 0),
                           "host": h1[0] - h0[0], "storage": h1[1] - h0[1],
                           "next": tok, "logprob": logprob}), flush=True)
+    url_file.unlink(missing_ok=True)
+
+
+def tier_hits(url_file: Path) -> tuple[float, float]:
+    """kvtier's host and storage hit tokens so far, from its admin's Prometheus endpoint (the
+    admin starts with the connector's first lookup: zeros before)."""
+    if not url_file.exists():
+        return 0.0, 0.0
+    url = url_file.read_text().strip()
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    tiers = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^kvtier_hit_tokens_total\{tier="(\w+)"\} ([0-9.e+]+)$', text, re.M)}
+    return tiers.get("host", 0.0), tiers.get("storage", 0.0)
 
 
 def low_reuse(n: int, rng: random.Random) -> list[list[int]]:
@@ -204,10 +215,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="fewer requests and a 4-layer model (iteration, not figures)")
-    ap.add_argument("--low", type=int, default=40, help="low-reuse requests")
-    ap.add_argument("--chats", type=int, default=10)
-    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--low", type=int, default=20, help="low-reuse requests")
+    ap.add_argument("--chats", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--device-blocks", type=int, default=12)
+    ap.add_argument("--workload", choices=("both", "low", "high"), default="both")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=None, help="comma-separated configurations (vllm first)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -218,10 +230,12 @@ def main() -> int:
         return 0
     layers = 4 if args.quick else 12
     if args.quick:
-        args.low, args.chats, args.turns = 12, 10, 3
+        args.low, args.chats, args.turns = 8, 12, 2
     rng = random.Random(args.seed)
     workloads = {"low reuse": low_reuse(args.low, rng),
                  "high reuse": high_reuse(args.chats, args.turns, rng)}
+    if args.workload != "both":
+        workloads = {k: v for k, v in workloads.items() if k.startswith(args.workload)}
     model = build_model(Path(tempfile.gettempdir()) / f"kvtier-llama-{layers}x1024", layers)
     configs = CONFIGS if args.only is None else {
         k: CONFIGS[k] for k in args.only.split(",")}
