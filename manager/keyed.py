@@ -18,6 +18,18 @@ its node, so nothing evicts, frees or serves it meanwhile::
                                      failed: host block freed, node gone
     lookup(key)                      HIT (ready) | PENDING (being written or prefetched) |
                                      MISS | RETRY (a storage query for the request is out)
+
+A storage miss costs a cold request at most one engine step (issue 25: with a RETRY until
+every answer came, cold requests waited 37.8 steps on average behind backups)::
+
+    host miss -> query would cover < prefetch threshold tokens   MISS, nothing asked
+              -> query sent                                      RETRY
+    asked again, query still out:
+        storage's index lists the block (written or found here)  RETRY until the answer or
+                                                                 the transfer timeout, then MISS
+        not listed                                               MISS (the answer may still
+                                                                 start a prefetch for later)
+    asked again, answered                                        as before (HIT/PENDING/MISS)
     prepare_load(keys)               ENGINE_READ (counted per node): never evicted meanwhile
       -> engine copies host -> KV
     complete_load(keys)              the count drops; at 0 the copy is evictable again
@@ -81,15 +93,18 @@ class StorePlan:
 
 class _Query:
     """One storage query of a request: the keys it covered (in the order asked), whether it
-    was answered and, once answered, how many leading keys storage held (`found`)."""
+    was answered and, once answered, how many leading keys storage held (`found`); until
+    when a lookup waits for its answer (`wait_until`: the asking moment itself when storage's
+    index does not list the first key, so the next ask is a miss)."""
 
-    __slots__ = ("done", "found", "keys", "seq")
+    __slots__ = ("done", "found", "keys", "seq", "wait_until")
 
     def __init__(self, keys: list[bytes]) -> None:
         self.keys = keys
         self.seq = 0
         self.done = False
         self.found = 0
+        self.wait_until = 0.0
 
     def answer(self, found: int) -> None:
         self.found = found
@@ -187,7 +202,9 @@ class KeyedHostCache:
             if seen is not None:
                 q, i = seen
                 if not q.done:
-                    return Lookup.RETRY
+                    # listed in storage's index: worth waiting for; otherwise this request
+                    # had its one step and is computed (the answer may serve later ones)
+                    return Lookup.RETRY if _monotonic() < q.wait_until else Lookup.MISS
                 # Answered. From this block (a prefetch that was not worth it, or landed and
                 # was consumed), or the first block storage lacked: a miss. Held but not on
                 # the host (the prefetch was capped by prefetch_host_blocks_limit): asked
@@ -204,6 +221,11 @@ class KeyedHostCache:
             q = _Query([block_hash] if alone else [block_hash, *following])
             for i, h in enumerate(q.keys):
                 asked[h] = (q, i)
+            threshold = (self.storage.threshold_tokens if threshold_tokens is None
+                         else threshold_tokens)
+            if len(q.keys) * self.block_size < threshold:
+                q.answer(0)  # no answer could start a prefetch: nothing to ask
+                return Lookup.MISS
             self._query(q, threshold_tokens)
             return Lookup.RETRY
 
@@ -225,6 +247,8 @@ class KeyedHostCache:
         assert self.storage is not None
         req = RequestState([engine_key(h) for h in q.keys], None)
         req.skeys = [self.storage_key(h) for h in q.keys]
+        if self.storage.holds(req.skeys[0]):
+            q.wait_until = _monotonic() + self.m.transfer_timeout_s
         self.counters["storage_queries"] += 1
         self._open_queries += 1
 

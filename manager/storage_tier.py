@@ -36,6 +36,13 @@ Prefetch policies decide what `match` does when the next block is being prefetch
 `best_effort` takes what has landed and never waits; `wait_complete` waits for the prefetch;
 `timeout` waits at most `timeout_base_s + timeout_per_1k_tokens_s * tokens / 1000`.
 
+Index of what storage holds (`holds`): the storage keys this manager wrote (a fully written
+backup batch) or a query found, newest last, at most `HELD_INDEX_MAX` of them. It only decides
+how long a lookup may wait for a query (the keyed surface waits for an answer only for a
+block the index lists; any other block gets one engine step, then is a miss for that
+request): never whether a block is served, which a query's answer and the page checks decide.
+A stale entry (storage cleared, a page evicted by another instance) costs a wait, not data.
+
 Backup: every block that lands on the host (a write-through backup, a hot block under
 write_through_selective, a write-back demotion) is written to storage once, asynchronously,
 in one BACKUP task per batch; BACKING keeps its host copy alive meanwhile.
@@ -60,6 +67,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+HELD_INDEX_MAX = 1 << 18
+"""Storage keys the index of held pages keeps (32-byte keys, ~100 B each with the dict: 26 MB
+at most; the oldest go first)."""
+
 
 class StorageTier:
     """Prefetch and backup decisions of one manager (implements `StorageHooks`).
@@ -68,8 +79,9 @@ class StorageTier:
     `_prefetches` seq -> tree key of the last block of each PREFETCH in flight, `_queries`
     the same for QUERY tasks; `_revoked` seqs of the queries and prefetches revoked and not
     answered yet; `prefetching_blocks` host blocks currently held by prefetches (bounded by
-    `limit`). Invariants: `_revoked` holds only seqs of `_queries` or `_prefetches`; a node
-    is PREFETCHING exactly while it is in `_prefetch_of`.
+    `limit`); `_held` the index of storage keys known held (insertion order = age, at most
+    `HELD_INDEX_MAX`). Invariants: `_revoked` holds only seqs of `_queries` or `_prefetches`;
+    a node is PREFETCHING exactly while it is in `_prefetch_of`.
     """
 
     def __init__(self, manager: CacheCore, cfg: KvtierConfig) -> None:
@@ -90,6 +102,7 @@ class StorageTier:
         self._prefetches: dict[int, int] = {}
         self._queries: dict[int, int] = {}
         self._revoked: set[int] = set()
+        self._held: dict[bytes, None] = {}
         # prefetch_pages_revoked: pages of a prefetch that did not land, whatever the reason
         # (revoked, failed, missing or damaged in storage). revoked_*: what `revoke` did.
         self.counters: dict[str, int] = dict.fromkeys((
@@ -115,6 +128,21 @@ class StorageTier:
                                    start_block=len(sk), num_blocks=upto - len(sk),
                                    extra_keys=req.extra_keys))
         return sk
+
+    # ------------------------------------------------------------------ index
+
+    def holds(self, skey: bytes) -> bool:
+        """Does the index list this storage key (written or found here)? A hint only."""
+        return skey in self._held
+
+    def _note_held(self, skeys: Iterable[bytes]) -> None:
+        held = self._held
+        for k in skeys:
+            if k in held:
+                continue
+            if len(held) >= HELD_INDEX_MAX:
+                del held[next(iter(held))]
+            held[k] = None
 
     # ------------------------------------------------------------------ match hook
 
@@ -198,6 +226,7 @@ class StorageTier:
             return 0
         found = n = min(comp.result, len(keys))
         self.counters["query_hit_pages"] += n
+        self._note_held(skeys[:found])
         room = self.limit - self.prefetching_blocks
         n = min(n, room)
         threshold = self.threshold_tokens if threshold_tokens is None else threshold_tokens
@@ -317,6 +346,8 @@ class StorageTier:
         self.counters["backup_pages"] += written
         self.counters["backup_failed_pages"] += len(nodes) - written
         stored = written == len(nodes)
+        if stored:
+            self._note_held(n.skey for n in nodes if n.skey is not None)
         for node in nodes:
             self.m.finish_storage_backup(node, stored)
 
@@ -340,6 +371,7 @@ class StorageTier:
                 log.warning("clearing storage failed: %s", comp.error)
                 return
             out.append(comp.result)
+            self._held.clear()
             m.forget_stored()  # every node's storage copy is gone now
 
         with m.lock:

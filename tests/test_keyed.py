@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
@@ -24,6 +25,7 @@ from kvtier.manager.core.nodes import ENGINE_READ, ENGINE_WRITE
 from kvtier.manager.errors import InvalidRequestError
 from kvtier.manager.keyed import KeyedHostCache, Lookup, engine_key
 from kvtier.manager.stack import Stack
+from kvtier.worker.delays import STORAGE_DELAY_ENV
 from kvtier.worker.kv_pools import HostPool
 from stack_support import attached_host_pools, running_stack
 from support import tiny_config
@@ -209,6 +211,54 @@ def test_a_new_cache_finds_blocks_in_storage(keyed_stack: tuple[Stack, HostPool]
     fresh.forget_request("r1")
     other.forget_request("r2")
     fresh.check_invariants()
+
+
+def test_a_block_storage_cannot_serve_costs_at_most_one_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 25: a cold request is not held while storage is asked. Every storage query here
+    takes 300 ms, so it is still out when the engine asks again a step later. A block that
+    storage's index does not list is a RETRY once, then a MISS; one the index lists (written
+    here) is worth the wait: RETRY until the answer, then a HIT. The first answer still lands
+    for later requests (pages another instance wrote: found, and listed, for the next request).
+    A query too short to reach the prefetch threshold is not sent at all."""
+    monkeypatch.setenv(STORAGE_DELAY_ENV, "300")
+    cfg = tiny_config(workers=1, device_blocks=2, host_blocks=HOST_BLOCKS, storage="file",
+                      storage_dir=tmp_path, extra={"KVTIER_STORAGE__PREFETCH_THRESHOLD": "4"})
+    with running_stack(cfg) as stack, attached_host_pools(cfg) as pools:
+        storage = stack.storage
+        assert storage is not None
+        cache = make_cache(stack)
+        ours, theirs = chain(21, 4), chain(22, 4)
+        store(cache, pools[0], ours + theirs)
+        settle(stack)
+        assert storage.holds(cache.storage_key(theirs[0]))  # our own backups are listed
+        stack.reset()  # host emptied, storage kept
+        for h in theirs:  # as pages another process wrote: never listed here
+            del storage._held[cache.storage_key(h)]
+        fresh = KeyedHostCache(stack.require_manager(), storage, namespace=b"test-ns",
+                               host_ready=stack.workers_ready)
+        assert fresh.lookup(ours[0], "c3", ours[1:]) is Lookup.RETRY
+        assert fresh.lookup(ours[0], "c3", ours[1:]) is Lookup.RETRY  # listed: waits
+        assert fresh.lookup(theirs[0], "c1", theirs[1:]) is Lookup.RETRY
+        assert fresh.lookup(theirs[0], "c1", theirs[1:]) is Lookup.MISS  # one step, no more
+        absent = chain(23, 4)
+        assert fresh.lookup(absent[0], "c2", absent[1:]) is Lookup.RETRY
+        assert fresh.lookup(absent[0], "c2", absent[1:]) is Lookup.MISS
+        assert leading_hits(fresh, ours, "c3", wait_s=10) == 4
+        deadline = time.monotonic() + 10
+        while fresh.pending_work() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # c1's answer found the other process's pages and listed them: a later request hits
+        assert storage.holds(cache.storage_key(theirs[0]))
+        assert leading_hits(fresh, theirs, "c4", wait_s=10) == 4
+        # shorter than the threshold: no answer could start a prefetch, so nothing is asked
+        asked = fresh.counters["storage_queries"]
+        short = chain(24, 2)
+        assert fresh.lookup(short[0], "c5", short[1:], threshold_tokens=100) is Lookup.MISS
+        assert fresh.counters["storage_queries"] == asked
+        for rid in ("c1", "c2", "c3", "c4", "c5"):
+            fresh.forget_request(rid)
+        fresh.check_invariants()
 
 
 def window_scan(cache: KeyedHostCache, hashes: list[bytes], rid: str,

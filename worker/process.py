@@ -81,9 +81,12 @@ __all__ = ["Worker", "WorkerSpec", "host_segment_name", "main"]
 log = logging.getLogger("kvtier.worker")
 
 
-BACKGROUND_LANES = frozenset({TaskClass.BACKUP})
-"""Lanes whose thread runs at a lower CPU priority: nobody waits on a D2H backup. (Not the
-storage writes: the file backend's I/O threads, which reads share, would inherit it.)"""
+BACKGROUND_LANES = frozenset({TaskClass.BACKUP, TaskClass.STORAGE_WRITE})
+"""Lanes whose thread runs at a lower CPU priority: nobody waits on a D2H backup nor on a
+storage write (issue 25: on a low-reuse workload every new block is written to storage, on the
+cores the engine computes on). Storage writes run in the lane's own thread only (the file
+backend's `set` never hands pages to its I/O threads, which reads share and which would
+inherit the nice value if a write started them)."""
 # Nice value of the backup lane's thread (and of the copy threads it starts: on Linux a
 # thread's nice value is its own and new threads inherit it). On a busy machine the receiver,
 # the load lane and the manager then get a core first when they wake. Measured with

@@ -74,6 +74,11 @@ class StorageHooks(Protocol):
         returns the task's seq."""
         ...
 
+    def holds(self, skey: bytes) -> bool:
+        """Whether the index of what storage holds lists this storage key (a hint for how
+        long a lookup may wait for a query, never a decision to serve)."""
+        ...
+
     def backup(self, nodes: list[Node]) -> None:
         """Write the host copies among `nodes` that storage does not hold yet."""
         ...

@@ -41,9 +41,10 @@ from kvtier.worker.storage.backend import (
 )
 from kvtier.worker.storage.page_format import HEADER_BYTES, PageCodec, PageStatus
 
-# Threads one batch is spread over, the caller included. Neither copying a page out of the page
-# cache nor verifying its MAC (keyed BLAKE3 over every byte) holds the GIL, so two threads overlap
-# one page's MAC with the next page's copy (see bench/storage.py for the measurement).
+# Threads one read batch is spread over, the caller included (a write batch: the caller only).
+# Neither copying a page out of the page cache nor verifying its MAC (keyed BLAKE3 over every
+# byte) holds the GIL, so two threads overlap one page's MAC with the next page's copy (see
+# bench/storage.py for the measurement).
 DEFAULT_IO_THREADS = 2
 
 _PAGE_NAME = re.compile(r"^[0-9a-f]{64}$")
@@ -519,7 +520,9 @@ class FileBackend(StorageBackend):
                     out.append(str(exc) or type(exc).__name__)
             return out
 
-        outcomes = self._map(run, len(keys_b))
+        # the calling thread only: writes are background work (a niced lane, see
+        # kvtier.worker.process.BACKGROUND_LANES); the I/O threads are the reads'
+        outcomes = run(0, len(keys_b))
         written = [i for i, err in enumerate(outcomes) if not err]
         self._touch_batch([keys_b[i].hex() for i in written])
         failed = [err for err in outcomes if err]

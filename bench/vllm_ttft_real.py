@@ -1,0 +1,295 @@
+"""Time to first token that users feel: vLLM's CPU build with a model whose prefill costs like a
+real one, vLLM alone against vLLM + kvtier, on a low-reuse and a high-reuse workload.
+
+The model: a random-weight Llama (12 layers, hidden 1024, 16 heads, 4 KV heads, bf16; built
+once in the temp dir). Blocks of 64 tokens. vLLM's device pool (`--device-blocks`, 12 blocks)
+is >= 8x smaller than each workload's working set, except in the bound configuration whose
+pool holds everything. Every configuration is its own vLLM process (`CONFIGS`, one entry
+each); the driver sends every request to all of them in a fresh shuffled order, so a slow
+moment of the machine (other jobs share these 2 cores) hits them alike. Both workloads run
+through the same processes, low reuse first.
+
+Workloads (ours, seeded):
+* low reuse: independent documents behind one 64-token system prompt (ideal reuse ~10%, all
+  of it the system prompt vLLM keeps on its own device);
+* high reuse: multi-turn chats round-robin, each turn the whole history again (ideal reuse
+  ~80%): by the time a chat comes back its history has left vLLM's device pool.
+
+TTFT is the wall time of a 1-token greedy generate. Reported per configuration: mean, p50, p90
+TTFT, the mean ratio vLLM alone / it, paired per-request ratios (median, p10), prompt tokens
+computed per request, tokens per tier (vLLM's device hits, kvtier host, kvtier storage), first
+generated token identical to vLLM alone, and the largest |logprob| difference of that token
+against vLLM alone. The bound's drift is vLLM's own prefix-cache drift on the same prompts
+(cached there, computed by vLLM alone). The load average is sampled around every request.
+
+    make vllm-env && .venv-vllm/bin/python bench/vllm_ttft_real.py            # ~15 min
+    .venv-vllm/bin/python bench/vllm_ttft_real.py --quick                     # ~4 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+BLOCK = 64
+VOCAB = 8192
+SYSTEM = 64  # tokens of the system prompt both workloads share
+
+# One entry per configuration: None is vLLM alone; {"device_blocks": n} changes vLLM's pool;
+# any other key goes to kvtier's connector config. Add a configuration by adding an entry.
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    "vllm": None,
+    "vllm bound": {"device_blocks": 512},
+    "kvtier host": {"host_blocks": 512, "storage_backend": "none"},
+    "kvtier host+file": {"host_blocks": 48, "storage_backend": "file",
+                         "prefetch_threshold": 2 * BLOCK},
+}
+
+
+def build_model(path: Path, layers: int) -> Path:
+    """The random Llama (transformers, no hub access), built once per path."""
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=1024, intermediate_size=2816,
+                      num_hidden_layers=layers, num_attention_heads=16,
+                      num_key_value_heads=4, max_position_embeddings=2048)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp)
+    tmp.rename(path)
+    return path
+
+
+def child(extra_json: str, device_blocks: int, model_dir: str) -> None:
+    """One vLLM process: read {"tokens": [...]} lines, answer one JSON line per request."""
+    # the small pool's (vLLM keeps one block back): every configuration takes the same
+    max_len = (device_blocks - 1) * BLOCK
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = json.loads(extra_json)
+    url_file = Path(tempfile.gettempdir()) / f"kvtier-ttft-admin-{os.getpid()}"
+    if extra is not None and "device_blocks" in extra:
+        device_blocks = extra.pop("device_blocks")
+        extra = extra or None
+    kw: dict[str, Any] = {"model": model_dir, "skip_tokenizer_init": True,
+                          "enforce_eager": True, "dtype": "bfloat16", "block_size": BLOCK,
+                          "num_gpu_blocks_override": device_blocks,
+                          "max_model_len": max_len, "seed": 0,
+                          "max_num_batched_tokens": max_len}
+    if extra is not None:
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"spec_name": "KvtierOffloadingSpec",
+                                       "spec_module_path": "kvtier.integrations.vllm",
+                                       "admin_port": 0, "admin_auth": "none",
+                                       "admin_url_file": str(url_file), **extra})
+    llm = LLM(**kw)
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
+    llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], sp, use_tqdm=False)  # warm-up
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        h0 = tier_hits(url_file) if extra is not None else (0, 0)
+        t = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=req["tokens"])], sp,
+                           use_tqdm=False)[0]
+        dt = time.perf_counter() - t
+        h1 = tier_hits(url_file) if extra is not None else (0, 0)
+        tok = int(out.outputs[0].token_ids[0])
+        lp = out.outputs[0].logprobs
+        logprob = float(lp[0][tok].logprob) if lp else float("nan")
+        print(json.dumps({"ttft_s": dt, "cached": int(out.num_cached_tokens or 0),
+                          "host": h1[0] - h0[0], "storage": h1[1] - h0[1],
+                          "next": tok, "logprob": logprob}), flush=True)
+    url_file.unlink(missing_ok=True)
+
+
+def tier_hits(url_file: Path) -> tuple[float, float]:
+    """kvtier's host and storage hit tokens so far, from its admin's Prometheus endpoint (the
+    admin starts with the connector's first lookup: zeros before)."""
+    if not url_file.exists():
+        return 0.0, 0.0
+    url = url_file.read_text().strip()
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    tiers = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^kvtier_hit_tokens_total\{tier="(\w+)"\} ([0-9.e+]+)$', text, re.M)}
+    return tiers.get("host", 0.0), tiers.get("storage", 0.0)
+
+
+def low_reuse(n: int, rng: random.Random) -> list[list[int]]:
+    """Independent documents of 8-10 blocks behind the shared system prompt."""
+    system = [rng.randrange(VOCAB) for _ in range(SYSTEM)]
+    return [system + [rng.randrange(VOCAB) for _ in range(rng.randrange(7, 10) * BLOCK)]
+            for _ in range(n)]
+
+
+def high_reuse(chats: int, turns: int, rng: random.Random) -> list[list[int]]:
+    """Chats round-robin, each request the chat's whole history (user 64 tokens, answer 48)."""
+    system = [rng.randrange(VOCAB) for _ in range(SYSTEM)]
+    hist = [list(system) for _ in range(chats)]
+    out: list[list[int]] = []
+    for _ in range(turns):
+        for h in hist:
+            h.extend(rng.randrange(VOCAB) for _ in range(64))
+            out.append(list(h))
+            h.extend(rng.randrange(VOCAB) for _ in range(48))
+    return out
+
+
+def ideal_reuse(requests: list[list[int]]) -> tuple[float, int]:
+    """Share of prompt tokens in full blocks some earlier request had (an unbounded prefix
+    cache), and the working set in blocks."""
+    seen: set[tuple[int, ...]] = set()
+    reused = total = 0
+    for r in requests:
+        total += len(r)
+        for b in range(len(r) // BLOCK):
+            key = tuple(r[:(b + 1) * BLOCK])
+            if key in seen:
+                reused += BLOCK
+            seen.add(key)
+    return reused / total, len(seen)
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def report(name: str, requests: list[list[int]], res: dict[str, list[dict[str, Any]]],
+           loads: list[float], device_blocks: int) -> str:
+    reuse, blocks = ideal_reuse(requests)
+    lines = [f"### {name}: {len(requests)} requests, prompts "
+             f"{min(map(len, requests))}..{max(map(len, requests))} tokens, ideal reuse "
+             f"{reuse:.0%}, working set {blocks} blocks of {BLOCK} tokens (vLLM's pool "
+             f"{device_blocks}: {blocks / device_blocks:.1f}x smaller); load average during "
+             f"the run {statistics.mean(loads):.2f} (min {min(loads):.2f}, max "
+             f"{max(loads):.2f})", "",
+             "| config | TTFT mean ms | p50 ms | p90 ms | vs vLLM mean | vs vLLM p90 "
+             "| paired ratio p50 (p10) | computed tok/req | device / host / storage tok/req "
+             "| same first token | max logprob drift |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = res["vllm"]
+    bt = [r["ttft_s"] for r in base]
+    for cfg, rs in res.items():
+        t = [r["ttft_s"] for r in rs]
+        paired = [a / b for a, b in zip(bt, t, strict=True)]
+        n = len(rs)
+        computed = statistics.mean(len(q) - r["cached"] for q, r in zip(requests, rs,
+                                                                         strict=True))
+        host = sum(r["host"] for r in rs) / n
+        storage = sum(r["storage"] for r in rs) / n
+        device = sum(r["cached"] for r in rs) / n - host - storage
+        same = sum(a["next"] == b["next"] for a, b in zip(rs, base, strict=True))
+        drift = max(abs(a["logprob"] - b["logprob"]) for a, b in zip(rs, base, strict=True))
+        lines.append(
+            f"| {cfg} | {statistics.mean(t) * 1e3:.0f} | {pct(t, .5) * 1e3:.0f} | "
+            f"{pct(t, .9) * 1e3:.0f} | {statistics.mean(bt) / statistics.mean(t):.2f}x | "
+            f"{pct(bt, .9) / pct(t, .9):.2f}x | {pct(paired, .5):.2f}x ({pct(paired, .1):.2f}x)"
+            f" | {computed:.0f} | {device:.0f} / {host:.0f} / {storage:.0f} | {same}/{n} | "
+            f"{drift:.4f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer requests and a 4-layer model (iteration, not figures)")
+    ap.add_argument("--low", type=int, default=20, help="low-reuse requests")
+    ap.add_argument("--chats", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--device-blocks", type=int, default=12)
+    ap.add_argument("--workload", choices=("both", "low", "high"), default="both")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", default=None, help="comma-separated configurations (vllm first)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is not None:
+        child(args.child, args.device_blocks, args.model_dir)
+        return 0
+    layers = 4 if args.quick else 12
+    if args.quick:
+        args.low, args.chats, args.turns = 8, 12, 2
+    rng = random.Random(args.seed)
+    workloads = {"low reuse": low_reuse(args.low, rng),
+                 "high reuse": high_reuse(args.chats, args.turns, rng)}
+    if args.workload != "both":
+        workloads = {k: v for k, v in workloads.items() if k.startswith(args.workload)}
+    model = build_model(Path(tempfile.gettempdir()) / f"kvtier-llama-{layers}x1024", layers)
+    configs = CONFIGS if args.only is None else {
+        k: CONFIGS[k] for k in args.only.split(",")}
+    tmp = tempfile.mkdtemp(prefix="kvtier-ttft-real-")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_LOGGING_LEVEL="ERROR")
+    procs: dict[str, subprocess.Popen[str]] = {}
+    # the children's log outlives the run (storage goes with `tmp`)
+    log = open(tmp + ".log", "w")  # noqa: SIM115 (open for the children)
+    out: list[str] = []
+    try:
+        for name, extra in configs.items():
+            if extra is not None and extra.get("storage_backend") == "file":
+                extra = dict(extra, storage_path=os.path.join(tmp, name.replace(" ", "_")))
+            procs[name] = subprocess.Popen(
+                [sys.executable, __file__, "--child", json.dumps(extra), "--model-dir",
+                 str(model), "--device-blocks", str(args.device_blocks)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+            assert procs[name].stdout is not None
+            if not procs[name].stdout.readline():  # one at a time: starts do not overlap
+                raise SystemExit(f"{name}: the vLLM process did not start (log: {log.name})")
+        for wname, requests in workloads.items():
+            res: dict[str, list[dict[str, Any]]] = {n: [] for n in procs}
+            loads: list[float] = []
+            for i, req in enumerate(requests):
+                order = list(procs)
+                random.Random(f"{wname}{i}").shuffle(order)
+                for name in order:
+                    loads.append(os.getloadavg()[0])
+                    p = procs[name]
+                    assert p.stdin is not None and p.stdout is not None
+                    p.stdin.write(json.dumps({"tokens": req}) + "\n")
+                    p.stdin.flush()
+                    line = p.stdout.readline()
+                    if not line:
+                        raise SystemExit(f"{name}: the vLLM process died (log: {log.name})")
+                    res[name].append(json.loads(line))
+                print(f"{wname}: {i + 1}/{len(requests)}", file=sys.stderr, flush=True)
+            out.append(report(wname, requests, res, loads, args.device_blocks))
+            print(out[-1] + "\n", flush=True)
+    finally:
+        for p in procs.values():
+            if p.stdin is not None:
+                p.stdin.close()
+        for p in procs.values():
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
