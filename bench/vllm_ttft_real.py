@@ -55,6 +55,9 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "kvtier host": {"host_blocks": 512, "storage_backend": "none"},
     "kvtier host+file": {"host_blocks": 48, "storage_backend": "file",
                          "prefetch_threshold": 2 * BLOCK},
+    # attached to the node's `kvtier serve` (issue 19): the same 512-block host tier, as the
+    # namespace's quota there (`attached_host_blocks`), storage off
+    "kvtier attached": {"attached_host_blocks": 512},
 }
 
 
@@ -95,13 +98,18 @@ def child(extra_json: str, device_blocks: int, model_dir: str) -> None:
     if extra is not None:
         from vllm.config import KVTransferConfig
 
+        spec = {"spec_name": "KvtierOffloadingSpec",
+                "spec_module_path": "kvtier.integrations.vllm"}
+        if "kvtier_serve" in extra:  # attached: the service's admin is the driver's
+            url_file = Path(extra.pop("serve_url_file"))
+            spec |= {"kvtier_serve": extra.pop("kvtier_serve")}
+        else:
+            spec |= {"admin_port": 0, "admin_auth": "none", "admin_url_file": str(url_file),
+                     **extra}
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"spec_name": "KvtierOffloadingSpec",
-                                       "spec_module_path": "kvtier.integrations.vllm",
-                                       "admin_port": 0, "admin_auth": "none",
-                                       "admin_url_file": str(url_file), **extra})
+            kv_connector_extra_config=spec)
     llm = LLM(**kw)
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], sp, use_tqdm=False)  # warm-up
@@ -133,7 +141,13 @@ def tier_hits(url_file: Path) -> tuple[float, float]:
         text = r.read().decode()
     tiers = {m.group(1): float(m.group(2)) for m in re.finditer(
         r'^kvtier_hit_tokens_total\{tier="(\w+)"\} ([0-9.e+]+)$', text, re.M)}
-    return tiers.get("host", 0.0), tiers.get("storage", 0.0)
+    # attached: the node service's per-namespace blocks loaded by its engines (one engine
+    # per namespace in this benchmark), by the tier the copy came from
+    node = {m.group(1): float(m.group(2)) * BLOCK for m in re.finditer(
+        r'^kvtier_node_engine_blocks_total\{[^}]*kind="loaded_(host|storage)"[^}]*\} '
+        r'([0-9.e+]+)$', text, re.M)}
+    return (tiers.get("host", 0.0) + node.get("host", 0.0),
+            tiers.get("storage", 0.0) + node.get("storage", 0.0))
 
 
 def low_reuse(n: int, rng: random.Random) -> list[list[int]]:
@@ -246,10 +260,14 @@ def main() -> int:
     # the children's log outlives the run (storage goes with `tmp`)
     log = open(tmp + ".log", "w")  # noqa: SIM115 (open for the children)
     out: list[str] = []
+    serve = None
     try:
         for name, extra in configs.items():
             if extra is not None and extra.get("storage_backend") == "file":
                 extra = dict(extra, storage_path=os.path.join(tmp, name.replace(" ", "_")))
+            if extra is not None and "attached_host_blocks" in extra:
+                serve = start_serve(Path(tmp), extra["attached_host_blocks"], layers)
+                extra = {"kvtier_serve": serve.socket_path, "serve_url_file": serve.url_file}
             procs[name] = subprocess.Popen(
                 [sys.executable, __file__, "--child", json.dumps(extra), "--model-dir",
                  str(model), "--device-blocks", str(args.device_blocks)],
@@ -286,9 +304,41 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if serve is not None:
+            serve.stop()
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+class _Serve:
+    """The node's `kvtier serve` for the attached configuration (examples/node_service.py's
+    `Serve`: storage off, admin on a loopback port without a token)."""
+
+    def __init__(self, serve: Any, socket_path: str, url_file: str) -> None:
+        self.serve, self.socket_path, self.url_file = serve, socket_path, url_file
+
+    def stop(self) -> None:
+        self.serve.stop()
+
+
+def start_serve(tmp: Path, host_blocks: int, layers: int) -> _Serve:
+    """Start `kvtier serve` with a namespace quota of `host_blocks` of this model's pages
+    (layers x K and V x 4 KV heads x 64 head size x 64 tokens x 2 bytes)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import node_service
+
+    work = tmp / "node"
+    (work / "run").mkdir(parents=True, mode=0o700)
+    sock = str(work / "run" / "node.sock")
+    serve = node_service.Serve(work, sock, f"ttftreal{os.getpid()}")
+    page = layers * 2 * 4 * 64 * BLOCK * 2
+    serve.toml.write_text(serve.toml.read_text().replace(
+        f"namespace_quota_bytes = {64 << 20}", f"namespace_quota_bytes = {host_blocks * page}"))
+    serve.start()
+    url_file = work / "serve-url"
+    url_file.write_text(serve.url)
+    return _Serve(serve, sock, str(url_file))
 
 
 if __name__ == "__main__":
