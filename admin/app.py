@@ -46,6 +46,7 @@ from kvtier.manager.errors import (
 )
 from kvtier.manager.keys import MAX_CONTENT_HASH_BYTES
 from kvtier.manager.launcher import WorkerStartError
+from kvtier.manager.node.server import NodeServer
 from kvtier.manager.stack import Stack
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import (
@@ -87,10 +88,12 @@ class AdminState:
 
     `accepting` only ever goes from True to False (the server is shutting down)."""
 
-    def __init__(self, stack: Stack, token: str | None) -> None:
+    def __init__(self, stack: Stack, token: str | None,
+                 node: NodeServer | None = None) -> None:
         self.stack = stack
+        self.node = node
         self.token = None if token is None else token.encode()
-        self.registry = build_registry(stack)
+        self.registry = build_registry(stack, node)
         self.started_at = time.monotonic()
         self._lock = threading.Lock()
         self.accepting = True
@@ -243,6 +246,9 @@ class ResetResult(BaseModel):
         None, description="with storage=true: `done`, or `running` (202) when clearing storage "
         "outlasted the wait and goes on in the background (`storage.clears_running` in "
         "/status counts it until it is done)")
+    namespaces: dict[str, dict[str, Any]] | None = Field(
+        None, description="`kvtier serve` with its node socket: per namespace, what was "
+        "cleared of the host tier its attached engines share (or the error that left it)")
 
 
 class Paused(BaseModel):
@@ -463,8 +469,10 @@ def _typed(handler: Callable[..., Any], **annotations: Any) -> Callable[..., Any
     return handler
 
 
-def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
-    """The admin app of `stack`.
+def create_app(stack: Stack, *, token: str | None = None,
+               node: NodeServer | None = None) -> FastAPI:
+    """The admin app of `stack` (and of the node service `node`: its attached engines and
+    namespaces in /status and /metrics, its namespaces emptied by /reset).
 
     `token`: the bearer token every POST must carry. None: as configured, that is no token at
     all with `admin.auth = "none"`, `admin.token` when set, else a random token made now (read
@@ -484,7 +492,7 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
                          "to serve without authentication")
     else:
         token_or_none = token
-    state = AdminState(stack, token_or_none)
+    state = AdminState(stack, token_or_none, node)
     app = FastAPI(
         title="kvtier admin",
         version="0.1.0",
@@ -557,6 +565,8 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
         out["ready"] = {"ready": ready and state.accepting,
                         "reason": why if state.accepting else state.refusal}
         out["uptime_s"] = round(time.monotonic() - state.started_at, 3)
+        if node is not None:
+            out["node"] = node.status()
         return out
 
     @app.get("/metrics", tags=["reads"], response_class=Response, responses={200: {
@@ -589,7 +599,9 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
         finished (requests in flight keep their blocks). 200 with what was cleared; 202 when
         clearing storage outlasts the wait (it goes on in the background); 409 with the
         reason, having cleared nothing, when transfers do not finish within `timeout`, storage
-        is asked for on a deployment without a storage tier, or a sleep conflicts."""
+        is asked for on a deployment without a storage tier, or a sleep conflicts. With the
+        node socket open, every namespace's host tier is emptied too: every attached engine
+        then recomputes."""
         if storage and stack.cfg.storage.backend == "none":
             return JSONResponse(
                 {"detail": "storage=true but storage.backend = 'none': there is no storage "
@@ -605,8 +617,10 @@ def create_app(stack: Stack, *, token: str | None = None) -> FastAPI:
                 {"detail": "reset incomplete: the device and host caches were cleared but "
                  f"clearing storage failed: {type(e).__name__}: {e}"}, status_code=500)
         state = cleared.pop("storage_clear", None)
-        return JSONResponse({"cleared": cleared, "storage": storage, "storage_clear": state},
-                            status_code=202 if state == "running" else 200)
+        out: dict[str, Any] = {"cleared": cleared, "storage": storage, "storage_clear": state}
+        if node is not None:  # what every attached engine sees: each namespace's host tier
+            out["namespaces"] = node.reset()
+        return JSONResponse(out, status_code=202 if state == "running" else 200)
 
     @app.post("/pause", tags=["operations"], dependencies=post_security,
               response_model=Paused, responses=POST_RESPONSES)

@@ -13,6 +13,7 @@ printed as one line naming the key and the value.
 
     config loaded and checked (file, env, machine, storage reachable)  -> "config: ..."
     admin socket bound (port 0: a free port)                           -> fails fast, exit 2
+    node socket bound (node.enabled; another live serve holds it)      -> fails fast, exit 2
     workers started, each ready                                        -> the launcher's lines
     admin serving                                                      -> "admin listening on URL"
     SIGTERM / SIGINT                                                   -> "stopping"
@@ -37,6 +38,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -163,11 +165,19 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
     # `status` never loads FastAPI or uvicorn.
     from kvtier.admin.app import create_app
     from kvtier.manager.errors import KvtierError
+    from kvtier.manager.node.server import NodeServer, NodeSocketError
     from kvtier.manager.stack import Stack
 
+    node = NodeServer(cfg) if cfg.node.enabled else None
+    if node is not None:
+        try:  # before any worker exists: a socket another serve holds is a usage error
+            node.start()
+        except NodeSocketError as e:
+            sock.close()
+            return _fail("serve", e, EXIT_USAGE)
     stack = Stack(cfg)
-    server = AdminServer(app := create_app(stack, token=token), cfg.admin.host, sock=sock,
-                         limits=cfg.admin)
+    server = AdminServer(app := create_app(stack, token=token, node=node), cfg.admin.host,
+                         sock=sock, limits=cfg.admin)
     code = EXIT_OK
     written = False  # whether this serve wrote the token file (and so removes it)
     try:
@@ -210,6 +220,8 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
     finally:
         phase[0] = "stopping"
         server.stop()
+        if node is not None:
+            node.stop()  # engines detached, every namespace's stack closed
         stack.close()
         if written:
             _forget_token(token, token_file)
@@ -403,6 +415,42 @@ def render_status(data: dict[str, Any]) -> None:
             console.print(f"  rank {rank}: {_backend_figures(figures)}")
     else:
         console.print("storage: none")
+    node = data.get("node")
+    if node:
+        _render_node(console, node)
+
+
+def _render_node(console: Any, node: dict[str, Any]) -> None:
+    """The node service: its namespaces and the engines attached to it."""
+    from rich import box
+    from rich.table import Table
+
+    console.print(f"node socket {node.get('socket')} (instance "
+                  f"{str(node.get('instance', ''))[:8]}, {node.get('dropped', 0)} connections "
+                  "refused or dropped)")
+    spaces = Table(title="namespaces", box=box.SIMPLE)
+    for col in ("namespace", "quota", "used", "engines", "looked up", "loaded (host)",
+                "loaded (storage)", "stored"):
+        spaces.add_column(col, justify="left" if col == "namespace" else "right")
+    for ns in node.get("namespaces", []):
+        b = ns.get("blocks", {})
+        spaces.add_row(str(ns.get("namespace"))[:40], _bytes(ns.get("quota_bytes")),
+                       _bytes(ns.get("used_bytes")), str(ns.get("engines")),
+                       str(b.get("looked_up")), str(b.get("loaded_host")),
+                       str(b.get("loaded_storage")), str(b.get("stored")))
+    console.print(spaces)
+    engines = Table(title="attached engines (blocks)", box=box.SIMPLE)
+    for col in ("pid", "namespace", "connected since", "lookups", "hits host",
+                "hits storage", "stores"):
+        engines.add_column(col, justify="left" if col in ("namespace", "connected since")
+                           else "right")
+    for e in node.get("engines", []):
+        since = time.strftime("%Y-%m-%d %H:%M:%S",
+                              time.localtime(float(e.get("connected_since", 0))))
+        engines.add_row(str(e.get("pid")), str(e.get("namespace"))[:40], since,
+                        str(e.get("lookups")), str(e.get("hit_host_blocks")),
+                        str(e.get("hit_storage_blocks")), str(e.get("stores")))
+    console.print(engines)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from kvtier.manager.node.server import NodeServer
     from kvtier.manager.scheduler import SchedulerStats
     from kvtier.manager.stack import Stack
 
@@ -335,7 +336,50 @@ class StackCollector(Collector):
         yield unrecoverable
 
 
-def build_registry(stack: Stack) -> CollectorRegistry:
+class NodeCollector(Collector):
+    """The node service's figures per namespace (label `namespace`: the engines' storage
+    namespace, never request data): host quota, bytes in use, engines attached, and per
+    namespace the engines' lookups, hits by tier and stores."""
+
+    def __init__(self, node: NodeServer) -> None:
+        self.node = node
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.node.status()
+        quota = GaugeMetricFamily("kvtier_node_namespace_quota_bytes",
+                                  "Host bytes the namespace may hold (all ranks).",
+                                  labels=["namespace"])
+        used = GaugeMetricFamily("kvtier_node_namespace_used_bytes",
+                                 "Host bytes the namespace holds now (all ranks).",
+                                 labels=["namespace"])
+        engines = GaugeMetricFamily("kvtier_node_namespace_engines",
+                                    "Engines attached to the namespace now.",
+                                    labels=["namespace"])
+        blocks = CounterMetricFamily(
+            "kvtier_node_engine_blocks",
+            "Blocks the attached engines of the namespace looked up, loaded from the host "
+            "tier (by where the copy came from: host or storage) and stored, since the "
+            "service started (engines that left included).", labels=["namespace", "kind"])
+        dropped = CounterMetricFamily(
+            "kvtier_node_connections_dropped",
+            "Engine connections refused or dropped (bad credentials, bad frames, not reading "
+            "replies).")
+        dropped.add_metric([], st["dropped"])
+        for ns in st["namespaces"]:
+            label = [ns["namespace"]]
+            quota.add_metric(label, ns["quota_bytes"])
+            used.add_metric(label, ns["used_bytes"])
+            engines.add_metric(label, ns["engines"])
+            for kind, n in ns["blocks"].items():
+                blocks.add_metric([*label, kind], n)
+        yield quota
+        yield used
+        yield engines
+        yield blocks
+        yield dropped
+
+
+def build_registry(stack: Stack, node: NodeServer | None = None) -> CollectorRegistry:
     """A registry of its own (not the process-global default, so two stacks in one process
     never mix) with the stack's collector, the transfer histogram fed by the stack's transfer
     observer, and the process collector (CPU, memory, open files of the manager process)."""
@@ -353,5 +397,7 @@ def build_registry(stack: Stack) -> CollectorRegistry:
 
     stack.add_transfer_observer(observe)
     registry.register(StackCollector(stack))
+    if node is not None:
+        registry.register(NodeCollector(node))
     ProcessCollector(registry=registry)
     return registry

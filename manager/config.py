@@ -408,6 +408,62 @@ class AdminConfig(BaseModel):
         return host
 
 
+class NodeConfig(BaseModel):
+    """The node service of `kvtier serve`: a Unix socket engines attach to (no TCP), and what
+    each namespace (one model's KV, as the storage namespace names it) may hold in host
+    memory. See `kvtier.manager.node`."""
+
+    model_config = _SECTION
+
+    enabled: bool = Field(True, description="open the engine socket (false: REST only)")
+    socket: str = Field(
+        "",
+        description="the engine socket's path; empty: $XDG_RUNTIME_DIR/kvtier/<deployment_id>/"
+        "node.sock, else the state dir's node.sock. Its directory is made private (0700)",
+    )
+    allowed_gid: int = Field(
+        -1, ge=-1, le=(1 << 32) - 2,
+        description="engines of this primary group may attach besides the service's own user "
+        "(-1: the service's user only)",
+    )
+    namespace_quota_bytes: int = Field(
+        1 << 30, ge=1, le=1 << 50,
+        description="host memory of one namespace over all its ranks, unless `quotas` names it",
+    )
+    quotas: dict[str, int] = Field(
+        default_factory=dict,
+        description="namespace -> host bytes over all its ranks, overriding "
+        "namespace_quota_bytes",
+    )
+    host_budget_bytes: int = Field(
+        0, ge=0, le=1 << 50,
+        description="host memory of all namespaces together; an attach of a new namespace "
+        "beyond it is refused (0: no node-wide limit)",
+    )
+    max_engines: int = Field(64, ge=1, le=4096, description="engine connections at once")
+    send_timeout_s: float = Field(
+        2.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
+        description="an engine that does not read its replies for this long is dropped",
+    )
+    abandon_grace_s: float = Field(
+        5.0, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
+        description="host blocks of stores a dead engine left open stay out of use this long "
+        "(a copy it had started may still land) before they are freed, never served",
+    )
+
+    @field_validator("quotas")
+    @classmethod
+    def _quotas_are_sizes(cls, value: dict[str, int]) -> dict[str, int]:
+        for ns, n in value.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"quota of namespace {ns!r}: expected bytes > 0, got {n!r}")
+        return value
+
+    def quota(self, namespace: str) -> int:
+        """Host bytes namespace `namespace` may hold, over all its ranks."""
+        return self.quotas.get(namespace, self.namespace_quota_bytes)
+
+
 class KvtierConfig(BaseSettings):
     """The whole configuration: a top-level `deployment_id` and one model per TOML section.
 
@@ -450,6 +506,11 @@ class KvtierConfig(BaseSettings):
     )
     admin: AdminConfig = Field(
         default_factory=AdminConfig, description="The admin HTTP API (REST, /metrics)."
+    )
+    node: NodeConfig = Field(
+        default_factory=NodeConfig,
+        description="The node service: engines attach over a Unix socket and share the host "
+        "tier by namespace.",
     )
 
     @classmethod
@@ -796,6 +857,18 @@ def _validate(data: Mapping[str, Any], origins: Mapping[tuple[str, ...], str]) -
         return KvtierConfig.model_validate(dict(data))
     except ValidationError as exc:
         raise ConfigError("; ".join(_describe(err, origins) for err in exc.errors())) from None
+
+
+def with_sections(cfg: KvtierConfig, updates: Mapping[str, Any],
+                  sections: Mapping[str, Mapping[str, Any]]) -> KvtierConfig:
+    """`cfg` with top-level `updates` and keys of `sections` replaced (a namespace's stack of
+    the node service: its geometry is the engine's), validated as at start. ConfigError
+    naming the key otherwise."""
+    data = cfg.model_dump(mode="python")
+    data |= dict(updates)
+    for name, keys in sections.items():
+        data[name] = dict(data[name]) | dict(keys)
+    return _validate(data, {})
 
 
 def with_pool_sizes(cfg: KvtierConfig, device_blocks: int, host_blocks: int) -> KvtierConfig:
@@ -1305,6 +1378,9 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         # JSON string escapes are a subset of TOML basic-string escapes.
         return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, dict):  # an inline table (node.quotas)
+        return "{" + ", ".join(f"{json.dumps(str(k), ensure_ascii=False)} = {_toml_value(v)}"
+                               for k, v in value.items()) + "}"
     raise TypeError(f"no TOML form for {type(value).__name__}")
 
 

@@ -48,7 +48,13 @@ from enum import Enum
 from kvtier.manager.core import native
 from kvtier.manager.core.cache import CacheCore
 from kvtier.manager.core.hooks import RequestState, StorageHooks
-from kvtier.manager.core.nodes import ENGINE_READ, ENGINE_WRITE, PREFETCHING, Node
+from kvtier.manager.core.nodes import (
+    ENGINE_READ,
+    ENGINE_WRITE,
+    FROM_STORAGE,
+    PREFETCHING,
+    Node,
+)
 from kvtier.manager.errors import InvalidRequestError
 
 _monotonic = time.monotonic
@@ -200,6 +206,12 @@ class KeyedHostCache:
                 asked[h] = (q, i)
             self._query(q, threshold_tokens)
             return Lookup.RETRY
+
+    def from_storage(self, block_hash: bytes) -> bool:
+        """Whether this block's host copy came from storage and was not loaded since."""
+        with self._lock:
+            node = self.m.lookup(engine_key(block_hash))
+            return node is not None and bool(node.flags & FROM_STORAGE)
 
     def count_hits(self, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of `hashes` are on the host and ready (one lock for all:
@@ -392,6 +404,22 @@ class KeyedHostCache:
             self._writers.clear()
             self._readers.clear()
             self._reads.clear()
+            self._abandoned.extend(nodes)
+            return nodes
+
+    def abandon_stores(self, hashes: Sequence[bytes]) -> list[Node]:
+        """One engine of several died with these stores prepared and not completed (one hash
+        per prepared store): like `abandon_engine_io`, for those copies only. The nodes stay
+        marked (never served) until `release_abandoned`."""
+        with self._lock:
+            nodes: list[Node] = []
+            for h in hashes:
+                fifo = self._writers.get(h)
+                if not fifo:
+                    continue
+                nodes.append(fifo.pop(0))
+                if not fifo:
+                    del self._writers[h]
             self._abandoned.extend(nodes)
             return nodes
 

@@ -31,6 +31,7 @@ from compose_support import (
     COMPOSE_FILE,
     DASHBOARD_JSON,
     DASHBOARD_PROVIDER_YML,
+    DOCKERFILE,
     DOCKERIGNORE,
     KVTIER_TOML,
     PROMETHEUS_YML,
@@ -130,8 +131,8 @@ def _urls_in(code: str) -> list[str]:
 
 
 def test_compose_file_is_valid_compose(resolved_compose):
-    assert set(resolved_compose["services"]) == {"kvtier", "vllm", "redis", "prometheus",
-                                                 "grafana"}
+    assert set(resolved_compose["services"]) == {"kvtier", "vllm", "vllm-b", "redis",
+                                                 "prometheus", "grafana"}
 
 
 def test_compose_validation_rejects_a_broken_file(tmp_path):
@@ -161,12 +162,21 @@ def test_kvtier_service_runs_serve_with_the_mounted_config():
 def test_shm_size_holds_the_host_pools(kvtier_cfg):
     host = host_pool_bytes(kvtier_cfg)
     assert host > 0
+    # the attached engines' namespaces, all together, and the vLLM services' own shared
+    # memory: they join this container's IPC namespace
+    engines = kvtier_cfg.node.host_budget_bytes
+    assert engines > 0, "node.host_budget_bytes = 0: the engines' host tiers are unbounded"
+    vllm_services = [n for n, svc in compose()["services"].items()
+                     if svc.get("ipc") == "service:kvtier"]
+    assert len(vllm_services) == 2, vllm_services
     shm = parse_bytes(compose()["services"]["kvtier"]["shm_size"])
-    assert shm >= host + SHM_MARGIN_BYTES, (shm, host)
+    need = host + engines + SHM_MARGIN_BYTES * (1 + len(vllm_services))
+    assert shm >= need, (shm, need)
     # The arithmetic in the comment must describe the current file.
     text = COMPOSE_FILE.read_text()
     assert str(page_bytes(kvtier_cfg)) in text
     assert str(host) in text
+    assert f"{engines >> 20} MiB" in text
 
 
 def test_kvtier_healthcheck_and_port_match_the_admin(kvtier_cfg):
@@ -463,35 +473,74 @@ def _vllm_dockerfile_runs() -> list[str]:
             if kw == "RUN" for part in rest.split("&&")]
 
 
-def test_vllm_service_builds_the_vllm_image_with_kvtier_as_its_tier(resolved_compose):
-    svc = resolved_compose["services"]["vllm"]
-    assert svc["build"]["dockerfile"] == "docker/Dockerfile.vllm"
-    env = svc["environment"]
-    assert env["KVTIER_CONFIG"] == "/etc/kvtier/kvtier.toml"
-    assert bind_mounts("vllm")["/etc/kvtier/kvtier.toml"] == VLLM_TOML.resolve()
-    # the Redis URL carries the password redis asks for; vLLM's hash seed is fixed
-    assert f":{REDIS_PASSWORD}@redis:6379" in env["KVTIER_STORAGE__URL"]
-    assert env["PYTHONHASHSEED"] == "0"
-    # vLLM's API and the kvtier admin inside it, on the host's loopback only
-    ports = set(compose()["services"]["vllm"]["ports"])  # "host_ip:published:target"
-    cfg = load_config(VLLM_TOML, {}, check_resources=False)
-    assert "127.0.0.1:8000:8000" in ports
-    assert any(p.startswith("127.0.0.1:") and p.endswith(f":{cfg.admin.port}") and p.count(":")
-               == 2 and not p.startswith("127.0.0.1:8000") for p in ports), ports
+def _named_volumes(service: dict[str, Any]) -> dict[str, str]:
+    """Container path -> named volume of a resolved service (short "src:dst[:mode]" or long
+    syntax; bind mounts are left out)."""
+    out: dict[str, str] = {}
+    for v in service.get("volumes", []):
+        if isinstance(v, dict):
+            if v.get("type") == "volume":
+                out[v["target"]] = v["source"]
+            continue
+        source, target = v.split(":")[:2]
+        if not source.startswith((".", "/")):
+            out[target] = source
+    return out
+
+
+def test_two_vllm_services_attach_to_the_node_service(resolved_compose):
+    """vllm and vllm-b: the vLLM image, attached to the kvtier service's socket (on a volume
+    both mount where the service puts it), in its IPC namespace (its /dev/shm, where the host
+    pools are), started once it is healthy; one model namespace (same model, same hash seed);
+    their APIs on the host's loopback only, and no kvtier admin or Redis credentials of their
+    own."""
+    services = resolved_compose["services"]
+    kvtier = services["kvtier"]
+    socket = kvtier["environment"]["KVTIER_NODE__SOCKET"]
+    socket_dir = socket.rsplit("/", 1)[0]
+    assert kvtier["ipc"] == "shareable"
+    volume_of = _named_volumes(kvtier)
+    assert socket_dir in volume_of, kvtier["volumes"]
+    published = []
+    for name in ("vllm", "vllm-b"):
+        svc = services[name]
+        assert svc["image"] == services["vllm"]["image"] == "kvtier-vllm:latest"
+        env = svc["environment"]
+        assert env["KVTIER_SERVE"] == socket, name
+        assert env["PYTHONHASHSEED"] == "0" and env["MODEL"] == services["vllm"][
+            "environment"]["MODEL"], name
+        assert not any(k.startswith("KVTIER_") and k != "KVTIER_SERVE" for k in env), env
+        mounts = _named_volumes(svc)
+        assert mounts.get(socket_dir) == volume_of[socket_dir], (name, svc["volumes"])
+        assert svc["ipc"] == "service:kvtier" and "shm_size" not in svc, name
+        assert svc["depends_on"]["kvtier"]["condition"] == "service_healthy", name
+        ports = compose()["services"][name]["ports"]
+        assert all(p.startswith("127.0.0.1:") and p.endswith(":8000") for p in ports), ports
+        published += ports
+    assert len(set(published)) == 2, published
+    assert services["vllm"]["build"]["dockerfile"] == "docker/Dockerfile.vllm"
     entry = (REPO / "docker" / "vllm-entrypoint.sh").read_text()
-    for needle in ("'KvtierConnector'", "'kvtier.integrations.vllm'",
+    for needle in ("'KvtierConnector'", "'kvtier.integrations.vllm'", "'kvtier_serve'",
                    "'KvtierOffloadingSpec'", "'kv_load_failure_policy': 'recompute'"):
         assert needle in entry, needle
 
 
-def test_vllm_kvtier_config_loads_and_shm_holds_its_host_tier():
+def test_the_socket_folder_is_the_kvtier_users_in_both_images():
+    """A named volume starts with the image's folder: /run/kvtier must be the kvtier user's
+    (uid 10001 in both images: the service checks engines' uid with SO_PEERCRED) and 0700."""
+    for dockerfile in (DOCKERFILE, VLLM_DOCKERFILE):
+        runs = [part.strip() for kw, rest in dockerfile_instructions(dockerfile)
+                if kw == "RUN" for part in rest.split("&&")]
+        assert "install -d -o kvtier -g kvtier -m 0700 /run/kvtier" in runs, dockerfile
+        assert any("--uid 10001" in r for r in runs), dockerfile
+
+
+def test_the_embedded_vllm_config_still_loads():
+    """docker/kvtier-vllm.toml: the configuration of a vLLM that runs its own kvtier
+    (KVTIER_SERVE unset, the file mounted at /etc/kvtier/kvtier.toml)."""
     cfg = load_config(VLLM_TOML, {}, check_resources=False)
     assert cfg.storage.backend == "redis" and urlsplit(cfg.storage.url).hostname == "redis"
-    # the tiny default model's block: 2 layers x (K+V) x 32 tokens x 2 heads x 64 x 2 bytes
-    block = 2 * 2 * 32 * 2 * 64 * 2
-    need = cfg.cache.host_blocks * block
-    shm = parse_bytes(compose()["services"]["vllm"]["shm_size"])
-    assert shm >= need + SHM_MARGIN_BYTES, (shm, need)
+    assert cfg.cache.host_blocks > 0
 
 
 def test_vllm_image_installs_what_make_vllm_env_installs():
@@ -520,7 +569,8 @@ def test_vllm_image_installs_what_make_vllm_env_installs():
             assert top in allowed, f".dockerignore excludes {source}"
 
 
-def test_prometheus_scrapes_vllm_and_the_kvtier_inside_it():
-    cfg = load_config(VLLM_TOML, {}, check_resources=False)
-    assert prometheus_targets("vllm") == ["vllm:8000"]
-    assert prometheus_targets("kvtier-vllm") == [f"vllm:{cfg.admin.port}"]
+def test_prometheus_scrapes_the_node_service_and_both_vllms(kvtier_cfg):
+    assert prometheus_targets() == [f"kvtier:{kvtier_cfg.admin.port}"]
+    assert prometheus_targets("vllm") == ["vllm:8000", "vllm-b:8000"]
+    jobs = [s["job_name"] for s in load_yaml(PROMETHEUS_YML)["scrape_configs"]]
+    assert jobs == ["kvtier", "vllm"], jobs

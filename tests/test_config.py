@@ -73,6 +73,9 @@ BRIEF_DEFAULTS = {
     "admin": {"host": "127.0.0.1", "port": 8080, "auth": "token", "token": "",
               "max_body_bytes": 4 * 1024**2, "max_pin_tokens": 262144, "max_extra_keys": 1024,
               "request_timeout_s": 10.0, "keep_alive_s": 5, "max_connections": 64},
+    "node": {"enabled": True, "socket": "", "allowed_gid": -1,
+             "namespace_quota_bytes": 1 << 30, "quotas": {}, "host_budget_bytes": 0,
+             "max_engines": 64, "send_timeout_s": 2.0, "abandon_grace_s": 5.0},
 }
 
 

@@ -257,3 +257,33 @@ def test_hybrid_one_groups_pages_missing_from_storage_means_a_recompute(
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_attached_mode_is_one_key_and_refuses_an_embedded_setting_in_one_line() -> None:
+    """`kvtier_serve` picks attached mode; with it, a setting of the instance's own kvtier
+    (host_blocks, storage_*, admin*) is refused naming the key, as is an empty socket path."""
+    code = (
+        "import json\n"
+        "from kvtier.integrations.vllm.defaults import check_extra_config\n"
+        "from kvtier.integrations.vllm.errors import VllmAdapterError\n"
+        "out = {}\n"
+        "for name, extra in (('ok', {'kvtier_serve': '/run/kvtier/node.sock'}),\n"
+        "                    ('clash', {'kvtier_serve': '/s', 'host_blocks': 8,\n"
+        "                               'storage_backend': 'file'}),\n"
+        "                    ('empty', {'kvtier_serve': ''}),\n"
+        "                    ('embedded', {'host_blocks': 8})):\n"
+        "    try:\n"
+        "        check_extra_config(extra)\n"
+        "        out[name] = 'accepted'\n"
+        "    except VllmAdapterError as e:\n"
+        "        out[name] = str(e)\n"
+        "print(json.dumps(out))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", code], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["ok"] == "accepted" and r["embedded"] == "accepted", r
+    for word in ("host_blocks", "storage_backend", "kvtier_serve = '/s'", "kvtier serve"):
+        assert word in r["clash"], r["clash"]
+    assert "kvtier_serve = ''" in r["empty"] and "\n" not in r["clash"] + r["empty"], r

@@ -116,12 +116,12 @@ def main() -> int:
         original = [t.clone() for t in tensors]
         # host page 0 is stale (another block's bytes were there): a group-1 store must not
         # carry them on
-        pool_bytes = worker._host_view(inode)
+        pool_bytes = worker.copier._host_view(seg, inode)
         assert pool_bytes is not None
         pool_bytes[3].fill_(0x5A)
         # vLLM block 2 of group 0 -> host 1; vLLM block 5 of group 1 -> host 3
         worker.submit_store(1, GPULoadStoreSpec([2, 5], [1, 1], [0, 0]),
-                            KvtierLoadStoreSpec([1, 3], (inode,)))
+                            KvtierLoadStoreSpec([1, 3], ((seg, inode),)))
         host = pool_bytes
         out["group0_page_exact"] = (torch.equal(host[1, 0].view(torch.int8), original[0][2])
                                     and torch.equal(host[1, 1].view(torch.int8),
@@ -129,7 +129,7 @@ def main() -> int:
         out["group1_page_exact"] = torch.equal(host[3, 0].view(torch.int8), original[0][5])
         out["group1_page_rest_zero"] = bool((host[3, 1] == 0).all())
         # and back into other vLLM blocks: group 0 -> block 6, group 1 -> block 7
-        worker.submit_load(2, KvtierLoadStoreSpec([1, 3], (inode,)),
+        worker.submit_load(2, KvtierLoadStoreSpec([1, 3], ((seg, inode),)),
                            GPULoadStoreSpec([6, 7], [1, 1], [0, 0]))
         out["round_trip_exact"] = (torch.equal(tensors[0][6], original[0][2])
                                    and torch.equal(tensors[1][6], original[1][2])
@@ -137,7 +137,8 @@ def main() -> int:
                                    and torch.equal(tensors[1][7], original[1][7]))
         out["jobs_done"] = sorted(r.job_id for r in worker.get_finished())
         out["bad_group_sizes_refused"] = refusal(lambda: worker.submit_store(
-            3, GPULoadStoreSpec([2, 5], [2], [0]), KvtierLoadStoreSpec([1, 3], (inode,))))
+            3, GPULoadStoreSpec([2, 5], [2], [0]),
+            KvtierLoadStoreSpec([1, 3], ((seg, inode),))))
         worker.shutdown()
     print(json.dumps(out), flush=True)
     return 0

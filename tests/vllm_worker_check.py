@@ -71,8 +71,8 @@ def main() -> int:
             return GPULoadStoreSpec(ids, [len(ids)], [0])
 
         # store vLLM blocks 3 and 5 into host blocks 0 and 1, then load them into 6 and 7
-        worker.submit_store(1, dev([3, 5]), KvtierLoadStoreSpec([0, 1], (inode,)))
-        worker.submit_load(2, KvtierLoadStoreSpec([0, 1], (inode,)), dev([6, 7]))
+        worker.submit_store(1, dev([3, 5]), KvtierLoadStoreSpec([0, 1], ((seg, inode),)))
+        worker.submit_load(2, KvtierLoadStoreSpec([0, 1], ((seg, inode),)), dev([6, 7]))
         done = sorted(r.job_id for r in worker.get_finished())
         out["jobs_done"] = done
         out["round_trip_exact"] = all(
@@ -85,7 +85,7 @@ def main() -> int:
 
         # a load planned against another segment copies nothing and is reported
         before = [t.clone() for t in layers]
-        worker.submit_load(3, KvtierLoadStoreSpec([0, 1], (inode + 1,)), dev([1, 2]))
+        worker.submit_load(3, KvtierLoadStoreSpec([0, 1], ((seg, inode + 1),)), dev([1, 2]))
         out["stale_load_errors"] = sorted(worker.take_load_errors())
         out["stale_load_copied_nothing"] = all(torch.equal(a, b)
                                                for a, b in zip(layers, before, strict=True))
@@ -104,10 +104,10 @@ def main() -> int:
              and sup.workers[0].proc.pid != old_pid, 60, "the replacement worker")
         new_inode = os.stat("/dev/shm" + seg).st_ino
         out["replaced_segment"] = new_inode != inode
-        worker.submit_store(5, dev([3, 5]), KvtierLoadStoreSpec([0, 1], (inode,)))
+        worker.submit_store(5, dev([3, 5]), KvtierLoadStoreSpec([0, 1], ((seg, inode),)))
         with HostPool.attach(seg, KVShape(LAYERS, HEADS, DIM, BLOCK, torch.float16)) as pool:
             out["stale_store_left_new_pool_alone"] = bool((pool.data[:2] == 0).all())
-        worker.submit_store(6, dev([3]), KvtierLoadStoreSpec([2], (new_inode,)))
+        worker.submit_store(6, dev([3]), KvtierLoadStoreSpec([2], ((seg, new_inode),)))
         with HostPool.attach(seg, KVShape(LAYERS, HEADS, DIM, BLOCK, torch.float16)) as pool:
             page = pool.data[2].view(LAYERS, LAYER_BYTES)
             out["store_into_new_pool_exact"] = all(

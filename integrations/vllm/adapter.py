@@ -5,15 +5,22 @@ vLLM owns the device tier (its block pool, its prefix cache, its attention layou
 tracks offloaded blocks by vLLM's block hashes, and a worker-side object that copies blocks
 between vLLM's KV tensors and the offloaded medium. `KvtierOffloadingSpec` provides both:
 
-* scheduler side (`KvtierOffloadingManager`): a kvtier `Stack` (manager plus kvtier worker
-  processes, one per rank, each owning its rank's host pool in shared memory and doing every
-  storage read and write), `KeyedHostCache` over it (lookups by vLLM's block hashes, the
-  policies, prefetch from storage, backup to storage), and kvtier's admin REST with its
-  Prometheus metrics on a thread;
+* scheduler side (`KvtierOffloadingManager`): vLLM's block hashes translated to kvtier's
+  key-addressed surface (lookups, prepared and completed loads and stores, touches) of an
+  `EngineCache` (`kvtier.engine.cache_api`). Embedded (the default): `EmbeddedDeployment`
+  (`kvtier.engine.embedded`), a kvtier `Stack` of manager plus worker processes, one per rank,
+  each owning its rank's host pool in shared memory and doing every storage read and write;
+  the policies, prefetch and backup to storage; kvtier's admin REST with its Prometheus
+  metrics on a thread;
 * worker side (`KvtierOffloadingWorker`, in vLLM's worker process, where its KV is reachable):
-  maps its rank's host pool segment and copies blocks between vLLM's per-layer KV tensors and
-  the host pages itself (CPU: `index_select`/`index_copy_`; CUDA: the same kernels on a stream
-  of their own through the pinned pool's device view, completion by event).
+  vLLM's KV tensors registered as per-group layer views and handed to kvtier's host-pool copier
+  (`kvtier.engine.host_copier`), which maps the host pool segment each transfer names and copies
+  blocks between vLLM's KV and the host pages (CPU: `index_select`/`index_copy_`; CUDA: the same
+  kernels on a stream of their own through the pinned pool's device view).
+
+The adapter is vLLM translation only: what is kvtier's own on the engine side (config from the
+KV geometry, defaults, the embedded stack, the copier) lives in `kvtier.engine`, the one part
+of kvtier it imports (a forbidden import contract in pyproject.toml).
 
 `KvtierConnector` is vLLM's `OffloadingConnector` plus one thing it lacks: a load that cannot be
 served (the host pool of that rank was replaced by a restarted kvtier worker since the load was
@@ -46,29 +53,23 @@ import hashlib
 import json
 import logging
 import os
-import re
-import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
 import torch
+from kvtier.engine.attached import attach
+from kvtier.engine.cache_api import EngineCache, InvalidRequestError, Lookup
+from kvtier.engine.defaults import apply_defaults
+from kvtier.engine.embedded import EmbeddedDeployment, KvtierConfig
+from kvtier.engine.errors import KvtierError
+from kvtier.engine.geometry import ITEMSIZE, KVGeometry, engine_config, kv_shape
+from kvtier.engine.host_copier import HostCopier
 from kvtier.integrations.vllm import defaults
 from kvtier.integrations.vllm.errors import VllmAdapterError
 from kvtier.integrations.vllm.kv_groups import KVGroup, describe_groups, primary_group
-from kvtier.manager import janitor
-from kvtier.manager.config import KvtierConfig, load_config
-from kvtier.manager.core.nodes import FROM_STORAGE
-from kvtier.manager.errors import InvalidRequestError
-from kvtier.manager.keyed import Lookup, engine_key
-from kvtier.manager.stack import Stack
-from kvtier.worker.errors import KvtierError
-from kvtier.worker.kv_pools import HostPool, KVShape, parse_dtype
-from kvtier.worker.spec import host_segment_name
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
@@ -100,7 +101,6 @@ MODULE_PATH = "kvtier.integrations.vllm"
 _DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16",
            "float32": "float32", "float": "float32", "fp8": "float8_e4m3fn",
            "fp8_e4m3": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 # vLLM's KVCacheConfig while KvtierConnector builds the spec (the spec itself is handed only
 # the OffloadingConfig, which lacks each group's attention kind and window)
@@ -165,7 +165,7 @@ def kv_groups(offloading: OffloadingConfig,
                 "kv_connector='KvtierConnector' hands it (not the plain OffloadingConnector)")
         return None
     return describe_groups(offloading, kv_cache_config,
-                           _ITEMSIZE[_kv_dtype(offloading.model.dtype)])
+                           ITEMSIZE[_kv_dtype(offloading.model.dtype)])
 
 
 def kvtier_config(offloading: OffloadingConfig, extra: Mapping[str, Any],
@@ -201,43 +201,12 @@ def kvtier_config(offloading: OffloadingConfig, extra: Mapping[str, Any],
                 f"vLLM reports {per_block} KV bytes per block over {layers} layers: not an "
                 "equal page per layer")
         block = group.tokens_per_block
-        heads, dim = _kv_heads_and_dim(per_block // layers, block, _ITEMSIZE[dtype])
-    env = {k: v for k, v in os.environ.items() if k.startswith("KVTIER_")}
-    env.update({
-        "KVTIER_DEPLOYMENT_ID": _deployment_id(offloading, extra),
-        "KVTIER_MODEL__NUM_LAYERS": str(layers),
-        "KVTIER_MODEL__NUM_KV_HEADS": str(heads),
-        "KVTIER_MODEL__HEAD_DIM": str(dim),
-        "KVTIER_MODEL__DTYPE": dtype,
-        # vLLM's KV cache has no per-block scales and no layers beyond the ones it registers
-        "KVTIER_MODEL__KV_SCALES": "none",
-        "KVTIER_MODEL__NUM_EXTRA_LAYERS": "0",
-        "KVTIER_CACHE__BLOCK_SIZE": str(block),
-        # vLLM owns the device tier; a kvtier worker keeps a one-block device pool it never
-        # uses (its host pool and storage I/O are what it is there for).
-        "KVTIER_CACHE__DEVICE_BLOCKS": "1",
-        "KVTIER_CACHE__DECODE_RESERVE_BLOCKS": "0",
-        "KVTIER_WORKERS__COUNT": str(offloading.parallel.world_size),
-        "KVTIER_WORKERS__DEVICE": "cpu",
-    })
-    for key, var in (("host_blocks", "KVTIER_CACHE__HOST_BLOCKS"),
-                     ("storage_backend", "KVTIER_STORAGE__BACKEND"),
-                     ("storage_path", "KVTIER_STORAGE__PATH"),
-                     ("storage_url", "KVTIER_STORAGE__URL"),
-                     ("prefetch_threshold", "KVTIER_STORAGE__PREFETCH_THRESHOLD"),
-                     ("admin_host", "KVTIER_ADMIN__HOST"),
-                     ("admin_port", "KVTIER_ADMIN__PORT"),
-                     ("admin_auth", "KVTIER_ADMIN__AUTH")):
-        if key in extra:
-            env[var] = str(extra[key])
+        heads, dim = _kv_heads_and_dim(per_block // layers, block, ITEMSIZE[dtype])
+    geometry = KVGeometry(layers=layers, kv_heads=heads, head_dim=dim, dtype=dtype,
+                          block_size=block, ranks=offloading.parallel.world_size)
     path = extra.get("kvtier_config")
-    return load_config(str(path) if path else None, env)
-
-
-def _shape(cfg: KvtierConfig) -> KVShape:
-    m = cfg.model
-    return KVShape(m.num_layers, m.num_kv_heads, m.head_dim, cfg.cache.block_size,
-                   parse_dtype(m.dtype))
+    return engine_config(geometry, _deployment_id(offloading, extra), extra,
+                         str(path) if path else None)
 
 
 def storage_namespace(offloading: OffloadingConfig,
@@ -279,16 +248,17 @@ def storage_namespace(offloading: OffloadingConfig,
 
 
 class KvtierLoadStoreSpec(LoadStoreSpec):  # type: ignore[misc,unused-ignore]
-    """Where blocks live in kvtier's host pools: one host block id per vLLM block, and the
-    inode of each rank's host segment when the copy was planned (a worker replaced since then
-    has a new segment: the copy is refused rather than done into the new one)."""
+    """Where blocks live in kvtier's host pools: one host block id per vLLM block, and each
+    rank's host segment (name, inode) when the copy was planned (a kvtier worker or service
+    replaced since then has a new segment: the copy is refused rather than done into it).
+    The worker side maps the segment the spec names, so it needs no connection of its own."""
 
-    def __init__(self, host_ids: list[int], inodes: tuple[int, ...]) -> None:
+    def __init__(self, host_ids: list[int], segments: tuple[tuple[str, int], ...]) -> None:
         self.block_ids = np.asarray(host_ids, dtype=np.int64)
-        self.inodes = inodes
+        self.segments = segments
 
     def __repr__(self) -> str:
-        return f"KvtierLoadStoreSpec({self.block_ids.tolist()}, inodes={self.inodes})"
+        return f"KvtierLoadStoreSpec({self.block_ids.tolist()}, segments={self.segments})"
 
 
 # ---------------------------------------------------------------------------- scheduler side
@@ -323,14 +293,21 @@ class _LazyKeys(Sequence[bytes]):
 
 
 class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
-    """vLLM's scheduler-side offloading manager over a kvtier `KeyedHostCache`.
+    """vLLM's scheduler-side offloading manager over kvtier's `EngineCache`, in one of two
+    modes chosen by `kvtier_serve` in kv_connector_extra_config:
 
-    Data structures: the keyed cache (tree, host LRU, storage tier) of the stack it owns;
-    `_groups`: vLLM's group id -> `KVGroup` (its kind, window and key space); `_inodes`: each
-    rank's host segment inode, read once per kvtier generation (a worker lost and replaced is
-    a new generation). Invariant: with several groups every key kvtier holds is a group's own
-    (`KVGroup.key`), so no group's copy ever answers for another's; with one group the key is
-    vLLM's block hash, as it always was."""
+    * embedded (no `kvtier_serve`): this instance's own kvtier (`EmbeddedDeployment`: stack,
+      watcher, admin REST); one instance, no service needed;
+    * attached (`kvtier_serve = "<socket path>"`): the node's `kvtier serve`, shared with the
+      node's other instances of the same namespace, over its socket (`NodeClient`); while the
+      service is unreachable lookups miss, stores are skipped and loads that cannot be served
+      are reported failed (vLLM recomputes), and the client reconnects with backoff.
+
+    Data structures: `cache`, the `EngineCache` of either mode; `node`, the embedded
+    deployment (None attached); `_groups`: vLLM's group id ->
+    `KVGroup` (its kind, window and key space). Invariant: with several groups every key
+    kvtier holds is a group's own (`KVGroup.key`), so no group's copy ever answers for
+    another's; with one group the key is vLLM's block hash, as it always was."""
 
     def __init__(self, spec: KvtierOffloadingSpec) -> None:
         cfg = spec.kvtier
@@ -344,66 +321,53 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self.blocks_by_group: dict[int, dict[str, int]] = {
             gid: {"loaded": 0, "stored": 0} for gid in (self._groups or [self._primary])}
         namespace, identity = storage_namespace(spec.config, groups)
+        shares = cfg.storage.backend != "none" or bool(spec.extra_config.get("kvtier_serve"))
         if identity.get("seed_from_env") is False and str(identity.get("hash")).startswith(
-                "xxhash") and cfg.storage.backend != "none":
+                "xxhash") and shares:
             log.warning("kvtier: vLLM hashes blocks with %s and PYTHONHASHSEED is not set, so "
                         "its block hashes are random per process: this instance will never "
-                        "share stored KV with another. Set PYTHONHASHSEED (the same in every "
-                        "instance) to share.", identity["hash"])
-        cfg, notes = defaults.apply_defaults(cfg, spec.extra_config)
-        self.cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
-            update={"name": namespace})})
-        # What dead deployments of earlier runs left (kill -9 of everything); then a watcher
-        # outside vLLM's process tree, which vLLM kills with SIGKILL on Ctrl-C and SIGTERM.
-        for dead, names in janitor.sweep_dead(defaults.DEPLOYMENT_PATTERN,
-                                              keep=self.cfg.deployment_id).items():
-            log.info("kvtier: removed %d names of dead deployment %s: %s", len(names), dead,
-                     " ".join(names))
-        self.stack = Stack(self.cfg, keyed_namespace=namespace.encode()).start()
-        try:
-            janitor.spawn_watcher(self.cfg.deployment_id)
-        except (OSError, subprocess.SubprocessError) as e:
-            log.warning("kvtier: no watcher for deployment %s (%s): if vLLM is killed, the "
-                        "next start removes its names", self.cfg.deployment_id, e)
-        self.cache = self.stack.require_keyed()
-        self._inodes: tuple[int, tuple[int, ...]] | None = None
-        self._abandoned: list[list[Any]] = []  # [steps left, nodes] per vLLM reset
+                        "share KV with another (stored, or on the node's host tier). Set "
+                        "PYTHONHASHSEED (the same in every instance) to share.",
+                        identity["hash"])
+        extra = spec.extra_config
+        self.node: EmbeddedDeployment | None = None
+        self.admin_url = ""
         # req id -> block hash -> whether its last load was its first hit from storage
         self._sources: dict[str, dict[bytes, bool]] = {}
-        self.admin: Any = None
-        self.admin_url = ""
-        self._token_file: Path | None = None  # a token generated for this run
         self._closed = False
-        if spec.extra_config.get("admin", True):
-            self._start_admin(spec.extra_config)
-        log.info("kvtier offloading: deployment %s, %d host blocks of %d bytes per rank, "
-                 "storage %s%s, admin %s; defaults: %s; namespace %s (%s)",
-                 self.cfg.deployment_id, self.cfg.cache.host_blocks, self.stack.page_bytes,
-                 self.cfg.storage.backend,
-                 f" {self.cfg.storage.path}" if self.cfg.storage.backend == "file" else "",
-                 self.admin_url + (f" (token in {self._token_file})" if self._token_file
-                                   else "") if self.admin_url else "off",
-                 "; ".join(notes) or "none", namespace,
-                 json.dumps(identity, sort_keys=True))
+        self.socket_path = str(extra.get("kvtier_serve") or "")
+        if self.socket_path:
+            self.cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
+                update={"name": namespace})})
+            self.cache: EngineCache = attach(
+                self.socket_path, namespace, self.cfg, hash_algo=str(identity.get("hash")),
+                hash_seed=str(identity.get("none_hash") or identity.get("seed")))
+            log.info("kvtier offloading: attached to kvtier serve at %s (%s), namespace %s "
+                     "(%s)", self.socket_path,
+                     "connected" if self.cache.host_pools() is not None
+                     else "not answering yet: lookups miss until it does",
+                     namespace, json.dumps(identity, sort_keys=True))
+        else:
+            cfg, notes = apply_defaults(cfg, extra)
+            self.cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
+                update={"name": namespace})})
+            self.node = EmbeddedDeployment(
+                self.cfg, namespace.encode(), sweep_pattern=defaults.DEPLOYMENT_PATTERN,
+                admin=bool(extra.get("admin", True)),
+                admin_url_file=str(extra.get("admin_url_file") or ""))
+            self.cache = self.node.cache
+            self.admin_url = self.node.admin_url
+            token_file = self.node.token_file
+            log.info("kvtier offloading: deployment %s, %d host blocks of %d bytes per rank, "
+                     "storage %s%s, admin %s; defaults: %s; namespace %s (%s)",
+                     self.cfg.deployment_id, self.cfg.cache.host_blocks, self.node.page_bytes,
+                     self.cfg.storage.backend,
+                     f" {self.cfg.storage.path}" if self.cfg.storage.backend == "file" else "",
+                     self.admin_url + (f" (token in {token_file})" if token_file else "")
+                     if self.admin_url else "off",
+                     "; ".join(notes) or "none", namespace,
+                     json.dumps(identity, sort_keys=True))
         atexit.register(self.shutdown)
-
-    def _start_admin(self, extra: Mapping[str, Any]) -> None:
-        from kvtier.admin.app import create_app
-        from kvtier.admin.auth import generate_token, token_path, write_token
-        from kvtier.admin.server import AdminServer
-
-        a = self.cfg.admin
-        token: str | None = a.token.get_secret_value() or None
-        if token is None and a.auth == "token":
-            token = generate_token()
-            self._token_file = token_path(self.cfg.deployment_id)
-            write_token(self._token_file, token)
-        self.admin = AdminServer(create_app(self.stack, token=token), a.host, a.port,
-                                 limits=a).start()
-        self.admin_url = self.admin.url
-        url_file = extra.get("admin_url_file")
-        if url_file:  # for scripts and tests that start vLLM with admin.port = 0
-            Path(str(url_file)).write_text(self.admin_url + "\n")
 
     # -- keys
 
@@ -442,17 +406,13 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         by it)."""
         return self.cache.storage_key(self._hash(key))
 
-    def _host_inodes(self) -> tuple[int, ...]:
-        gen = self.cache.generation
-        if self._inodes is None or self._inodes[0] != gen:
-            inodes = tuple(
-                os.stat("/dev/shm" + host_segment_name(self.cfg.deployment_id, r)).st_ino
-                for r in range(self.cfg.workers.count))
-            self._inodes = (gen, inodes)
-        return self._inodes[1]
-
-    def _spec(self, ids: list[int]) -> KvtierLoadStoreSpec:
-        return KvtierLoadStoreSpec(ids, self._host_inodes() if ids else ())
+    def _segments(self, generation: int) -> tuple[tuple[str, int], ...] | None:
+        """Each rank's host segment (name, inode) if they still belong to `generation` (the
+        one a plan was made under), else None: the plan's host block ids are void."""
+        pools = self.cache.host_pools()
+        if pools is None or pools.generation != generation:
+            return None
+        return tuple((seg.name, seg.inode) for seg in pools.segments)
 
     # -- OffloadingManager
 
@@ -497,7 +457,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         working them out for every lookup is quadratic in the prompt's blocks."""
         positions: dict[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
         at = positions.get(key)
-        if at is None or self.cache.storage is None:
+        if at is None or not self.cache.wants_following:
             return (), None
         gid = get_offload_group_idx(key)
         group = self._groups.get(gid)
@@ -522,8 +482,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         h = self._hash(key)
         stored = self._sources.get(req_context.req_id, {}).get(h)
         if stored is None:  # not loaded by this request: where it would come from now
-            node = self.stack.require_manager().lookup(engine_key(h))
-            stored = node is not None and bool(node.flags & FROM_STORAGE)
+            stored = self.cache.from_storage(h)
         return CacheHitSource.DISK if stored else CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey],
@@ -535,10 +494,16 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                    if self._keyed_groups else None)
         try:
             from_storage: list[bool] = []
-            spec = self._spec(self.cache.prepare_load(hashes, counted, from_storage))
+            generation = self.cache.generation
+            ids = self.cache.prepare_load(hashes, counted, from_storage)
+            segments = self._segments(generation)
+            if segments is None:  # the pools changed under the plan: no copy may use it
+                self.cache.complete_load(hashes)
+                raise InvalidRequestError("kvtier's host pools were replaced while the load "
+                                          "was planned")
             self._sources[req_context.req_id] = dict(zip(hashes, from_storage, strict=True))
             self._count(keys, "loaded")
-            return spec
+            return KvtierLoadStoreSpec(ids, segments)
         except InvalidRequestError as e:
             # A block vLLM saw as a HIT is gone since (evicted for a prefetch that landed
             # meanwhile, or lost with a worker): a spec no worker accepts, so the load is
@@ -557,8 +522,13 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                       req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
         hashes = self._hashes(keys)
+        generation = self.cache.generation
         plan = self.cache.prepare_store(hashes)
         if plan is None:
+            return None
+        segments = self._segments(generation) if plan.keys else ()
+        if segments is None:  # the pools changed under the plan: nothing is stored
+            self.cache.complete_store(plan.keys, ok=False)
             return None
         # kvtier's keys back to vLLM's (a group's key is not vLLM's block hash)
         offload_key = dict(zip(hashes, keys, strict=True))
@@ -566,7 +536,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self._count(stored, "stored")
         return PrepareStoreOutput(
             keys_to_store=stored,
-            store_spec=self._spec(plan.host_ids),
+            store_spec=KvtierLoadStoreSpec(plan.host_ids, segments),
             evicted_keys=[])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
@@ -581,37 +551,28 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         return self.cache.pending_work()
 
     def reset_cache(self) -> None:
-        """vLLM's reset_prefix_cache: kvtier's host tier is emptied too (storage is kept;
-        `POST /reset?storage=true` on kvtier's admin empties it). vLLM never completes the
-        copies it prepared before its reset: their host blocks are held for two more
-        scheduler steps (a deferred store may still run) and then given back, never served."""
-        self._abandoned.append([2, self.cache.abandon_engine_io()])
+        """vLLM's reset_prefix_cache: the copies vLLM prepared and never completes are
+        abandoned (held two more scheduler steps, a deferred store may still run, then given
+        back, never served); embedded, kvtier's host tier is emptied too (storage is kept;
+        `POST /reset?storage=true` on kvtier's admin empties it). Attached, the node's blocks
+        stay: other engines use them (the operator's `POST /reset` on the service empties
+        them)."""
         try:
-            self.stack.reset()
+            self.cache.reset()
         except KvtierError as e:  # transfers did not drain: the host tier stays as it was
             log.warning("kvtier: vLLM's cache reset could not empty kvtier's host tier: %s", e)
 
     def on_schedule_end(self, context: Any) -> None:
-        keep: list[list[Any]] = []
-        for entry in self._abandoned:
-            entry[0] -= 1
-            if entry[0] <= 0:
-                self.cache.release_abandoned(entry[1])
-            else:
-                keep.append(entry)
-        self._abandoned = keep
+        self.cache.end_step()
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self.admin is not None:
-            self.admin.stop()
-        self.stack.close()
-        if self._token_file is not None and re.fullmatch(defaults.DEPLOYMENT_PATTERN,
-                                                         self.cfg.deployment_id):
-            # the id is this run's only: its token folder would never be read again
-            shutil.rmtree(self._token_file.parent, ignore_errors=True)
+        if self.node is not None:
+            self.node.close()
+        else:
+            self.cache.close()
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -621,19 +582,17 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
     """Copies between vLLM's KV tensors and kvtier's host pool of this rank, in vLLM's worker
     process.
 
-    Data structures: `layers[l]`, vLLM's KV of layer l as a uint8 `[num_blocks, page]` view;
-    `_pool`, this rank's host pool, mapped lazily (the segment is created by kvtier's worker
-    process, which the scheduler side starts) and re-mapped when the planned copy names another
-    segment inode; `_jobs`, CUDA copies in flight (job id, event, bytes, start); `_done`,
-    finished jobs for `get_finished`; `_load_errors`, vLLM block ids of loads refused.
-    Invariant: a copy touches a host segment only when its inode is the one the scheduler side
-    planned the copy against."""
+    Data structures: `groups[g][l]`, vLLM's KV of layer l of group g as a uint8
+    `[num_blocks, layer_bytes]` view; `copier`, kvtier's host-pool copier over them
+    (`kvtier.engine.host_copier`: it maps the segment each copy names, lazily, and refuses a
+    segment replaced since the copy was planned); `_load_errors`, vLLM block ids of loads
+    refused, and `_failed_load_jobs` their job ids. Invariant: a copy touches a host segment
+    only when its name and inode are the ones the scheduler side planned it against."""
 
     def __init__(self, kv_caches: CanonicalKVCaches, cfg: KvtierConfig, rank: int) -> None:
-        shape = _shape(cfg)
+        shape = kv_shape(cfg)
         self.shape = shape
         self.rank = rank
-        self.segment = host_segment_name(cfg.deployment_id, rank)
         # groups[g][l]: vLLM's KV of layer l of group g (a host page holds one group's layers
         # of one block, the group's layer l at layer slot l; groups may share vLLM tensors)
         self.groups: list[list[torch.Tensor]] = []
@@ -658,43 +617,10 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
                 f"vLLM registered {len(self.groups[0])} KV layers, the spec was built for "
                 f"{shape.num_layers}")
         self.layers = self.groups[0]
-        self.device = self.layers[0].device
-        self._pool: HostPool | None = None
-        self._host: torch.Tensor | None = None  # [num_host_blocks, num_layers, layer_bytes]
-        self._stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
-                        else None)
-        self._jobs: list[tuple[int, Any, int, float]] = []
-        self._done: list[TransferResult] = []
+        self.copier = HostCopier(self.groups, shape)
         self._load_errors: set[int] = set()
         self._failed_load_jobs: set[int] = set()  # their job ids (several-group models)
         self._lock = threading.Lock()
-
-    # -- the host pool
-
-    def _host_view(self, inode: int) -> torch.Tensor | None:
-        pool = self._pool
-        if pool is None or pool.inode != inode:
-            if pool is not None:
-                self._host = None
-                pool.close()
-                self._pool = None
-            try:
-                pool = HostPool.attach(self.segment, self.shape)
-            except KvtierError as e:
-                log.warning("kvtier host pool %s cannot be mapped: %s", self.segment, e)
-                return None
-            if pool.inode != inode:  # replaced again since the copy was planned
-                pool.close()
-                return None
-            self._pool = pool
-            host = pool.device_view(self.device) if self.device.type == "cuda" else None
-            if host is None:
-                host = pool.data
-            # a page may be padded past its layers (kvtier.worker.page_layout)
-            kv_bytes = self.shape.num_layers * self.shape.layer_bytes
-            self._host = host[:, :kv_bytes].view(
-                pool.num_blocks, self.shape.num_layers, self.shape.layer_bytes)
-        return self._host
 
     # -- OffloadingWorker
 
@@ -712,85 +638,34 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             raise VllmAdapterError(f"not a kvtier spec: {host_spec!r}")
         dev_ids = np.asarray(dev_spec.block_ids, dtype=np.int64)
         host_ids = host_spec.block_ids
-        start = time.perf_counter()
-        nbytes = len(host_ids) * self.shape.page_bytes
-        inodes = host_spec.inodes
-        host = (self._host_view(inodes[self.rank])
-                if len(host_ids) and self.rank < len(inodes) else None)
-        if len(host_ids) and host is None:
-            # The segment the copy was planned against is gone (kvtier worker replaced): a
-            # store is dropped (the scheduler side wrote those blocks off with the old
-            # worker), a load is reported so vLLM recomputes those blocks.
-            if not store:
-                with self._lock:
-                    self._load_errors.update(int(b) for b in dev_ids)
-                    self._failed_load_jobs.add(job_id)
-            with self._lock:
-                self._done.append(TransferResult(job_id, True, 0, 0.0))
-            return True
-        if len(host_ids):
-            sizes = list(getattr(dev_spec, "group_sizes", None) or [len(dev_ids)])
-            if len(sizes) != len(self.groups) or sum(sizes) != len(dev_ids):
+        segments = host_spec.segments
+        sizes = list(getattr(dev_spec, "group_sizes", None) or [len(dev_ids)])
+        if len(host_ids) and self.rank >= len(segments):
+            self.copier.refuse(job_id)  # a plan the scheduler side refused (no segments)
+            copied = False
+        else:
+            if len(host_ids) and (len(sizes) != len(self.groups) or sum(sizes) != len(dev_ids)):
                 raise VllmAdapterError(
                     f"vLLM's transfer names {len(sizes)} groups of {sizes} blocks; kvtier "
                     f"copies {len(self.groups)} groups of {len(dev_ids)} blocks")
-            at = 0
-            for layers, n in zip(self.groups, sizes, strict=True):
-                if n:
-                    self._copy(host, dev_ids[at:at + n], host_ids[at:at + n], layers,
-                               store=store)
-                at += n
-        if self._stream is not None:
-            event = torch.cuda.Event()
-            event.record(self._stream)
+            name, inode = segments[self.rank] if len(host_ids) else ("", 0)
+            copied = self.copier.copy(job_id, dev_ids, host_ids, sizes, name, inode,
+                                      store=store)
+        if not copied and not store:
+            # The segment the copy was planned against is gone (kvtier worker or service
+            # replaced), or the plan was refused: the blocks are reported so vLLM recomputes
+            # them. A store is dropped (the cache side wrote those blocks off).
             with self._lock:
-                self._jobs.append((job_id, event, nbytes, start))
-        else:
-            with self._lock:
-                self._done.append(
-                    TransferResult(job_id, True, nbytes, time.perf_counter() - start))
+                self._load_errors.update(int(b) for b in dev_ids)
+                self._failed_load_jobs.add(job_id)
         return True
 
-    def _copy(self, host: torch.Tensor | None, dev_ids: np.ndarray, host_ids: np.ndarray,
-              layers: list[torch.Tensor], *, store: bool) -> None:
-        """Copy one group's blocks: its layer l to / from layer slot l of the host pages. A
-        store into a page with more layer slots than the group has zeroes the rest (a page
-        never carries bytes of a block it does not hold, into storage or elsewhere)."""
-        assert host is not None
-        dev = torch.from_numpy(dev_ids).to(self.device, non_blocking=True)
-        hid = torch.from_numpy(np.ascontiguousarray(host_ids)).to(host.device,
-                                                                  non_blocking=True)
-        ctx = (torch.cuda.stream(self._stream) if self._stream is not None
-               else contextlib.nullcontext())
-        with ctx:
-            if self._stream is not None:  # the KV it reads or writes was made on the
-                self._stream.wait_stream(torch.cuda.current_stream(self.device))  # main stream
-            for layer, kv in enumerate(layers):
-                if store:
-                    host[:, layer].index_copy_(0, hid, kv.index_select(0, dev))
-                else:
-                    kv.index_copy_(0, dev, host[:, layer].index_select(0, hid))
-            if store and len(layers) < host.shape[1]:
-                host[:, len(layers):].index_fill_(0, hid, 0)
-
     def get_finished(self) -> list[TransferResult]:
-        with self._lock:
-            still: list[tuple[int, Any, int, float]] = []
-            for job_id, event, nbytes, start in self._jobs:
-                if event.query():
-                    self._done.append(
-                        TransferResult(job_id, True, nbytes, time.perf_counter() - start))
-                else:
-                    still.append((job_id, event, nbytes, start))
-            self._jobs = still
-            done, self._done = self._done, []
-            return done
+        return [TransferResult(job_id, True, nbytes, seconds)
+                for job_id, nbytes, seconds in self.copier.finished()]
 
     def wait(self, job_ids: set[int]) -> None:
-        with self._lock:
-            events = [e for j, e, _, _ in self._jobs if j in job_ids]
-        for e in events:
-            e.synchronize()
+        self.copier.wait(job_ids)
 
     def take_load_errors(self) -> set[int]:
         """vLLM block ids of the loads refused since the last call."""
@@ -806,12 +681,7 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused-igno
             return jobs
 
     def shutdown(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
-        self._host = None
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        self.copier.close()
 
 
 # ---------------------------------------------------------------------------- the spec

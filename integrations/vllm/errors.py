@@ -3,7 +3,7 @@ without importing the others)."""
 
 from __future__ import annotations
 
-from kvtier.worker.errors import KvtierError
+from kvtier.engine.errors import KvtierError
 
 
 class VllmAdapterError(KvtierError, ValueError):

@@ -1,0 +1,173 @@
+"""The key-addressed surface an engine adapter calls: `EngineCache`, one contract, two homes.
+
+An engine that owns its device tier (vLLM) asks kvtier for a host tier (and storage behind it)
+addressed by its own block hashes. Two implementations answer the same calls:
+
+* embedded (`EmbeddedCache`, in `kvtier.engine.embedded_cache`): a kvtier `Stack` inside the
+  engine's process, over `kvtier.manager.keyed.KeyedHostCache`; one engine, no service.
+* attached (`NodeClient`, in `kvtier.engine.node_client`): the same calls over a Unix socket
+  to `kvtier serve`, the node's cache, which several engines share
+  (wire format: `kvtier.manager.node.wire`).
+
+An adapter is written once against this protocol and picks the home by configuration. The
+life cycle of a block, as the engine sees it (both homes)::
+
+    lookup(h, req, following)        HIT | PENDING | MISS | RETRY
+    prepare_store(hashes)            -> StorePlan (keys to copy, host block ids) | None
+      -> engine copies KV -> host pages of `host_pools()` (per rank)
+    complete_store(hashes, ok)       ok: servable to every engine of the namespace
+    prepare_load(hashes)             -> host block ids (pinned: never evicted meanwhile)
+      -> engine copies host pages -> KV
+    complete_load(hashes)            unpinned
+    end_step()                       once per scheduler step: batched messages go out,
+                                     copies abandoned by `reset` are released after 2 steps
+
+A copy may only touch the host pool segments `host_pools()` returned under the same
+`generation`: when the generation moves (a kvtier worker was replaced, the service
+restarted, the client reconnected to another service instance) every host block id handed
+out before is void, and the engine re-maps the segments (each named with its inode and the
+service instance nonce, so an old mapping is never mistaken for the new pool).
+
+Failure semantics (attached): while the service is unreachable every lookup answers MISS,
+`prepare_store` None, `prepare_load` raises `InvalidRequestError` (the adapter reports a load
+failure, the engine recomputes), completions are dropped; no call blocks longer than the
+client's stated bound (`NodeClient.call_timeout_s`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from kvtier.manager.errors import InvalidRequestError
+from kvtier.manager.keyed import Lookup, StorePlan
+
+__all__ = ["EngineCache", "HostPools", "InvalidRequestError", "Lookup", "PoolSegment",
+           "StorePlan"]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSegment:
+    """One rank's host pool: the POSIX shared-memory `name` (with its leading "/"), the
+    `inode` it had when handed out (a segment re-created under the same name is another
+    inode: never copy into it on an old plan) and its size in blocks."""
+
+    rank: int
+    name: str
+    inode: int
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class HostPools:
+    """Where host block ids point, per rank, for one `generation`; `nonce` names the cache
+    instance that owns the segments (embedded: the stack's, attached: the service's)."""
+
+    generation: int
+    nonce: bytes
+    segments: tuple[PoolSegment, ...]
+
+    def inodes(self) -> tuple[int, ...]:
+        return tuple(s.inode for s in self.segments)
+
+
+@runtime_checkable
+class EngineCache(Protocol):
+    """What an engine adapter may call. Hashes are the engine's chained block hashes (bytes,
+    non-empty; a hash names its whole prefix). Calls come from the engine's scheduler
+    thread; implementations are thread-safe anyway."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        ...
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever host block ids handed out before became void (see the module
+        docstring). Compare it with `HostPools.generation` before using a plan."""
+        ...
+
+    @property
+    def wants_following(self) -> bool:
+        """Whether `lookup` uses `following`: with a storage tier (both homes) and always
+        attached (the service answers a request's whole lookup in one round trip from it).
+        When False the adapter may pass `()` and save working the keys out."""
+        ...
+
+    def host_pools(self) -> HostPools | None:
+        """The host pool segments per rank and the generation they belong to; None while
+        there are none (attached: the service is unreachable)."""
+        ...
+
+    def storage_key(self, block_hash: bytes) -> bytes:
+        """The page name of a block in storage (SHA-256 over the namespace and the hash)."""
+        ...
+
+    def lookup(self, block_hash: bytes, request_id: str = "",
+               following: Sequence[bytes] = (), *,
+               threshold_tokens: int | None = None) -> Lookup:
+        """Is this block on the host and ready? `following`: the request's next hashes in
+        the order a hit is worth most with (see `KeyedHostCache.lookup`)."""
+        ...
+
+    def count_asked(self, request_id: str, blocks: int | Callable[[], int]) -> None:
+        """Count `blocks` looked-up blocks of a request once (the hit-rate denominator; a
+        callable is called only the first time a request is counted)."""
+        ...
+
+    def forget_request(self, request_id: str) -> None:
+        """The engine is done with a request."""
+        ...
+
+    def pending_work(self) -> bool:
+        """True while a storage query or prefetch is in flight: keep stepping."""
+        ...
+
+    def from_storage(self, block_hash: bytes) -> bool:
+        """Whether a cached block came from storage and has not been loaded since (where a
+        hit comes from, for the engine's metrics; False when unknown)."""
+        ...
+
+    def prepare_load(self, hashes: Sequence[bytes],
+                     count_tokens: Sequence[bool] | None = None,
+                     from_storage: list[bool] | None = None) -> list[int]:
+        """Host block ids of these blocks, pinned until `complete_load`; all or nothing.
+        Raises InvalidRequestError when one is not a HIT any more (or the service is
+        unreachable): the engine recomputes them."""
+        ...
+
+    def complete_load(self, hashes: Sequence[bytes]) -> None:
+        """The engine finished copying these blocks out of the host pool."""
+        ...
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        """The engine hit these blocks in its own device cache (recency only)."""
+        ...
+
+    def prepare_store(self, hashes: Sequence[bytes]) -> StorePlan | None:
+        """Host blocks for the blocks not cached yet; None when the host tier cannot take
+        them all now (nothing changed)."""
+        ...
+
+    def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
+        """The engine finished (ok) or gave up copying these blocks into the host blocks
+        `prepare_store` gave; a failed or abandoned store is never served."""
+        ...
+
+    def end_step(self) -> None:
+        """The engine's scheduler step ended (batched messages are flushed, copies abandoned
+        by `reset` are released once no copy can still run)."""
+        ...
+
+    def reset(self) -> None:
+        """The engine reset its own prefix cache: every copy it prepared and has not
+        completed is abandoned (never served). Embedded: the host tier is emptied too.
+        Attached: only this engine's copies are abandoned; the namespace's blocks stay (other
+        engines use them; the operator's `POST /reset` empties the node's cache)."""
+        ...
+
+    def close(self) -> None:
+        """Stop (embedded: the stack; attached: the connection). Idempotent."""
+        ...

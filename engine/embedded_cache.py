@@ -1,0 +1,128 @@
+"""`EngineCache` in the engine's own process: a kvtier `Stack` with its key-addressed surface.
+
+The embedded home of the contract in `kvtier.engine.cache_api`: one engine, no service. The
+stack's worker processes own one host pool segment per rank, named after the deployment id.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+
+from kvtier.engine.cache_api import HostPools, Lookup, PoolSegment, StorePlan
+from kvtier.manager.core.nodes import Node
+from kvtier.manager.keyed import KeyedHostCache
+from kvtier.manager.stack import Stack
+from kvtier.worker.spec import host_segment_name
+
+# vLLM may still run a store it deferred for a step after its prefix-cache reset: copies it
+# abandoned keep their host blocks this many scheduler steps before they are given back
+ABANDON_STEPS = 2
+
+
+class EmbeddedCache:
+    """`EngineCache` over a running `Stack(cfg, keyed_namespace=...)` this object owns.
+
+    Data structures: `_abandoned`, [steps left, nodes] per engine reset (copies the engine
+    will never complete, held until no deferred copy can still touch them); `_pools`, the
+    segments read once per generation. Invariant: a node in `_abandoned` is never served
+    (`KeyedHostCache.release_abandoned` drops it)."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.cache: KeyedHostCache = stack.require_keyed()
+        self._abandoned: list[tuple[list[int], list[Node]]] = []
+        self._pools: HostPools | None = None
+        self._nonce = os.urandom(8)
+        self._lock = threading.Lock()
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    @property
+    def generation(self) -> int:
+        return self.cache.generation
+
+    @property
+    def wants_following(self) -> bool:
+        return self.cache.storage is not None
+
+    def host_pools(self) -> HostPools | None:
+        gen = self.cache.generation
+        pools = self._pools
+        if pools is not None and pools.generation == gen:
+            return pools
+        cfg = self.stack.cfg
+        try:
+            segments = tuple(
+                PoolSegment(r, name, os.stat("/dev/shm" + name).st_ino, cfg.cache.host_blocks)
+                for r in range(cfg.workers.count)
+                for name in (host_segment_name(cfg.deployment_id, r),))
+        except OSError:
+            return None  # a worker is being replaced: no pool to copy into now
+        self._pools = HostPools(gen, self._nonce, segments)
+        return self._pools
+
+    def storage_key(self, block_hash: bytes) -> bytes:
+        return self.cache.storage_key(block_hash)
+
+    def lookup(self, block_hash: bytes, request_id: str = "",
+               following: Sequence[bytes] = (), *,
+               threshold_tokens: int | None = None) -> Lookup:
+        return self.cache.lookup(block_hash, request_id, following,
+                                 threshold_tokens=threshold_tokens)
+
+    def count_asked(self, request_id: str, blocks: int | Callable[[], int]) -> None:
+        self.cache.count_asked(request_id, blocks)
+
+    def forget_request(self, request_id: str) -> None:
+        self.cache.forget_request(request_id)
+
+    def pending_work(self) -> bool:
+        return self.cache.pending_work()
+
+    def from_storage(self, block_hash: bytes) -> bool:
+        return self.cache.from_storage(block_hash)
+
+    def prepare_load(self, hashes: Sequence[bytes],
+                     count_tokens: Sequence[bool] | None = None,
+                     from_storage: list[bool] | None = None) -> list[int]:
+        return self.cache.prepare_load(hashes, count_tokens, from_storage)
+
+    def complete_load(self, hashes: Sequence[bytes]) -> None:
+        self.cache.complete_load(hashes)
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        self.cache.touch(hashes)
+
+    def prepare_store(self, hashes: Sequence[bytes]) -> StorePlan | None:
+        return self.cache.prepare_store(hashes)
+
+    def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
+        self.cache.complete_store(hashes, ok)
+
+    def end_step(self) -> None:
+        with self._lock:
+            keep: list[tuple[list[int], list[Node]]] = []
+            for left, nodes in self._abandoned:
+                left[0] -= 1
+                if left[0] <= 0:
+                    self.cache.release_abandoned(nodes)
+                else:
+                    keep.append((left, nodes))
+            self._abandoned = keep
+
+    def reset(self) -> None:
+        """The engine's prefix-cache reset: its open copies are abandoned and the host tier
+        emptied (storage kept). Raises KvtierError when in-flight transfers do not drain
+        (the host tier then stays as it was)."""
+        with self._lock:
+            self._abandoned.append(([ABANDON_STEPS], self.cache.abandon_engine_io()))
+        self.stack.reset()
+
+    def close(self) -> None:
+        self.stack.close()
+
+

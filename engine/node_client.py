@@ -1,0 +1,415 @@
+"""`EngineCache` over the node socket: an engine attached to `kvtier serve`.
+
+The engine's scheduler calls this client exactly as it would call the embedded cache
+(`kvtier.engine.cache_api`). What goes over the socket (`kvtier.manager.node.wire`):
+
+* a lookup of a request asks the service about the block *and the request's following
+  blocks* in one round trip; the service answers the leading ready blocks and the first other
+  one, and the client answers the request's next lookups from that answer (each answer is
+  used once: a block asked again is asked again);
+* completions, touches, request bookkeeping are one-way: queued, and sent with the next
+  question or at the end of the scheduler step (`end_step`), in order;
+* `prepare_store` and `prepare_load` are one round trip each (whole batches).
+
+Connection states (one owner: this client, under `_lock`)::
+
+    DOWN --(background thread: connect + HELLO + WELCOME, backoff 0.05 s doubling to 5 s)--> UP
+    UP   --(send/receive error, timeout (`call_timeout_s`), ERROR frame, bad frame)--> DOWN
+
+While DOWN every call answers at once: lookups MISS, `prepare_store` None, `prepare_load`
+raises InvalidRequestError (the engine recomputes), one-way ops are dropped (the service ended
+the session and gave back what it held). No call waits longer than `call_timeout_s` (default
+1 s) for the service, and a call that timed out takes the client DOWN, so the next calls do
+not wait at all.
+
+Every UP starts a new `generation` (and so does a reply naming a new namespace generation:
+the service replaced a rank's worker). Host block ids handed out under another generation
+are void; `host_pools()` says which segments (name, inode) the current one means and the
+service instance nonce, so an engine never copies into a pool of an earlier service.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvtier.engine.cache_api import HostPools, InvalidRequestError, Lookup, PoolSegment, StorePlan
+from kvtier.manager.node import wire
+
+log = logging.getLogger("kvtier.engine")
+
+_LOOKUPS = {wire.LookupCode.HIT: Lookup.HIT, wire.LookupCode.PENDING: Lookup.PENDING,
+            wire.LookupCode.MISS: Lookup.MISS, wire.LookupCode.RETRY: Lookup.RETRY}
+_BY_CODE = {int(k): v for k, v in _LOOKUPS.items()}
+MAX_OUTBOX = 4096  # one-way records queued before they are sent without waiting for a step
+
+
+class NodeUnavailable(Exception):
+    """Internal: the service cannot be reached now (the caller answers a miss)."""
+
+
+class NodeClient:
+    """`EngineCache` over a node service's socket (see the module docstring).
+
+    Data structures: `_sock` (None while DOWN); `_outbox`, one-way op records not sent yet;
+    `_answers`, request id -> block hash -> the lookup answer the last round trip gave for
+    it (each used once); `_asked`, requests counted already; `_pools`, the segments of the
+    current generation. Invariant: `_outbox` and `_answers` are empty while DOWN (they belong
+    to a session the service has ended)."""
+
+    def __init__(self, path: str | Path, hello: wire.Hello, *, call_timeout_s: float = 1.0,
+                 attach_timeout_s: float = 60.0, backoff_s: tuple[float, float] = (0.05, 5.0),
+                 connect_now: bool = True) -> None:
+        self.path = str(path)
+        self.hello = hello
+        self.call_timeout_s = call_timeout_s
+        self.attach_timeout_s = attach_timeout_s
+        self._backoff = backoff_s
+        self._namespace = hello.namespace.encode()
+        self._lock = threading.RLock()
+        self._sock: socket.socket | None = None
+        self._seq = 0
+        self._generation = 0
+        self._server_gen = -1
+        self._nonce = b""
+        self._segments: tuple[wire.Segment, ...] = ()
+        self._pools: HostPools | None = None
+        self._outbox: list[wire.OpRecord] = []
+        self._answers: dict[str, dict[bytes, Lookup]] = {}
+        self._asked: set[str] = set()
+        self._pending = False
+        self._pending_at = 0.0
+        self._closed = threading.Event()
+        self._wake = threading.Event()
+        self.session = 0
+        self.quota_bytes = 0
+        self.last_error = ""
+        self.attaches = 0
+        if connect_now:
+            self._try_attach()
+        self._thread = threading.Thread(target=self._reconnect_loop, daemon=True,
+                                        name="kvtier-node-client")
+        self._thread.start()
+
+    # ------------------------------------------------------------------ connection
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def _try_attach(self) -> bool:
+        """Connect, say HELLO, read WELCOME (bounded by attach_timeout_s); True when UP."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.attach_timeout_s)
+            sock.connect(self.path)
+            sock.sendall(wire.encode_hello(self.hello))
+            ftype, _, body = _read_frame(sock, time.monotonic() + self.attach_timeout_s)
+            if ftype is wire.FrameType.ERROR:
+                raise NodeUnavailable(body.decode("utf-8", "replace"))
+            if ftype is not wire.FrameType.WELCOME:
+                raise wire.WireError(f"{ftype.name}: expected WELCOME")
+            welcome = wire.decode_welcome(body)
+        except (OSError, wire.WireError, NodeUnavailable) as e:
+            sock.close()
+            why = str(e) or e.__class__.__name__
+            if why != self.last_error:
+                log.warning("kvtier node %s: not attached (%s); lookups miss until it is",
+                            self.path, why)
+            self.last_error = why
+            return False
+        sock.settimeout(self.call_timeout_s)
+        with self._lock:
+            if self._closed.is_set():
+                sock.close()
+                return False
+            self._sock = sock
+            self._nonce = bytes.fromhex(welcome.nonce)
+            self._segments = welcome.segments
+            self.session = welcome.session
+            self.quota_bytes = welcome.quota_bytes
+            self.attaches += 1
+            self._new_generation(welcome.generation, welcomed=True)
+        self.last_error = ""
+        log.info("kvtier node %s: attached (session %d, instance %s, generation %d)",
+                 self.path, welcome.session, welcome.nonce[:8], self._generation)
+        return True
+
+    def _new_generation(self, server_gen: int, welcomed: bool = False) -> None:
+        """A new generation: the segments as they are now. Right after WELCOME each must be
+        the inode the service named (else it was replaced meanwhile: no pool until the
+        service's next generation); later (a rank's worker replaced) they are read anew."""
+        self._server_gen = server_gen
+        self._generation += 1
+        self._pools = None
+        try:
+            segs = tuple(PoolSegment(s.rank, s.name, os.stat("/dev/shm" + s.name).st_ino,
+                                     s.num_blocks) for s in self._segments)
+        except OSError:
+            return
+        if welcomed and any(a.inode != b.inode
+                            for a, b in zip(segs, self._segments, strict=True)):
+            return
+        self._pools = HostPools(self._generation, self._nonce, segs)
+
+    def _drop(self, why: str) -> None:
+        """DOWN: forget the session's state, void every host block id handed out."""
+        sock = self._sock
+        if sock is None:
+            return
+        self._sock = None
+        with contextlib.suppress(OSError):
+            sock.close()
+        self._outbox.clear()
+        self._answers.clear()
+        self._asked.clear()
+        self._pools = None
+        self._generation += 1
+        self.last_error = why
+        log.warning("kvtier node %s: connection lost (%s); lookups miss, reconnecting",
+                    self.path, why)
+        self._wake.set()
+
+    def _reconnect_loop(self) -> None:
+        delay = self._backoff[0]
+        while not self._closed.is_set():
+            if self._sock is not None:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                delay = self._backoff[0]
+                continue
+            if self._try_attach():
+                delay = self._backoff[0]
+                continue
+            self._closed.wait(delay)
+            delay = min(self._backoff[1], delay * 2)
+
+    # ------------------------------------------------------------------ frames
+
+    def _send(self, records: list[wire.OpRecord]) -> int:
+        sock = self._sock
+        if sock is None:
+            raise NodeUnavailable("not attached")
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        try:
+            sock.sendall(wire.encode_ops(records, self._seq))
+        except OSError as e:
+            self._drop(f"send failed: {e.strerror or e}")
+            raise NodeUnavailable(self.last_error) from None
+        return self._seq
+
+    def _ask(self, record: wire.OpRecord) -> wire.Reply:
+        """One round trip: queued one-way ops, then `record`; its reply. NodeUnavailable
+        (and DOWN) on any failure, within call_timeout_s."""
+        with self._lock:
+            records, self._outbox = self._outbox, []
+            records.append(record)
+            seq = self._send(records)
+            sock = self._sock
+            assert sock is not None
+            try:
+                ftype, rseq, body = _read_frame(sock, time.monotonic() + self.call_timeout_s)
+                if ftype is wire.FrameType.ERROR:
+                    raise wire.WireError("the service refused: "
+                                         + body.decode("utf-8", "replace"))
+                if ftype is not wire.FrameType.REPLY or rseq != seq:
+                    raise wire.WireError(f"{ftype.name} seq {rseq}: expected REPLY seq {seq}")
+                reply = wire.decode_reply(body)
+            except (OSError, wire.WireError) as e:
+                self._drop(str(e) or e.__class__.__name__)
+                raise NodeUnavailable(self.last_error) from None
+            if reply.generation != self._server_gen:
+                self._new_generation(reply.generation)
+            self._pending, self._pending_at = reply.pending, time.monotonic()
+            return reply
+
+    def _queue(self, record: wire.OpRecord) -> None:
+        with self._lock:
+            if self._sock is None:
+                return  # the session is gone, and what it held with it
+            self._outbox.append(record)
+            if len(self._outbox) >= MAX_OUTBOX:
+                self._flush()
+
+    def _flush(self) -> None:
+        with self._lock:
+            if not self._outbox or self._sock is None:
+                return
+            records, self._outbox = self._outbox, []
+            with contextlib.suppress(NodeUnavailable):
+                self._send(records)
+
+    # ------------------------------------------------------------------ EngineCache
+
+    @property
+    def block_size(self) -> int:
+        return self.hello.block_size
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def wants_following(self) -> bool:
+        return True
+
+    def host_pools(self) -> HostPools | None:
+        with self._lock:
+            return self._pools
+
+    def storage_key(self, block_hash: bytes) -> bytes:
+        return hashlib.sha256(self._namespace + block_hash).digest()
+
+    def lookup(self, block_hash: bytes, request_id: str = "",
+               following: Sequence[bytes] = (), *,
+               threshold_tokens: int | None = None) -> Lookup:
+        with self._lock:
+            if self._sock is None:
+                return Lookup.MISS
+            known = self._answers.get(request_id) if request_id else None
+            if known:
+                found = known.pop(block_hash, None)
+                if found is not None:
+                    return found
+            keys = [block_hash, *following]
+            try:
+                reply = self._ask(wire.OpRecord(
+                    wire.Op.LOOKUP, keys, request_id,
+                    value=-1 if threshold_tokens is None else threshold_tokens))
+            except NodeUnavailable:
+                return Lookup.MISS
+            codes = reply.flags
+            if not reply.ok or not codes:
+                return Lookup.MISS
+            if request_id:
+                self._answers[request_id] = {keys[i]: _BY_CODE[codes[i]]
+                                             for i in range(1, min(len(codes), len(keys)))}
+            return _BY_CODE.get(codes[0], Lookup.MISS)
+
+    def count_asked(self, request_id: str, blocks: int | Callable[[], int]) -> None:
+        with self._lock:
+            if self._sock is None or request_id in self._asked:
+                return
+            self._asked.add(request_id)
+            n = blocks() if callable(blocks) else blocks
+            self._queue(wire.OpRecord(wire.Op.COUNT_ASKED, request_id=request_id,
+                                      value=min(n, (1 << 31) - 1)))
+
+    def forget_request(self, request_id: str) -> None:
+        with self._lock:
+            self._asked.discard(request_id)
+            self._answers.pop(request_id, None)
+            self._queue(wire.OpRecord(wire.Op.FORGET, request_id=request_id))
+
+    def pending_work(self) -> bool:
+        with self._lock:
+            if self._sock is None:
+                return False
+            if time.monotonic() - self._pending_at < 0.005:  # a reply of this step said
+                return self._pending
+            try:
+                return self._ask(wire.OpRecord(wire.Op.PENDING)).pending
+            except NodeUnavailable:
+                return False
+
+    def from_storage(self, block_hash: bytes) -> bool:
+        return False  # known per load only (prepare_load's from_storage flags)
+
+    def prepare_load(self, hashes: Sequence[bytes],
+                     count_tokens: Sequence[bool] | None = None,
+                     from_storage: list[bool] | None = None) -> list[int]:
+        if count_tokens is not None and len(count_tokens) != len(hashes):
+            raise InvalidRequestError(
+                f"prepare_load: {len(count_tokens)} count_tokens flags for {len(hashes)} "
+                "blocks")
+        record = wire.OpRecord(wire.Op.PREPARE_LOAD, list(hashes),
+                               flag=0 if count_tokens is None else 1,
+                               extra=b"" if count_tokens is None else bytes(
+                                   map(bool, count_tokens)))
+        try:
+            reply = self._ask(record)
+        except NodeUnavailable as e:
+            raise InvalidRequestError(f"prepare_load: the node service is unreachable ({e})"
+                                      ) from None
+        if not reply.ok:
+            raise InvalidRequestError(reply.error or "prepare_load: refused")
+        if len(reply.ids) != len(hashes):
+            raise InvalidRequestError(f"prepare_load: {len(reply.ids)} ids for "
+                                      f"{len(hashes)} blocks")
+        if from_storage is not None:
+            from_storage.extend(bool(b) for b in reply.flags)
+        return reply.ids
+
+    def complete_load(self, hashes: Sequence[bytes]) -> None:
+        if hashes:
+            self._queue(wire.OpRecord(wire.Op.COMPLETE_LOAD, list(hashes)))
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        if hashes:
+            self._queue(wire.OpRecord(wire.Op.TOUCH, list(hashes)))
+
+    def prepare_store(self, hashes: Sequence[bytes]) -> StorePlan | None:
+        if not hashes:
+            return StorePlan([], [], 0)
+        try:
+            reply = self._ask(wire.OpRecord(wire.Op.PREPARE_STORE, list(hashes)))
+        except NodeUnavailable:
+            return None
+        if not reply.ok or len(reply.flags) != len(hashes):
+            return None
+        keys = [h for h, m in zip(hashes, reply.flags, strict=True) if m]
+        if len(keys) != len(reply.ids):
+            return None
+        return StorePlan(keys, reply.ids, reply.evicted)
+
+    def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
+        if hashes:
+            self._queue(wire.OpRecord(wire.Op.COMPLETE_STORE, list(hashes), flag=int(ok)))
+
+    def end_step(self) -> None:
+        self._flush()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._answers.clear()
+            self._queue(wire.OpRecord(wire.Op.RESET))
+            self._flush()
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._flush()
+        self._closed.set()
+        self._wake.set()
+        with self._lock:
+            sock, self._sock = self._sock, None
+            self._pools = None
+        if sock is not None:
+            sock.close()
+        self._thread.join(2.0)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no reply in time")
+        sock.settimeout(left)
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionResetError("the service closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def _read_frame(sock: socket.socket, deadline: float) -> tuple[wire.FrameType, int, bytes]:
+    n = wire.frame_length(_recv_exact(sock, wire.LEN_BYTES, deadline))
+    return wire.decode_head(_recv_exact(sock, n, deadline))

@@ -1,0 +1,416 @@
+"""One `kvtier serve` as the node's KV cache, two vLLM processes attached to it, checked exactly.
+
+Runs in the vLLM environment (`make vllm-env` builds `.venv-vllm`). It starts `kvtier serve`
+(storage off: every hit below comes from the node's host tier) with its engine socket in a
+private folder, then two vLLM engine processes, A and B, each with
+`kv_connector_extra_config = {"kvtier_serve": "<socket>", ...}` (attached mode) and the tiny
+random Llama of `examples/vllm_offload.py` (12 device blocks of 32 tokens, so nothing is
+shared through vLLM itself):
+
+* A serves prompt P cold; B (another process, its device cache empty) then serves P: vLLM
+  reports P's full blocks as cached (`instance_b_tokens_from_host`), they came from the node's
+  host tier (the service's per-engine counters say so), and B's tokens and logprobs equal A's
+  cold run exactly (`identical`). The admin of the service lists both engines.
+* Negative control: A serves Q cold, every page of the namespace's host pool is overwritten
+  behind the service's back, B serves Q: B loads Q's blocks (the same count) and its output
+  must differ (`negative_control_identical: false`), else the comparison could not fail.
+* `--kill-a`: A serves R cold, then a store-heavy batch, and is killed (SIGKILL) while
+  serving it (right after the batch's first prompt); a new A' serves R and the batch's first
+  prompt: it hits what A stored, exactly (`after_kill_a_*`), and the service lists only the
+  engines alive.
+* `--kill-serve`: `kvtier serve` is killed (SIGKILL) while B serves; B's requests complete
+  (recomputed) within `SERVE_DOWN_BOUND_S` each; serve is started again on the same socket, B
+  reconnects (backoff at most 5 s), stores anew and hits again (`after_restart_*`).
+
+The last line of output is one JSON object (with `--json`). Engine processes are this file
+run with `--engine`: they read one JSON command a line on stdin and answer one line on stdout
+prefixed with `@@ `.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# vLLM's block hashes are seeded from it: engines sharing the node must agree
+os.environ.setdefault("PYTHONHASHSEED", "0")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_offload
+
+PROMPT_TOKENS = vllm_offload.PROMPT_TOKENS
+VOCAB = vllm_offload.VOCAB
+PREFIX_TOKENS = (PROMPT_TOKENS // vllm_offload.BLOCK) * vllm_offload.BLOCK
+START_TIMEOUT_S = 300.0  # a vLLM engine process starting on a loaded 2-core machine
+ANSWER_TIMEOUT_S = 120.0  # one generate command
+SERVE_DOWN_BOUND_S = 30.0  # a request of an attached engine while its service is dead
+URL_LINE = re.compile(r"admin listening on (http://\S+)")
+MARK = "@@ "
+
+
+# ------------------------------------------------------------------------ engine process
+
+
+def engine_main(socket_path: str, model_dir: str) -> int:
+    """An attached vLLM engine driven over stdin/stdout (see the module docstring)."""
+    model = vllm_offload.build_model(Path(model_dir))
+    llm = vllm_offload.make_llm(model, {"kvtier_serve": socket_path})
+    manager = vllm_offload.kvtier_manager(llm)
+
+    def answer(obj: dict[str, Any]) -> None:
+        sys.stdout.write(MARK + json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    answer({"ready": True, "pid": os.getpid()})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "generate":
+            t = time.monotonic()
+            out = vllm_offload.generate(llm, cmd["tokens"])
+            out["seconds"] = round(time.monotonic() - t, 3)
+            answer(out)
+        elif cmd["op"] == "pools":
+            pools = manager.cache.host_pools()
+            answer({"segments": [] if pools is None else [s.name for s in pools.segments]})
+        elif cmd["op"] == "quit":
+            answer({"bye": True})
+            break
+    del llm
+    return 0
+
+
+class Engine:
+    """One engine child process (this file with --engine)."""
+
+    def __init__(self, name: str, socket_path: str, model_dir: str, log_dir: Path) -> None:
+        self.name = name
+        self.log_path = log_dir / f"engine-{name}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, __file__, "--engine", socket_path, "--model-dir", model_dir],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                env=env, bufsize=1)
+        self.pid = self.proc.pid
+        # a thread reads the answers (a select() on a buffered pipe misses lines already
+        # read into the buffer); None: the process closed its stdout
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._reader, daemon=True, name=f"engine-{name}").start()
+
+    def _reader(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                self._lines.put(line[len(MARK):])
+        self._lines.put(None)
+
+    def read(self, timeout: float) -> dict[str, Any]:
+        """The next answer, within `timeout` seconds (the process's log on failure)."""
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"engine {self.name}: no answer in {timeout:g} s\n"
+                               f"{self.tail()}") from None
+        if line is None:
+            raise RuntimeError(f"engine {self.name} exited ({self.proc.poll()}):\n"
+                               f"{self.tail()}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def send(self, cmd: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def generate(self, tokens: list[int], timeout: float = ANSWER_TIMEOUT_S) -> dict[str, Any]:
+        self.send({"op": "generate", "tokens": tokens})
+        return self.read(timeout)
+
+    def tail(self) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError, RuntimeError):
+                self.send({"op": "quit"})
+                self.read(30)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(30)
+        self.kill()
+
+
+# ------------------------------------------------------------------------ the service
+
+
+class Serve:
+    """`kvtier serve` with its engine socket at `socket_path`, storage off, admin on a free
+    loopback port without a token (a loopback-only demo)."""
+
+    def __init__(self, workdir: Path, socket_path: str, deployment_id: str) -> None:
+        self.workdir = workdir
+        self.toml = workdir / "kvtier.toml"
+        self.toml.write_text(
+            f'deployment_id = "{deployment_id}"\n'
+            # the service's own stack (replay, benchmarks): the smallest there is; engines'
+            # namespaces get stacks of their own geometry
+            "[model]\nnum_layers = 1\nnum_kv_heads = 1\nhead_dim = 8\n"
+            "[cache]\nblock_size = 4\ndevice_blocks = 4\nhost_blocks = 4\n"
+            '[storage]\nbackend = "none"\n'
+            '[workers]\ncount = 1\ndevice = "cpu"\n'
+            '[admin]\nhost = "127.0.0.1"\nport = 0\nauth = "none"\n'
+            f'[node]\nsocket = "{socket_path}"\nnamespace_quota_bytes = {64 << 20}\n')
+        self.deployment_id = deployment_id
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+        self.starts = 0
+
+    def start(self, timeout: float = 90.0) -> None:
+        self.starts += 1
+        log_path = self.workdir / f"serve-{self.starts}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        env["XDG_STATE_HOME"] = str(self.workdir / "state")
+        env["TMPDIR"] = str(self.workdir)
+        kvtier = Path(sys.executable).parent / "kvtier"
+        with log_path.open("wb") as log:
+            self.proc = subprocess.Popen([str(kvtier), "serve", "--config", str(self.toml)],
+                                         stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = URL_LINE.search(log_path.read_text(errors="replace"))
+            if found:
+                self.url = found.group(1)
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise RuntimeError(f"kvtier serve did not start:\n{log_path.read_text()[-3000:]}")
+
+    def status(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url + "/status", timeout=10) as r:
+            out: dict[str, Any] = json.loads(r.read())
+            return out
+
+    def kill(self) -> None:
+        """SIGKILL of the service's whole process group (its workers too, as a machine
+        crash would): the restarted service reclaims their names."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        with contextlib.suppress(ProcessLookupError):
+            if self.proc is not None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def engines(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """The engines the service's /status lists as attached."""
+    node = status.get("node") or {}
+    found: list[dict[str, Any]] = list(node.get("engines", []))
+    return found
+
+
+def corrupt(segments: list[str]) -> int:
+    """Overwrite every page of these host pool segments (the service is not told)."""
+    import mmap
+
+    total = 0
+    pattern = bytes(random.Random(7).randrange(256) for _ in range(4096))
+    for name in segments:
+        fd = os.open("/dev/shm" + name, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size)
+            for off in range(0, size, 4096):
+                n = min(4096, size - off)
+                mm[off:off + n] = pattern[:n]
+            mm.close()
+            total += size
+        finally:
+            os.close(fd)
+    return total
+
+
+def wait_for(pred: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise RuntimeError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+# ------------------------------------------------------------------------ the scenario
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), "kvtier-vllm-tiny-llama")
+    vllm_offload.build_model(Path(model_dir))
+    sock_dir = work / "run"
+    sock_dir.mkdir(mode=0o700)
+    socket_path = str(sock_dir / "node.sock")
+    serve = Serve(work, socket_path, f"nodeex{os.getpid()}")
+    started: list[Engine] = []
+    report: dict[str, Any] = {}
+    rng = random.Random(args.seed)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
+
+    def start_engine(name: str) -> Engine:
+        e = Engine(name, socket_path, model_dir, work)
+        started.append(e)
+        return e
+
+    try:
+        t0 = time.monotonic()
+        serve.start()
+        a, b = start_engine("a"), start_engine("b")  # both load vLLM at once
+        for e in (a, b):
+            e.read(START_TIMEOUT_S)
+        report["engines_started_seconds"] = round(time.monotonic() - t0, 1)
+        report["engines_seen_by_admin"] = len(wait_for(
+            lambda: len(engines(serve.status())) >= 2 and engines(serve.status()), 30,
+            "both engines in the service's /status"))
+
+        # A cold, then B from the node's host tier
+        p = prompt()
+        cold = a.generate(p)
+        warm_b = b.generate(p)
+        same, diff = vllm_offload.compare(cold, warm_b)
+        report.update({
+            "instance_b_tokens_from_host": warm_b["num_cached_tokens"],
+            "identical": same, "max_abs_logprob_diff": diff,
+            "instance_a_cold_cached_tokens": cold["num_cached_tokens"],
+            "engines": engines(serve.status()),
+        })
+
+        # negative control: the namespace's host pages overwritten before B loads Q
+        q = prompt()
+        cold_q = a.generate(q)
+        b.send({"op": "pools"})
+        segments = b.read(30)["segments"]
+        report["corrupted_bytes"] = corrupt(segments)
+        bad = b.generate(q)
+        report["negative_control_tokens_from_host"] = bad["num_cached_tokens"]
+        report["negative_control_identical"] = vllm_offload.compare(cold_q, bad)[0]
+
+        if args.kill_a:
+            r = prompt()
+            cold_r = a.generate(r)
+            batch = [prompt() for _ in range(6)]
+            for tokens in batch:  # queued: A stores each as it serves them
+                a.send({"op": "generate", "tokens": tokens})
+            served = a.read(ANSWER_TIMEOUT_S)  # the first is served, the next under way
+            a.kill()
+            report["killed_a_pid"] = a.pid
+            a2 = start_engine("a2")
+            a2.read(START_TIMEOUT_S)
+            again = a2.generate(r)
+            report["after_kill_a_tokens_from_host"] = again["num_cached_tokens"]
+            report["after_kill_a_identical"] = vllm_offload.compare(cold_r, again)[0]
+            # the batch's first prompt, which A served (cold) and stored just before it was
+            # killed: A' hits it, exactly
+            first_batch = a2.generate(batch[0])
+            report["after_kill_a_batch_tokens_from_host"] = first_batch["num_cached_tokens"]
+            report["after_kill_a_batch_identical"] = vllm_offload.compare(served,
+                                                                          first_batch)[0]
+            report["engines_after_kill_a"] = sorted(
+                e.get("pid", 0) for e in engines(serve.status()))
+            a2.close()
+
+        if args.kill_serve:
+            s = prompt()
+            b.send({"op": "generate", "tokens": s})
+            serve.kill()
+            t = time.monotonic()
+            down = b.read(SERVE_DOWN_BOUND_S + ANSWER_TIMEOUT_S)
+            report["serve_killed_request_seconds"] = round(time.monotonic() - t, 2)
+            times = [report["serve_killed_request_seconds"]]
+            for _ in range(2):  # served while the service is gone: recomputed
+                t = time.monotonic()
+                b.generate(prompt())
+                times.append(round(time.monotonic() - t, 2))
+            report["serve_down_request_seconds"] = times
+            report["serve_down_bound_s"] = SERVE_DOWN_BOUND_S
+            report["serve_down_tokens"] = len(down["tokens"])
+            serve.start()
+            wait_for(lambda: len(engines(serve.status())) >= 1, 60,
+                     "B attached to the restarted service")
+            report["engines_after_restart"] = len(engines(serve.status()))
+            u = prompt()
+            first = b.generate(u)
+            for _ in range(4):  # push U out of B's 12-block device cache
+                b.generate(prompt())
+            second = b.generate(u)
+            report["after_restart_tokens_from_host"] = second["num_cached_tokens"]
+            report["after_restart_identical"] = vllm_offload.compare(first, second)[0]
+        report["seconds"] = round(time.monotonic() - t0, 1)
+        return report
+    finally:
+        for e in started:
+            e.close()
+        serve.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object last")
+    ap.add_argument("--model-dir", default="", help="where the random model is built")
+    ap.add_argument("--kill-a", action="store_true",
+                    help="kill -9 engine A while it stores, then a new A' must hit exactly")
+    ap.add_argument("--kill-serve", action="store_true",
+                    help="kill -9 kvtier serve while B serves, restart it, B must hit again")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--engine", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.engine:
+        return engine_main(args.engine, args.model_dir)
+
+    def stop(signum: int, frame: Any) -> None:  # SIGTERM: clean up as on any error
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    with tempfile.TemporaryDirectory(prefix="kvtier-node-") as tmp:
+        report = run(args, Path(tmp))
+    first = {k: report.pop(k) for k in ("instance_b_tokens_from_host", "identical",
+                                         "engines_seen_by_admin")}
+    report = {**first, **report}
+    print(json.dumps(report) if args.json else json.dumps(report, indent=2), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""The namespaces a node service serves: one keyed stack per namespace, sized by its quota.
+
+A namespace is what makes one engine block hash mean the same KV bytes in two engines (the
+model, its KV layout, parallelism and hash seed: the vLLM adapter's storage namespace).
+Engines of one namespace share its blocks; engines of two namespaces never see each other's,
+because each namespace has a stack of its own (its own tree, host pools and LRU):
+
+    first attach of namespace N      geometry fixed (the engine's KV shape, block size, hash
+      -> Stack(cfg_N, keyed_namespace=N).start()   algorithm and seed, ranks), host pools of
+                                     quota_N // (page bytes x ranks) blocks per rank, worker
+                                     processes named after `deployment_id_N`; the storage
+                                     tier is the service's (same backend, pages namespaced)
+    later attach of N                must have the same geometry, else refused
+    engines of N detach / die        the stack stays: its blocks outlive every engine
+    kvtier serve stops               every stack closed, every segment unlinked
+
+Refusals (`NamespaceRefused`, one line): a geometry unlike the namespace's, a quota under one
+block, a new namespace beyond `node.host_budget_bytes`, a stack that does not start.
+
+Data structures: `Namespaces._by_name`: namespace -> `Namespace` (its config, stack, keyed
+surface, geometry, the sessions attached). Invariant: the sum of every namespace's host bytes
+stays within `node.host_budget_bytes` when that is set. A namespace's stack is started under
+the registry lock (an attach of another new namespace waits for it; engines already attached
+never take this lock).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from kvtier.manager.config import ConfigError, KvtierConfig, page_bytes, with_sections
+from kvtier.manager.errors import KvtierError
+from kvtier.manager.keyed import KeyedHostCache
+from kvtier.manager.node.wire import Hello, Segment
+from kvtier.manager.stack import Stack
+from kvtier.worker.spec import host_segment_name
+
+log = logging.getLogger("kvtier.node")
+
+
+class NamespaceRefused(KvtierError):
+    """An attach the node cannot serve; the message is the one line the engine is told."""
+
+
+def namespace_deployment_id(base: str, namespace: str) -> str:
+    """The deployment id of a namespace's stack: stable across restarts of the service (so a
+    killed service's segments are found and removed when the namespace attaches again), at
+    most 32 characters."""
+    digest = hashlib.sha256(f"{base}\0{namespace}".encode()).hexdigest()[:10]
+    return f"{base[:19].rstrip('-')}-n{digest}"
+
+
+class Namespace:
+    """One namespace's stack and who uses it.
+
+    Data structures: `stack` (keyed, started), `keyed` (its `KeyedHostCache`), `geometry`
+    (what every engine of it must match), `sessions` (ids of the engines attached now),
+    `engines_seen` (attaches ever). Invariant: `host_blocks * page_bytes * ranks` is at most
+    `quota_bytes`."""
+
+    def __init__(self, name: str, cfg: KvtierConfig, geometry: dict[str, Any],
+                 quota_bytes: int, stack: Stack) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.geometry = geometry
+        self.quota_bytes = quota_bytes
+        self.stack = stack
+        self.keyed: KeyedHostCache = stack.require_keyed()
+        self.ranks = cfg.workers.count
+        self.host_blocks = cfg.cache.host_blocks
+        self.page_bytes = page_bytes(cfg)
+        self.sessions: set[int] = set()
+        self.engines_seen = 0
+        self.created = time.time()
+        # blocks the engines of this namespace looked up / loaded (by where the host copy
+        # came from) / stored, engines that left included
+        self.blocks = dict.fromkeys(("looked_up", "loaded_host", "loaded_storage", "stored"),
+                                    0)
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host_blocks * self.page_bytes * self.ranks
+
+    def segments(self) -> tuple[Segment, ...]:
+        """The host pool of every rank, with its inode now (KvtierError while a rank's
+        worker is being replaced)."""
+        out = []
+        for r in range(self.ranks):
+            name = host_segment_name(self.cfg.deployment_id, r)
+            try:
+                inode = os.stat("/dev/shm" + name).st_ino
+            except OSError as e:
+                raise KvtierError(f"namespace {self.name!r}: host pool of rank {r} is not "
+                                  f"there now ({e.strerror})") from None
+            out.append(Segment(r, name, inode, self.host_blocks))
+        return tuple(out)
+
+    def used_bytes(self) -> int:
+        m = self.keyed.m
+        return (m.host_capacity - m.host_free) * self.page_bytes * self.ranks
+
+    def status(self) -> dict[str, Any]:
+        return {"namespace": self.name, "deployment_id": self.cfg.deployment_id,
+                "quota_bytes": self.quota_bytes, "host_bytes": self.host_bytes,
+                "used_bytes": self.used_bytes(), "host_blocks": self.host_blocks,
+                "ranks": self.ranks, "engines": len(self.sessions),
+                "engines_seen": self.engines_seen, "generation": self.keyed.generation,
+                "blocks": dict(self.blocks),
+                "counters": dict(self.keyed.counters)}
+
+
+class Namespaces:
+    """Every namespace of the node (see the module docstring)."""
+
+    def __init__(self, base: KvtierConfig) -> None:
+        self.base = base
+        self._by_name: dict[str, Namespace] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def namespace_config(self, hello: Hello) -> tuple[KvtierConfig, int]:
+        """The configuration of a namespace's stack and its quota in bytes."""
+        base = self.base
+        quota = base.node.quota(hello.namespace)
+        model = {k: hello.shape[k] for k in ("num_layers", "num_kv_heads", "head_dim", "dtype",
+                                              "num_extra_layers", "kv_scales")}
+        model["name"] = hello.namespace[:200]
+        sections: dict[str, dict[str, Any]] = {
+            "model": model,
+            # the engine owns the device tier: a one-block device pool nobody uses
+            "cache": {"block_size": hello.block_size, "device_blocks": 1,
+                      "decode_reserve_blocks": 0, "host_blocks": 1},
+            "workers": {"count": hello.ranks, "device": "cpu", "engine_kv": False,
+                        "cuda_devices": ""},
+            "storage": {"prefetch_host_blocks_limit": None},
+        }
+        did = namespace_deployment_id(base.deployment_id, hello.namespace)
+        try:
+            probe = with_sections(base, {"deployment_id": did}, sections)
+            per_block = page_bytes(probe) * hello.ranks
+            blocks = quota // per_block
+            if blocks < 1:
+                raise NamespaceRefused(
+                    f"namespace {hello.namespace!r}: its quota of {quota} bytes "
+                    f"(node.namespace_quota_bytes / node.quotas) is less than one block "
+                    f"({per_block} bytes over {hello.ranks} rank(s))")
+            sections["cache"]["host_blocks"] = blocks
+            return with_sections(base, {"deployment_id": did}, sections), quota
+        except ConfigError as e:
+            raise NamespaceRefused(f"namespace {hello.namespace!r}: the engine's geometry "
+                                   f"is not one kvtier can hold: {e}") from None
+
+    def attach(self, hello: Hello, session: int) -> Namespace:
+        """The namespace of this engine, started on its first attach. NamespaceRefused."""
+        geometry = hello.geometry()
+        with self._lock:
+            if self._closed:
+                raise NamespaceRefused("the node service is stopping")
+            ns = self._by_name.get(hello.namespace)
+            if ns is None:
+                ns = self._start(hello, geometry)
+            elif ns.geometry != geometry:
+                diff = sorted(k for k in geometry if geometry[k] != ns.geometry.get(k))
+                raise NamespaceRefused(
+                    f"namespace {hello.namespace!r} is attached with another geometry "
+                    f"({', '.join(diff)} differ: {[ns.geometry[k] for k in diff]} there, "
+                    f"{[geometry[k] for k in diff]} here)")
+            ns.sessions.add(session)
+            ns.engines_seen += 1
+            return ns
+
+    def _start(self, hello: Hello, geometry: dict[str, Any]) -> Namespace:
+        cfg, quota = self.namespace_config(hello)
+        budget = self.base.node.host_budget_bytes
+        host = cfg.cache.host_blocks * page_bytes(cfg) * cfg.workers.count
+        used = sum(n.host_bytes for n in self._by_name.values())
+        if budget and used + host > budget:
+            raise NamespaceRefused(
+                f"namespace {hello.namespace!r}: {host} more host bytes would exceed "
+                f"node.host_budget_bytes = {budget} ({used} held by "
+                f"{len(self._by_name)} namespace(s))")
+        log.info("namespace %r: starting its stack %s (%d host blocks of %d bytes x %d "
+                 "rank(s), quota %d bytes)", hello.namespace, cfg.deployment_id,
+                 cfg.cache.host_blocks, page_bytes(cfg), cfg.workers.count, quota)
+        stack = Stack(cfg, keyed_namespace=hello.namespace.encode())
+        try:
+            stack.start()
+        except KvtierError as e:
+            raise NamespaceRefused(
+                f"namespace {hello.namespace!r}: its stack did not start: {e}") from None
+        ns = Namespace(hello.namespace, cfg, geometry, quota, stack)
+        self._by_name[hello.namespace] = ns
+        return ns
+
+    def detach(self, ns: Namespace, session: int) -> None:
+        with self._lock:
+            ns.sessions.discard(session)
+
+    def all(self) -> list[Namespace]:
+        with self._lock:
+            return list(self._by_name.values())
+
+    def reset(self) -> dict[str, Any]:
+        """Empty every namespace's host tier (storage kept); per namespace what was cleared
+        (or the error that left it as it was)."""
+        out: dict[str, Any] = {}
+        for ns in self.all():
+            try:
+                out[ns.name] = ns.stack.reset()
+            except KvtierError as e:
+                out[ns.name] = {"error": str(e)}
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            stacks = list(self._by_name.values())
+            self._by_name.clear()
+        for ns in stacks:
+            ns.stack.close()

@@ -1,0 +1,562 @@
+"""The node service's engine endpoint: a Unix socket, one session per engine connection.
+
+`kvtier serve` opens it (`NodeServer(cfg).start()`). Only local engines can reach it: a Unix
+stream socket in a private directory (0700; 0710 and group-owned with `node.allowed_gid`),
+the socket file 0600 (0660), each peer checked with SO_PEERCRED (the service's uid, or the
+allowed primary gid). No TCP. A `node.lock` file in the directory, flocked for the service's
+life, makes a second service on the same path fail at start; the socket a dead service left
+is removed and bound again.
+
+One session per connection, each on a thread of its own, so a slow engine only ever waits
+for itself::
+
+    connected    peer credentials checked (refused: ERROR frame, closed, one log line)
+      -> HELLO within HELLO_TIMEOUT_S   namespace attached (`namespaces.Namespaces.attach`,
+                                     its stack started on the first attach)  -> WELCOME
+      -> OPS frames                  one-way ops applied in order; the asking op answered
+                                     with one REPLY. Completions count only for keys this
+                                     session prepared (another engine's copies are not its to
+                                     finish)
+      -> closed / killed / bad frame / reply not read within node.send_timeout_s
+         (SO_SNDTIMEO) / a frame begun and not finished within FRAME_TIMEOUT_S
+                                     session ends: its open loads unpinned at once, its open
+                                     stores abandoned (never served) and their host blocks
+                                     freed after node.abandon_grace_s (a copy the engine had
+                                     started may still land), its storage queries forgotten;
+                                     everything else stays cached
+
+Request ids are the engine's; they are kept apart per session (`<session>:<id>`), so two
+engines using the same ids never share a storage query.
+
+Data structures: `NodeServer._sessions`: session id -> `Session`; `_graves`: (deadline,
+namespace, nodes) of abandoned stores waiting for their grace to end. Invariant: a session's
+`stores` / `loads` count, per key, the copies it prepared and has not completed; they are
+exactly what its end gives back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, overload
+
+from kvtier.manager.config import KvtierConfig
+from kvtier.manager.core.nodes import Node
+from kvtier.manager.errors import InvalidRequestError, KvtierError
+from kvtier.manager.keyed import Lookup
+from kvtier.manager.node import wire
+from kvtier.manager.node.namespaces import Namespace, NamespaceRefused, Namespaces
+
+log = logging.getLogger("kvtier.node")
+
+HELLO_TIMEOUT_S = 10.0  # a connection that says nothing is dropped after this
+FRAME_TIMEOUT_S = 5.0  # a frame begun must be complete within this
+SOCKET_NAME = "node.sock"
+LOCK_NAME = "node.lock"
+_UCRED = struct.Struct("3i")
+_CODES = {Lookup.HIT: wire.LookupCode.HIT, Lookup.PENDING: wire.LookupCode.PENDING,
+          Lookup.MISS: wire.LookupCode.MISS, Lookup.RETRY: wire.LookupCode.RETRY}
+
+
+class NodeSocketError(KvtierError):
+    """The engine socket cannot be opened (path, directory, another live service)."""
+
+
+def socket_path(cfg: KvtierConfig, env: Mapping[str, str] | None = None) -> Path:
+    """`node.socket`, or $XDG_RUNTIME_DIR/kvtier/<deployment_id>/node.sock, or the state
+    directory's node.sock when XDG_RUNTIME_DIR is unset or not absolute."""
+    if cfg.node.socket:
+        return Path(cfg.node.socket).absolute()
+    e = os.environ if env is None else env
+    run = e.get("XDG_RUNTIME_DIR", "")
+    if run and os.path.isabs(run):
+        return Path(run) / "kvtier" / cfg.deployment_id / SOCKET_NAME
+    state = e.get("XDG_STATE_HOME", "")
+    base = Path(state) if state and os.path.isabs(state) else Path.home() / ".local" / "state"
+    return base / "kvtier" / cfg.deployment_id / SOCKET_NAME
+
+
+class _Tail(Sequence[bytes]):
+    """keys[start:] without a copy (a storage query reads it only when it makes one)."""
+
+    def __init__(self, keys: list[bytes], start: int) -> None:
+        self._keys, self._start = keys, start
+
+    def __len__(self) -> int:
+        return max(0, len(self._keys) - self._start)
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[bytes]: ...
+
+    def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
+        return self._keys[self._start:][i]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return itertools.islice(self._keys, self._start, None)
+
+
+class Session:
+    """One engine connection (see the module docstring).
+
+    Data structures: `stores` / `loads`: key -> copies prepared and not completed;
+    `requests`: the engine's request ids with a storage query record; figures for /status."""
+
+    def __init__(self, sid: int, sock: socket.socket, pid: int, uid: int) -> None:
+        self.sid = sid
+        self.sock = sock
+        self.peer_pid = pid
+        self.uid = uid
+        self.pid = pid  # the engine's own word (HELLO) replaces it
+        self.ns: Namespace | None = None
+        self.connected = time.time()
+        self.stores: dict[bytes, int] = {}
+        self.loads: dict[bytes, int] = {}
+        self.requests: set[str] = set()
+        self.figures = dict.fromkeys(("lookups", "lookup_blocks", "hit_host_blocks",
+                                      "hit_storage_blocks", "stores", "stores_failed",
+                                      "loads"), 0)
+
+    def status(self) -> dict[str, Any]:
+        return {"session": self.sid, "pid": self.pid,
+                "namespace": self.ns.name if self.ns else None,
+                "connected_since": self.connected, **self.figures,
+                "stores_open": sum(self.stores.values()),
+                "loads_open": sum(self.loads.values())}
+
+
+def _take(held: dict[bytes, int], keys: Sequence[bytes]) -> list[bytes]:
+    """The keys of `keys` that `held` counts (each taken once), counts decremented."""
+    out = []
+    for k in keys:
+        n = held.get(k)
+        if n:
+            out.append(k)
+            if n == 1:
+                del held[k]
+            else:
+                held[k] = n - 1
+    return out
+
+
+class NodeServer:
+    """The engine endpoint of one `kvtier serve` (see the module docstring)."""
+
+    def __init__(self, cfg: KvtierConfig, namespaces: Namespaces | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.cfg = cfg
+        self.path = socket_path(cfg, env)
+        self.namespaces = namespaces or Namespaces(cfg)
+        self.nonce = os.urandom(16).hex()
+        self._sessions: dict[int, Session] = {}
+        self._ids = itertools.count(1)
+        self._graves: list[tuple[float, Namespace, list[Node]]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._listener: socket.socket | None = None
+        self._lock_fd: int | None = None
+        self._threads: list[threading.Thread] = []
+        self.dropped = 0  # connections refused or dropped
+
+    # ------------------------------------------------------------------ life cycle
+
+    def _open_dir(self) -> None:
+        d = self.path.parent
+        gid = self.cfg.node.allowed_gid
+        mode = 0o700 if gid < 0 else 0o710
+        if len(os.fsencode(self.path)) > 107:
+            raise NodeSocketError(f"node.socket = {str(self.path)!r}: {len(str(self.path))} "
+                                  "bytes, a Unix socket path has at most 107")
+        try:
+            d.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                d.mkdir(mode=mode)
+            st = d.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                raise NodeSocketError(f"node.socket: {d} is not a directory of this user")
+            if gid >= 0 and st.st_gid != gid:
+                os.chown(d, -1, gid)
+            os.chmod(d, mode)
+            fd = os.open(d / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise NodeSocketError(f"node.socket: cannot prepare {d}: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise NodeSocketError(f"node.socket = {str(self.path)!r}: another kvtier serve "
+                                  "holds it (its node.lock is locked)") from None
+        self._lock_fd = fd
+
+    def start(self) -> NodeServer:
+        self._open_dir()
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()  # a dead service's socket (we hold the lock)
+                log.info("removed the socket a stopped kvtier serve left: %s", self.path)
+            lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            lst.bind(str(self.path))
+            os.chmod(self.path, 0o600 if self.cfg.node.allowed_gid < 0 else 0o660)
+            if self.cfg.node.allowed_gid >= 0:
+                os.chown(self.path, -1, self.cfg.node.allowed_gid)
+            lst.listen(64)
+            lst.settimeout(0.2)
+        except OSError as e:
+            self._release_lock()
+            raise NodeSocketError(f"node.socket = {str(self.path)!r}: {e.strerror}") from None
+        self._listener = lst
+        for name, target in (("kvtier-node-accept", self._accept_loop),
+                             ("kvtier-node-graves", self._grave_loop)):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        log.info("node socket listening on %s (instance %s)", self.path, self.nonce[:8])
+        return self
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def stop(self) -> None:
+        """Close every connection, free what they held, stop every namespace's stack."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        for t in self._threads:
+            t.join(2.0)
+        if self._listener is not None:
+            self._listener.close()
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            with contextlib.suppress(OSError):
+                s.sock.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + 5.0
+        while self._sessions and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._bury(all_=True)
+        self.namespaces.close()
+        self._release_lock()
+
+    # ------------------------------------------------------------------ status
+
+    def sessions(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [s.status() for s in self._sessions.values()]
+
+    def status(self) -> dict[str, Any]:
+        return {"socket": str(self.path), "instance": self.nonce,
+                "engines": self.sessions(), "dropped": self.dropped,
+                "namespaces": [ns.status() for ns in self.namespaces.all()]}
+
+    def reset(self) -> dict[str, Any]:
+        """Empty what every engine sees (every namespace's host tier)."""
+        return self.namespaces.reset()
+
+    # ------------------------------------------------------------------ connections
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                log.exception("node socket: accept failed")
+                time.sleep(0.1)
+                continue
+            conn.settimeout(None)
+            t = threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
+                                 name="kvtier-node-session")
+            t.start()
+
+    def _refuse(self, conn: socket.socket, why: str) -> None:
+        self.dropped += 1
+        log.warning("node socket: %s", why)
+        with contextlib.suppress(OSError):
+            conn.settimeout(0.5)
+            conn.sendall(wire.encode_error(why))
+        conn.close()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        try:
+            pid, uid, gid = _UCRED.unpack(
+                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        except OSError as e:
+            self._refuse(conn, f"peer credentials unreadable ({e.strerror}): refused")
+            return
+        allowed = self.cfg.node.allowed_gid
+        if uid != os.getuid() and not (allowed >= 0 and gid == allowed):
+            self._refuse(conn, f"engine pid {pid} uid {uid} gid {gid}: refused (only uid "
+                         f"{os.getuid()}" + (f" or gid {allowed}" if allowed >= 0 else "")
+                         + " may attach)")
+            return
+        with self._lock:
+            if len(self._sessions) >= self.cfg.node.max_engines:
+                full = True
+            else:
+                full = False
+                s = Session(next(self._ids), conn, pid, uid)
+                self._sessions[s.sid] = s
+        if full:
+            self._refuse(conn, f"engine pid {pid}: refused, node.max_engines = "
+                         f"{self.cfg.node.max_engines} engines are attached")
+            return
+        # a reply the engine does not read within send_timeout_s fails the send: dropped
+        t = self.cfg.node.send_timeout_s
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", int(t), int((t % 1) * 1e6)))
+        why = "closed the connection"
+        try:
+            why = self._session(s)
+        except wire.WireError as e:
+            why = f"sent a bad frame: {e}"
+            with contextlib.suppress(OSError):
+                conn.settimeout(0.5)
+                conn.sendall(wire.encode_error(str(e)))
+        except (BlockingIOError, TimeoutError):
+            why = (f"did not read its replies for {t:g} s (node.send_timeout_s): dropped")
+        except OSError as e:
+            why = f"connection lost ({e.strerror or e})"
+        except NamespaceRefused as e:
+            why = f"refused: {e}"
+            with contextlib.suppress(OSError):
+                conn.settimeout(0.5)
+                conn.sendall(wire.encode_error(str(e)))
+        except Exception:
+            log.exception("node session %d (pid %d) failed", s.sid, s.pid)
+            why = "failed (see the traceback above)"
+        finally:
+            conn.close()
+            self._end(s, why)
+
+    def _recv_exact(self, sock: socket.socket, n: int, *, first: bool) -> bytes | None:
+        """n bytes, or None on a clean close before the first byte of a frame."""
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = sock.recv(n - len(buf))
+            if not chunk:
+                if first and not buf:
+                    return None
+                raise wire.WireError(f"frame: connection closed {len(buf)} bytes into "
+                                     f"{n} (truncated)")
+            if first and not buf:
+                sock.settimeout(FRAME_TIMEOUT_S)  # the rest of a begun frame is bounded
+            buf += chunk
+        return bytes(buf)
+
+    def _read_frame(self, sock: socket.socket,
+                    timeout: float | None = None) -> tuple[wire.FrameType, int, bytes] | None:
+        sock.settimeout(timeout)
+        try:
+            prefix = self._recv_exact(sock, wire.LEN_BYTES, first=True)
+            if prefix is None:
+                return None
+            n = wire.frame_length(prefix)
+            body = self._recv_exact(sock, n, first=False)
+        except TimeoutError:
+            raise wire.WireError(
+                f"frame: not complete within {FRAME_TIMEOUT_S:g} s (a stalled or truncated "
+                "frame)") from None
+        finally:
+            sock.settimeout(None)
+        assert body is not None
+        return wire.decode_head(body)
+
+    def _session(self, s: Session) -> str:
+        try:
+            got = self._read_frame(s.sock, HELLO_TIMEOUT_S)
+        except wire.WireError as e:
+            if "not complete" in str(e):
+                raise wire.WireError(f"HELLO: none within {HELLO_TIMEOUT_S:g} s") from None
+            raise
+        if got is None:
+            return "closed before HELLO"
+        ftype, seq, body = got
+        if ftype is not wire.FrameType.HELLO:
+            raise wire.WireError(f"{ftype.name}: the first frame must be HELLO")
+        hello = wire.decode_hello(body)
+        s.pid = hello.pid
+        ns = self.namespaces.attach(hello, s.sid)
+        s.ns = ns
+        try:
+            segments = ns.segments()
+        except KvtierError as e:
+            raise NamespaceRefused(str(e)) from None
+        s.sock.sendall(wire.encode_welcome(wire.Welcome(
+            s.sid, self.nonce, ns.keyed.generation, ns.quota_bytes, segments), seq))
+        log.info("engine pid %d attached (session %d, namespace %r)", s.pid, s.sid, ns.name)
+        while not self._stop.is_set():
+            got = self._read_frame(s.sock)
+            if got is None:
+                return "closed the connection"
+            ftype, seq, body = got
+            if ftype is not wire.FrameType.OPS:
+                raise wire.WireError(f"{ftype.name}: only OPS frames after HELLO")
+            reply = self._apply(s, ns, wire.decode_ops(body))
+            if reply is not None:
+                s.sock.sendall(wire.encode_reply(reply, seq))
+        return "service stopping"
+
+    # ------------------------------------------------------------------ ops
+
+    def _apply(self, s: Session, ns: Namespace, ops: list[wire.OpRecord]) -> wire.Reply | None:
+        cache = ns.keyed
+        f = s.figures
+        reply: wire.Reply | None = None
+        for r in ops:
+            op = r.op
+            if op is wire.Op.COMPLETE_STORE:
+                mine = _take(s.stores, r.keys)
+                if mine:
+                    cache.complete_store(mine, ok=bool(r.flag))
+                    f["stores" if r.flag else "stores_failed"] += len(mine)
+                    if r.flag:
+                        ns.blocks["stored"] += len(mine)
+            elif op is wire.Op.COMPLETE_LOAD:
+                mine = _take(s.loads, r.keys)
+                if mine:
+                    cache.complete_load(mine)
+            elif op is wire.Op.TOUCH:
+                cache.touch(r.keys)
+            elif op is wire.Op.COUNT_ASKED:
+                rid = f"{s.sid}:{r.request_id}"
+                s.requests.add(rid)
+                cache.count_asked(rid, max(0, r.value))
+            elif op is wire.Op.FORGET:
+                rid = f"{s.sid}:{r.request_id}"
+                s.requests.discard(rid)
+                cache.forget_request(rid)
+            elif op is wire.Op.RESET:
+                self._give_back(s, ns)
+            elif op is wire.Op.LOOKUP:
+                reply = self._lookup(s, ns, r)
+            elif op is wire.Op.PREPARE_STORE:
+                reply = self._prepare_store(s, ns, r)
+            elif op is wire.Op.PREPARE_LOAD:
+                reply = self._prepare_load(s, ns, r)
+            else:  # PENDING
+                reply = wire.Reply(op, True, cache.generation)
+        if reply is not None:
+            reply.pending = cache.pending_work()
+        return reply
+
+    def _lookup(self, s: Session, ns: Namespace, r: wire.OpRecord) -> wire.Reply:
+        cache = ns.keyed
+        keys = r.keys
+        rid = f"{s.sid}:{r.request_id}" if r.request_id else ""
+        if rid:
+            s.requests.add(rid)
+        # the leading ready blocks in one native call; the first other block asked as the
+        # engine would ask it (a storage query from it covers the rest)
+        n = cache.count_hits(keys) if keys else 0
+        codes = bytes([wire.LookupCode.HIT]) * n
+        if n < len(keys):
+            found = cache.lookup(keys[n], rid, _Tail(keys, n + 1),
+                                 threshold_tokens=None if r.value < 0 else r.value)
+            codes += bytes([_CODES[found]])
+        s.figures["lookups"] += 1
+        s.figures["lookup_blocks"] += len(keys)
+        ns.blocks["looked_up"] += len(codes)
+        return wire.Reply(wire.Op.LOOKUP, True, cache.generation, flags=codes)
+
+    def _prepare_store(self, s: Session, ns: Namespace, r: wire.OpRecord) -> wire.Reply:
+        cache = ns.keyed
+        plan = cache.prepare_store(r.keys)
+        if plan is None:
+            return wire.Reply(wire.Op.PREPARE_STORE, False, cache.generation,
+                              error="the host tier cannot take them now")
+        todo = set(plan.keys)
+        mask = bytearray(len(r.keys))
+        for i, k in enumerate(r.keys):
+            if k in todo:
+                mask[i] = 1
+                todo.discard(k)
+                s.stores[k] = s.stores.get(k, 0) + 1
+        return wire.Reply(wire.Op.PREPARE_STORE, True, cache.generation,
+                          evicted=plan.evicted, ids=plan.host_ids, flags=bytes(mask))
+
+    def _prepare_load(self, s: Session, ns: Namespace, r: wire.OpRecord) -> wire.Reply:
+        cache = ns.keyed
+        counted = list(map(bool, r.extra)) if r.flag else None
+        from_storage: list[bool] = []
+        try:
+            ids = cache.prepare_load(r.keys, counted, from_storage)
+        except InvalidRequestError as e:
+            return wire.Reply(wire.Op.PREPARE_LOAD, False, cache.generation, error=str(e))
+        for k in r.keys:
+            s.loads[k] = s.loads.get(k, 0) + 1
+        stored = sum(from_storage)
+        s.figures["loads"] += len(ids)
+        s.figures["hit_storage_blocks"] += stored
+        s.figures["hit_host_blocks"] += len(ids) - stored
+        ns.blocks["loaded_storage"] += stored
+        ns.blocks["loaded_host"] += len(ids) - stored
+        return wire.Reply(wire.Op.PREPARE_LOAD, True, cache.generation, ids=ids,
+                          flags=bytes(from_storage))
+
+    # ------------------------------------------------------------------ session ends
+
+    def _give_back(self, s: Session, ns: Namespace) -> None:
+        """Unpin the session's open loads now; abandon its open stores (freed after the
+        grace, never served)."""
+        cache = ns.keyed
+        loads = [k for k, n in s.loads.items() for _ in range(n)]
+        stores = [k for k, n in s.stores.items() for _ in range(n)]
+        s.loads.clear()
+        s.stores.clear()
+        if loads:
+            cache.complete_load(loads)
+        if stores:
+            nodes = cache.abandon_stores(stores)
+            with self._lock:
+                self._graves.append(
+                    (time.monotonic() + self.cfg.node.abandon_grace_s, ns, nodes))
+
+    def _end(self, s: Session, why: str) -> None:
+        ns = s.ns
+        if ns is not None:
+            open_stores, open_loads = sum(s.stores.values()), sum(s.loads.values())
+            self._give_back(s, ns)
+            for rid in s.requests:
+                ns.keyed.forget_request(rid)
+            self.namespaces.detach(ns, s.sid)
+            log.info("engine pid %d (session %d, namespace %r) %s; %d open store(s) "
+                     "abandoned, %d open load(s) unpinned", s.pid, s.sid, ns.name, why,
+                     open_stores, open_loads)
+        else:
+            self.dropped += 1
+            log.warning("engine pid %d (session %d) %s", s.pid, s.sid, why)
+        with self._lock:
+            self._sessions.pop(s.sid, None)
+
+    def _bury(self, all_: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            due = [g for g in self._graves if all_ or g[0] <= now]
+            self._graves = [g for g in self._graves if not (all_ or g[0] <= now)]
+        for _, ns, nodes in due:
+            with contextlib.suppress(KvtierError):
+                ns.keyed.release_abandoned(nodes)
+
+    def _grave_loop(self) -> None:
+        while not self._stop.wait(0.1):
+            self._bury()

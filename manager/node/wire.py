@@ -1,0 +1,440 @@
+"""The wire format between an engine (`kvtier.engine.node_client`) and the node service
+(`kvtier serve`, `kvtier.manager.node.server`): the one module both sides import.
+
+A Unix stream socket carries frames. Every frame is a 4-byte little-endian body length
+(at most `MAX_FRAME` bytes) and a body that opens with an 8-byte head::
+
+    head     <B B H I>   version (WIRE_VERSION), frame type, -, seq:u32
+
+Frame types, client -> service:
+
+    HELLO    the head, then a UTF-8 JSON object (at most MAX_HELLO bytes): who the engine is
+             (`Hello`: namespace, KV geometry, block size, hash algorithm and seed, ranks,
+             pid). First frame of a connection, and only there.
+    OPS      the head, then `count:u32`, then `count` op records. Ops other than the asking
+             ones (LOOKUP, PREPARE_STORE, PREPARE_LOAD, PENDING) are one-way; a frame holds at
+             most one asking op, as its last record, and the service answers the frame (same
+             seq) with one REPLY. So a scheduler step's completions travel with its next
+             question, one write and one read per round trip.
+
+An op record: a 20-byte head, then the request id, the keys, and `n_extra` extra bytes::
+
+    record   <B B H i I H xx I>  op, flag, rid_len:u16, value:i32, n_keys:u32,
+                                 key_width:u16, -, n_extra:u32
+    keys     key_width > 0: n_keys keys of that many bytes back to back;
+             key_width == 0: n_keys u16 lengths, then the keys' bytes
+
+    op              flag          value                 extra
+    LOOKUP          -             prefetch threshold    -            keys: [block, *following]
+                                  tokens, -1: default
+    PREPARE_STORE   -             -                     -
+    PREPARE_LOAD    1: counted    -                     one u8 count flag per key
+    PENDING         -             -                     -            no keys
+    COMPLETE_STORE  1: ok         -                     -
+    COMPLETE_LOAD   -             -                     -
+    TOUCH           -             -                     -
+    COUNT_ASKED     -             blocks                -            no keys
+    FORGET          -             -                     -            no keys
+    RESET           -             -                     -            no keys, no request id
+
+Frame types, service -> client:
+
+    WELCOME  the head, then a UTF-8 JSON object (`Welcome`: the session id, the service
+             instance nonce, the namespace's generation, quota and host pool segments per
+             rank).
+    REPLY    the head (seq of the OPS frame answered), then
+             <B B B x Q I I I>  op answered, ok, pending, -, generation:u64, evicted:u32,
+                                n_ids:u32, n_flags:u32
+             then n_ids int64 (host block ids), n_flags u8 (LOOKUP: one `LookupCode` per key
+             answered; PREPARE_STORE: 1 for each asked key in the plan, in order;
+             PREPARE_LOAD: came-from-storage per key), then the error text (UTF-8, rest).
+    ERROR    the head, then UTF-8 text: why the service drops this connection.
+
+No pickle and no eval: decoding builds only ints, bytes, str and the dataclasses below, and
+checks every length against the frame; a bad frame raises `WireError` naming the frame, the
+record and the field. Integers are little-endian.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+WIRE_VERSION = 1
+MAX_FRAME = 8 << 20  # 8 MiB: a 1M-token prompt's 65,536 32-byte hashes is 2 MiB
+MAX_HELLO = 64 << 10
+MAX_KEY_BYTES = 1024
+MAX_REQUEST_ID = 1024
+MAX_ERROR_TEXT = 4096
+
+_LEN = struct.Struct("<I")
+_HEAD = struct.Struct("<BBHI")
+_COUNT = struct.Struct("<I")
+_REC = struct.Struct("<BBHiIHxxI")
+_REPLY = struct.Struct("<BBBxQIII")
+LEN_BYTES = _LEN.size
+HEAD_BYTES = _HEAD.size
+
+
+class WireError(ValueError):
+    """A frame that does not decode: the message names the frame and field at fault."""
+
+
+class FrameType(IntEnum):
+    HELLO = 1
+    OPS = 2
+    WELCOME = 101
+    REPLY = 102
+    ERROR = 103
+
+
+class Op(IntEnum):
+    LOOKUP = 1
+    PREPARE_STORE = 2
+    PREPARE_LOAD = 3
+    PENDING = 4
+    COMPLETE_STORE = 10
+    COMPLETE_LOAD = 11
+    TOUCH = 12
+    COUNT_ASKED = 13
+    FORGET = 14
+    RESET = 15
+
+
+ASKING = frozenset({Op.LOOKUP, Op.PREPARE_STORE, Op.PREPARE_LOAD, Op.PENDING})
+_KEYED = frozenset({Op.LOOKUP, Op.PREPARE_STORE, Op.PREPARE_LOAD, Op.COMPLETE_STORE,
+                    Op.COMPLETE_LOAD, Op.TOUCH})
+_WITH_RID = frozenset({Op.LOOKUP, Op.COUNT_ASKED, Op.FORGET})
+_OPS = {int(o): o for o in Op}
+_FRAMES = {int(t): t for t in FrameType}
+
+
+class LookupCode(IntEnum):
+    """One key's answer in a LOOKUP reply (values are part of the wire format)."""
+
+    HIT = 1
+    PENDING = 2
+    MISS = 3
+    RETRY = 4
+
+
+@dataclass(slots=True)
+class OpRecord:
+    """One op of an OPS frame (see the module table for what each field means per op)."""
+
+    op: Op
+    keys: list[bytes] = field(default_factory=list)
+    request_id: str = ""
+    flag: int = 0
+    value: int = 0
+    extra: bytes = b""
+
+
+@dataclass(slots=True)
+class Reply:
+    """The service's answer to the asking op of an OPS frame."""
+
+    op: Op
+    ok: bool
+    generation: int
+    pending: bool = False
+    evicted: int = 0
+    ids: list[int] = field(default_factory=list)
+    flags: bytes = b""
+    error: str = ""
+
+
+# ------------------------------------------------------------------------------ hello
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Who an engine is. Engines of one `namespace` share blocks and must agree on the
+    geometry (`shape`: KVShape's fields), `block_size`, the hash algorithm and its seed, and
+    the rank count; `pid` is shown to the operator."""
+
+    namespace: str
+    shape: dict[str, Any]
+    block_size: int
+    hash_algo: str
+    hash_seed: str
+    ranks: int
+    pid: int
+
+    def geometry(self) -> dict[str, Any]:
+        """What must be equal for two engines to share a namespace's blocks."""
+        return {"shape": dict(sorted(self.shape.items())), "block_size": self.block_size,
+                "hash_algo": self.hash_algo, "hash_seed": self.hash_seed, "ranks": self.ranks}
+
+
+SHAPE_FIELDS = {"num_layers": int, "num_kv_heads": int, "head_dim": int, "dtype": str,
+                "num_extra_layers": int, "kv_scales": str}
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    rank: int
+    name: str
+    inode: int
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """The service's answer to HELLO: this connection's `session` id, the service instance
+    `nonce` (hex), the namespace's `generation` and host quota, and its host pool
+    segments (one per rank)."""
+
+    session: int
+    nonce: str
+    generation: int
+    quota_bytes: int
+    segments: tuple[Segment, ...]
+
+
+def _field(obj: dict[str, Any], frame: str, name: str, kind: type) -> Any:
+    if name not in obj:
+        raise WireError(f"{frame}: field {name!r} is missing")
+    value = obj[name]
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise WireError(f"{frame}: field {name!r} must be an integer, got {value!r:.60}")
+    if kind is not int and not isinstance(value, kind):
+        raise WireError(f"{frame}: field {name!r} must be {kind.__name__}, got {value!r:.60}")
+    return value
+
+
+def _json_body(body: bytes, frame: str) -> dict[str, Any]:
+    if len(body) > MAX_HELLO:
+        raise WireError(f"{frame}: {len(body)} bytes of JSON, at most {MAX_HELLO}")
+    try:
+        obj = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise WireError(f"{frame}: not a UTF-8 JSON object ({e.__class__.__name__})") from None
+    if not isinstance(obj, dict):
+        raise WireError(f"{frame}: not a JSON object")
+    return obj
+
+
+def encode_hello(h: Hello, seq: int = 0) -> bytes:
+    body = json.dumps({"namespace": h.namespace, "shape": h.shape, "block_size": h.block_size,
+                       "hash_algo": h.hash_algo, "hash_seed": h.hash_seed, "ranks": h.ranks,
+                       "pid": h.pid}).encode()
+    return _frame(FrameType.HELLO, seq, body)
+
+
+def decode_hello(body: bytes) -> Hello:
+    obj = _json_body(body, "HELLO")
+    ns = _field(obj, "HELLO", "namespace", str)
+    if not ns or len(ns) > 256 or not ns.isprintable():
+        raise WireError("HELLO: field 'namespace' must be 1-256 printable characters")
+    shape = _field(obj, "HELLO", "shape", dict)
+    for name, kind in SHAPE_FIELDS.items():
+        _field(shape, "HELLO shape", name, kind)
+    extra = set(shape) - set(SHAPE_FIELDS)
+    if extra:
+        raise WireError(f"HELLO shape: unknown field(s) {sorted(extra)}")
+    block = _field(obj, "HELLO", "block_size", int)
+    ranks = _field(obj, "HELLO", "ranks", int)
+    pid = _field(obj, "HELLO", "pid", int)
+    for name, v, lo in (("block_size", block, 1), ("ranks", ranks, 1), ("pid", pid, 0)):
+        if not lo <= v < 1 << 31:
+            raise WireError(f"HELLO: field {name!r} = {v} is out of range")
+    if not 1 <= ranks <= 64:
+        raise WireError(f"HELLO: field 'ranks' = {ranks}: 1 to 64 ranks")
+    return Hello(ns, dict(shape), block, _field(obj, "HELLO", "hash_algo", str)[:128],
+                 _field(obj, "HELLO", "hash_seed", str)[:256], ranks, pid)
+
+
+def encode_welcome(w: Welcome, seq: int = 0) -> bytes:
+    body = json.dumps({"session": w.session, "nonce": w.nonce, "generation": w.generation,
+                       "quota_bytes": w.quota_bytes,
+                       "segments": [{"rank": s.rank, "name": s.name, "inode": s.inode,
+                                     "num_blocks": s.num_blocks} for s in w.segments]}).encode()
+    return _frame(FrameType.WELCOME, seq, body)
+
+
+def decode_welcome(body: bytes) -> Welcome:
+    obj = _json_body(body, "WELCOME")
+    segs = []
+    for s in _field(obj, "WELCOME", "segments", list):
+        if not isinstance(s, dict):
+            raise WireError("WELCOME: a segment is not an object")
+        segs.append(Segment(_field(s, "WELCOME segment", "rank", int),
+                            _field(s, "WELCOME segment", "name", str),
+                            _field(s, "WELCOME segment", "inode", int),
+                            _field(s, "WELCOME segment", "num_blocks", int)))
+    return Welcome(_field(obj, "WELCOME", "session", int), _field(obj, "WELCOME", "nonce", str),
+                   _field(obj, "WELCOME", "generation", int),
+                   _field(obj, "WELCOME", "quota_bytes", int), tuple(segs))
+
+
+# ------------------------------------------------------------------------------ frames
+
+
+def _frame(ftype: FrameType, seq: int, body: bytes) -> bytes:
+    n = HEAD_BYTES + len(body)
+    if n > MAX_FRAME:
+        raise WireError(f"{ftype.name}: a frame of {n} bytes is over MAX_FRAME ({MAX_FRAME})")
+    return _LEN.pack(n) + _HEAD.pack(WIRE_VERSION, ftype, 0, seq & 0xFFFFFFFF) + body
+
+
+def frame_length(prefix: bytes) -> int:
+    """The body length a 4-byte prefix announces; WireError when over MAX_FRAME or under a
+    head."""
+    (n,) = _LEN.unpack(prefix)
+    if n > MAX_FRAME:
+        raise WireError(f"frame: {n} bytes announced, at most {MAX_FRAME} (MAX_FRAME)")
+    if n < HEAD_BYTES:
+        raise WireError(f"frame: {n} bytes announced, shorter than the {HEAD_BYTES}-byte head")
+    return int(n)
+
+
+def decode_head(body: bytes) -> tuple[FrameType, int, bytes]:
+    """(frame type, seq, the rest) of a frame body."""
+    if len(body) < HEAD_BYTES:
+        raise WireError(f"frame: {len(body)} bytes, shorter than the {HEAD_BYTES}-byte head")
+    version, ftype, _, seq = _HEAD.unpack_from(body)
+    if version != WIRE_VERSION:
+        raise WireError(f"frame: wire version {version}, this side speaks {WIRE_VERSION}")
+    t = _FRAMES.get(ftype)
+    if t is None:
+        raise WireError(f"frame: unknown frame type {ftype}")
+    return t, seq, body[HEAD_BYTES:]
+
+
+def encode_error(text: str, seq: int = 0) -> bytes:
+    return _frame(FrameType.ERROR, seq, text.encode("utf-8", "replace")[:MAX_ERROR_TEXT])
+
+
+def _pack_keys(keys: list[bytes]) -> tuple[int, bytes]:
+    if not keys:
+        return 0, b""
+    width = len(keys[0])
+    if 0 < width <= MAX_KEY_BYTES and all(len(k) == width for k in keys):
+        return width, b"".join(keys)
+    for k in keys:
+        if not 0 < len(k) <= MAX_KEY_BYTES:
+            raise WireError(f"OPS: a key of {len(k)} bytes (1 to {MAX_KEY_BYTES})")
+    lens = struct.pack(f"<{len(keys)}H", *(len(k) for k in keys))
+    return 0, lens + b"".join(keys)
+
+
+def encode_ops(records: list[OpRecord], seq: int) -> bytes:
+    parts = [_COUNT.pack(len(records))]
+    for r in records:
+        rid = r.request_id.encode()
+        if len(rid) > MAX_REQUEST_ID:
+            raise WireError(f"OPS {r.op.name}: request id of {len(rid)} bytes, at most "
+                            f"{MAX_REQUEST_ID}")
+        width, keys = _pack_keys(r.keys)
+        parts.append(_REC.pack(r.op, r.flag, len(rid), r.value, len(r.keys), width,
+                               len(r.extra)))
+        parts.append(rid)
+        parts.append(keys)
+        parts.append(r.extra)
+    return _frame(FrameType.OPS, seq, b"".join(parts))
+
+
+def decode_ops(body: bytes) -> list[OpRecord]:
+    """The op records of an OPS frame body (after the head). At most one asking op, last."""
+    if len(body) < _COUNT.size:
+        raise WireError("OPS: no record count")
+    (count,) = _COUNT.unpack_from(body)
+    at = _COUNT.size
+    if count > (len(body) - at) // _REC.size:
+        raise WireError(f"OPS: {count} records announced, the frame holds at most "
+                        f"{(len(body) - at) // _REC.size}")
+    out: list[OpRecord] = []
+    mv = memoryview(body)
+    for i in range(count):
+        where = f"OPS record {i}"
+        if at + _REC.size > len(body):
+            raise WireError(f"{where}: truncated head")
+        op_v, flag, rid_len, value, n_keys, width, n_extra = _REC.unpack_from(body, at)
+        at += _REC.size
+        op = _OPS.get(op_v)
+        if op is None:
+            raise WireError(f"{where}: unknown op {op_v}")
+        where = f"OPS record {i} ({op.name})"
+        if rid_len > MAX_REQUEST_ID:
+            raise WireError(f"{where}: field rid_len = {rid_len}, at most {MAX_REQUEST_ID}")
+        if rid_len and op not in _WITH_RID:
+            raise WireError(f"{where}: field rid_len = {rid_len}, this op takes no request id")
+        if n_keys and op not in _KEYED:
+            raise WireError(f"{where}: field n_keys = {n_keys}, this op takes no keys")
+        if width > MAX_KEY_BYTES:
+            raise WireError(f"{where}: field key_width = {width}, at most {MAX_KEY_BYTES}")
+        if at + rid_len > len(body):
+            raise WireError(f"{where}: truncated request id ({rid_len} bytes announced)")
+        try:
+            rid = bytes(mv[at:at + rid_len]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise WireError(f"{where}: the request id is not UTF-8") from None
+        at += rid_len
+        keys: list[bytes] = []
+        if n_keys:
+            if width:
+                end = at + n_keys * width
+                if end > len(body):
+                    raise WireError(f"{where}: truncated keys ({n_keys} x {width} bytes "
+                                    f"announced, {len(body) - at} left)")
+                keys = [body[j:j + width] for j in range(at, end, width)]
+                at = end
+            else:
+                if at + 2 * n_keys > len(body):
+                    raise WireError(f"{where}: truncated key lengths ({n_keys} announced)")
+                lens = struct.unpack_from(f"<{n_keys}H", body, at)
+                at += 2 * n_keys
+                if sum(lens) > len(body) - at:
+                    raise WireError(f"{where}: truncated keys ({sum(lens)} bytes announced, "
+                                    f"{len(body) - at} left)")
+                for j, n in enumerate(lens):
+                    if not 0 < n <= MAX_KEY_BYTES:
+                        raise WireError(f"{where}: key {j} of {n} bytes (1 to "
+                                        f"{MAX_KEY_BYTES})")
+                    keys.append(body[at:at + n])
+                    at += n
+        if n_extra:
+            if op is not Op.PREPARE_LOAD or n_extra != n_keys:
+                raise WireError(f"{where}: field n_extra = {n_extra}: only PREPARE_LOAD carries "
+                                f"extra bytes, one count flag per key ({n_keys})")
+            if at + n_extra > len(body):
+                raise WireError(f"{where}: truncated count flags")
+        extra = body[at:at + n_extra]
+        at += n_extra
+        if op in ASKING and i != count - 1:
+            raise WireError(f"{where}: an asking op must be the frame's last record")
+        out.append(OpRecord(op, keys, rid, flag, value, extra))
+    if at != len(body):
+        raise WireError(f"OPS: {len(body) - at} bytes after the last record")
+    return out
+
+
+def encode_reply(r: Reply, seq: int) -> bytes:
+    err = r.error.encode("utf-8", "replace")[:MAX_ERROR_TEXT]
+    body = (_REPLY.pack(r.op, r.ok, r.pending, r.generation, r.evicted, len(r.ids),
+                        len(r.flags))
+            + struct.pack(f"<{len(r.ids)}q", *r.ids) + r.flags + err)
+    return _frame(FrameType.REPLY, seq, body)
+
+
+def decode_reply(body: bytes) -> Reply:
+    if len(body) < _REPLY.size:
+        raise WireError("REPLY: truncated head")
+    op_v, ok, pending, gen, evicted, n_ids, n_flags = _REPLY.unpack_from(body)
+    op = _OPS.get(op_v)
+    if op is None:
+        raise WireError(f"REPLY: unknown op {op_v}")
+    at = _REPLY.size
+    if at + 8 * n_ids + n_flags > len(body):
+        raise WireError(f"REPLY ({op.name}): {n_ids} ids and {n_flags} flags announced, "
+                        f"{len(body) - at} bytes left")
+    ids = list(struct.unpack_from(f"<{n_ids}q", body, at))
+    at += 8 * n_ids
+    flags = body[at:at + n_flags]
+    at += n_flags
+    return Reply(op, bool(ok), gen, bool(pending), evicted, ids, flags,
+                 body[at:].decode("utf-8", "replace"))

@@ -1,0 +1,161 @@
+"""A stand-in engine process for the node service tests: a `NodeClient` driven over stdin.
+
+Run as `python node_engine.py SOCKET NAMESPACE [GEOMETRY_JSON]`; it attaches, prints
+`{"attached": ...}` and then answers one JSON command per stdin line with one JSON line:
+
+    {"op": "store", "keys": [i, ...], "hang_after": n}
+        prepare_store the keys' blocks, write each block's content (`content(key)`) into the
+        host pool, complete the store. With `hang_after`: write only the first n blocks,
+        say so, and never complete (the test kills the process).
+    {"op": "load", "keys": [i, ...]}
+        look the keys up as an engine does (the first key with the rest as following), load
+        the leading hits from the host pool, compare each block byte for byte with its
+        content, complete the load.
+    {"op": "status"}   connection, generation, pool nonce and inodes
+
+Keys are small ints named by `key(i)` (32-byte hashes, as vLLM's); a block's content is
+derived from its key, so any process can check any block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from kvtier.engine.node_client import NodeClient
+from kvtier.manager.node import wire
+from kvtier.worker.kv_pools import HostPool, KVShape
+
+SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16",
+         "num_extra_layers": 0, "kv_scales": "none"}
+BLOCK_SIZE = 4
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(b"node-test-key-%d" % i).digest()
+
+
+def content(k: bytes, nbytes: int) -> bytes:
+    return hashlib.shake_256(k).digest(nbytes)
+
+
+def hello(namespace: str, shape: dict[str, Any] | None = None,
+          block_size: int = BLOCK_SIZE) -> wire.Hello:
+    return wire.Hello(namespace, dict(shape or SHAPE), block_size, "sha256", "0", 1,
+                      os.getpid())
+
+
+class Engine:
+    """A NodeClient and the host pool mapping of its current generation."""
+
+    def __init__(self, client: NodeClient, shape: dict[str, Any],
+                 block_size: int = BLOCK_SIZE) -> None:
+        self.client = client
+        self.kv = KVShape(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
+                          block_size, shape["dtype"])
+        self.pool: HostPool | None = None
+        self.pool_gen = -1
+
+    def host(self) -> HostPool | None:
+        pools = self.client.host_pools()
+        if pools is None:
+            return None
+        if self.pool is None or self.pool_gen != pools.generation:
+            if self.pool is not None:
+                self.pool.close()
+                self.pool = None
+            seg = pools.segments[0]
+            pool = HostPool.attach(seg.name, self.kv)
+            if pool.inode != seg.inode:  # never a pool other than the one planned against
+                pool.close()
+                return None
+            self.pool, self.pool_gen = pool, pools.generation
+        return self.pool
+
+    def store(self, keys: list[bytes], hang_after: int | None = None) -> dict[str, Any]:
+        plan = self.client.prepare_store(keys)
+        if plan is None:
+            return {"stored": None}
+        pool = self.host()
+        if pool is None:
+            self.client.complete_store(plan.keys, ok=False)
+            return {"stored": None}
+        nbytes = pool.data.shape[1]
+        for n, (k, hid) in enumerate(zip(plan.keys, plan.host_ids, strict=True)):
+            if hang_after is not None and n == hang_after:
+                return {"prepared": len(plan.keys), "written": n}
+            pool.data[hid].copy_(_tensor(content(k, nbytes)))
+        self.client.complete_store(plan.keys)
+        self.client.end_step()
+        return {"stored": len(plan.keys), "evicted": plan.evicted}
+
+    def load(self, keys: list[bytes], rid: str = "r") -> dict[str, Any]:
+        codes = []
+        for i, k in enumerate(keys):
+            found = self.client.lookup(k, rid, keys[i + 1:])
+            codes.append(found.value)
+            if found.value != "hit":
+                break
+        self.client.forget_request(rid)
+        hits = keys[:sum(c == "hit" for c in codes)]
+        out: dict[str, Any] = {"codes": codes, "hits": len(hits), "identical": None}
+        if not hits:
+            return out
+        try:
+            ids = self.client.prepare_load(hits)
+        except Exception as e:  # InvalidRequestError: the engine would recompute
+            out["load_error"] = str(e)
+            return out
+        pool = self.host()
+        if pool is None:
+            out["load_error"] = "no host pool"
+            return out
+        nbytes = pool.data.shape[1]
+        out["identical"] = all(bytes(pool.data[h].numpy().tobytes()) == content(k, nbytes)
+                               for k, h in zip(hits, ids, strict=True))
+        self.client.complete_load(hits)
+        self.client.end_step()
+        return out
+
+    def status(self) -> dict[str, Any]:
+        pools = self.client.host_pools()
+        return {"connected": self.client.connected, "generation": self.client.generation,
+                "nonce": pools.nonce.hex() if pools else None,
+                "inodes": list(pools.inodes()) if pools else None,
+                "session": self.client.session}
+
+
+def _tensor(data: bytes) -> Any:
+    import torch
+
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def main() -> int:
+    path, namespace = sys.argv[1], sys.argv[2]
+    shape = json.loads(sys.argv[3]) if len(sys.argv) > 3 else SHAPE
+    client = NodeClient(path, hello(namespace, shape), call_timeout_s=1.0)
+    engine = Engine(client, shape)
+    print(json.dumps({"attached": client.connected, "error": client.last_error}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        keys = [key(i) for i in cmd.get("keys", [])]
+        t0 = time.perf_counter()
+        if cmd["op"] == "store":
+            out = engine.store(keys, cmd.get("hang_after"))
+        elif cmd["op"] == "load":
+            out = engine.load(keys)
+        else:
+            out = engine.status()
+        out["seconds"] = time.perf_counter() - t0
+        print(json.dumps(out), flush=True)
+    client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

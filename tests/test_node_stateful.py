@@ -1,0 +1,244 @@
+"""Several engines attached to one node service, driven by Hypothesis: connect, look up and
+load, store (complete it, fail it, or leave it open), die at any point (the socket closed
+under whatever the engine held), reconnect. After every step the service's state is checked
+against the engines':
+
+* the namespace's keyed cache and cache core invariants (`check_invariants`);
+* every session's open stores and loads are exactly what its engine holds open;
+* every block the service would serve (a HIT) holds its key's content, byte for byte: an
+  open store is first filled with garbage, so a half-written block ever served fails here;
+* a dead engine's session is gone, and with it every pin and open store it held (the
+  cache's loads and stores in flight are exactly the live engines').
+
+The service is real (`NodeServer` with a keyed stack and its worker process, in this test's
+process); so are the sockets and the host pool the engines write and read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kvtier.engine.node_client import NodeClient
+from kvtier.manager.config import with_sections
+from kvtier.manager.node import wire
+from kvtier.manager.node.namespaces import namespace_deployment_id
+from kvtier.manager.node.server import NodeServer
+from kvtier.worker.kv_pools import HostPool, KVShape
+from node_engine import SHAPE, hello
+from support import new_deployment_id, remove_leftovers, tiny_config, wait_until
+
+ENGINES = 3
+KEYS = [hashlib.sha256(b"stateful-%d" % i).digest() for i in range(12)]
+NS = "stateful"
+HOST_BLOCKS = 8
+
+
+def content(k: bytes, n: int) -> bytes:
+    return hashlib.shake_256(k).digest(n)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[NodeServer]:
+    d = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))
+    did = new_deployment_id("ns")
+    cfg = tiny_config(deployment_id=did, workers=1)
+    page = 512
+    cfg = with_sections(cfg, {}, {"node": {"socket": str(d / "node.sock"),
+                                           "namespace_quota_bytes": HOST_BLOCKS * page,
+                                           "abandon_grace_s": 0.0}})
+    srv = NodeServer(cfg).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        remove_leftovers(namespace_deployment_id(did, NS))
+        shutil.rmtree(d, ignore_errors=True)
+
+
+class Engine:
+    """One simulated engine: a client, its host pool mapping and the copies it holds open."""
+
+    def __init__(self, path: Path) -> None:
+        self.client = NodeClient(path, hello(NS), call_timeout_s=5.0)
+        pools = self.client.host_pools()
+        assert pools is not None, self.client.last_error
+        self.pool = HostPool.attach(pools.segments[0].name, KVShape(
+            SHAPE["num_layers"], SHAPE["num_kv_heads"], SHAPE["head_dim"], 4, SHAPE["dtype"]))
+        assert self.pool.inode == pools.segments[0].inode
+        self.page = self.pool.data.shape[1]
+        self.open_stores: dict[bytes, int] = {}  # key -> host id, prepared, not completed
+        self.open_loads: list[bytes] = []
+
+    def sync(self) -> None:
+        """A round trip: everything queued before it has been applied by the service."""
+        self.client._ask(wire.OpRecord(wire.Op.PENDING))
+
+    def die(self) -> None:
+        """kill -9: the socket closes under whatever the engine held; nothing more is sent."""
+        c = self.client
+        with c._lock:
+            c._outbox.clear()
+            sock = c._sock
+            if sock is not None:
+                sock.close()
+            c._sock = None
+        c.close()
+        self.pool.close()
+
+
+class NodeMachine(RuleBasedStateMachine):
+    srv: NodeServer
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engines: list[Engine | None] = [None] * ENGINES
+        self.dead_sessions: set[int] = set()
+
+    def live(self) -> list[Engine]:
+        return [e for e in self.engines if e is not None]
+
+    @rule(i=st.integers(0, ENGINES - 1))
+    def connect(self, i: int) -> None:
+        if self.engines[i] is None:
+            self.engines[i] = Engine(self.srv.path)
+
+    @precondition(lambda self: any(self.engines))
+    @rule(i=st.integers(0, ENGINES - 1))
+    def die(self, i: int) -> None:
+        e = self.engines[i]
+        if e is None:
+            return
+        self.dead_sessions.add(e.client.session)
+        e.die()
+        self.engines[i] = None
+
+    @precondition(lambda self: any(self.engines))
+    @rule(i=st.integers(0, ENGINES - 1), keys=st.lists(st.sampled_from(KEYS), min_size=1,
+                                                        max_size=5, unique=True))
+    def store(self, i: int, keys: list[bytes]) -> None:
+        e = self.engines[i]
+        if e is None:
+            return
+        plan = e.client.prepare_store(keys)
+        if plan is None:
+            return
+        for k, hid in zip(plan.keys, plan.host_ids, strict=True):
+            assert k not in e.open_stores
+            e.pool.data[hid].fill_(0xEE)  # garbage until the copy is done
+            e.open_stores[k] = hid
+
+    @precondition(lambda self: any(e is not None and e.open_stores for e in self.engines))
+    @rule(i=st.integers(0, ENGINES - 1), ok=st.booleans())
+    def complete_stores(self, i: int, ok: bool) -> None:
+        e = self.engines[i]
+        if e is None or not e.open_stores:
+            return
+        import torch
+
+        keys = list(e.open_stores)
+        if ok:
+            for k in keys:
+                e.pool.data[e.open_stores[k]].copy_(
+                    torch.frombuffer(bytearray(content(k, e.page)), dtype=torch.uint8))
+        e.open_stores.clear()
+        e.client.complete_store(keys, ok=ok)
+        e.client.end_step()
+
+    @precondition(lambda self: any(self.engines))
+    @rule(i=st.integers(0, ENGINES - 1), start=st.integers(0, len(KEYS) - 1),
+          finish=st.booleans())
+    def load(self, i: int, start: int, finish: bool) -> None:
+        e = self.engines[i]
+        if e is None:
+            return
+        keys = KEYS[start:]
+        hits = []
+        for j, k in enumerate(keys):
+            if e.client.lookup(k, "req", keys[j + 1:]).value != "hit":
+                break
+            hits.append(k)
+        e.client.forget_request("req")
+        if not hits:
+            return
+        try:
+            ids = e.client.prepare_load(hits)
+        except Exception:  # evicted since the lookup: the engine recomputes
+            return
+        for k, hid in zip(hits, ids, strict=True):
+            assert e.pool.data[hid].numpy().tobytes() == content(k, e.page), \
+                f"block {k[:4].hex()} served with bytes that are not its own"
+        if finish:
+            e.client.complete_load(hits)
+            e.client.end_step()
+        else:
+            e.open_loads += hits
+
+    @precondition(lambda self: any(e is not None and e.open_loads for e in self.engines))
+    @rule(i=st.integers(0, ENGINES - 1))
+    def complete_loads(self, i: int) -> None:
+        e = self.engines[i]
+        if e is None or not e.open_loads:
+            return
+        e.client.complete_load(e.open_loads)
+        e.open_loads = []
+        e.client.end_step()
+
+    @invariant()
+    def service_agrees(self) -> None:
+        for e in self.live():
+            e.sync()
+        wait_until(lambda: not (self.dead_sessions & set(self.srv._sessions)), 10,
+                   "dead engines' sessions ended")
+        wait_until(lambda: not self.srv._graves, 10, "abandoned stores released")
+        ns = {n.name: n for n in self.srv.namespaces.all()}.get(NS)
+        if ns is None:
+            return
+        ns.keyed.check_invariants()
+        sessions = dict(self.srv._sessions)
+        for e in self.live():
+            s = sessions[e.client.session]
+            assert s.stores == dict.fromkeys(e.open_stores, 1), "open stores differ"
+            want: dict[bytes, int] = {}
+            for k in e.open_loads:
+                want[k] = want.get(k, 0) + 1
+            assert s.loads == want, "open loads differ"
+        # pins and open stores in the cache are exactly the live engines' (a dead engine's
+        # are gone with it)
+        keyed = ns.keyed
+        assert sum(map(len, keyed._readers.values())) == sum(
+            len(e.open_loads) for e in self.live()), "a load pinned by no live engine"
+        assert sum(map(len, keyed._writers.values())) == sum(
+            len(e.open_stores) for e in self.live()), "a store open for no live engine"
+        # every block the service would serve holds its key's bytes
+        live = self.live()
+        if not live:
+            return
+        pool = live[0].pool
+        for k in KEYS:
+            if ns.keyed.count_hits([k]) == 1:
+                node = ns.keyed.m.lookup(int.from_bytes(k[:16], "little"))
+                assert node is not None and node.host is not None
+                assert pool.data[node.host].numpy().tobytes() == content(k, live[0].page), \
+                    f"a servable block {k[:4].hex()} holds bytes that are not its own"
+
+    def teardown(self) -> None:
+        for e in self.live():
+            with contextlib.suppress(Exception):
+                e.die()
+
+
+def test_node_sessions_stateful(server: NodeServer) -> None:
+    NodeMachine.srv = server
+    run = NodeMachine.TestCase
+    run.settings = settings(max_examples=25, stateful_step_count=25, deadline=None,
+                            suppress_health_check=list(HealthCheck))
+    run().runTest()

@@ -1,0 +1,101 @@
+"""Two real vLLM processes (the CPU build) attached to one real `kvtier serve`, end to end:
+`examples/node_service.py --kill-a --kill-serve` in vLLM's own environment, run once and
+asserted on from several tests (a vLLM start costs tens of seconds on two cores).
+
+Storage is off, so every hit comes from the node's host tier. The example reports vLLM's own
+`num_cached_tokens` of each request: an engine process that never saw a prompt and whose
+device cache is empty got those tokens from kvtier. Compared token for token and logprob for
+logprob with a cold run; the negative control (the namespace's host pages overwritten behind
+the service's back) must come out different, which shows the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / os.environ.get("KVTIER_VLLM_VENV", ".venv-vllm") / "bin" / "python"
+EXAMPLE = ROOT / "examples" / "node_service.py"
+PREFIX_TOKENS = 192  # a 200-token prompt: 6 full blocks of 32
+RUN_TIMEOUT_S = 900
+# a request of an attached engine while its service is dead (SIGKILL): the client's call
+# timeout is 1 s and it is DOWN after the first failed call, so a request is recomputed at
+# about its cold speed; measured 0.15-0.63 s on 2 loaded cores (tiny model, 8 tokens)
+SERVE_DOWN_BOUND_S = 30.0
+
+if not VLLM_PYTHON.exists():
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` builds it (make vllm-env)")
+    pytest.skip(f"vLLM's environment {VLLM_PYTHON} is not built (make vllm-env)",
+                allow_module_level=True)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 120)]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    model_dir = tmp_path_factory.mktemp("vllm-model") / "tiny-llama"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), str(EXAMPLE), "--json", "--model-dir", str(model_dir),
+         "--kill-a", "--kill-serve"],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=ROOT)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.splitlines()[-60:])
+        raise AssertionError(f"the node example failed (status {proc.returncode}):\n{tail}")
+    out: dict[str, Any] = json.loads(lines[-1])
+    return out
+
+
+def test_b_loads_what_a_stored_from_the_node_host_tier_exactly(report: dict[str, Any]) -> None:
+    r = report
+    assert r["instance_a_cold_cached_tokens"] == 0, r
+    assert r["instance_b_tokens_from_host"] == PREFIX_TOKENS, r
+    assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
+    # the service's own per-engine figures: A stored the 6 blocks, B hit them on the host
+    a, b = sorted(r["engines"], key=lambda e: e["session"])
+    assert a["namespace"] == b["namespace"] and a["pid"] != b["pid"], r["engines"]
+    assert a["stores"] == 6 and b["hit_host_blocks"] == 6 and b["loads"] == 6, r["engines"]
+
+
+def test_the_admin_lists_both_engines(report: dict[str, Any]) -> None:
+    assert report["engines_seen_by_admin"] == 2, report
+
+
+def test_negative_control_overwritten_host_pages_change_the_output(
+        report: dict[str, Any]) -> None:
+    r = report
+    assert r["corrupted_bytes"] > 0, r
+    assert r["negative_control_tokens_from_host"] == PREFIX_TOKENS, r
+    assert r["negative_control_identical"] is False, (
+        "the node's host pages were overwritten, yet B's output did not change: the "
+        f"comparison cannot tell served KV from recomputed KV: {r}")
+
+
+def test_a_killed_engine_leaves_what_it_stored_servable_and_nothing_corrupt(
+        report: dict[str, Any]) -> None:
+    r = report
+    assert r["after_kill_a_tokens_from_host"] == PREFIX_TOKENS, r
+    assert r["after_kill_a_identical"] is True, r
+    assert r["after_kill_a_batch_tokens_from_host"] == PREFIX_TOKENS, r
+    assert r["after_kill_a_batch_identical"] is True, r
+    # the dead engine is gone from the service's list, the others are there
+    assert r["killed_a_pid"] not in r["engines_after_kill_a"], r
+    assert len(r["engines_after_kill_a"]) == 2, r
+
+
+def test_a_killed_service_never_stops_the_engine_and_it_reattaches(
+        report: dict[str, Any]) -> None:
+    r = report
+    assert r["serve_down_tokens"] == 8, r  # the request in flight when serve died completed
+    assert all(t < SERVE_DOWN_BOUND_S for t in r["serve_down_request_seconds"]), r
+    assert r["engines_after_restart"] == 1, r  # B attached to the new service by itself
+    assert r["after_restart_tokens_from_host"] == PREFIX_TOKENS, r
+    assert r["after_restart_identical"] is True, r
