@@ -10,7 +10,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 
-from kvtier.engine.cache_api import HostPools, Lookup, PoolSegment, StorePlan
+from kvtier.engine.cache_api import HostPools, Lookup, PoolSegment, StorePlan, TierEvent
 from kvtier.manager.core.nodes import Node
 from kvtier.manager.keyed import KeyedHostCache
 from kvtier.manager.stack import Stack
@@ -113,6 +113,13 @@ class EmbeddedCache:
                 else:
                     keep.append((left, nodes))
             self._abandoned = keep
+
+    def enable_events(self) -> bool:
+        self.cache.enable_events()
+        return True
+
+    def take_events(self) -> list[TierEvent]:
+        return self.cache.take_events()
 
     def reset(self) -> None:
         """The engine's prefix-cache reset: its open copies are abandoned and the host tier
