@@ -97,8 +97,12 @@ class Subscriber:
                 frames = self.sock.recv_multipart()
             except zmq.Again:
                 continue
-            batch = self.decoder.decode(frames[-1])
             with self._lock:
+                try:
+                    batch = self.decoder.decode(frames[-1])
+                except Exception as e:  # a batch vLLM's own classes cannot read
+                    self.problems.append(f"undecodable batch: {e}")
+                    continue
                 seq = int.from_bytes(frames[1], "big") if len(frames) == 3 else -1
                 if self.seq >= 0 and seq != self.seq + 1:
                     self.problems.append(f"sequence gap {self.seq} -> {seq}")
@@ -106,7 +110,10 @@ class Subscriber:
                 self.counts["batches"] += 1
                 self.last = time.monotonic()
                 for ev in batch.events:
-                    self._apply(ev)
+                    try:
+                        self._apply(ev)
+                    except Exception as e:
+                        self.problems.append(f"event {type(ev).__name__}: {e!r}")
 
     def _apply(self, ev: Any) -> None:
         from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
