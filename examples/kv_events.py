@@ -3,7 +3,8 @@
 Runs in the vLLM environment (`make vllm-env` builds `.venv-vllm`). One in-process vLLM (CPU
 build, the tiny random Llama of examples/vllm_offload.py, 12 device blocks of 32 tokens) with
 kvtier embedded (a host tier of 16 blocks, file storage) and vLLM's KV-event publisher on
-(ZMQ PUB on a loopback port, with its replay socket). A subscriber in this process decodes
+(ZMQ PUB connecting to a loopback port the subscriber binds, its replay socket
+on another). A subscriber in this process decodes
 every batch with vLLM's own classes (`msgspec.msgpack.Decoder(type=KVEventBatch)`) and
 rebuilds, per medium, the set of blocks the instance says it holds. The run:
 
@@ -75,7 +76,9 @@ class Subscriber:
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.setsockopt(zmq.RCVTIMEO, 100)
-        self.sock.connect(endpoint)
+        # vLLM's publisher connects to a loopback endpoint (it binds only wildcard ones), so
+        # the subscriber binds it: no port open beyond this machine
+        self.sock.bind(endpoint)
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.held: dict[str, set[int]] = {m: set() for m in MEDIA}
         self.counts = {"stored": 0, "removed": 0, "cleared": 0, "batches": 0}
@@ -153,7 +156,9 @@ class Subscriber:
             self.problems.append(f"{ev.medium} locality REMOTE")
 
     def quiet(self, for_s: float = 0.6, timeout: float = 20.0) -> None:
-        """Wait until no batch arrived for `for_s` seconds."""
+        """Wait until no batch arrived for `for_s` seconds (the last step's batch is sent
+        by vLLM's publisher thread after `generate` returns: wait that long first)."""
+        time.sleep(for_s)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
@@ -247,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                 "admin_auth": "none", "admin_url_file": str(url_file)})
         ev = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint,
                             replay_endpoint=f"tcp://127.0.0.1:{replay}")
+        sub = Subscriber(endpoint)
         llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
                   dtype="bfloat16", block_size=BLOCK, num_gpu_blocks_override=12,
                   max_model_len=320, kv_transfer_config=kt, kv_events_config=ev, seed=0)
@@ -261,8 +267,6 @@ def main(argv: list[str] | None = None) -> int:
                         yield e
 
             manager.take_events = without_evictions
-        sub = Subscriber(endpoint)
-        time.sleep(0.5)  # the SUB socket joins before the first batch (PUB drops before)
         rng = random.Random(args.seed)
         sp = SamplingParams(max_tokens=4, temperature=0.0)
         seen: list[bytes] = []

@@ -53,6 +53,7 @@ from kvtier.manager.core.nodes import (
     ENGINE_WRITE,
     FROM_STORAGE,
     PREFETCHING,
+    STORED,
     Node,
 )
 from kvtier.manager.errors import InvalidRequestError
@@ -363,6 +364,8 @@ class KeyedHostCache:
             # the copies the loop below evicts (read before: evicted, they leave the tree)
             victims = ([] if self.events is None
                        else m.host_victims(len(todo) - free_before))
+            stored = [k for k in victims
+                      for n in (m.lookup(k),) if n is not None and n.flags & STORED]
             taken: list[int] = []
             for _ in todo:
                 hb = m.take_host_block()
@@ -375,7 +378,7 @@ class KeyedHostCache:
             now = _monotonic()
             storage = self.storage
             events = self.events
-            evicted_hashes = [] if events is None else events.evicted(victims)
+            evicted_hashes = [] if events is None else events.evicted(victims, stored)
             for h, hb in zip(todo, taken, strict=True):
                 key = engine_key(h)
                 node = m.start_engine_write(

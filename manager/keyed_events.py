@@ -73,9 +73,15 @@ class TierEventLog:
         if hashes:
             self.pending.append(TierEvent(tier, removed, tuple(hashes)))
 
-    def evicted(self, keys: Iterable[int]) -> list[bytes]:
+    def evicted(self, keys: Iterable[int], stored: Iterable[int] = ()) -> list[bytes]:
         """Host copies `prepare_store` evicted: removed now. Returns their hashes (those
-        reported stored; a copy evicted before it was reported was never announced)."""
+        reported stored; a copy evicted before it was reported was never announced).
+        `stored`: those of them with a storage copy, announced in storage first if not yet
+        (vLLM's connector forgets a block's tokens once no medium holds it)."""
+        new = [(k, h) for k in stored if k not in self.storage
+               for h in (self.names.get(k),) if h is not None]
+        self.storage.update(new)
+        self._log(STORAGE, False, [h for _, h in new])
         out = [h for h in (self.host.pop(k, None) for k in keys) if h is not None]
         self._log(HOST, True, out)
         return out
