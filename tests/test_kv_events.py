@@ -7,7 +7,8 @@ empties the host tier with `POST /reset`; at each checkpoint the per-medium bloc
 from the events must equal what kvtier holds (its tree for CPU, the page files for STORAGE),
 and the example reports whether every stored event is indexable (tokens, block size, a known
 parent, no ownership, not remote; not asserted yet, see the note of issue 20). The break
-check drops the removed events of evicted host copies: the sets then differ, so the comparison can fail.
+check drops the removed events of evicted host copies: the sets then differ, so the
+comparison can fail.
 """
 
 from __future__ import annotations
