@@ -14,11 +14,14 @@ Attached, the one-way calls (completions, forget) return once queued and the ser
 them in its own process: that work leaves the engine's scheduler thread, which is what is
 measured here (the scheduler-side time), and the embedded stack's threads share this
 process's interpreter lock.
-Rounds alternate the two homes (embedded first on even rounds), each round a batch of
-requests with fresh prompts; the medians per request and the ratio attached / embedded are
-printed with the added microseconds per request against the 100 us budget.
+Between steps the engine computes (`--gap-ms`, default 2 ms, untimed): attached, that is when
+the service applies the one-way calls of the step; back to back (`--gap-ms 0`) the next
+question waits behind them, which no engine's scheduler does. Rounds alternate the two homes
+(embedded first on even rounds), each round a batch of requests with fresh prompts; the
+medians per request and the ratio attached / embedded are printed with the added
+microseconds per request against the 100 us budget.
 
-    python bench/node_overhead.py [--rounds 10] [--requests 20] [--json]
+    python bench/node_overhead.py [--rounds 10] [--requests 20] [--gap-ms 2] [--json]
 """
 
 from __future__ import annotations
@@ -57,8 +60,10 @@ def prompt(tag: str, i: int) -> list[bytes]:
     return [hashlib.sha256(f"{tag}-{i}-{b}".encode()).digest() for b in range(BLOCKS)]
 
 
-def one_request(cache: EngineCache, keys: list[bytes], rid: str) -> tuple[float, float]:
-    """(cold seconds, warm seconds) of one prompt's scheduler-side calls."""
+def one_request(cache: EngineCache, keys: list[bytes], rid: str,
+                gap_s: float) -> tuple[float, float]:
+    """(cold seconds, warm seconds) of one prompt's scheduler-side calls; `gap_s` untimed
+    after each (the engine's forward pass between scheduler steps)."""
     t0 = time.perf_counter()
     cache.count_asked(rid, BLOCKS)
     cold = cache.lookup(keys[0], rid, keys[1:])
@@ -67,6 +72,8 @@ def one_request(cache: EngineCache, keys: list[bytes], rid: str) -> tuple[float,
     cache.complete_store(plan.keys)
     cache.forget_request(rid)
     cache.end_step()
+    cold_s = time.perf_counter() - t0
+    time.sleep(gap_s)
     t1 = time.perf_counter()
     rid2 = rid + "w"
     cache.count_asked(rid2, BLOCKS)
@@ -80,17 +87,23 @@ def one_request(cache: EngineCache, keys: list[bytes], rid: str) -> tuple[float,
     cache.complete_load(keys)
     cache.forget_request(rid2)
     cache.end_step()
-    return t1 - t0, time.perf_counter() - t1
+    warm_s = time.perf_counter() - t1
+    time.sleep(gap_s)
+    return cold_s, warm_s
 
 
-def run_round(cache: EngineCache, tag: str, n: int) -> list[tuple[float, float]]:
-    return [one_request(cache, prompt(tag, i), f"{tag}-{i}") for i in range(n)]
+def run_round(cache: EngineCache, tag: str, n: int,
+              gap_s: float = 0.0) -> list[tuple[float, float]]:
+    return [one_request(cache, prompt(tag, i), f"{tag}-{i}", gap_s) for i in range(n)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--gap-ms", type=float, default=2.0,
+                    help="untimed pause after each request's calls, as the engine's forward "
+                    "pass between scheduler steps (0: back to back)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -147,7 +160,8 @@ def main() -> int:
         for r in range(args.rounds):
             order = ["embedded", "attached"] if r % 2 == 0 else ["attached", "embedded"]
             for name in order:
-                times[name] += run_round(homes[name], f"{name}-{r}", args.requests)
+                times[name] += run_round(homes[name], f"{name}-{r}", args.requests,
+                                         args.gap_ms / 1e3)
         rtt = []
         for _ in range(500):  # one empty question: the socket round trip itself
             t0 = time.perf_counter()
@@ -155,6 +169,7 @@ def main() -> int:
             rtt.append(time.perf_counter() - t0)
         out: dict[str, Any] = {"blocks": BLOCKS, "block_tokens": BLOCK,
                                "requests": args.rounds * args.requests,
+                               "gap_ms": args.gap_ms,
                                "round_trip_us": statistics.median(rtt) * 1e6,
                                "loadavg": os.getloadavg()}
         for name, ts in times.items():
@@ -170,7 +185,8 @@ def main() -> int:
             print(json.dumps(out))
         else:
             print(f"{BLOCKS} blocks of {BLOCK} tokens, {out['requests']} requests per home, "
-                  f"interleaved; load average {out['loadavg'][0]:.2f}")
+                  f"interleaved, {args.gap_ms:g} ms between steps; load average "
+                  f"{out['loadavg'][0]:.2f}")
             for kind in ("cold", "warm"):
                 print(f"  {kind:5s} request: embedded {out[f'embedded_{kind}_us']:8.1f} us, "
                       f"attached {out[f'attached_{kind}_us']:8.1f} us, ratio "

@@ -9,8 +9,16 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from kvtier.engine.cache_api import HostPools, Lookup, PoolSegment, StorePlan, TierEvent
+from kvtier.engine.cache_api import (
+    EngineCache,
+    HostPools,
+    Lookup,
+    PoolSegment,
+    StorePlan,
+    TierEvent,
+)
 from kvtier.manager.core.nodes import Node
 from kvtier.manager.keyed import KeyedHostCache
 from kvtier.manager.stack import Stack
@@ -133,3 +141,8 @@ class EmbeddedCache:
         self.stack.close()
 
 
+
+
+if TYPE_CHECKING:  # mypy holds the embedded home to the contract
+    def _conforms(c: EmbeddedCache) -> EngineCache:
+        return c

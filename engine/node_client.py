@@ -22,6 +22,9 @@ the session and gave back what it held). No call waits longer than `call_timeout
 1 s) for the service, and a call that timed out takes the client DOWN, so the next calls do
 not wait at all.
 
+The first attach, in the constructor (`connect_now`), waits up to `attach_timeout_s` (the
+namespace's stack may be starting on the service); later ones run on the background thread.
+
 Every UP starts a new `generation` (and so does a reply naming a new namespace generation:
 the service replaced a rank's worker). Host block ids handed out under another generation
 are void; `host_pools()` says which segments (name, inode) the current one means and the
@@ -39,8 +42,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtier.engine.cache_api import (
+    EngineCache,
     HostPools,
     InvalidRequestError,
     Lookup,
@@ -412,20 +417,29 @@ class NodeClient:
         self._thread.join(2.0)
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("no reply in time")
-        sock.settimeout(left)
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionResetError("the service closed the connection")
-        buf += chunk
-    return bytes(buf)
-
-
 def _read_frame(sock: socket.socket, deadline: float) -> tuple[wire.FrameType, int, bytes]:
-    n = wire.frame_length(_recv_exact(sock, wire.LEN_BYTES, deadline))
-    return wire.decode_head(_recv_exact(sock, n, deadline))
+    """One frame, by `deadline`. The service sends exactly one frame per question, so a
+    reply usually arrives whole in one receive; bytes past it are a protocol error."""
+    buf = bytearray()
+    need = wire.LEN_BYTES
+    while True:
+        while len(buf) < need:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no reply in time")
+            sock.settimeout(left)
+            chunk = sock.recv(max(need - len(buf), 65536))
+            if not chunk:
+                raise ConnectionResetError("the service closed the connection")
+            buf += chunk
+        if need == wire.LEN_BYTES:
+            need += wire.frame_length(bytes(buf[:wire.LEN_BYTES]))
+            continue
+        if len(buf) != need:
+            raise wire.WireError(f"frame: {len(buf) - need} bytes after a reply")
+        return wire.decode_head(bytes(buf[wire.LEN_BYTES:]))
+
+
+if TYPE_CHECKING:  # mypy holds the attached home to the contract
+    def _conforms(c: NodeClient) -> EngineCache:
+        return c

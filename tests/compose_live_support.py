@@ -294,9 +294,12 @@ def _timed(timings: Timings, name: str, step: Callable[[], None]) -> None:
 
 
 def upstream_images() -> dict[str, str]:
-    """Service -> image of the services compose.yaml runs from upstream images."""
-    return {name: svc["image"] for name, svc in compose()["services"].items()
-            if "build" not in svc and name in SERVICES}
+    """Service -> image of the services compose.yaml runs from upstream images (not an image
+    another service of the file builds: `vllm-b` runs the `vllm` service's)."""
+    services = compose()["services"]
+    built_here = {svc["image"] for svc in services.values() if "build" in svc}
+    return {name: svc["image"] for name, svc in services.items()
+            if "build" not in svc and name in SERVICES and svc["image"] not in built_here}
 
 
 def build_images(engine: DockerEngine, work: Path, timings: Timings,

@@ -32,7 +32,7 @@ from kvtier.manager.node import wire
 from kvtier.manager.node.namespaces import namespace_deployment_id
 from node_engine import SHAPE, hello
 from serve_support import ServeProcess, tiny_toml
-from support import kvtier_script, new_deployment_id, remove_leftovers, wait_until
+from support import kvtier_script, new_deployment_id, promtool, remove_leftovers, wait_until
 
 ENGINE = Path(__file__).with_name("node_engine.py")
 PAGE = 2 * 2 * 2 * 8 * 4 * 2  # layers x K,V x heads x head_dim x block x float16 = 512
@@ -181,6 +181,8 @@ def test_engines_of_a_namespace_share_blocks_through_the_host_pool(node: Node) -
         text = http.get("/metrics").text
     assert f'kvtier_node_namespace_engines{{namespace="{NS_A}"}} 2.0' in text
     assert f'kvtier_node_engine_blocks_total{{kind="stored",namespace="{NS_A}"}} 8.0' in text
+    lint = promtool("check", "metrics", input=text)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
     # POST /reset empties what every engine sees
     with node.serve.client(node.serve.token()) as http:  # type: ignore[union-attr]
         r = http.post("/reset")
