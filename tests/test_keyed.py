@@ -459,6 +459,29 @@ def test_evicted_keys_are_the_announced_copies_made_room_for(
     assert cache.take_events() == []
 
 
+def test_kvtier_metrics_count_the_engines_stores_and_loads(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    """kvtier's /metrics carries the keyed surface's counters (`kvtier_engine_*`)."""
+    from kvtier.admin.metrics import build_registry
+    from prometheus_client import generate_latest
+
+    stack, pool = keyed_stack
+    cache = make_cache(stack)
+    store(cache, pool, chain(0, 3))
+    ids = cache.prepare_load(chain(0, 2))
+    cache.complete_load(chain(0, 2))
+    assert len(ids) == 2
+    saved, stack.keyed = stack.keyed, cache
+    try:
+        text = generate_latest(build_registry(stack)).decode()
+    finally:
+        stack.keyed = saved
+    assert 'kvtier_engine_stores_total{outcome="prepared"} 3.0' in text
+    assert 'kvtier_engine_stores_total{outcome="completed"} 3.0' in text
+    assert 'kvtier_engine_loads_total{phase="completed"} 2.0' in text
+    assert "kvtier_engine_storage_queries_total 0.0" in text
+
+
 def test_engine_keys_are_stable() -> None:
     h = hashlib.sha256(b"x").digest()
     assert engine_key(h) == int.from_bytes(h[:16], "little")
