@@ -90,6 +90,7 @@ class StackCollector(Collector):
         if manager is not None:
             yield from self._manager_families(manager.stats())
         yield from self._storage_families()
+        yield from self._keyed_families()
         yield from self._backend_families()
         yield from self._worker_families()
 
@@ -250,6 +251,32 @@ class StackCollector(Collector):
         yield GaugeMetricFamily(
             "kvtier_storage_prefetching_blocks", "Host blocks held by prefetches in flight.",
             value=storage.prefetching_blocks if storage is not None else 0)
+
+    def _keyed_families(self) -> Iterator[Metric]:
+        """The key-addressed surface's counters (an engine that owns its device tier, such as
+        vLLM, calls it); absent when the stack has none."""
+        keyed = self.stack.keyed
+        if keyed is None:
+            return
+        c = dict(keyed.counters)
+        stores = CounterMetricFamily(
+            "kvtier_engine_stores",
+            "Engine block stores into the host tier, by outcome: prepared (host blocks "
+            "given), completed (servable), failed (the engine's copy failed or was abandoned), "
+            "refused (the host tier could not take them all).", labels=["outcome"])
+        for outcome in ("prepared", "completed", "failed", "refused"):
+            stores.add_metric([outcome], c.get(f"stores_{outcome}", 0))
+        yield stores
+        loads = CounterMetricFamily(
+            "kvtier_engine_loads", "Engine block loads from the host tier, by phase.",
+            labels=["phase"])
+        for phase in ("prepared", "completed"):
+            loads.add_metric([phase], c.get(f"loads_{phase}", 0))
+        yield loads
+        yield CounterMetricFamily(
+            "kvtier_engine_storage_queries",
+            "Storage queries the engine's lookups started (one per request and block run).",
+            value=c.get("storage_queries", 0))
 
     def _backend_families(self) -> Iterator[Metric]:
         """What each rank's storage backend alone knows, as its worker last published it.

@@ -42,9 +42,10 @@ from typing import Protocol, runtime_checkable
 
 from kvtier.manager.errors import InvalidRequestError
 from kvtier.manager.keyed import Lookup, StorePlan
+from kvtier.manager.keyed_events import TierEvent
 
 __all__ = ["EngineCache", "HostPools", "InvalidRequestError", "Lookup", "PoolSegment",
-           "StorePlan"]
+           "StorePlan", "TierEvent"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +160,17 @@ class EngineCache(Protocol):
     def end_step(self) -> None:
         """The engine's scheduler step ended (batched messages are flushed, copies abandoned
         by `reset` are released once no copy can still run)."""
+        ...
+
+    def enable_events(self) -> bool:
+        """Start keeping tier events (`take_events`); False where this home has none to
+        give (attached: the node service's blocks are shared by its engines, so their events
+        are the service's to publish, not one engine's)."""
+        ...
+
+    def take_events(self) -> list[TierEvent]:
+        """Blocks that became or stopped being servable per tier since the last call
+        (`kvtier.manager.keyed_events`); [] while events are off."""
         ...
 
     def reset(self) -> None:

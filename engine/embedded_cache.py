@@ -17,6 +17,7 @@ from kvtier.engine.cache_api import (
     Lookup,
     PoolSegment,
     StorePlan,
+    TierEvent,
 )
 from kvtier.manager.core.nodes import Node
 from kvtier.manager.keyed import KeyedHostCache
@@ -120,6 +121,13 @@ class EmbeddedCache:
                 else:
                     keep.append((left, nodes))
             self._abandoned = keep
+
+    def enable_events(self) -> bool:
+        self.cache.enable_events()
+        return True
+
+    def take_events(self) -> list[TierEvent]:
+        return self.cache.take_events()
 
     def reset(self) -> None:
         """The engine's prefix-cache reset: its open copies are abandoned and the host tier

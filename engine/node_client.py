@@ -51,6 +51,7 @@ from kvtier.engine.cache_api import (
     Lookup,
     PoolSegment,
     StorePlan,
+    TierEvent,
 )
 from kvtier.manager.node import wire
 
@@ -396,6 +397,15 @@ class NodeClient:
 
     def end_step(self) -> None:
         self._flush()
+
+    def enable_events(self) -> bool:
+        """Attached engines keep no tier events: the node's blocks are shared by every
+        engine of the namespace, so one engine's stream would announce (and withdraw) blocks
+        of the others; the service would publish them (not built yet)."""
+        return False
+
+    def take_events(self) -> list[TierEvent]:
+        return []
 
     def reset(self) -> None:
         with self._lock:

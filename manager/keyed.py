@@ -54,7 +54,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from kvtier.manager.core import native
@@ -65,9 +65,11 @@ from kvtier.manager.core.nodes import (
     ENGINE_WRITE,
     FROM_STORAGE,
     PREFETCHING,
+    STORED,
     Node,
 )
 from kvtier.manager.errors import InvalidRequestError
+from kvtier.manager.keyed_events import TierEvent, TierEventLog
 
 _monotonic = time.monotonic
 
@@ -89,6 +91,8 @@ class StorePlan:
     keys: list[bytes]
     host_ids: list[int]
     evicted: int
+    # the hashes of the evicted copies that were reported servable (tier events on)
+    evicted_hashes: list[bytes] = field(default_factory=list)
 
 
 class _Query:
@@ -158,6 +162,8 @@ class KeyedHostCache:
         self.counters = dict.fromkeys((
             "stores_prepared", "stores_completed", "stores_failed",
             "stores_refused", "loads_prepared", "loads_completed", "storage_queries"), 0)
+        # tier events for routers (`enable_events`): None while nobody takes them
+        self.events: TierEventLog | None = None
 
     # ------------------------------------------------------------------ keys
 
@@ -249,6 +255,9 @@ class KeyedHostCache:
         req.skeys = [self.storage_key(h) for h in q.keys]
         if self.storage.holds(req.skeys[0]):
             q.wait_until = _monotonic() + self.m.transfer_timeout_s
+        if self.events is not None:
+            for k, h in zip(req.keys, q.keys, strict=True):
+                self.events.name(k, h)
         self.counters["storage_queries"] += 1
         self._open_queries += 1
 
@@ -376,6 +385,11 @@ class KeyedHostCache:
             if not todo:
                 return StorePlan([], [], 0)
             free_before = m.host_free
+            # the copies the loop below evicts (read before: evicted, they leave the tree)
+            victims = ([] if self.events is None
+                       else m.host_victims(len(todo) - free_before))
+            stored = [k for k in victims
+                      for n in (m.lookup(k),) if n is not None and n.flags & STORED]
             taken: list[int] = []
             for _ in todo:
                 hb = m.take_host_block()
@@ -387,12 +401,17 @@ class KeyedHostCache:
             evicted = max(0, len(taken) - free_before)
             now = _monotonic()
             storage = self.storage
+            events = self.events
+            evicted_hashes = [] if events is None else events.evicted(victims, stored)
             for h, hb in zip(todo, taken, strict=True):
+                key = engine_key(h)
                 node = m.start_engine_write(
-                    engine_key(h), hb, None if storage is None else self.storage_key(h), now)
+                    key, hb, None if storage is None else self.storage_key(h), now)
                 self._writers.setdefault(h, []).append(node)
+                if events is not None:
+                    events.name(key, h)
             self.counters["stores_prepared"] += len(todo)
-            return StorePlan(todo, taken, evicted)
+            return StorePlan(todo, taken, evicted, evicted_hashes)
 
     def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
         """The engine finished (ok) or gave up copying these blocks into the host blocks that
@@ -414,6 +433,25 @@ class KeyedHostCache:
             if landed and self.storage is not None:
                 self.storage.backup(landed)
             self.m.flush()
+
+    # ------------------------------------------------------------------ tier events
+
+    def enable_events(self) -> None:
+        """Keep the tier events (`kvtier.manager.keyed_events`) from now on; blocks cached
+        before are announced by the first `take_events`, once named again."""
+        with self._lock:
+            if self.events is None:
+                self.events = TierEventLog()
+
+    def take_events(self) -> list[TierEvent]:
+        """The tier events since the last call (reconciled with the tree now); [] when
+        events are off."""
+        with self._lock:
+            events = self.events
+            if events is None:
+                return []
+            events.sweep(self.m.cached_nodes(), self.m.counters.storage_forgotten)
+            return events.take()
 
     # ------------------------------------------------------------------ engine resets
 

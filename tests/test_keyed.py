@@ -21,7 +21,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from kvtier.manager.core.nodes import ENGINE_READ, ENGINE_WRITE
+from kvtier.manager.core.nodes import ENGINE_READ, ENGINE_WRITE, STORED
 from kvtier.manager.errors import InvalidRequestError
 from kvtier.manager.keyed import KeyedHostCache, Lookup, engine_key
 from kvtier.manager.stack import Stack
@@ -361,6 +361,9 @@ class KeyedMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.cache = make_cache(self.stack)
+        self.cache.enable_events()
+        # the blocks per tier as a router rebuilds them from the tier events
+        self.seen: dict[str, set[bytes]] = {"host": set(), "storage": set()}
         self.in_flight_stores: list[tuple[list[bytes], bool]] = []
         self.in_flight_loads: list[list[bytes]] = []
         self.page = self.pool.shape.page_bytes
@@ -420,6 +423,37 @@ class KeyedMachine(RuleBasedStateMachine):
     def reset(self) -> None:
         self.stack.reset()
 
+    @rule()
+    def reset_storage(self) -> None:
+        settle(self.stack)
+        self.stack.reset(storage=True)
+
+    @invariant()
+    def events_match_state(self) -> None:
+        """The host blocks rebuilt from the events are exactly the HITs; every event moves a
+        block in or out of the set, never twice the same way."""
+        # backups land on the completion thread: the copies stored before the events are
+        # taken must be announced by them
+        stored = {n.key for n in self.stack.require_manager().cached_nodes()
+                  if n.flags & STORED}
+        for ev in self.cache.take_events():
+            held = self.seen[ev.tier]
+            for h in ev.hashes:
+                if ev.removed:
+                    assert h in held, f"{ev.tier} removed {h[:4].hex()} never stored"
+                    held.discard(h)
+                else:
+                    assert h not in held, f"{ev.tier} stored {h[:4].hex()} twice"
+                    held.add(h)
+        hits = {h for p in range(PROMPTS) for h in chain(p, PROMPT_BLOCKS)
+                if self.cache.lookup(h) is Lookup.HIT}
+        assert self.seen["host"] == hits, (
+            f"events say {len(self.seen['host'])} host blocks, {len(hits)} are HITs")
+        for p in range(PROMPTS):  # a block in the tree with a storage copy was announced
+            for h in chain(p, PROMPT_BLOCKS):
+                if engine_key(h) in stored:
+                    assert h in self.seen["storage"], f"stored {h[:4].hex()} not announced"
+
     @invariant()
     def consistent(self) -> None:
         self.cache.check_invariants()
@@ -442,6 +476,60 @@ def test_randomized_engine_traffic(keyed_stack: tuple[Stack, HostPool]) -> None:
     run.settings = settings(max_examples=25, stateful_step_count=30, deadline=None,
                             suppress_health_check=list(HealthCheck))
     run().runTest()
+
+
+def test_evicted_keys_are_the_announced_copies_made_room_for(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    """`prepare_store` names the host copies it evicted (vLLM's `evicted_keys`), oldest
+    first, and the tier events remove exactly those; the storage events follow the backups,
+    and a storage reset removes them."""
+    stack, pool = keyed_stack
+    cache = make_cache(stack)
+    cache.enable_events()
+    first = chain(0, HOST_BLOCKS)
+    store(cache, pool, first)
+    settle(stack)
+    events = cache.take_events()
+    assert [(e.tier, e.removed, set(e.hashes)) for e in events] == [
+        ("host", False, set(first)), ("storage", False, set(first))]
+    plan = cache.prepare_store(chain(1, 3))
+    assert plan is not None and plan.evicted == 3
+    assert plan.evicted_hashes == first[:3]
+    cache.complete_store(plan.keys)
+    settle(stack)
+    events = cache.take_events()
+    assert ("host", True, tuple(first[:3])) in [(e.tier, e.removed, e.hashes) for e in events]
+    assert {h for e in events if e.tier == "host" and not e.removed for h in e.hashes} == set(
+        chain(1, 3))
+    stack.reset(storage=True)
+    events = cache.take_events()
+    removed = {e.tier: set(e.hashes) for e in events if e.removed}
+    assert removed["host"] == set(first[3:] + chain(1, 3))
+    assert removed["storage"] == set(first + chain(1, 3))
+    assert cache.take_events() == []
+
+
+def test_kvtier_metrics_count_the_engines_stores_and_loads(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    """kvtier's /metrics carries the keyed surface's counters (`kvtier_engine_*`)."""
+    from kvtier.admin.metrics import build_registry
+    from prometheus_client import generate_latest
+
+    stack, pool = keyed_stack
+    cache = make_cache(stack)
+    store(cache, pool, chain(0, 3))
+    ids = cache.prepare_load(chain(0, 2))
+    cache.complete_load(chain(0, 2))
+    assert len(ids) == 2
+    saved, stack.keyed = stack.keyed, cache
+    try:
+        text = generate_latest(build_registry(stack)).decode()
+    finally:
+        stack.keyed = saved
+    assert 'kvtier_engine_stores_total{outcome="prepared"} 3.0' in text
+    assert 'kvtier_engine_stores_total{outcome="completed"} 3.0' in text
+    assert 'kvtier_engine_loads_total{phase="completed"} 2.0' in text
+    assert "kvtier_engine_storage_queries_total 0.0" in text
 
 
 def test_engine_keys_are_stable() -> None:

@@ -61,7 +61,7 @@ from typing import Any, overload
 import numpy as np
 import torch
 from kvtier.engine.attached import attach
-from kvtier.engine.cache_api import EngineCache, InvalidRequestError, Lookup
+from kvtier.engine.cache_api import EngineCache, InvalidRequestError, Lookup, TierEvent
 from kvtier.engine.defaults import apply_defaults
 from kvtier.engine.embedded import EmbeddedDeployment, KvtierConfig
 from kvtier.engine.errors import KvtierError
@@ -70,6 +70,9 @@ from kvtier.engine.host_copier import HostCopier
 from kvtier.integrations.vllm import defaults
 from kvtier.integrations.vllm.errors import VllmAdapterError
 from kvtier.integrations.vllm.kv_groups import KVGroup, describe_groups, primary_group
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
@@ -77,8 +80,15 @@ from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
+    Locality,
     LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingKVEventsConfig,
     OffloadingManager,
+    OffloadingMetricMetadata,
     OffloadingSpec,
     OffloadingWorker,
     OffloadKey,
@@ -88,6 +98,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
     get_offload_block_hash,
     get_offload_group_idx,
+    make_offload_key,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -105,6 +116,29 @@ _DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16",
 # vLLM's KVCacheConfig while KvtierConnector builds the spec (the spec itself is handed only
 # the OffloadingConfig, which lacks each group's attention kind and window)
 _KV_CACHE_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar("kvtier_kv_cache_config")
+
+
+# kvtier's series in vLLM's /metrics (next to vLLM's own kv_offload transfer series, which
+# vLLM fills from the worker side's transfer results): name -> definition
+METRIC_LOOKUPS = "vllm:kv_offload_kvtier_lookups"
+METRIC_HITS = "vllm:kv_offload_kvtier_hits"
+METRIC_MISSES = "vllm:kv_offload_kvtier_misses"
+METRIC_EVICTIONS = "vllm:kv_offload_kvtier_evictions"
+METRIC_HOST_USAGE = "vllm:kv_offload_kvtier_host_usage_perc"
+METRICS: dict[str, OffloadingMetricMetadata] = {
+    METRIC_LOOKUPS: OffloadingCounterMetadata(
+        documentation="Blocks vLLM looked up in kvtier (answered hit or miss)."),
+    METRIC_HITS: OffloadingCounterMetadata(
+        documentation="Blocks vLLM loaded from kvtier, by the tier they were served from "
+                      "(host, or storage for a block prefetched from storage).",
+        labelnames=("tier",)),
+    METRIC_MISSES: OffloadingCounterMetadata(
+        documentation="Blocks vLLM looked up in kvtier that no tier of kvtier held."),
+    METRIC_EVICTIONS: OffloadingCounterMetadata(
+        documentation="Host copies kvtier evicted to make room for vLLM's stores."),
+    METRIC_HOST_USAGE: OffloadingGaugeMetadata(
+        documentation="Fraction of kvtier's host blocks in use (embedded instances)."),
+}
 
 
 # ---------------------------------------------------------------------------- configuration
@@ -335,6 +369,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         # req id -> block hash -> whether its last load was its first hit from storage
         self._sources: dict[str, dict[bytes, bool]] = {}
         self._closed = False
+        # vLLM's /metrics: counts since the last `get_stats` (name, labels) -> blocks
+        self._stats: dict[tuple[str, tuple[str, ...]], int] = {}
         self.socket_path = str(extra.get("kvtier_serve") or "")
         if self.socket_path:
             self.cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
@@ -367,6 +403,21 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                      if self.admin_url else "off",
                      "; ".join(notes) or "none", namespace,
                      json.dumps(identity, sort_keys=True))
+        # tier events for vLLM's KV-event publisher (one-group models, embedded): host =
+        # vLLM's CPU medium, storage = STORAGE (local for files, remote for Redis)
+        self._events = False
+        if spec.config.enable_kv_cache_events:
+            if self._keyed_groups:
+                log.warning("kvtier: KV events are on, but this model has several KV cache "
+                            "groups: kvtier publishes its tiers' events for one-group models "
+                            "only")
+            elif not self.cache.enable_events():
+                log.warning("kvtier: KV events are on, but an attached instance does not "
+                            "publish the node service's tiers (shared by its engines)")
+            else:
+                self._events = True
+        self._storage_locality = (Locality.LOCAL if self.cfg.storage.backend == "file"
+                                  else Locality.REMOTE)
         atexit.register(self.shutdown)
 
     # -- keys
@@ -425,12 +476,15 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self.cache.count_asked(req_context.req_id, lambda: self._asked_blocks(key, req_context))
         found = self.cache.lookup(h, req_context.req_id, following,
                                   threshold_tokens=threshold)
+        if found is Lookup.HIT or found is Lookup.MISS:
+            self._add(METRIC_LOOKUPS)
         if found is Lookup.HIT:
             return LookupResult.HIT
         if found is Lookup.PENDING:
             return LookupResult.HIT_PENDING
         if found is Lookup.RETRY:
             return LookupResult.RETRY
+        self._add(METRIC_MISSES)
         return LookupResult.MISS
 
     def _asked_blocks(self, key: OffloadKey, req_context: ReqContext) -> int:
@@ -502,6 +556,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 raise InvalidRequestError("kvtier's host pools were replaced while the load "
                                           "was planned")
             self._sources[req_context.req_id] = dict(zip(hashes, from_storage, strict=True))
+            stored = sum(from_storage)
+            self._add(METRIC_HITS, len(hashes) - stored, ("host",))
+            self._add(METRIC_HITS, stored, ("storage",))
             self._count(keys, "loaded")
             return KvtierLoadStoreSpec(ids, segments)
         except InvalidRequestError as e:
@@ -534,14 +591,57 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         offload_key = dict(zip(hashes, keys, strict=True))
         stored = [offload_key[h] for h in plan.keys]
         self._count(stored, "stored")
+        self._add(METRIC_EVICTIONS, plan.evicted)
         return PrepareStoreOutput(
             keys_to_store=stored,
             store_spec=KvtierLoadStoreSpec(plan.host_ids, segments),
-            evicted_keys=[])
+            evicted_keys=[self._offload_key(h) for h in plan.evicted_hashes])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         self.cache.complete_store(self._hashes(keys), ok=success)
+
+    def _add(self, name: str, n: int = 1, labels: tuple[str, ...] = ()) -> None:
+        if n:
+            key = (name, labels)
+            self._stats[key] = self._stats.get(key, 0) + n
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """kvtier's figures since the last call for vLLM's /metrics (`METRICS`); vLLM adds
+        its own transfer bytes and time per direction from the worker side."""
+        stats = OffloadingConnectorStats()
+        counts, self._stats = self._stats, {}
+        for (name, labels), n in counts.items():
+            stats.increase_counter(name, n, labels)
+        for name in (METRIC_LOOKUPS, METRIC_MISSES, METRIC_EVICTIONS):
+            stats.increase_counter(name, 0)  # present from the first scrape
+        if self.node is not None:
+            m = self.node.stack.manager
+            if m is not None and m.host_capacity:
+                stats.set_gauge(METRIC_HOST_USAGE, 1.0 - m.host_free / m.host_capacity)
+        return stats
+
+    def _offload_key(self, block_hash: bytes) -> OffloadKey:
+        """vLLM's key of a block kvtier holds by its hash (events are kept for one-group
+        models only, whose kvtier key is vLLM's block hash)."""
+        return make_offload_key(block_hash, self._single_group_id)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """kvtier's tier events since the last call as vLLM's offloading events (vLLM's
+        connector adds each block's tokens, parent and block size, and publishes them):
+        host = CPU, storage = STORAGE."""
+        if not self._events:
+            return
+        for event in self.cache.take_events():
+            yield self._offloading_event(event)
+
+    def _offloading_event(self, event: TierEvent) -> OffloadingEvent:
+        keys = [self._offload_key(h) for h in event.hashes]
+        if event.tier == "host":
+            return OffloadingEvent(keys=keys, medium=Medium.CPU, removed=event.removed,
+                                   locality=Locality.LOCAL)
+        return OffloadingEvent(keys=keys, medium=Medium.STORAGE, removed=event.removed,
+                               locality=self._storage_locality)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.cache.forget_request(req_context.req_id)
@@ -692,9 +792,20 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc,unused-ignore]
     `spec_module_path = "kvtier.integrations.vllm"`). kvtier's own configuration comes from
     `kvtier_config` (a TOML file) and `KVTIER_*` variables, the KV shape from vLLM."""
 
+    @classmethod
+    def build_metric_definitions(
+            cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return dict(METRICS)
+
     def __init__(self, config: OffloadingConfig) -> None:
         defaults.route_kvtier_logs()
         super().__init__(config)
+        # routers need each stored block's tokens, parent and block size (vLLM's
+        # "self-describing" events): on unless the operator turned them off
+        self.kv_events_config = OffloadingKVEventsConfig(
+            enable_kv_cache_events=bool(config.enable_kv_cache_events),
+            self_describing_kv_events=bool(
+                self.extra_config.get("self_describing_kv_events", True)))
         self.groups = kv_groups(config)
         self.kvtier = kvtier_config(config, self.extra_config, self.groups)
         self._manager: KvtierOffloadingManager | None = None

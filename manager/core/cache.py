@@ -82,6 +82,7 @@ class Counters:
     lost_all: int = 0
     sleeps: int = 0
     lost_device: int = 0  # the device memory was replaced, host copies kept (`lose_device`)
+    storage_forgotten: int = 0  # times storage was emptied (`forget_stored`)
 
 
 class CacheCore:
@@ -251,6 +252,19 @@ class CacheCore:
             self._forget(victim)
         return hb  # handed over without passing through the free list
 
+
+    def host_victims(self, n: int) -> list[int]:
+        """The keys of the host copies the next `n` calls of `take_host_block` would evict
+        (once the free list is empty), oldest first (read only)."""
+        keys: list[int] = []
+        if n <= 0:
+            return keys
+        for node in self._host_lru:
+            if node.key is not None:
+                keys.append(node.key)
+            if len(keys) >= n:
+                break
+        return keys
 
     def give_host_blocks(self, ids: list[int]) -> None:
         """Return host blocks taken with `take_host_block` and never used."""
@@ -612,6 +626,7 @@ class CacheCore:
         """Storage was emptied: no node has a copy there any more."""
         for node in self._map.values():
             node.flags &= ~STORED
+        self.counters.storage_forgotten += 1
 
     # ------------------------------------------------------------------ engine transitions
 

@@ -1,0 +1,328 @@
+"""kvtier's tiers in vLLM's KV events: what a cache-aware router subscribed to vLLM sees.
+
+Runs in the vLLM environment (`make vllm-env` builds `.venv-vllm`). One in-process vLLM (CPU
+build, the tiny random Llama of examples/vllm_offload.py, 12 device blocks of 32 tokens) with
+kvtier embedded (a host tier of 16 blocks, file storage) and vLLM's KV-event publisher on
+(ZMQ PUB connecting to a loopback port the subscriber binds, its replay socket
+on another). A subscriber in this process decodes
+every batch with vLLM's own classes (`msgspec.msgpack.Decoder(type=KVEventBatch)`) and
+rebuilds, per medium, the set of blocks the instance says it holds. The run:
+
+1. six prompts of 6 full blocks each: 36 blocks for a 16-block host tier, so kvtier evicts
+   host copies (`BlockRemoved`, medium CPU) and backs every block up to storage (`BlockStored`,
+   medium STORAGE);
+2. the first prompt again (served from storage: its blocks come back to the host tier);
+3. `POST /reset` on kvtier's admin (the host tier emptied: every CPU block removed).
+
+At each checkpoint (the backups landed, one step run so kvtier's events are taken) the sets
+rebuilt from the events are compared with what kvtier holds: the host tier's ready copies
+(read from kvtier's tree) and the storage pages (files named by each block's storage key) of
+every block the prompts made. Also checked on every CPU / STORAGE `BlockStored`: token ids for
+each block, vLLM's block size, a parent already announced, no `ownership`, locality not
+remote (what Dynamo's KV indexer needs to index a block).
+
+`--drop-removed-on-evict` is the break check: removed events of evicted host copies are
+dropped before vLLM sees them, and `events_match_state` must come out false.
+
+The last line of output is one JSON object (with `--json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PYTHONHASHSEED", "0")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_offload import BLOCK, VOCAB, build_model, kvtier_manager
+
+HOST_BLOCKS = 16
+PROMPT_TOKENS = 200  # 6 full blocks of 32 + 8
+PROMPTS = 6
+MEDIA = ("CPU", "STORAGE")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Subscriber:
+    """A router's view of one instance: per medium, the blocks (vLLM's external block hashes)
+    announced stored and not removed since, rebuilt from vLLM's ZMQ stream."""
+
+    def __init__(self, endpoint: str) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.setsockopt(zmq.RCVTIMEO, 100)
+        # vLLM's publisher connects to a loopback endpoint (it binds only wildcard ones), so
+        # the subscriber binds it: no port open beyond this machine
+        self.sock.bind(endpoint)
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.held: dict[str, set[int]] = {m: set() for m in MEDIA}
+        self.counts = {"stored": 0, "removed": 0, "cleared": 0, "batches": 0}
+        self.by_medium: dict[str, dict[str, int]] = {}
+        self.problems: list[str] = []
+        self.known: set[int] = set()  # every hash announced in any medium (parents)
+        self.last = time.monotonic()
+        self.seq = -1
+        self._lock = threading.Lock()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        while not self._stop:
+            try:
+                frames = self.sock.recv_multipart()
+            except zmq.Again:
+                continue
+            with self._lock:
+                try:
+                    batch = self.decoder.decode(frames[-1])
+                except Exception as e:  # a batch vLLM's own classes cannot read
+                    self.problems.append(f"undecodable batch: {e}")
+                    continue
+                seq = int.from_bytes(frames[1], "big") if len(frames) == 3 else -1
+                if self.seq >= 0 and seq != self.seq + 1:
+                    self.problems.append(f"sequence gap {self.seq} -> {seq}")
+                self.seq = seq
+                self.counts["batches"] += 1
+                self.last = time.monotonic()
+                for ev in batch.events:
+                    try:
+                        self._apply(ev)
+                    except Exception as e:
+                        self.problems.append(f"event {type(ev).__name__}: {e!r}")
+
+    def _apply(self, ev: Any) -> None:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
+
+        if isinstance(ev, AllBlocksCleared):
+            self.counts["cleared"] += 1
+            return
+        medium = ev.medium or "GPU"
+        kind = "stored" if isinstance(ev, BlockStored) else "removed"
+        self.by_medium.setdefault(medium, {"stored": 0, "removed": 0})[kind] += len(
+            ev.block_hashes)
+        if isinstance(ev, BlockStored):
+            if medium in MEDIA:
+                self.counts["stored"] += len(ev.block_hashes)
+                self._check_stored(ev)
+            self.known.update(ev.block_hashes)
+            if medium in self.held:
+                self.held[medium].update(ev.block_hashes)
+        else:
+            if medium in MEDIA:
+                self.counts["removed"] += len(ev.block_hashes)
+            if medium in self.held:
+                self.held[medium].difference_update(ev.block_hashes)
+
+    def _check_stored(self, ev: Any) -> None:
+        """What Dynamo's indexer needs of a stored event to index it."""
+        n = len(ev.block_hashes)
+        if ev.block_size != BLOCK:
+            self.problems.append(f"{ev.medium} block_size {ev.block_size}")
+        if len(ev.token_ids) != n * BLOCK:
+            self.problems.append(f"{ev.medium} {len(ev.token_ids)} token ids for {n} blocks")
+        if ev.parent_block_hash is not None and ev.parent_block_hash not in self.known:
+            self.problems.append(f"{ev.medium} parent {ev.parent_block_hash} never announced")
+        if ev.ownership is not None:
+            self.problems.append(f"{ev.medium} ownership {ev.ownership!r}")
+        if ev.locality == "REMOTE":
+            self.problems.append(f"{ev.medium} locality REMOTE")
+
+    def quiet(self, for_s: float = 0.6, timeout: float = 20.0) -> None:
+        """Wait until no batch arrived for `for_s` seconds (the last step's batch is sent
+        by vLLM's publisher thread after `generate` returns: wait that long first)."""
+        time.sleep(for_s)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if time.monotonic() - self.last >= for_s:
+                    return
+            time.sleep(0.05)
+
+    def snapshot(self) -> dict[str, set[int]]:
+        with self._lock:
+            return {m: set(s) for m, s in self.held.items()}
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(timeout=5)
+        self.sock.close(linger=0)
+
+
+def block_hashes(llm: Any, tokens: list[int]) -> list[bytes]:
+    """vLLM's block hashes of the full blocks of `tokens` (its configured algorithm)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    fn = get_hash_fn_by_name(llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo)
+    parent = None
+    out: list[bytes] = []
+    for i in range(len(tokens) // BLOCK):
+        parent = kv_cache_utils.hash_block_tokens(fn, parent, tokens[i * BLOCK:(i + 1) * BLOCK])
+        out.append(bytes(parent))
+    return out
+
+
+def external(h: bytes) -> int:
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    v = maybe_convert_block_hash(h)  # type: ignore[arg-type]
+    return v if isinstance(v, int) else int.from_bytes(v, "big")
+
+
+def kvtier_holds(llm: Any, hashes: list[bytes], storage: Path) -> dict[str, set[int]]:
+    """What kvtier holds per medium among `hashes`: host = a ready copy in its tree (HIT),
+    storage = a page file named by the block's storage key."""
+    from kvtier.manager.core.nodes import ENGINE_WRITE, PREFETCHING
+    from kvtier.manager.keyed import engine_key
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    manager = kvtier_manager(llm)
+    keyed = manager.cache.cache
+    pages = {p.name for p in storage.glob("**/*") if p.is_file()}
+    host: set[int] = set()
+    stored: set[int] = set()
+    with keyed.m.lock:
+        for h in hashes:
+            node = keyed.m.lookup(engine_key(h))
+            if (node is not None and node.host is not None
+                    and not node.flags & (ENGINE_WRITE | PREFETCHING)):
+                host.add(external(h))
+    for h in hashes:
+        if manager.storage_key(make_offload_key(h, 0)).hex() in pages:
+            stored.add(external(h))
+    return {"CPU": host, "STORAGE": stored}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object last")
+    ap.add_argument("--model-dir", default="", help="where the random model is built")
+    ap.add_argument("--drop-removed-on-evict", action="store_true",
+                    help="break check: drop the removed events of evicted host copies")
+    ap.add_argument("--seed", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    model = build_model(Path(args.model_dir or os.path.join(
+        tempfile.gettempdir(), "kvtier-vllm-tiny-llama")))
+    with tempfile.TemporaryDirectory(prefix="kvtier-events-") as tmp:
+        url_file = Path(tmp) / "admin-url"
+        storage = Path(tmp) / "storage"
+        pub, replay = free_port(), free_port()
+        endpoint = f"tcp://127.0.0.1:{pub}"
+        kt = KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={
+                "spec_name": "KvtierOffloadingSpec",
+                "spec_module_path": "kvtier.integrations.vllm",
+                "host_blocks": HOST_BLOCKS, "storage_backend": "file",
+                "storage_path": str(storage), "prefetch_threshold": BLOCK, "admin_port": 0,
+                "admin_auth": "none", "admin_url_file": str(url_file)})
+        ev = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint,
+                            replay_endpoint=f"tcp://127.0.0.1:{replay}")
+        sub = Subscriber(endpoint)
+        llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
+                  dtype="bfloat16", block_size=BLOCK, num_gpu_blocks_override=12,
+                  max_model_len=320, kv_transfer_config=kt, kv_events_config=ev, seed=0)
+        url = url_file.read_text().strip()
+        manager = kvtier_manager(llm)
+        if args.drop_removed_on_evict:
+            take = manager.take_events
+
+            def without_evictions() -> Any:  # the break: host removals never reach vLLM
+                for e in take():
+                    if not (e.removed and e.medium.value == "CPU"):
+                        yield e
+
+            manager.take_events = without_evictions
+        rng = random.Random(args.seed)
+        sp = SamplingParams(max_tokens=4, temperature=0.0)
+        seen: list[bytes] = []
+
+        def run(tokens: list[int]) -> None:
+            out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], sp, use_tqdm=False)[0]
+            for h in block_hashes(llm, tokens + list(out.outputs[0].token_ids)):
+                if h not in seen:
+                    seen.append(h)
+
+        def settle() -> None:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # backups to storage land
+                with urllib.request.urlopen(url + "/status", timeout=10) as r:
+                    if not json.loads(r.read()).get("tasks_inflight", 0):
+                        break
+                time.sleep(0.1)
+            # one engine step with no full block, so kvtier's events are taken and published
+            llm.generate([TokensPrompt(prompt_token_ids=[rng.randrange(VOCAB)] * 3)],
+                         SamplingParams(max_tokens=1), use_tqdm=False)
+            sub.quiet()
+
+        checkpoints: list[dict[str, Any]] = []
+
+        def check(name: str) -> None:
+            settle()
+            rebuilt = sub.snapshot()
+            holds = kvtier_holds(llm, seen, storage)
+            per = {m: {"events": len(rebuilt[m]), "kvtier": len(holds[m]),
+                       "match": rebuilt[m] == holds[m]} for m in MEDIA}
+            checkpoints.append({"at": name, **per})
+
+        prompts = [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
+        for p in prompts:
+            run(p)
+        check("after six prompts")
+        run(prompts[0])
+        check("first prompt again")
+        req = urllib.request.Request(url + "/reset", method="POST", data=b"")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+        check("after POST /reset")
+        sub.close()
+        report: dict[str, Any] = {
+            "events_match_state": all(c[m]["match"] for c in checkpoints for m in MEDIA),
+            "media": sorted(m for m in sub.by_medium if m in MEDIA),
+            "stored": sub.counts["stored"], "removed": sub.counts["removed"],
+            "by_medium": sub.by_medium, "batches": sub.counts["batches"],
+            "usable_by_indexer": not sub.problems, "problems": sub.problems[:10],
+            "checkpoints": checkpoints, "blocks": len(seen),
+            "break_check": args.drop_removed_on_evict,
+        }
+        llm.llm_engine.engine_core.shutdown()
+    print(json.dumps(report) if args.json else json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
