@@ -14,7 +14,8 @@ The engine's scheduler calls this client exactly as it would call the embedded c
 Connection states (one owner: this client, under `_lock`)::
 
     DOWN --(background thread: connect + HELLO + WELCOME, backoff 0.05 s doubling to 5 s)--> UP
-    UP   --(send/receive error, timeout (`call_timeout_s`), ERROR frame, bad frame)--> DOWN
+    UP   --(send/receive error, timeout (`call_timeout_s`), ERROR frame, bad frame,
+            or, while idle, the service closed the socket: seen within 0.5 s)--> DOWN
 
 While DOWN every call answers at once: lookups MISS, `prepare_store` None, `prepare_load`
 raises InvalidRequestError (the engine recomputes), one-way ops are dropped (the service ended
@@ -37,6 +38,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -203,6 +205,7 @@ class NodeClient:
             if self._sock is not None:
                 self._wake.wait(0.5)
                 self._wake.clear()
+                self._notice_closed()
                 delay = self._backoff[0]
                 continue
             if self._try_attach():
@@ -210,6 +213,31 @@ class NodeClient:
                 continue
             self._closed.wait(delay)
             delay = min(self._backoff[1], delay * 2)
+
+    def _notice_closed(self) -> None:
+        """UP and idle: a service that ended (kill -9 included) has closed the socket. Notice
+        it now, not at the engine's next call, so an idle engine reattaches by itself (and
+        the service's admin lists it again) before traffic comes. A call in progress owns the
+        socket (the lock is taken without waiting, so a call is never delayed) and notices a
+        broken connection itself. Nothing is consumed: readable bytes of a live service are
+        left for the next call."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            sock = self._sock
+            if sock is None or not select.select([sock], [], [], 0)[0]:
+                return  # open, nothing to read
+            try:
+                data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self._drop(f"idle connection failed: {e}")
+                return
+            if not data:
+                self._drop("the service closed the connection")
+        finally:
+            self._lock.release()
 
     # ------------------------------------------------------------------ frames
 

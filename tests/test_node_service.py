@@ -268,6 +268,21 @@ def test_a_killed_service_answers_misses_in_bound_and_a_new_one_is_reattached(
     assert got["hits"] == 8 and got["identical"] is True
 
 
+def test_an_idle_engine_notices_a_killed_service_and_reattaches_by_itself(node: Node) -> None:
+    """No call after the kill: the client's own thread notices the closed socket and attaches
+    to the restarted service (live compose: an engine with no traffic was never listed
+    again)."""
+    a = node.engine()
+    assert a.call(op="store", keys=[1])["stored"] == 1
+    assert node.serve is not None
+    node.serve.proc.kill()  # type: ignore[union-attr]
+    node.serve.proc.wait(10)  # type: ignore[union-attr]
+    node.serve.close()
+    wait_until(lambda: not a.call(op="status")["connected"], 10, "the idle engine noticed")
+    node.start()
+    wait_until(lambda: a.call(op="status")["connected"], 30, "reattached with no call made")
+
+
 # ------------------------------------------------------------------------------ hostile peers
 
 
