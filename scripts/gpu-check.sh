@@ -19,7 +19,7 @@ mkdir -p "$OUT_DIR" "$SITE"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 log() { printf '== %s\n' "$*" >&2; }
 
-# redis-server bundled by scripts/gpu-wheels.sh (the GPU image has none)
+# redis-server and redis-cli bundled by scripts/gpu-wheels.sh (the GPU image has neither)
 if [ -n "${KVTIER_WHEELS:-}" ] && [ -x "$KVTIER_WHEELS/redis/bin/redis-server" ]; then
   PATH="$(cd "$KVTIER_WHEELS/redis/bin" && pwd):$PATH"; export PATH
 fi
@@ -67,9 +67,9 @@ mapfile -t cuda_files < <(grep -l "mark.cuda" tests/test_*.py)
 run_pytest cuda -m cuda "${cuda_files[@]}"
 # 2. the worker-process tests with every device pool on the GPU: round trips device -> host
 #    -> storage -> device byte for byte on every rank and layer, layer-by-layer loads, kill -9
-#    of a worker mid-load (the Redis cases run only where redis-server is installed)
+#    of a worker mid-load (the Redis cases run only where redis-server and redis-cli are)
 skip_redis=()
-command -v redis-server >/dev/null || skip_redis=(-k "not redis and not cluster and not share_pages")
+{ command -v redis-server && command -v redis-cli; } >/dev/null || skip_redis=(-k "not redis and not cluster and not share_pages")
 KVTIER_TEST_DEVICE=cuda run_pytest workers_on_cuda tests/test_worker_processes.py \
   tests/test_storage_tier.py "${skip_redis[@]}"
 # 3. the transfer benchmark on the GPU, against one pinned copy of the same bytes
@@ -79,7 +79,7 @@ if ! "$PY" bench/transfer.py --device cuda --json --max-working-set-gib 12 \
   status=1; tail -n 20 "$OUT_DIR/transfer.log"
 fi
 
-have_redis=0; command -v redis-server >/dev/null && have_redis=1
+have_redis=0; { command -v redis-server && command -v redis-cli; } >/dev/null && have_redis=1
 "$PY" - "$OUT_DIR" "$status" "$have_redis" <<'EOF'
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
@@ -94,7 +94,7 @@ summary = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                            # not on the lent machines' image and is over what travels there
                            "the vLLM adapter's CUDA copy path (needs a CUDA build of vLLM)"]
                           + ([] if have_redis else
-                             ["Redis-backed storage: no redis-server on this machine"])}
+                             ["Redis-backed storage: no redis-server and redis-cli on this machine"])}
 for name in ("cuda", "workers_on_cuda"):
     try:
         suite = ET.parse(out / f"{name}.xml").getroot().find("testsuite")

@@ -47,24 +47,27 @@ for name in $IMAGE_HAS; do
   case "$name" in transformers) continue ;; esac  # pinned: the real-model test's exact version
   rm -f "$DIR"/"$stem"-[0-9]*.whl "$DIR"/"${stem^}"-[0-9]*.whl
 done
-# redis-server for the Redis-backed storage tests: the GPU image has none and nothing can be
-# installed there. This machine's binary travels with the shared libraries it needs beyond the C
-# library (ldd), behind a wrapper that points only redis-server at them (Python there keeps the
-# image's own libssl and libstdc++). GPU_REDIS=0 leaves it out.
-if [ "${GPU_REDIS:-1}" != 0 ] && command -v redis-server >/dev/null; then
+# redis-server and redis-cli (the Redis Cluster cases create the cluster with it) for the
+# Redis-backed storage tests: the GPU image has neither and nothing can be installed there.
+# This machine's binaries travel with the shared libraries they need beyond the C library
+# (ldd), each behind a wrapper that points only that program at them (Python there keeps the
+# image's own libssl and libstdc++). GPU_REDIS=0 leaves them out.
+if [ "${GPU_REDIS:-1}" != 0 ] && command -v redis-server >/dev/null && command -v redis-cli >/dev/null; then
   rm -rf "$DIR/redis" && mkdir -p "$DIR/redis/bin" "$DIR/redis/lib"
-  real=$(readlink -f "$(command -v redis-server)")
-  cp "$real" "$DIR/redis/lib/redis-server.bin"
-  ldd "$real" | awk '/=> \// {print $3}' | while read -r lib; do
-    case "$(basename "$lib")" in libc.so.*|libm.so.*|ld-linux*) ;; *) cp "$lib" "$DIR/redis/lib/" ;; esac
-  done
-  cat >"$DIR/redis/bin/redis-server" <<'SH'
+  for prog in redis-server redis-cli; do
+    real=$(readlink -f "$(command -v "$prog")")
+    cp "$real" "$DIR/redis/lib/$prog.bin"
+    ldd "$real" | awk '/=> \// {print $3}' | while read -r lib; do
+      case "$(basename "$lib")" in libc.so.*|libm.so.*|ld-linux*) ;; *) cp -n "$lib" "$DIR/redis/lib/" ;; esac
+    done
+    cat >"$DIR/redis/bin/$prog" <<SH
 #!/bin/sh
-here=$(dirname "$(readlink -f "$0")")/../lib
-LD_LIBRARY_PATH="$here" exec "$here/redis-server.bin" "$@"
+here=\$(dirname "\$(readlink -f "\$0")")/../lib
+LD_LIBRARY_PATH="\$here" exec "\$here/$prog.bin" "\$@"
 SH
-  chmod +x "$DIR/redis/bin/redis-server"
-  "$DIR/redis/bin/redis-server" --version >/dev/null || { echo "gpu-wheels: bundled redis-server does not run" >&2; exit 1; }
+    chmod +x "$DIR/redis/bin/$prog"
+    "$DIR/redis/bin/$prog" --version >/dev/null || { echo "gpu-wheels: bundled $prog does not run" >&2; exit 1; }
+  done
 fi
 mib=$(du -sm "$DIR" | cut -f1)
 echo "gpu-wheels: $(ls "$DIR"/*.whl | wc -l) wheels, ${mib} MiB in $DIR (python $PYV)"
