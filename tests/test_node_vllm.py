@@ -60,8 +60,11 @@ def test_b_loads_what_a_stored_from_the_node_host_tier_exactly(report: dict[str,
     assert r["instance_b_tokens_from_host"] == PREFIX_TOKENS, r
     assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
     # the service's own per-engine figures: A stored the 6 blocks, B hit them on the host
-    a, b = sorted(r["engines"], key=lambda e: e["session"])
-    assert a["namespace"] == b["namespace"] and a["pid"] != b["pid"], r["engines"]
+    # A is the engine the example killed later (the two attach side by side, in either
+    # order: the session numbers do not say which is which)
+    [a] = [e for e in r["engines"] if e["pid"] == r["killed_a_pid"]]
+    [b] = [e for e in r["engines"] if e["pid"] != r["killed_a_pid"]]
+    assert a["namespace"] == b["namespace"], r["engines"]
     assert a["stores"] == 6 and b["hit_host_blocks"] == 6 and b["loads"] == 6, r["engines"]
 
 

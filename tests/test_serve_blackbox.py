@@ -201,7 +201,10 @@ def test_a_second_serve_of_a_live_deployment_changes_nothing_of_it(tmp_path: Pat
                          deployment_id=dep, log_path=tmp_path / "serve.log")
     with serve:
         path, token = serve.token_file(), serve.token()
-        second = _serve_once(tmp_path, config, serve.env)
+        # its own engine socket: the same one is refused before anything else (exit 2,
+        # tests/test_node_service.py); this is about the stack and the token file
+        other = dict(serve.env, KVTIER_NODE__SOCKET=str(tmp_path / "second" / "node.sock"))
+        second = _serve_once(tmp_path, config, other)
         assert second.returncode == 1, second.stderr
         assert "cannot start" in second.stderr, second.stderr
         assert path.exists(), "the second serve removed the first one's token file"

@@ -63,6 +63,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from kvtier.manager.errors import KvtierError
+
 WIRE_VERSION = 1
 MAX_FRAME = 8 << 20  # 8 MiB: a 1M-token prompt's 65,536 32-byte hashes is 2 MiB
 MAX_HELLO = 64 << 10
@@ -79,7 +81,7 @@ LEN_BYTES = _LEN.size
 HEAD_BYTES = _HEAD.size
 
 
-class WireError(ValueError):
+class WireError(KvtierError, ValueError):
     """A frame that does not decode: the message names the frame and field at fault."""
 
 
