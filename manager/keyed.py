@@ -72,6 +72,8 @@ from kvtier.manager.errors import InvalidRequestError
 from kvtier.manager.keyed_events import TierEvent, TierEventLog
 
 _monotonic = time.monotonic
+# How long a lookup waits for a storage answer about a block storage's index does not list.
+UNLISTED_WAIT_S = 0.25
 
 
 class Lookup(Enum):
@@ -98,8 +100,8 @@ class StorePlan:
 class _Query:
     """One storage query of a request: the keys it covered (in the order asked), whether it
     was answered and, once answered, how many leading keys storage held (`found`); until
-    when a lookup waits for its answer (`wait_until`: the asking moment itself when storage's
-    index does not list the first key, so the next ask is a miss)."""
+    when a lookup waits for its answer (`wait_until`: `UNLISTED_WAIT_S` after asking when
+    storage's index does not list the first key, the transfer timeout when it does)."""
 
     __slots__ = ("done", "found", "keys", "seq", "wait_until")
 
@@ -253,8 +255,15 @@ class KeyedHostCache:
         assert self.storage is not None
         req = RequestState([engine_key(h) for h in q.keys], None)
         req.skeys = [self.storage_key(h) for h in q.keys]
-        if self.storage.holds(req.skeys[0]):
-            q.wait_until = _monotonic() + self.m.transfer_timeout_s
+        # Listed in storage's index (written or found here): worth waiting for, up to the
+        # transfer timeout. Not listed: pages another instance or an earlier process wrote
+        # are found only by asking, and a healthy file or Redis store answers in milliseconds,
+        # so a short grace lets a restarted engine find them at once, while a slow or
+        # backed-up store costs a request it cannot serve at most the grace (was: unbounded
+        # RETRY, 37.8 engine steps on average in issue 25's measurement).
+        wait = (self.m.transfer_timeout_s if self.storage.holds(req.skeys[0])
+                else UNLISTED_WAIT_S)
+        q.wait_until = _monotonic() + wait
         if self.events is not None:
             for k, h in zip(req.keys, q.keys, strict=True):
                 self.events.name(k, h)

@@ -21,6 +21,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from kvtier.manager import keyed
 from kvtier.manager.core.nodes import ENGINE_READ, ENGINE_WRITE, STORED
 from kvtier.manager.errors import InvalidRequestError
 from kvtier.manager.keyed import KeyedHostCache, Lookup, engine_key
@@ -216,12 +217,13 @@ def test_a_new_cache_finds_blocks_in_storage(keyed_stack: tuple[Stack, HostPool]
 def test_a_block_storage_cannot_serve_costs_at_most_one_step(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 25: a cold request is not held while storage is asked. Every storage query here
-    takes 300 ms, so it is still out when the engine asks again a step later. A block that
-    storage's index does not list is a RETRY once, then a MISS; one the index lists (written
-    here) is worth the wait: RETRY until the answer, then a HIT. The first answer still lands
+    takes 1.5 s, so it is still out when the engine asks again. A block that storage's index
+    does not list is a RETRY for `UNLISTED_WAIT_S` (a healthy store answers well within it),
+    then a MISS; one the index lists (written here) is worth the wait: RETRY until the
+    answer, then a HIT. The first answer still lands
     for later requests (pages another instance wrote: found, and listed, for the next request).
     A query too short to reach the prefetch threshold is not sent at all."""
-    monkeypatch.setenv(STORAGE_DELAY_ENV, "300")
+    monkeypatch.setenv(STORAGE_DELAY_ENV, "1500")
     cfg = tiny_config(workers=1, device_blocks=2, host_blocks=HOST_BLOCKS, storage="file",
                       storage_dir=tmp_path, extra={"KVTIER_STORAGE__PREFETCH_THRESHOLD": "4"})
     with running_stack(cfg) as stack, attached_host_pools(cfg) as pools:
@@ -240,10 +242,12 @@ def test_a_block_storage_cannot_serve_costs_at_most_one_step(
         assert fresh.lookup(ours[0], "c3", ours[1:]) is Lookup.RETRY
         assert fresh.lookup(ours[0], "c3", ours[1:]) is Lookup.RETRY  # listed: waits
         assert fresh.lookup(theirs[0], "c1", theirs[1:]) is Lookup.RETRY
-        assert fresh.lookup(theirs[0], "c1", theirs[1:]) is Lookup.MISS  # one step, no more
         absent = chain(23, 4)
         assert fresh.lookup(absent[0], "c2", absent[1:]) is Lookup.RETRY
+        time.sleep(keyed.UNLISTED_WAIT_S + 0.1)  # the grace, no more (the answers take 1.5 s)
+        assert fresh.lookup(theirs[0], "c1", theirs[1:]) is Lookup.MISS
         assert fresh.lookup(absent[0], "c2", absent[1:]) is Lookup.MISS
+        assert fresh.lookup(ours[0], "c3", ours[1:]) is Lookup.RETRY  # listed: still waits
         assert leading_hits(fresh, ours, "c3", wait_s=10) == 4
         deadline = time.monotonic() + 10
         while fresh.pending_work() and time.monotonic() < deadline:
