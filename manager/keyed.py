@@ -19,16 +19,17 @@ its node, so nothing evicts, frees or serves it meanwhile::
     lookup(key)                      HIT (ready) | PENDING (being written or prefetched) |
                                      MISS | RETRY (a storage query for the request is out)
 
-A storage miss costs a cold request at most one engine step (issue 25: with a RETRY until
-every answer came, cold requests waited 37.8 steps on average behind backups)::
+A storage miss costs a cold request a bounded wait (issue 25: with a RETRY until every
+answer came, cold requests waited 37.8 steps on average behind backups)::
 
     host miss -> query would cover < prefetch threshold tokens   MISS, nothing asked
               -> query sent                                      RETRY
     asked again, query still out:
         storage's index lists the block (written or found here)  RETRY until the answer or
                                                                  the transfer timeout, then MISS
-        not listed                                               MISS (the answer may still
-                                                                 start a prefetch for later)
+        not listed (another process's pages, or none)            RETRY for UNLISTED_WAIT_S
+                                                                 (0.25 s), then MISS (the answer
+                                                                 may still start a prefetch)
     asked again, answered                                        as before (HIT/PENDING/MISS)
     prepare_load(keys)               ENGINE_READ (counted per node): never evicted meanwhile
       -> engine copies host -> KV
