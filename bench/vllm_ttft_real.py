@@ -29,8 +29,10 @@ against vLLM alone. The bound's drift is vLLM's own prefix-cache drift on the sa
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import random
 import re
 import shutil
@@ -78,14 +80,18 @@ def build_model(path: Path, layers: int) -> Path:
     return path
 
 
-def child(extra_json: str, device_blocks: int, model_dir: str) -> None:
-    """One vLLM process: read {"tokens": [...]} lines, answer one JSON line per request."""
+def child(extra_json: str, device_blocks: int, model_dir: str,
+          profile_to: str | None = None) -> None:
+    """One vLLM process: read {"tokens": [...]} lines, answer one JSON line per request.
+    `profile_to`: cProfile the generate calls (this process: vLLM's scheduler and its
+    in-process worker, kvtier's connector and, embedded, its manager) into that file."""
     # the small pool's (vLLM keeps one block back): every configuration takes the same
     max_len = (device_blocks - 1) * BLOCK
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     extra = json.loads(extra_json)
+    serve_pid: int | None = None
     url_file = Path(tempfile.gettempdir()) / f"kvtier-ttft-admin-{os.getpid()}"
     if extra is not None and "device_blocks" in extra:
         device_blocks = extra.pop("device_blocks")
@@ -102,6 +108,7 @@ def child(extra_json: str, device_blocks: int, model_dir: str) -> None:
                 "spec_module_path": "kvtier.integrations.vllm"}
         if "kvtier_serve" in extra:  # attached: the service's admin is the driver's
             url_file = Path(extra.pop("serve_url_file"))
+            serve_pid = int(extra.pop("serve_pid"))
             spec |= {"kvtier_serve": extra.pop("kvtier_serve")}
         else:
             spec |= {"admin_port": 0, "admin_auth": "none", "admin_url_file": str(url_file),
@@ -114,12 +121,18 @@ def child(extra_json: str, device_blocks: int, model_dir: str) -> None:
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], sp, use_tqdm=False)  # warm-up
     print(json.dumps({"ready": True}), flush=True)
+    prof = cProfile.Profile() if profile_to else None
     for line in sys.stdin:
         req = json.loads(line)
         h0 = tier_hits(url_file) if extra is not None else (0, 0)
+        cpu = cpu_seconds(serve_pid)  # before the request: the deltas include its background
         t = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         out = llm.generate([TokensPrompt(prompt_token_ids=req["tokens"])], sp,
                            use_tqdm=False)[0]
+        if prof is not None:
+            prof.disable()
         dt = time.perf_counter() - t
         h1 = tier_hits(url_file) if extra is not None else (0, 0)
         tok = int(out.outputs[0].token_ids[0])
@@ -127,8 +140,52 @@ def child(extra_json: str, device_blocks: int, model_dir: str) -> None:
         logprob = float(lp[0][tok].logprob) if lp else float("nan")
         print(json.dumps({"ttft_s": dt, "cached": int(out.num_cached_tokens or 0),
                           "host": h1[0] - h0[0], "storage": h1[1] - h0[1],
-                          "next": tok, "logprob": logprob}), flush=True)
+                          "next": tok, "logprob": logprob, "cpu": cpu}), flush=True)
     url_file.unlink(missing_ok=True)
+    if prof is not None and profile_to is not None:
+        prof.dump_stats(profile_to)
+        Path(profile_to + ".threads.json").write_text(json.dumps(thread_cpu()))
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads by name (cProfile sees only the thread that
+    calls generate; kvtier's embedded manager, its admin and vLLM's own threads are others).
+    Threads Python does not know (torch's OpenMP pool) are summed as "native"."""
+    import threading
+
+    import psutil
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for t in psutil.Process().threads():
+        name = names.get(t.id, "native")
+        out[name] = out.get(name, 0.0) + t.user_time + t.system_time
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def cpu_seconds(extra_pid: int | None) -> tuple[float, float]:
+    """CPU seconds so far (user + system) of this vLLM process (all its threads) and of the
+    processes kvtier runs for it: its descendants (worker processes) and, attached, the node
+    service (`extra_pid`, with its own descendants). Read before every request, so the
+    difference between two reads is one request's whole cost, background copies included
+    (the configurations are separate processes: nothing else is counted)."""
+    import psutil
+
+    me = psutil.Process()
+    t = me.cpu_times()
+    own = t.user + t.system
+    procs = me.children(recursive=True)
+    if extra_pid is not None:
+        root = psutil.Process(extra_pid)
+        procs += [root, *root.children(recursive=True)]
+    helpers = 0.0
+    for p in procs:
+        try:
+            c = p.cpu_times()
+        except psutil.NoSuchProcess:  # a worker that just ended
+            continue
+        helpers += c.user + c.system
+    return own, helpers
 
 
 def tier_hits(url_file: Path) -> tuple[float, float]:
@@ -190,6 +247,48 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
+def cpu_per_request(rs: list[dict[str, Any]]) -> str:
+    """CPU per request between the first and the last request's reads (each read is taken
+    before its request, so the span holds n - 1 requests with their background work)."""
+    if len(rs) < 2:
+        return "-"
+    own = (rs[-1]["cpu"][0] - rs[0]["cpu"][0]) / (len(rs) - 1) * 1e3
+    helpers = (rs[-1]["cpu"][1] - rs[0]["cpu"][1]) / (len(rs) - 1) * 1e3
+    return f"{own:.0f} + {helpers:.0f}"
+
+
+def profile_summary(name: str, path: Path, requests: int, top: int = 12) -> str:
+    """kvtier's share of a configuration's generate calls: the inclusive time of kvtier
+    functions entered from outside kvtier (vLLM calling the connector; kvtier's callees, torch
+    copies included, count as kvtier's), and the entry points that take most of it."""
+    st = pstats.Stats(str(path))
+    raw: dict[Any, Any] = st.stats  # type: ignore[attr-defined]
+    root = str(Path(__file__).resolve().parent.parent)
+
+    def ours(func: tuple[str, int, str]) -> bool:
+        return (func[0].startswith(root) and "/bench/" not in func[0]
+                and "/.venv" not in func[0])
+
+    total = st.total_tt  # type: ignore[attr-defined]
+    entries: list[tuple[float, int, str]] = []
+    for func, (_cc, _nc, _tt, _ct, callers) in raw.items():
+        if not ours(func):
+            continue
+        ct = sum(c[3] for caller, c in callers.items() if not ours(caller))
+        calls = sum(c[1] for caller, c in callers.items() if not ours(caller))
+        if ct > 0:
+            rel = os.path.relpath(func[0], root)
+            entries.append((ct, calls, f"{rel}:{func[1]} {func[2]}"))
+    entries.sort(reverse=True)
+    inside = sum(e[0] for e in entries)
+    lines = [f"profile {name}: generate {total:.2f} s over {requests} requests "
+             f"({total / requests * 1e3:.1f} ms/req); inside kvtier {inside:.3f} s "
+             f"({inside / requests * 1e3:.2f} ms/req, {inside / total:.1%})"]
+    lines += [f"  {ct / requests * 1e3:7.3f} ms/req {calls:7d} calls  {where}"
+              for ct, calls, where in entries[:top]]
+    return "\n".join(lines)
+
+
 def report(name: str, requests: list[list[int]], res: dict[str, list[dict[str, Any]]],
            loads: list[float], device_blocks: int) -> str:
     reuse, blocks = ideal_reuse(requests)
@@ -201,8 +300,8 @@ def report(name: str, requests: list[list[int]], res: dict[str, list[dict[str, A
              f"{max(loads):.2f})", "",
              "| config | TTFT mean ms | p50 ms | p90 ms | vs vLLM mean | vs vLLM p90 "
              "| paired ratio p50 (p10) | computed tok/req | device / host / storage tok/req "
-             "| same first token | max logprob drift |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| same first token | max logprob drift | CPU ms/req engine + kvtier procs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = res["vllm"]
     bt = [r["ttft_s"] for r in base]
     for cfg, rs in res.items():
@@ -221,7 +320,7 @@ def report(name: str, requests: list[list[int]], res: dict[str, list[dict[str, A
             f"{pct(t, .9) * 1e3:.0f} | {statistics.mean(bt) / statistics.mean(t):.2f}x | "
             f"{pct(bt, .9) / pct(t, .9):.2f}x | {pct(paired, .5):.2f}x ({pct(paired, .1):.2f}x)"
             f" | {computed:.0f} | {device:.0f} / {host:.0f} / {storage:.0f} | {same}/{n} | "
-            f"{drift:.4f} |")
+            f"{drift:.4f} | {cpu_per_request(rs)} |")
     return "\n".join(lines)
 
 
@@ -236,11 +335,15 @@ def main() -> int:
     ap.add_argument("--workload", choices=("both", "low", "high"), default="both")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=None, help="comma-separated configurations (vllm first)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="cProfile every configuration's generate calls into DIR/<config>.prof "
+                         "and print kvtier's share (slows every configuration alike)")
+    ap.add_argument("--profile-to", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
-        child(args.child, args.device_blocks, args.model_dir)
+        child(args.child, args.device_blocks, args.model_dir, args.profile_to)
         return 0
     layers = 4 if args.quick else 12
     if args.quick:
@@ -267,10 +370,13 @@ def main() -> int:
                 extra = dict(extra, storage_path=os.path.join(tmp, name.replace(" ", "_")))
             if extra is not None and "attached_host_blocks" in extra:
                 serve = start_serve(Path(tmp), extra["attached_host_blocks"], layers)
-                extra = {"kvtier_serve": serve.socket_path, "serve_url_file": serve.url_file}
+                extra = {"kvtier_serve": serve.socket_path, "serve_url_file": serve.url_file,
+                         "serve_pid": serve.pid}
+            prof_args = [] if args.profile is None else [
+                "--profile-to", str(Path(args.profile) / (name.replace(" ", "_") + ".prof"))]
             procs[name] = subprocess.Popen(
                 [sys.executable, __file__, "--child", json.dumps(extra), "--model-dir",
-                 str(model), "--device-blocks", str(args.device_blocks)],
+                 str(model), "--device-blocks", str(args.device_blocks), *prof_args],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
             assert procs[name].stdout is not None
             if not procs[name].stdout.readline():  # one at a time: starts do not overlap
@@ -308,6 +414,15 @@ def main() -> int:
             serve.stop()
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
+    if args.profile is not None:
+        n = sum(len(r) for r in workloads.values())
+        for name in configs:
+            path = Path(args.profile) / (name.replace(" ", "_") + ".prof")
+            if path.exists():
+                print(profile_summary(name, path, n), flush=True)
+                threads = json.loads(Path(str(path) + ".threads.json").read_text())
+                print("  threads (CPU s since start): " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in list(threads.items())[:8]) + "\n", flush=True)
     return 0
 
 
@@ -317,6 +432,7 @@ class _Serve:
 
     def __init__(self, serve: Any, socket_path: str, url_file: str) -> None:
         self.serve, self.socket_path, self.url_file = serve, socket_path, url_file
+        self.pid: int = serve.proc.pid
 
     def stop(self) -> None:
         self.serve.stop()

@@ -26,9 +26,11 @@ up later can never turn a touch of the pool into a SIGBUS.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -511,6 +513,38 @@ class HostPool:
         self._arm_finalizer()
         return self
 
+    def prefault(self) -> threading.Thread | None:
+        """Fault this process's mapping of every page in, on a thread of its own, and return
+        it (None where there is nothing to do: a pinned pool, whose registration already
+        faulted it, or a closed one).
+
+        Why: an attached mapping starts with no page table entries, so the first copy into
+        each 4 KiB page of the segment takes a minor fault. Measured here (12-layer 768 KiB
+        pages, 9-block store through `HostCopier`): 6.0 ms and 1,733 faults on pages this
+        process never touched, 1.7 ms on pages it had, so until every page of a fresh pool had
+        been used once, each store cost an engine step 3.5x its copy. MADV_POPULATE_WRITE
+        (Linux >= 5.14; older kernels refuse it and pages fault on use as before) fills the
+        table ahead at ~165 ms per GiB of kernel time here; through ctypes, which releases the
+        GIL, in 64 MiB chunks, stopping when the pool closes. The thread holds a view of the
+        mapping, so an unmapping waits for it (see `_release_mapping`)."""
+        if self._closed or self.pinned:
+            return None
+        view = self.data  # keeps the mapping alive while the thread runs
+        t = threading.Thread(target=self._populate, args=(view,), daemon=True,
+                             name=f"kvtier-prefault{self.name.replace('/', '-')}")
+        t.start()
+        return t
+
+    def _populate(self, view: torch.Tensor) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        base, end, chunk = view.data_ptr(), view.data_ptr() + self.nbytes, 64 << 20
+        for at in range(base, end, chunk):
+            if self._closed:
+                return
+            if libc.madvise(ctypes.c_void_p(at), ctypes.c_size_t(min(chunk, end - at)),
+                            _MADV_POPULATE_WRITE) != 0:
+                return  # EINVAL on kernels before 5.14: pages fault on first use instead
+
     def _arm_finalizer(self) -> None:
         """Last resort for a pool that is never closed (an exception path that skipped
         close()): at garbage collection or interpreter exit, unpin and (owner only) unlink, in
@@ -652,6 +686,9 @@ def _finalize(name: str | None, creator_pid: int, pinned_ptr: int) -> None:
     if name is not None:
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(name)
+
+
+_MADV_POPULATE_WRITE = 23  # <linux/mman.h>; not in Python 3.11's mmap module
 
 
 def _check_name(name: str) -> None:
