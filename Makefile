@@ -59,7 +59,7 @@ lint-vllm: install vllm-env
 		--cache-dir .mypy_cache/vllm -p kvtier.integrations
 
 test: install system-deps lint vllm-env lint-vllm
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=40
 
 bench: install
 	$(PY) bench/hotpath.py --peers
