@@ -513,6 +513,38 @@ def test_evicted_keys_are_the_announced_copies_made_room_for(
     assert cache.take_events() == []
 
 
+def test_a_page_storage_lost_is_removed_when_a_query_finds_it_gone(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    """A page the backend dropped by itself (a Redis TTL, a lost file) is learned by asking:
+    the storage query that finds the first block gone removes it from storage (and only it:
+    storage counts leading pages, so the blocks after it are not known gone)."""
+    stack, pool = keyed_stack
+    cache = make_cache(stack)
+    cache.enable_events()
+    hashes = chain(9, 4)
+    store(cache, pool, hashes)
+    settle(stack)
+    assert {(e.tier, e.removed) for e in cache.take_events()} == {
+        ("host", False), ("storage", False)}
+    stack.reset()  # the host tier emptied, storage kept
+    assert [(e.tier, e.removed, set(e.hashes)) for e in cache.take_events()] == [
+        ("host", True, set(hashes))]
+    root = Path(stack.cfg.storage.path)
+    gone = [p for p in root.glob("**/*") if p.name == cache.storage_key(hashes[0]).hex()]
+    assert len(gone) == 1, "the first block's page file"
+    gone[0].unlink()
+    assert leading_hits(cache, hashes, "lost", wait_s=10) == 0
+    assert [(e.tier, e.removed, e.hashes) for e in cache.take_events()] == [
+        ("storage", True, (hashes[0],))]
+    cache.forget_request("lost")
+    # stored again: announced in storage again once its backup lands
+    store(cache, pool, hashes)
+    settle(stack)
+    events = cache.take_events()
+    assert ("storage", False, (hashes[0],)) in [(e.tier, e.removed, e.hashes) for e in events]
+    cache.check_invariants()
+
+
 def test_kvtier_metrics_count_the_engines_stores_and_loads(
         keyed_stack: tuple[Stack, HostPool]) -> None:
     """kvtier's /metrics carries the keyed surface's counters (`kvtier_engine_*`)."""
