@@ -12,14 +12,22 @@ rebuilds, per medium, the set of blocks the instance says it holds. The run:
    host copies (`BlockRemoved`, medium CPU) and backs every block up to storage (`BlockStored`,
    medium STORAGE);
 2. the first prompt again (served from storage: its blocks come back to the host tier);
-3. `POST /reset` on kvtier's admin (the host tier emptied: every CPU block removed).
+3. a page lost by the backend (the second prompt's page files deleted behind kvtier's back,
+   as a Redis TTL would): the second prompt again finds its first block gone (STORAGE
+   removed), is computed and stored again;
+4. vLLM's own `reset_prefix_cache(reset_connector=True)` (kvtier's host tier emptied; vLLM's
+   connector forgets every block's tokens), then the first prompt again from storage (its
+   CPU stores are published once vLLM knows their tokens again);
+5. kvtier's worker killed (its host copies die with it: every CPU block removed);
+6. `POST /reset` on kvtier's admin (the host tier emptied again).
 
 At each checkpoint (the backups landed, one step run so kvtier's events are taken) the sets
 rebuilt from the events are compared with what kvtier holds: the host tier's ready copies
 (read from kvtier's tree) and the storage pages (files named by each block's storage key) of
 every block the prompts made. Also checked on every CPU / STORAGE `BlockStored`: token ids for
 each block, vLLM's block size, a parent already announced, no `ownership`, locality not
-remote (what Dynamo's KV indexer needs to index a block).
+remote (what Dynamo's KV indexer needs to index a block), and on every CPU / STORAGE
+`BlockRemoved` that the block was announced in that medium.
 
 `--drop-removed-on-evict` is the break check: removed events of evicted host copies are
 dropped before vLLM sees them, and `events_match_state` must come out false.
@@ -33,6 +41,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import socket
 import sys
 import tempfile
@@ -48,7 +57,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_offload import BLOCK, VOCAB, build_model, kvtier_manager
+from vllm_offload import BLOCK, VOCAB, build_model, kvtier_manager, worker_pids
 
 HOST_BLOCKS = 16
 PROMPT_TOKENS = 200  # 6 full blocks of 32 + 8
@@ -138,6 +147,10 @@ class Subscriber:
         else:
             if medium in MEDIA:
                 self.counts["removed"] += len(ev.block_hashes)
+                unknown = set(ev.block_hashes) - self.held[medium]
+                if unknown:
+                    self.problems.append(f"{medium} removal of {len(unknown)} blocks never "
+                                         "announced there")
             if medium in self.held:
                 self.held[medium].difference_update(ev.block_hashes)
 
@@ -166,9 +179,10 @@ class Subscriber:
                     return
             time.sleep(0.05)
 
-    def snapshot(self) -> dict[str, set[int]]:
+    def snapshot(self) -> tuple[dict[str, set[int]], dict[str, dict[str, int]]]:
         with self._lock:
-            return {m: set(s) for m, s in self.held.items()}
+            return ({m: set(s) for m, s in self.held.items()},
+                    {m: dict(c) for m, c in self.by_medium.items()})
 
     def close(self) -> None:
         self._stop = True
@@ -233,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.inputs import TokensPrompt
+    from vllm.v1.kv_offload.base import make_offload_key
 
     model = build_model(Path(args.model_dir or os.path.join(
         tempfile.gettempdir(), "kvtier-vllm-tiny-llama")))
@@ -293,11 +308,11 @@ def main(argv: list[str] | None = None) -> int:
 
         def check(name: str) -> None:
             settle()
-            rebuilt = sub.snapshot()
+            rebuilt, counts = sub.snapshot()
             holds = kvtier_holds(llm, seen, storage)
             per = {m: {"events": len(rebuilt[m]), "kvtier": len(holds[m]),
                        "match": rebuilt[m] == holds[m]} for m in MEDIA}
-            checkpoints.append({"at": name, **per})
+            checkpoints.append({"at": name, **per, "counts": counts})
 
         prompts = [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
         for p in prompts:
@@ -305,6 +320,31 @@ def main(argv: list[str] | None = None) -> int:
         check("after six prompts")
         run(prompts[0])
         check("first prompt again")
+        lost = {manager.storage_key(make_offload_key(h, 0)).hex()
+                for h in block_hashes(llm, prompts[1])}
+        for page in [p for p in storage.glob("**/*") if p.name in lost]:
+            page.unlink()  # the backend lost them (as a Redis TTL drops a page)
+        run(prompts[1])
+        check("pages lost, second prompt again")
+        if not llm.reset_prefix_cache(reset_connector=True):
+            raise SystemExit("vLLM's reset_prefix_cache failed")
+        run(prompts[0])
+        check("vLLM's reset, first prompt again")
+        pids = worker_pids(url)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # kvtier replaces its worker
+            with urllib.request.urlopen(url + "/status", timeout=10) as r:
+                workers = json.loads(r.read()).get("workers", [])
+            if workers and all(w.get("state") == "ready" and int(w.get("pid") or 0) not in pids
+                               for w in workers):
+                break
+            time.sleep(0.1)
+        else:
+            raise SystemExit("kvtier's worker was not replaced in 60 s")
+        check("worker killed")
+        run(prompts[2])
         req = urllib.request.Request(url + "/reset", method="POST", data=b"")
         with urllib.request.urlopen(req, timeout=60) as r:
             r.read()

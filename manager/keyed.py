@@ -275,8 +275,14 @@ class KeyedHostCache:
             self._open_queries -= 1
             q.answer(found)
 
+        events, keys = self.events, req.keys
+
+        def lacking(i: int) -> None:  # a page reported stored is gone (a TTL, lost)
+            if events is not None:
+                events.storage_lacks(keys[i], self.m.lookup(keys[i]))
+
         q.seq = self.storage.query(req, None, 0, len(q.keys), on_answer=answered,
-                                   threshold_tokens=threshold_tokens)
+                                   threshold_tokens=threshold_tokens, on_lacking=lacking)
         self.m.flush()
 
     def count_asked(self, request_id: str, blocks: int | Callable[[], int]) -> None:

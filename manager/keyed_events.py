@@ -19,14 +19,19 @@ tree holds now. A reconciliation is exact whatever the path a copy took out of t
 the tree per `take` (measured: see the engine README). A block is reported removed only
 after it was reported stored, and each key's events alternate stored / removed per tier.
 
-Not observed: pages a storage backend drops by itself (a Redis TTL or eviction): storage
-removals are only those kvtier makes.
+Pages a storage backend drops by itself (a Redis TTL or eviction, a lost file) are learned
+when kvtier asks for them: a storage query answered without a block reported stored
+(`storage_lacks`; storage counts leading pages, so the first one it lacks) removes it from
+storage; a node that still says STORED is not announced there again (`gone`: a new node of
+the key, backed up again, is). Pages nobody asks for again stay reported until storage is cleared:
+nothing tells kvtier of them sooner.
 
 Data structures: `names`, tree key -> engine hash (only blocks the engine named: stored or
 asked of storage); `named_at`, tree key -> the sweep count when it was named (a name out of
 the tree and reported nowhere is forgotten `KEEP_SWEEPS` sweeps later: a storage query may
 start its prefetch several engine steps after it was asked); `host` / `storage`, tree
-key -> hash of the blocks reported servable there; `pending`, events not taken yet.
+key -> hash of the blocks reported servable there; `gone`, tree key -> its node that said
+STORED when storage was found to lack the page; `pending`, events not taken yet.
 Invariant: `host` and `storage` keys are in `names` until reported removed.
 """
 
@@ -63,6 +68,7 @@ class TierEventLog:
         self.host: dict[int, bytes] = {}
         self.storage: dict[int, bytes] = {}
         self.pending: list[TierEvent] = []
+        self.gone: dict[int, Node] = {}
         self._storage_forgotten = 0
 
     def name(self, key: int, block_hash: bytes) -> None:
@@ -78,13 +84,22 @@ class TierEventLog:
         reported stored; a copy evicted before it was reported was never announced).
         `stored`: those of them with a storage copy, announced in storage first if not yet
         (vLLM's connector forgets a block's tokens once no medium holds it)."""
-        new = [(k, h) for k in stored if k not in self.storage
+        new = [(k, h) for k in stored if k not in self.storage and k not in self.gone
                for h in (self.names.get(k),) if h is not None]
         self.storage.update(new)
         self._log(STORAGE, False, [h for _, h in new])
         out = [h for h in (self.host.pop(k, None) for k in keys) if h is not None]
         self._log(HOST, True, out)
         return out
+
+    def storage_lacks(self, key: int, node: Node | None) -> None:
+        """A storage query found no page of `key` (`node`: its node in the tree, if any):
+        removed from storage if reported there."""
+        h = self.storage.pop(key, None)
+        if h is not None:
+            if node is not None and node.flags & STORED:
+                self.gone[key] = node
+            self._log(STORAGE, True, [h])
 
     def sweep(self, nodes: Iterable[Node], storage_forgotten: int) -> None:
         """Reconcile the reported state with the tree (`nodes`: every node in it) and log
@@ -95,9 +110,11 @@ class TierEventLog:
             self._storage_forgotten = storage_forgotten
             self._log(STORAGE, True, list(self.storage.values()))
             self.storage.clear()
+            self.gone.clear()
         host_now: dict[int, bytes] = {}
         new_stored: list[bytes] = []
         in_tree: set[int] = set()
+        gone, still_gone = self.gone, dict[int, Node]()
         for node in nodes:
             key = node.key
             if key is None:
@@ -109,6 +126,9 @@ class TierEventLog:
             flags = node.flags
             if node.host is not None and not flags & (ENGINE_WRITE | PREFETCHING):
                 host_now[key] = h
+            if key in gone and gone[key] is node:
+                still_gone[key] = node
+                continue
             if flags & STORED and key not in self.storage:
                 self.storage[key] = h
                 new_stored.append(h)
@@ -117,6 +137,7 @@ class TierEventLog:
         self._log(HOST, False, [h for k, h in host_now.items() if k not in host])
         self._log(STORAGE, False, new_stored)
         self.host = host_now
+        self.gone = still_gone
         # names of blocks neither in the tree nor reported anywhere are forgotten (after
         # KEEP_SWEEPS sweeps)
         self.sweeps += 1

@@ -188,11 +188,14 @@ class StorageTier:
 
     def query(self, req: RequestState, token_ids: Any, start: int, cap: int,
               on_answer: Callable[[int], None] | None = None,
-              threshold_tokens: int | None = None) -> int:
+              threshold_tokens: int | None = None,
+              on_lacking: Callable[[int], None] | None = None) -> int:
         """Ask storage how many of blocks start..cap it holds; the answer starts a prefetch
         when it is worth one (`threshold_tokens`, default `storage.prefetch_threshold`).
         `on_answer(found)` runs then, lock held, with how many leading blocks storage holds
-        (0 when the query failed or was revoked). Returns the query's seq."""
+        (0 when the query failed or was revoked); `on_lacking(i)` before it when storage
+        answered and lacks block i (the first past those it holds: its page is gone on some
+        rank). Returns the query's seq."""
         skeys = self.request_skeys(req, token_ids, cap)[start:cap]
         keys = req.keys[start:cap]
         m = self.m
@@ -202,8 +205,11 @@ class StorageTier:
 
         def done(ok: bool, comp: Completion) -> None:
             found = 0
+            revoked = seq in self._revoked
             try:
                 found = self._on_query(seq, ok, comp, keys, skeys, threshold_tokens)
+                if on_lacking is not None and ok and not revoked and found < len(keys):
+                    on_lacking(found)
             finally:
                 if on_answer is not None:
                     on_answer(found)

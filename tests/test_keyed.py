@@ -18,6 +18,7 @@ from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
+import redis
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -28,8 +29,9 @@ from kvtier.manager.keyed import KeyedHostCache, Lookup, engine_key
 from kvtier.manager.stack import Stack
 from kvtier.worker.delays import STORAGE_DELAY_ENV
 from kvtier.worker.kv_pools import HostPool
+from redis_server import RedisServer
 from stack_support import attached_host_pools, running_stack
-from support import tiny_config
+from support import tiny_config, wait_until
 
 HOST_BLOCKS = 12
 PROMPTS = 5
@@ -511,6 +513,65 @@ def test_evicted_keys_are_the_announced_copies_made_room_for(
     assert removed["host"] == set(first[3:] + chain(1, 3))
     assert removed["storage"] == set(first + chain(1, 3))
     assert cache.take_events() == []
+
+
+def test_a_page_storage_lost_is_removed_when_a_query_finds_it_gone(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    """A page the backend dropped by itself (a Redis TTL, a lost file) is learned by asking:
+    the storage query that finds the first block gone removes it from storage (and only it:
+    storage counts leading pages, so the blocks after it are not known gone)."""
+    stack, pool = keyed_stack
+    cache = make_cache(stack)
+    cache.enable_events()
+    hashes = chain(9, 4)
+    store(cache, pool, hashes)
+    settle(stack)
+    assert {(e.tier, e.removed) for e in cache.take_events()} == {
+        ("host", False), ("storage", False)}
+    stack.reset()  # the host tier emptied, storage kept
+    assert [(e.tier, e.removed, set(e.hashes)) for e in cache.take_events()] == [
+        ("host", True, set(hashes))]
+    root = Path(stack.cfg.storage.path)
+    gone = [p for p in root.glob("**/*") if p.name == cache.storage_key(hashes[0]).hex()]
+    assert len(gone) == 1, "the first block's page file"
+    gone[0].unlink()
+    assert leading_hits(cache, hashes, "lost", wait_s=10) == 0
+    assert [(e.tier, e.removed, e.hashes) for e in cache.take_events()] == [
+        ("storage", True, (hashes[0],))]
+    cache.forget_request("lost")
+    # stored again: announced in storage again once its backup lands
+    store(cache, pool, hashes)
+    settle(stack)
+    events = cache.take_events()
+    assert ("storage", False, (hashes[0],)) in [(e.tier, e.removed, e.hashes) for e in events]
+    cache.check_invariants()
+
+
+def test_a_page_a_redis_ttl_expired_is_removed_from_storage_when_asked(
+        tmp_path: Path, redis_server: RedisServer) -> None:
+    """The same through a real Redis whose pages live 1 s (`storage.ttl_s`): the expiry is
+    learned from the next storage query's answer."""
+    redis.Redis.from_url(redis_server.url).flushall()
+    cfg = tiny_config(workers=1, device_blocks=2, host_blocks=HOST_BLOCKS, storage="redis",
+                      extra={"KVTIER_STORAGE__URL": redis_server.url,
+                             "KVTIER_STORAGE__TTL_S": "1",
+                             "KVTIER_STORAGE__PREFETCH_THRESHOLD": "4"})
+    with running_stack(cfg) as stack, attached_host_pools(cfg) as pools:
+        cache = make_cache(stack)
+        cache.enable_events()
+        hashes = chain(10, 4)
+        store(cache, pools[0], hashes)
+        settle(stack)
+        assert {(e.tier, e.removed) for e in cache.take_events()} == {
+            ("host", False), ("storage", False)}
+        stack.reset()
+        cache.take_events()
+        raw = redis.Redis.from_url(redis_server.url)
+        wait_until(lambda: raw.dbsize() == 0, 10, "the pages expired")
+        assert leading_hits(cache, hashes, "expired", wait_s=10) == 0
+        assert [(e.tier, e.removed, e.hashes) for e in cache.take_events()] == [
+            ("storage", True, (hashes[0],))]
+        cache.forget_request("expired")
 
 
 def test_kvtier_metrics_count_the_engines_stores_and_loads(

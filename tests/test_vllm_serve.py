@@ -374,3 +374,17 @@ def test_a_crash_is_reclaimed_at_the_next_start_and_every_figure_is_right(
     assert by_source == {"host": LONG_PREFIX, "disk": LONG_PREFIX, "device": 0}, by_source
     assert dashboard["host"] == pytest.approx(rate["host"], rel=1e-3), dashboard
     assert dashboard["storage"] == pytest.approx(rate["storage"], rel=1e-3), dashboard
+    # vLLM's own /metrics (issue 20): its offload transfer series from kvtier's copies, and
+    # kvtier's figures through the connector's get_stats, non-zero after this traffic
+    offload = {name + "".join(labels.values()): metric(vllm_metrics, name + "_total", **labels)
+               for name, labels in (
+                   ("vllm:kv_offload_load_bytes", {}), ("vllm:kv_offload_store_bytes", {}),
+                   ("vllm:kv_offload_kvtier_lookups", {}), ("vllm:kv_offload_kvtier_misses", {}),
+                   ("vllm:kv_offload_kvtier_hits", {"tier": "host"}),
+                   ("vllm:kv_offload_kvtier_hits", {"tier": "storage"}))}
+    assert all(v > 0 for v in offload.values()), offload
+    # whole blocks: the prompt's 9 from the host, 9 from storage
+    assert offload["vllm:kv_offload_kvtier_hitshost"] == LONG_PREFIX // BLOCK, offload
+    assert offload["vllm:kv_offload_kvtier_hitsstorage"] == LONG_PREFIX // BLOCK, offload
+    assert "vllm:kv_offload_kvtier_evictions_total" in vllm_metrics
+    assert metric(vllm_metrics, "vllm:kv_offload_kvtier_host_usage_perc") > 0, vllm_metrics

@@ -61,7 +61,7 @@ from typing import Any, overload
 import numpy as np
 import torch
 from kvtier.engine.attached import attach
-from kvtier.engine.cache_api import EngineCache, InvalidRequestError, Lookup, TierEvent
+from kvtier.engine.cache_api import EngineCache, InvalidRequestError, Lookup
 from kvtier.engine.defaults import apply_defaults
 from kvtier.engine.embedded import EmbeddedDeployment, KvtierConfig
 from kvtier.engine.errors import KvtierError
@@ -69,6 +69,7 @@ from kvtier.engine.geometry import ITEMSIZE, KVGeometry, engine_config, kv_shape
 from kvtier.engine.host_copier import HostCopier
 from kvtier.integrations.vllm import defaults
 from kvtier.integrations.vllm.errors import VllmAdapterError
+from kvtier.integrations.vllm.kv_events import EventRelay
 from kvtier.integrations.vllm.kv_groups import KVGroup, describe_groups, primary_group
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -405,19 +406,21 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                      json.dumps(identity, sort_keys=True))
         # tier events for vLLM's KV-event publisher (one-group models, embedded): host =
         # vLLM's CPU medium, storage = STORAGE (local for files, remote for Redis)
-        self._events = False
+        self._events: EventRelay | None = None
         if spec.config.enable_kv_cache_events:
-            if self._keyed_groups:
+            windowed = any(g.window_blocks is not None for g in self._groups.values())
+            if self._keyed_groups or windowed:
+                # vLLM's connector describes full-attention blocks only
                 log.warning("kvtier: KV events are on, but this model has several KV cache "
-                            "groups: kvtier publishes its tiers' events for one-group models "
-                            "only")
+                            "groups or a sliding window: kvtier publishes its tiers' events "
+                            "for one full-attention group only")
             elif not self.cache.enable_events():
                 log.warning("kvtier: KV events are on, but an attached instance does not "
                             "publish the node service's tiers (shared by its engines)")
             else:
-                self._events = True
-        self._storage_locality = (Locality.LOCAL if self.cfg.storage.backend == "file"
-                                  else Locality.REMOTE)
+                self._events = EventRelay(
+                    Locality.LOCAL if self.cfg.storage.backend == "file" else Locality.REMOTE,
+                    spec.kv_events_config.self_describing_kv_events)
         atexit.register(self.shutdown)
 
     # -- keys
@@ -479,6 +482,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         if found is Lookup.HIT or found is Lookup.MISS:
             self._add(METRIC_LOOKUPS)
         if found is Lookup.HIT:
+            if self._events is not None:  # vLLM snapshots the block's tokens on a HIT
+                self._events.described(key, stored=False)
             return LookupResult.HIT
         if found is Lookup.PENDING:
             return LookupResult.HIT_PENDING
@@ -591,6 +596,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         offload_key = dict(zip(hashes, keys, strict=True))
         stored = [offload_key[h] for h in plan.keys]
         self._count(stored, "stored")
+        if self._events is not None:  # vLLM snapshots the tokens of each key it stores
+            for k in stored:
+                self._events.described(k, stored=True)
         self._add(METRIC_EVICTIONS, plan.evicted)
         return PrepareStoreOutput(
             keys_to_store=stored,
@@ -629,19 +637,14 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def take_events(self) -> Iterable[OffloadingEvent]:
         """kvtier's tier events since the last call as vLLM's offloading events (vLLM's
         connector adds each block's tokens, parent and block size, and publishes them):
-        host = CPU, storage = STORAGE."""
-        if not self._events:
+        host = CPU, storage = STORAGE; a stored event waits for the block's tokens
+        (`kv_events.EventRelay`)."""
+        if self._events is None:
             return
-        for event in self.cache.take_events():
-            yield self._offloading_event(event)
-
-    def _offloading_event(self, event: TierEvent) -> OffloadingEvent:
-        keys = [self._offload_key(h) for h in event.hashes]
-        if event.tier == "host":
-            return OffloadingEvent(keys=keys, medium=Medium.CPU, removed=event.removed,
-                                   locality=Locality.LOCAL)
-        return OffloadingEvent(keys=keys, medium=Medium.STORAGE, removed=event.removed,
-                               locality=self._storage_locality)
+        yield from self._events.relay(
+            (Medium.CPU if e.tier == "host" else Medium.STORAGE, e.removed,
+             [self._offload_key(h) for h in e.hashes])
+            for e in self.cache.take_events())
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.cache.forget_request(req_context.req_id)
@@ -657,6 +660,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         `POST /reset?storage=true` on kvtier's admin empties it). Attached, the node's blocks
         stay: other engines use them (the operator's `POST /reset` on the service empties
         them)."""
+        if self._events is not None:  # vLLM's tracker forgets every block's tokens now
+            self._events.reset()
         try:
             self.cache.reset()
         except KvtierError as e:  # transfers did not drain: the host tier stays as it was

@@ -67,11 +67,13 @@ class StorageHooks(Protocol):
 
     def query(self, req: RequestState, token_ids: Sequence[int] | None, start: int,
               cap: int, on_answer: Callable[[int], None] | None = None,
-              threshold_tokens: int | None = None) -> int:
+              threshold_tokens: int | None = None,
+              on_lacking: Callable[[int], None] | None = None) -> int:
         """Ask storage for blocks `start..cap` without waiting (`on_answer(found)` runs when
         it is answered, lock held, with how many leading blocks storage holds; a prefetch
-        starts when the hit reaches `threshold_tokens`, default `storage.prefetch_threshold`);
-        returns the task's seq."""
+        starts when the hit reaches `threshold_tokens`, default `storage.prefetch_threshold`;
+        `on_lacking(i)` first when storage answered and lacks block i); returns the task's
+        seq."""
         ...
 
     def holds(self, skey: bytes) -> bool:
