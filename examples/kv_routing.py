@@ -24,10 +24,12 @@ up). Then:
    it and nothing for the other; the blocks it puts on the host tier per instance must equal
    kvtier's own count (admin `/status`, host `cached`), on disk the page files of that
    instance's storage, and A's first prompt must be off the device (`gpu` 0);
-2. through the router, A's first prompt and B's first prompt again: each must go to the
-   instance whose host tier holds it, read from the backends' own counters (vLLM's
-   `request_success`, and its `prompt_tokens_cached_by_source`: device tokens as the
-   indexer's `gpu`, host tokens as `cpu - gpu`, and kvtier's host hit counter the same);
+2. through the router (started last: it catches up through the replay sockets at each
+   instance's next batch), A's first prompt and B's first prompt again: each must go to the
+   instance whose host tier holds it, read from the router's own decision line (`--log-level
+   debug`) and the backends' counters (vLLM's `request_success`, and its
+   `prompt_tokens_cached_by_source`: device tokens as the indexer's `gpu`, host tokens as
+   `cpu - gpu`, and kvtier's host hit counter the same);
 3. `POST /reset` on A's kvtier admin: A's host tier holds nothing (`/status`), and the indexer
    says so (`cpu` = `gpu` for every prompt of A), storage untouched (`disk`).
 

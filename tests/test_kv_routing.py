@@ -7,7 +7,8 @@ vLLM's and kvtier's own hit counters), a late registration's sequence gap must b
 through the replay socket, `POST /reset` must show as zero host, and `vllm-router --policy
 kv_aware` must send a repeated prompt to the instance whose host tier holds it.
 
-One run of the example (about 3 minutes on two cores), several assertions on its report.
+One run of the example (3 minutes on two quiet cores, 4.5 at a load average of 10; the start of
+the two vLLM servers is most of it), several assertions on its report.
 The break check (`--plain-events`: kvtier's events without token ids) is in the note of the
 branch that added this file, not a second CI run.
 """
