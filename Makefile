@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: run test install system-deps lint lint-vllm bench clean vllm-env vllm-example
+.PHONY: run test install system-deps lint lint-vllm bench clean vllm-env vllm-example consumers-env
 
 $(VENV)/.installed: pyproject.toml setup.py manager/_native.c
 	python3 -m venv $(VENV)
@@ -32,6 +32,21 @@ $(VLLM_VENV)/.installed: $(VLLM_REQ) pyproject.toml setup.py
 
 vllm-env: $(VLLM_VENV)/.installed
 
+# The routers that read kvtier's KV events, as a new user installs them (PyPI only, no etcd, no
+# NATS): NVIDIA Dynamo's standalone KV indexer (`python -m dynamo.indexer`) and vllm-router
+# (`--policy kv_aware`). Both are Rust binaries in wheels; they resolve together (aiohttp,
+# fastapi, uvloop; exact pins, --no-deps) apart from vLLM's pins: an environment of their own.
+CONSUMERS_VENV ?= .venv-consumers
+CONSUMERS_REQ := integrations/vllm/requirements-consumers.txt
+
+$(CONSUMERS_VENV)/.installed: $(CONSUMERS_REQ)
+	python3 -m venv $(CONSUMERS_VENV)
+	$(CONSUMERS_VENV)/bin/pip install -q --upgrade pip
+	$(CONSUMERS_VENV)/bin/pip install -q --no-deps -r $(CONSUMERS_REQ)
+	touch $@
+
+consumers-env: $(CONSUMERS_VENV)/.installed
+
 # vLLM serving a prompt whose prefix left its device cache: from kvtier, checked exactly.
 vllm-example: vllm-env
 	$(VLLM_VENV)/bin/python examples/vllm_offload.py --json
@@ -58,11 +73,11 @@ lint-vllm: install vllm-env
 	$(VENV)/bin/mypy --python-executable $(VLLM_VENV)/bin/python \
 		--cache-dir .mypy_cache/vllm -p kvtier.integrations
 
-test: install system-deps lint vllm-env lint-vllm
+test: install system-deps lint vllm-env lint-vllm consumers-env
 	$(VENV)/bin/pytest -q --durations=40
 
 bench: install
 	$(PY) bench/hotpath.py --peers
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .kvtier .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(CONSUMERS_VENV) .kvtier .pytest_cache .hypothesis
