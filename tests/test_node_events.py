@@ -189,7 +189,7 @@ def _settled(srv: NodeServer, pages: Path, subs: list[Subscriber],
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_two_engines_events_rebuild_what_the_service_holds(
         service: tuple[NodeServer, Path]) -> None:
     srv, pages = service
