@@ -354,19 +354,21 @@ def test_bad_endpoints_are_one_line_errors(key_: str, value: Any, needle: str) -
 
 def test_tcp_on_loopback_binds_and_a_taken_port_is_one_line(tmp_path: Path) -> None:
     d = Path(tempfile.mkdtemp(prefix="kve", dir="/tmp"))
-    cfg = _config(d, tmp_path / "pages", events_endpoint="tcp://127.0.0.1:0",
-                  events_replay_endpoint="tcp://127.0.0.1:0")
-    srv = NodeServer(cfg).start()
+    d2 = Path(tempfile.mkdtemp(prefix="kve", dir="/tmp"))
     try:
-        assert srv.events is not None
-        assert srv.events.endpoint.startswith("tcp://127.0.0.1:")
-        taken = srv.events.endpoint
-        d2 = Path(tempfile.mkdtemp(prefix="kve", dir="/tmp"))
-        with pytest.raises(NodeSocketError, match=r"node\.events_endpoint") as err:
-            NodeServer(_config(d2, tmp_path / "p2", events_endpoint=taken)).start()
-        assert "\n" not in str(err.value)
-        assert not (d2 / "node.sock").exists(), "a failed start left its socket"
-        shutil.rmtree(d2, ignore_errors=True)
+        cfg = _config(d, tmp_path / "pages", events_endpoint="tcp://127.0.0.1:0",
+                      events_replay_endpoint="tcp://127.0.0.1:0")
+        srv = NodeServer(cfg).start()
+        try:
+            assert srv.events is not None
+            assert srv.events.endpoint.startswith("tcp://127.0.0.1:")
+            taken = srv.events.endpoint
+            with pytest.raises(NodeSocketError, match=r"node\.events_endpoint") as err:
+                NodeServer(_config(d2, tmp_path / "p2", events_endpoint=taken)).start()
+            assert "\n" not in str(err.value)
+            assert not (d2 / "node.sock").exists(), "a failed start left its socket"
+        finally:
+            srv.stop()
     finally:
-        srv.stop()
         shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(d2, ignore_errors=True)
