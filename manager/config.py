@@ -408,6 +408,30 @@ class AdminConfig(BaseModel):
         return host
 
 
+_LOOPBACK = ("127.0.0.1", "[::1]", "localhost")
+
+
+def local_endpoint_problem(endpoint: str) -> str:
+    """Why `endpoint` is not a local ZMQ endpoint kvtier may bind ("" when it is one):
+    ipc:// with an absolute path of at most 107 bytes, or tcp:// on a loopback address."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if not path.startswith("/"):
+            return f"{endpoint!r}: an ipc endpoint needs an absolute path"
+        if len(path.encode()) > 107:
+            return f"{endpoint!r}: an ipc path has at most 107 bytes"
+        return ""
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+        if not sep or host not in _LOOPBACK:
+            return (f"{endpoint!r}: a tcp endpoint must be on loopback "
+                    f"({', '.join(_LOOPBACK)}) with a port")
+        if not port.isdigit() or not 0 <= int(port) <= 65535:
+            return f"{endpoint!r}: port {port!r} is not 0-65535"
+        return ""
+    return f"{endpoint!r}: expected ipc://<absolute path> or tcp://127.0.0.1:<port>"
+
+
 class NodeConfig(BaseModel):
     """The node service of `kvtier serve`: a Unix socket engines attach to (no TCP), and what
     each namespace (one model's KV, as the storage namespace names it) may hold in host
@@ -450,6 +474,52 @@ class NodeConfig(BaseModel):
         description="host blocks of stores a dead engine left open stay out of use this long "
         "(a copy it had started may still land) before they are freed, never served",
     )
+
+    events: bool = Field(
+        False,
+        description="publish the host tier and storage of every namespace as vLLM KV events "
+        "(ZMQ PUB and a replay ROUTER; see README 'Routing on kvtier's events')",
+    )
+    events_endpoint: str = Field(
+        "",
+        description="the events' PUB endpoint: ipc://<absolute path> or tcp://127.0.0.1:<port> "
+        "(also [::1] or localhost; port 0: any free port); empty: ipc://events.pub in the "
+        "engine socket's private directory",
+    )
+    events_replay_endpoint: str = Field(
+        "",
+        description="the replay ROUTER endpoint (same forms); empty: ipc://events.replay in the "
+        "engine socket's private directory",
+    )
+    events_topic_prefix: str = Field(
+        "kvtier", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
+        description="topics are <prefix>/host/<namespace> and <prefix>/storage/<namespace>",
+    )
+    events_buffer_batches: int = Field(
+        10_000, ge=1, le=1_000_000,
+        description="batches kept for replay (the oldest are dropped first)",
+    )
+    events_interval_s: float = Field(
+        0.05, ge=0.005, le=10.0, allow_inf_nan=False,
+        description="how often the publisher reconciles each namespace's tiers and sends a batch",
+    )
+
+    @field_validator("events_endpoint", "events_replay_endpoint")
+    @classmethod
+    def _local_endpoint(cls, value: str) -> str:
+        if value:
+            why = local_endpoint_problem(value)
+            if why:
+                raise ValueError(why)
+        return value
+
+    @field_validator("events_replay_endpoint")
+    @classmethod
+    def _endpoints_differ(cls, value: str, info: ValidationInfo) -> str:
+        pub = info.data.get("events_endpoint")
+        if value and value == pub and not value.endswith(":0"):
+            raise ValueError(f"{value!r} is node.events_endpoint too; they must differ")
+        return value
 
     @field_validator("quotas")
     @classmethod

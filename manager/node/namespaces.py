@@ -194,6 +194,9 @@ class Namespaces:
             raise NamespaceRefused(
                 f"namespace {hello.namespace!r}: its stack did not start: {e}") from None
         ns = Namespace(hello.namespace, cfg, geometry, quota, stack)
+        if self.base.node.events:
+            # from its first block on (the publisher's next tick reports it)
+            ns.keyed.enable_events()
         self._by_name[hello.namespace] = ns
         return ns
 

@@ -55,6 +55,7 @@ from kvtier.manager.core.nodes import Node
 from kvtier.manager.errors import InvalidRequestError, KvtierError
 from kvtier.manager.keyed import Lookup
 from kvtier.manager.node import wire
+from kvtier.manager.node.events import EventPublisher
 from kvtier.manager.node.namespaces import Namespace, NamespaceRefused, Namespaces
 
 log = logging.getLogger("kvtier.node")
@@ -169,6 +170,7 @@ class NodeServer:
         self._lock_fd: int | None = None
         self._threads: list[threading.Thread] = []
         self.dropped = 0  # connections refused or dropped
+        self.events: EventPublisher | None = None  # node.events: started by `start`
 
     # ------------------------------------------------------------------ life cycle
 
@@ -217,6 +219,16 @@ class NodeServer:
             self._release_lock()
             raise NodeSocketError(f"node.socket = {str(self.path)!r}: {e.strerror}") from None
         self._listener = lst
+        if self.cfg.node.events:
+            try:
+                self.events = EventPublisher(self.cfg, self.path.parent,
+                                             self.namespaces.all).start()
+            except KvtierError as e:
+                lst.close()
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+                self._release_lock()
+                raise NodeSocketError(str(e)) from None
         for name, target in (("kvtier-node-accept", self._accept_loop),
                              ("kvtier-node-graves", self._grave_loop)):
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -250,6 +262,8 @@ class NodeServer:
         while self._sessions and time.monotonic() < deadline:
             time.sleep(0.01)
         self._bury(all_=True)
+        if self.events is not None:
+            self.events.stop()  # a last batch while the stacks are still there
         self.namespaces.close()
         self._release_lock()
 
@@ -262,6 +276,7 @@ class NodeServer:
     def status(self) -> dict[str, Any]:
         return {"socket": str(self.path), "instance": self.nonce,
                 "engines": self.sessions(), "dropped": self.dropped,
+                "events": None if self.events is None else self.events.status(),
                 "namespaces": [ns.status() for ns in self.namespaces.all()]}
 
     def reset(self) -> dict[str, Any]:
