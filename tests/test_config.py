@@ -75,7 +75,10 @@ BRIEF_DEFAULTS = {
               "request_timeout_s": 10.0, "keep_alive_s": 5, "max_connections": 64},
     "node": {"enabled": True, "socket": "", "allowed_gid": -1,
              "namespace_quota_bytes": 1 << 30, "quotas": {}, "host_budget_bytes": 0,
-             "max_engines": 64, "send_timeout_s": 2.0, "abandon_grace_s": 5.0},
+             "max_engines": 64, "send_timeout_s": 2.0, "abandon_grace_s": 5.0,
+             "events": False, "events_endpoint": "", "events_replay_endpoint": "",
+             "events_topic_prefix": "kvtier", "events_buffer_batches": 10000,
+             "events_interval_s": 0.05},
 }
 
 
