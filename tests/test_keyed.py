@@ -18,10 +18,12 @@ from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
+import redis
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvtier.manager import keyed
+from kvtier.manager.config import KvtierConfig
 from kvtier.manager.core.nodes import ENGINE_READ, ENGINE_WRITE, STORED
 from kvtier.manager.errors import InvalidRequestError
 from kvtier.manager.keyed import KeyedHostCache, Lookup, engine_key
@@ -29,8 +31,9 @@ from kvtier.manager.stack import Stack
 from kvtier.worker.delays import STORAGE_DELAY_ENV
 from kvtier.worker.kv_pools import HostPool
 from kvtier.worker.wire import key_tag
+from redis_server import RedisServer
 from stack_support import attached_host_pools, running_stack
-from support import tiny_config
+from support import tiny_config, wait_until
 
 HOST_BLOCKS = 12
 PROMPTS = 5
@@ -294,6 +297,47 @@ def test_a_block_storage_cannot_serve_costs_at_most_one_step(
         assert cache.lookup(short[0], "c5", short[1:], threshold_tokens=100) is Lookup.MISS
         assert cache.counters["storage_queries"] == asked
         for rid in ("c1", "c2", "c3", "c5"):
+            cache.forget_request(rid)
+        cache.check_invariants()
+
+
+def test_two_instances_on_one_redis_keep_each_others_pages_listed(
+        redis_server: RedisServer) -> None:
+    """Two stacks (two worker processes, two managers) share one Redis: pages one writes
+    after the other listed are a MISS at once there (never a wrong block), listed by its next
+    refresh and then found; a page that expires leaves the index at the next refresh."""
+    redis.Redis.from_url(redis_server.url).flushall()
+
+    def config() -> KvtierConfig:
+        return tiny_config(workers=1, device_blocks=2, host_blocks=HOST_BLOCKS,
+                           storage="redis", extra={"KVTIER_STORAGE__PREFETCH_THRESHOLD": "4",
+                                                   "KVTIER_STORAGE__URL": redis_server.url})
+
+    a_cfg, b_cfg = config(), config()
+    with (running_stack(a_cfg, keyed_namespace=b"test-ns") as a,
+          attached_host_pools(a_cfg) as a_pools,
+          running_stack(b_cfg, keyed_namespace=b"test-ns") as b):
+        assert a.storage is not None and b.storage is not None
+        assert b.storage.index_complete() and b.storage.status()["index"]["pages"] == 0
+        hashes = chain(31, 4)
+        store(a.require_keyed(), a_pools[0], hashes)
+        settle(a)
+        cache = b.require_keyed()
+        assert cache.lookup(hashes[0], "r1", hashes[1:]) is Lookup.MISS  # listed before
+        assert b.storage.refresh_index(10.0)
+        assert b.storage.holds(cache.storage_key(hashes[0]))
+        answers, _ = lookups_until_settled(cache, hashes[0], "r2", hashes[1:])
+        assert answers[0] is Lookup.RETRY and answers[-1] is Lookup.HIT, answers
+        # a page that expires in Redis leaves the index at the next refresh
+        gone = cache.storage_key(hashes[3])
+        raw = redis.Redis.from_url(redis_server.url)
+        matches = list(raw.scan_iter(match=b"kvtier:*" + gone.hex().encode()))
+        assert len(matches) == 1, matches
+        raw.pexpire(matches[0], 1)
+        wait_until(lambda: not raw.exists(matches[0]), 5, "the page expired")
+        assert b.storage.refresh_index(10.0)
+        assert not b.storage.holds(gone) and b.storage.holds(cache.storage_key(hashes[2]))
+        for rid in ("r1", "r2"):
             cache.forget_request(rid)
         cache.check_invariants()
 

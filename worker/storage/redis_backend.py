@@ -497,7 +497,7 @@ class RedisBackend(StorageBackend):
         keys = [bytes.fromhex(name[n:].decode("ascii")) for name in names
                 if _PAGE_NAME.fullmatch(name, n)]
         if nxt:
-            return keys, (int(nxt) << 16) | index
+            return keys, (int(nxt) << 16) | index if primaries else int(nxt)
         if index + 1 < len(primaries):
             return keys, index + 1  # the next primary, from its start
         return keys, 0
