@@ -219,7 +219,10 @@ class StorageTier:
             return  # storage was cleared after this listing was asked for
         if not ok:
             self.counters["errors_list"] += 1
-            log.warning("listing storage failed: %s", comp.error)
+            if self._listed_at is not None:  # logged once per outage (or sleep), then counted
+                log.warning("listing storage failed: %s; a block the index does not list "
+                            "waits for its storage query again (briefly) until a listing "
+                            "succeeds", comp.error)
         if not ok or comp.result != 1:
             self._listed_at = None
             return
