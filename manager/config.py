@@ -239,6 +239,16 @@ class StorageConfig(BaseModel):
         description="host blocks that prefetches in flight may hold; default: a quarter of "
         "cache.host_blocks",
     )
+    index_refresh_s: float = Field(
+        10.0,
+        ge=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="seconds between two listings of what storage holds (the key-addressed "
+        "surface answers a miss at once for a block the last listing lacks: a page another "
+        "instance wrote since costs a recompute); 0: never list (a block this process did not "
+        "write or find waits up to 0.25 s for its storage query)",
+    )
     backup_one_rank: bool = Field(
         False,
         description="only rank 0 writes to storage (the KV is identical on every rank, as with "
@@ -266,6 +276,15 @@ class StorageConfig(BaseModel):
             raise ValueError(
                 f"must be at least {MIN_SECRET_BYTES} bytes (e.g. openssl rand -hex 32)")
         return secret
+
+    @field_validator("index_refresh_s")
+    @classmethod
+    def _refresh_is_off_or_sane(cls, seconds: float) -> float:
+        """A listing walks the whole namespace: more often than twice a second would keep a
+        worker lane busy listing."""
+        if 0 < seconds < 0.5:
+            raise ValueError("must be 0 (no listing) or at least 0.5 seconds")
+        return seconds
 
     @field_validator("secret_file")
     @classmethod

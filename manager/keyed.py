@@ -19,16 +19,20 @@ its node, so nothing evicts, frees or serves it meanwhile::
     lookup(key)                      HIT (ready) | PENDING (being written or prefetched) |
                                      MISS | RETRY (a storage query for the request is out)
 
-A storage miss costs a cold request a bounded wait (issue 25: with a RETRY until every
-answer came, cold requests waited 37.8 steps on average behind backups)::
+A storage miss costs a cold request at most one engine step (issue 25: with a RETRY until
+every answer came, cold requests waited 37.8 steps on average behind backups). Storage's
+index (`StorageTier.holds`) is filled from the backend's own listing, refreshed every
+`storage.index_refresh_s`, and lists what this process wrote or found since::
 
     host miss -> query would cover < prefetch threshold tokens   MISS, nothing asked
+              -> the index is complete (a recent listing) and
+                 does not list the block                         MISS, nothing asked
               -> query sent                                      RETRY
     asked again, query still out:
-        storage's index lists the block (written or found here)  RETRY until the answer or
+        the index lists the block                                RETRY until the answer or
                                                                  the transfer timeout, then MISS
-        not listed (another process's pages, or none)            RETRY for UNLISTED_WAIT_S
-                                                                 (0.25 s), then MISS (the answer
+        not listed, the index incomplete (no listing yet,        RETRY for UNLISTED_WAIT_S
+        listing off, a store too big to list, an outage)         (0.25 s), then MISS (the answer
                                                                  may still start a prefetch)
     asked again, answered                                        as before (HIT/PENDING/MISS)
     prepare_load(keys)               ENGINE_READ (counted per node): never evicted meanwhile
@@ -73,7 +77,8 @@ from kvtier.manager.errors import InvalidRequestError
 from kvtier.manager.keyed_events import TierEvent, TierEventLog
 
 _monotonic = time.monotonic
-# How long a lookup waits for a storage answer about a block storage's index does not list.
+# How long a lookup waits for a storage answer about a block storage's index does not list,
+# while that index is incomplete (see the module docstring).
 UNLISTED_WAIT_S = 0.25
 
 
@@ -164,7 +169,8 @@ class KeyedHostCache:
         self._asked: set[str] = set()  # requests counted in lookup_tokens (`count_asked`)
         self.counters = dict.fromkeys((
             "stores_prepared", "stores_completed", "stores_failed",
-            "stores_refused", "loads_prepared", "loads_completed", "storage_queries"), 0)
+            "stores_refused", "loads_prepared", "loads_completed", "storage_queries",
+            "storage_index_misses"), 0)
         # tier events for routers (`enable_events`): None while nobody takes them
         self.events: TierEventLog | None = None
 
@@ -235,8 +241,7 @@ class KeyedHostCache:
             if len(q.keys) * self.block_size < threshold:
                 q.answer(0)  # no answer could start a prefetch: nothing to ask
                 return Lookup.MISS
-            self._query(q, threshold_tokens)
-            return Lookup.RETRY
+            return Lookup.RETRY if self._query(q, threshold_tokens) else Lookup.MISS
 
     def from_storage(self, block_hash: bytes) -> bool:
         """Whether this block's host copy came from storage and was not loaded since."""
@@ -252,18 +257,27 @@ class KeyedHostCache:
                 return 0
             return native.keyed_hits(self.m.tree_map, hashes, ENGINE_WRITE | PREFETCHING)
 
-    def _query(self, q: _Query, threshold_tokens: int | None = None) -> None:
+    def _query(self, q: _Query, threshold_tokens: int | None = None) -> bool:
+        """Ask storage about `q`'s blocks (True), or answer it at once, not held (False),
+        when storage's complete index does not list its first block: storage counts leading
+        blocks, so the answer could only be 0."""
         assert self.storage is not None
+        first = self.storage_key(q.keys[0])
+        listed = self.storage.holds(first)
+        if not listed and self.storage.index_complete():
+            q.answer(0)
+            self.counters["storage_index_misses"] += 1
+            return False
         req = RequestState([engine_key(h) for h in q.keys], None)
-        req.skeys = [self.storage_key(h) for h in q.keys]
-        # Listed in storage's index (written or found here): worth waiting for, up to the
-        # transfer timeout. Not listed: pages another instance or an earlier process wrote
-        # are found only by asking, and a healthy file or Redis store answers in milliseconds,
-        # so a short grace lets a restarted engine find them at once, while a slow or
-        # backed-up store costs a request it cannot serve at most the grace (was: unbounded
-        # RETRY, 37.8 engine steps on average in issue 25's measurement).
-        wait = (self.m.transfer_timeout_s if self.storage.holds(req.skeys[0])
-                else UNLISTED_WAIT_S)
+        req.skeys = [first, *(self.storage_key(h) for h in q.keys[1:])]
+        # Listed in storage's index (listed, written or found here): worth waiting for, up to
+        # the transfer timeout. Not listed while the index is incomplete: pages another
+        # instance or an earlier process wrote are found only by asking, and a healthy file
+        # or Redis store answers in milliseconds, so a short grace lets a restarted engine
+        # find them at once, while a slow or backed-up store costs a request it cannot serve
+        # at most the grace (was: unbounded RETRY, 37.8 engine steps on average in issue 25's
+        # measurement).
+        wait = self.m.transfer_timeout_s if listed else UNLISTED_WAIT_S
         q.wait_until = _monotonic() + wait
         if self.events is not None:
             for k, h in zip(req.keys, q.keys, strict=True):
@@ -284,6 +298,7 @@ class KeyedHostCache:
         q.seq = self.storage.query(req, None, 0, len(q.keys), on_answer=answered,
                                    threshold_tokens=threshold_tokens, on_lacking=lacking)
         self.m.flush()
+        return True
 
     def count_asked(self, request_id: str, blocks: int | Callable[[], int]) -> None:
         """The engine asks about `blocks` blocks of a request, those past its own device hits:

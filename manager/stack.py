@@ -46,7 +46,8 @@ could not re-create its pools) leaves the deployment asleep: wake again, e.g. sm
 
 Start order: IPC names (stale ones of this deployment removed) -> worker processes (each
 builds its pools and reports ready) -> dispatcher -> `assemble`: manager with its storage
-tier (-> keyed surface). Stop order is
+tier (-> keyed surface; then the index of what storage holds is listed, see
+`kvtier.manager.storage_tier`, and refreshed on a thread until `close`). Stop order is
 the reverse, and `close()` is safe to call from any state: it always ends with every process
 stopped (or every embedded rank closed) and every shared-memory segment and queue of the
 deployment unlinked.
@@ -248,6 +249,12 @@ class Stack:
                              keyed_namespace=self.keyed_namespace,
                              host_ready=self.workers_ready)
             self.manager, self.storage, self.keyed = parts.manager, parts.storage, parts.keyed
+            if self.storage is not None and self.keyed is not None and not self.embedded:
+                # The key-addressed surface answers a miss at once for a block storage's
+                # listing lacks: the first listing comes before the first lookup when it can
+                # (a new process finds what another one wrote on its first request). Embedded
+                # workers answer each query inside the lookup that asks it: nothing to list.
+                self.storage.start_index()
         except BaseException:
             self.close()
             raise
@@ -285,6 +292,8 @@ class Stack:
             if self._closed:
                 return
             self._closed = True
+        if self.storage is not None:
+            self.storage.stop_index()
         if self.manager is not None:
             self.manager.dispatcher.drain(5.0)
             if self.supervisor is not None and self.manager.track_device_copies:

@@ -36,12 +36,26 @@ Prefetch policies decide what `match` does when the next block is being prefetch
 `best_effort` takes what has landed and never waits; `wait_complete` waits for the prefetch;
 `timeout` waits at most `timeout_base_s + timeout_per_1k_tokens_s * tokens / 1000`.
 
-Index of what storage holds (`holds`): the storage keys this manager wrote (a fully written
-backup batch) or a query found, newest last, at most `HELD_INDEX_MAX` of them. It only decides
-how long a lookup may wait for a query (the keyed surface waits for an answer only for a
-block the index lists; any other block gets one engine step, then is a miss for that
-request): never whether a block is served, which a query's answer and the page checks decide.
-A stale entry (storage cleared, a page evicted by another instance) costs a wait, not data.
+Index of what storage holds (`holds`, `index_complete`): the 64-bit tags (`key_tag`) of the
+storage keys storage is known to hold, at most `HELD_INDEX_MAX`. With worker processes and a
+keyed surface (`Stack.start`, `storage.index_refresh_s` > 0) it is filled from the backend's
+own listing (a LIST task: every page of the namespace, another process's or instance's
+included) before the first lookup when the answer comes within `INDEX_START_WAIT_S`, and
+refreshed every `index_refresh_s` on a thread of its own; a refresh replaces it (a page
+deleted, evicted or expired leaves it). Between refreshes the pages this manager writes (a
+fully written backup batch) or a query finds are added::
+
+    incomplete --(a listing answered whole)--> complete (listed_at = when the LIST was sent)
+    complete --(a listing failed, was too big or too slow; or listed_at older than
+                3 x index_refresh_s)--> incomplete (what was listed stays, as hints)
+    complete --(storage cleared)--> complete, empty
+
+Complete, it lists every page storage held at the last listing plus those written or found
+since: the keyed surface answers MISS at once for a block it does not list (a page another
+instance wrote since the last refresh costs a recompute, never a wrong block). Incomplete
+(no listing yet, listing off, a store too big to list, an outage), a block it does not list
+waits at most `UNLISTED_WAIT_S` for its query. Either way the index never decides whether a
+block is served: a query's answer and the page checks do.
 
 Backup: every block that lands on the host (a write-through backup, a hot block under
 write_through_selective, a write-back demotion) is written to storage once, asynchronously,
@@ -50,7 +64,9 @@ in one BACKUP task per batch; BACKING keeps its host copy alive meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -60,7 +76,7 @@ from kvtier.manager.core.hooks import RequestState
 from kvtier.manager.core.nodes import PREFETCHING, Node
 from kvtier.manager.errors import TransferTimeoutError
 from kvtier.manager.keys import storage_keys
-from kvtier.worker.wire import Completion, Priority, Task, TaskKind
+from kvtier.worker.wire import Completion, Priority, Task, TaskKind, key_tag
 
 if TYPE_CHECKING:
     from kvtier.manager.config import KvtierConfig
@@ -68,8 +84,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HELD_INDEX_MAX = 1 << 18
-"""Storage keys the index of held pages keeps (32-byte keys, ~100 B each with the dict: 26 MB
-at most; the oldest go first)."""
+"""Storage keys the index of held pages keeps (64-bit tags, ~90 B each with the dict: 24 MB
+at most; the oldest go first). A backend holding more is not listed (the index stays
+incomplete): 2**18 pages of 64-token blocks are 16.7M tokens."""
+
+INDEX_START_WAIT_S = 2.0
+"""How long `Stack.start` waits for the first listing (a healthy store of 10k pages lists in
+tens of milliseconds); a later answer completes the index when it comes."""
 
 
 class StorageTier:
@@ -79,8 +100,10 @@ class StorageTier:
     `_prefetches` seq -> tree key of the last block of each PREFETCH in flight, `_queries`
     the same for QUERY tasks; `_revoked` seqs of the queries and prefetches revoked and not
     answered yet; `prefetching_blocks` host blocks currently held by prefetches (bounded by
-    `limit`); `_held` the index of storage keys known held (insertion order = age, at most
-    `HELD_INDEX_MAX`). Invariants: `_revoked` holds only seqs of `_queries` or `_prefetches`;
+    `limit`); `_held` the index of storage keys known held, as `key_tag`s (insertion order =
+    age, at most `HELD_INDEX_MAX`; see the module docstring), `_listing` the seq of the LIST in
+    flight and `_noted_since` the tags noted since it was sent. Invariants: `_noted_since` is
+    empty while no LIST is in flight; `_revoked` holds only seqs of `_queries` or `_prefetches`;
     a node is PREFETCHING exactly while it is in `_prefetch_of`.
     """
 
@@ -102,7 +125,17 @@ class StorageTier:
         self._prefetches: dict[int, int] = {}
         self._queries: dict[int, int] = {}
         self._revoked: set[int] = set()
-        self._held: dict[bytes, None] = {}
+        self._held: dict[int, None] = {}
+        # the listing: LIST in flight (seq), tags noted since it was sent (kept through the
+        # refresh it answers), when the last whole listing was asked for, a generation that a
+        # clear bumps (a listing asked before a clear must not bring back what it deleted)
+        self.index_refresh_s = s.index_refresh_s
+        self._listing: int | None = None
+        self._noted_since: dict[int, None] = {}
+        self._listed_at: float | None = None
+        self._index_gen = 0
+        self._refresher: threading.Thread | None = None
+        self._stop_refresh = threading.Event()
         # prefetch_pages_revoked: pages of a prefetch that did not land, whatever the reason
         # (revoked, failed, missing or damaged in storage). revoked_*: what `revoke` did.
         self.counters: dict[str, int] = dict.fromkeys((
@@ -110,7 +143,8 @@ class StorageTier:
             "prefetch_pages_completed", "prefetch_pages_revoked", "backup_tasks",
             "backup_pages", "backup_failed_pages", "errors_query", "errors_prefetch",
             "errors_backup", "errors_clear", "revoked_queries", "revoked_prefetches",
-            "revoked_pages_kept", "revoked_pages_dropped"), 0)
+            "revoked_pages_kept", "revoked_pages_dropped", "index_listings",
+            "errors_list"), 0)
 
     # ------------------------------------------------------------------ keys
 
@@ -132,17 +166,97 @@ class StorageTier:
     # ------------------------------------------------------------------ index
 
     def holds(self, skey: bytes) -> bool:
-        """Does the index list this storage key (written or found here)? A hint only."""
-        return skey in self._held
+        """Does the index list this storage key (listed, written or found here)? A hint
+        only."""
+        return key_tag(skey) in self._held
+
+    def index_complete(self) -> bool:
+        """Whether the index lists every page storage held at its last listing (one at most
+        3 x `index_refresh_s` old): a key it does not list is then not worth a query."""
+        at = self._listed_at
+        return at is not None and time.monotonic() - at < 3 * self.index_refresh_s
 
     def _note_held(self, skeys: Iterable[bytes]) -> None:
         held = self._held
+        since = self._noted_since if self._listing is not None else None
         for k in skeys:
-            if k in held:
+            tag = key_tag(k)
+            if since is not None:
+                since[tag] = None
+            if tag in held:
                 continue
             if len(held) >= HELD_INDEX_MAX:
                 del held[next(iter(held))]
-            held[k] = None
+            held[tag] = None
+
+    def refresh_index(self, timeout: float | None = None) -> bool:
+        """Ask storage for its listing (a LIST task, unless one is in flight) and, with a
+        `timeout`, wait at most that long for it. Returns whether the index is complete."""
+        m = self.m
+        with m.lock:
+            seq = self._listing
+            if seq is None:
+                seq = self._listing = m.next_seq()
+                gen = self._index_gen
+                sent = time.monotonic()
+                task = Task(seq, TaskKind.LIST, [HELD_INDEX_MAX], [], [], Priority.BACKUP)
+                self.counters["index_listings"] += 1
+                m.track(task, [], on_done=lambda ok, comp: self._on_list(
+                    seq, gen, sent, ok, comp))
+                m.flush()
+            if timeout:
+                with contextlib.suppress(TransferTimeoutError):  # it completes the index later
+                    m.wait_unlocked([seq], timeout)
+            return self.index_complete()
+
+    def _on_list(self, seq: int, gen: int, sent: float, ok: bool, comp: Completion) -> None:
+        """A listing answered (lock held): the index becomes the listing plus what was noted
+        since it was sent, or incomplete when the listing is not whole."""
+        if self._listing == seq:
+            self._listing = None
+        since, self._noted_since = self._noted_since, {}
+        if gen != self._index_gen:
+            return  # storage was cleared after this listing was asked for
+        if not ok:
+            self.counters["errors_list"] += 1
+            if self._listed_at is not None:  # logged once per outage (or sleep), then counted
+                log.warning("listing storage failed: %s; a block the index does not list "
+                            "waits for its storage query again (briefly) until a listing "
+                            "succeeds", comp.error)
+        if not ok or comp.result != 1:
+            self._listed_at = None
+            return
+        held = dict.fromkeys(comp.detail)
+        held.update(since)
+        self._held = held
+        self._listed_at = sent
+
+    def start_index(self, wait_s: float = INDEX_START_WAIT_S) -> bool:
+        """Fill the index from storage's listing (waiting at most `wait_s` for it) and refresh
+        it every `index_refresh_s` on a thread of its own until `stop_index`; nothing when
+        `index_refresh_s` is 0. Returns whether the index is complete now."""
+        if self.index_refresh_s <= 0 or self._refresher is not None:
+            return self.index_complete()
+        complete = self.refresh_index(wait_s)
+
+        def refresh() -> None:
+            while not self._stop_refresh.wait(self.index_refresh_s):
+                try:
+                    self.refresh_index()
+                except Exception:  # the next period tries again; lookups fall back meanwhile
+                    log.exception("refreshing the index of what storage holds failed")
+
+        self._refresher = threading.Thread(target=refresh, daemon=True,
+                                           name="kvtier-storage-index")
+        self._refresher.start()
+        return complete
+
+    def stop_index(self) -> None:
+        """Stop refreshing the index (the stack closes); idempotent."""
+        self._stop_refresh.set()
+        if self._refresher is not None:
+            self._refresher.join(timeout=5)
+            self._refresher = None
 
     # ------------------------------------------------------------------ match hook
 
@@ -377,7 +491,9 @@ class StorageTier:
                 log.warning("clearing storage failed: %s", comp.error)
                 return
             out.append(comp.result)
-            self._held.clear()
+            self._held.clear()  # storage is empty now: a complete index stays complete
+            self._noted_since.clear()
+            self._index_gen += 1
             m.forget_stored()  # every node's storage copy is gone now
 
         with m.lock:
@@ -400,6 +516,8 @@ class StorageTier:
                 "prefetch_threshold_tokens": self.threshold_tokens,
                 "prefetch_host_blocks_limit": self.limit,
                 "prefetching_blocks": self.prefetching_blocks,
+                "index": {"pages": len(self._held), "complete": self.index_complete(),
+                          "refresh_s": self.index_refresh_s},
                 "counters": c,
                 "backup_bytes": c["backup_pages"] * self.page_bytes * self.ranks,
                 "prefetch_bytes": c["prefetch_pages_completed"] * self.page_bytes * self.ranks}

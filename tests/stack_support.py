@@ -37,7 +37,8 @@ def worker_pids(stack: Stack) -> list[int]:
 
 @contextlib.contextmanager
 def running_stack(cfg: KvtierConfig, *, log_dir: str | os.PathLike[str] | None = None,
-                  transfer_timeout_s: float = 20.0) -> Iterator[Stack]:
+                  transfer_timeout_s: float = 20.0,
+                  keyed_namespace: bytes | None = None) -> Iterator[Stack]:
     """A started Stack; on exit it is closed and the deployment must have left nothing: no
     /dev/shm entry, no queue, no worker process (the pids of the first workers and of the
     last ones, replacements included; tests that kill a worker check that one themselves),
@@ -45,7 +46,7 @@ def running_stack(cfg: KvtierConfig, *, log_dir: str | os.PathLike[str] | None =
     On an error inside the block the stack is closed too, and what was left is added as a
     note to the error instead of hiding it."""
     stack = Stack(cfg, log_dir=None if log_dir is None else str(log_dir),
-                  transfer_timeout_s=transfer_timeout_s)
+                  transfer_timeout_s=transfer_timeout_s, keyed_namespace=keyed_namespace)
     seen: list[int] = []
     try:
         stack.start()

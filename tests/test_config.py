@@ -64,6 +64,7 @@ BRIEF_DEFAULTS = {
         "timeout_base_s": 0.01,
         "timeout_per_1k_tokens_s": 0.005,
         "prefetch_host_blocks_limit": None,
+        "index_refresh_s": 10.0,
         "backup_one_rank": False,
         "secret": "",
         "secret_file": "",
@@ -277,6 +278,11 @@ FILE_ERRORS = [
     ),
     ("[storage]\ntimeout_base_s = 1e300\n", "storage.timeout_base_s = 1e+300: must be <= 3600"),
     ("[storage]\nttl_s = 1e300\n", "storage.ttl_s = 1e+300: must be <= 315360000"),
+    (
+        "[storage]\nindex_refresh_s = 0.1\n",
+        "storage.index_refresh_s = 0.1: must be 0 (no listing) or at least 0.5 seconds",
+    ),
+    ("[storage]\nindex_refresh_s = -1\n", "storage.index_refresh_s = -1: must be >= 0"),
     ('[storage]\npath = "a\\u0000b"\n', "storage.path = 'a\\x00b': contains a NUL character"),
     (
         f'[storage]\npath = "/tmp/{"x" * 300}"\n',

@@ -23,12 +23,14 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvtier.manager import keyed
+from kvtier.manager.config import KvtierConfig
 from kvtier.manager.core.nodes import ENGINE_READ, ENGINE_WRITE, STORED
 from kvtier.manager.errors import InvalidRequestError
 from kvtier.manager.keyed import KeyedHostCache, Lookup, engine_key
 from kvtier.manager.stack import Stack
 from kvtier.worker.delays import STORAGE_DELAY_ENV
 from kvtier.worker.kv_pools import HostPool
+from kvtier.worker.wire import key_tag
 from redis_server import RedisServer
 from stack_support import attached_host_pools, running_stack
 from support import tiny_config, wait_until
@@ -58,7 +60,8 @@ def keyed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stac
     cfg = tiny_config(workers=1, device_blocks=2, host_blocks=HOST_BLOCKS, storage="file",
                       storage_dir=tmp_path_factory.mktemp("keyed-storage"),
                       extra={"KVTIER_STORAGE__PREFETCH_THRESHOLD": "4"})
-    with running_stack(cfg) as stack, attached_host_pools(cfg) as pools:
+    with (running_stack(cfg, keyed_namespace=b"test-ns") as stack,
+          attached_host_pools(cfg) as pools):
         yield stack, pools[0]
 
 
@@ -216,19 +219,144 @@ def test_a_new_cache_finds_blocks_in_storage(keyed_stack: tuple[Stack, HostPool]
     fresh.check_invariants()
 
 
+def lookups_until_settled(cache: KeyedHostCache, h: bytes, rid: str, following: list[bytes],
+                          wait_s: float = 10.0) -> tuple[list[Lookup], float]:
+    """The engine asking about one block every step (1 ms apart here) until the answer is
+    neither RETRY nor PENDING: every answer, and the seconds until the last."""
+    t0 = time.monotonic()
+    answers = [cache.lookup(h, rid, following)]
+    while answers[-1] in (Lookup.RETRY, Lookup.PENDING) and time.monotonic() - t0 < wait_s:
+        time.sleep(0.001)
+        answers.append(cache.lookup(h, rid, following))
+    return answers, time.monotonic() - t0
+
+
+def write_pages_from_another_process(cfg_dir: Path, hashes: list[bytes],
+                                     extra: dict[str, str] | None = None) -> None:
+    """A stack of its own (its own worker process and manager) stores `hashes` and backs
+    them up to the storage under `cfg_dir` (or the Redis `extra` names), then closes."""
+    cfg = tiny_config(workers=1, device_blocks=2, host_blocks=HOST_BLOCKS, storage="file",
+                      storage_dir=cfg_dir,
+                      extra={"KVTIER_STORAGE__PREFETCH_THRESHOLD": "4", **(extra or {})})
+    with (running_stack(cfg, keyed_namespace=b"test-ns") as stack,
+          attached_host_pools(cfg) as pools):
+        store(stack.require_keyed(), pools[0], hashes)
+        settle(stack)
+        assert stack.storage is not None
+        assert stack.storage.counters["backup_pages"] >= len(hashes)
+
+
 def test_a_block_storage_cannot_serve_costs_at_most_one_step(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 25: a cold request is not held while storage is asked. Every storage query here
-    takes 1.5 s, so it is still out when the engine asks again. A block that storage's index
-    does not list is a RETRY for `UNLISTED_WAIT_S` (a healthy store answers well within it),
-    then a MISS; one the index lists (written here) is worth the wait: RETRY until the
-    answer, then a HIT. The first answer still lands
-    for later requests (pages another instance wrote: found, and listed, for the next request).
-    A query too short to reach the prefetch threshold is not sent at all."""
+    """Issue 25: a cold request is not held while storage is asked, and a new process still
+    finds another's pages on its first request. Another stack (its own worker process)
+    writes pages to file storage; a new stack on the same folder, whose storage queries each
+    take 0.6 s (over twice `UNLISTED_WAIT_S`), lists storage at start:
+    * those pages are listed: the first request waits for its answer (RETRY, never a MISS)
+      and HITs, however slow the store;
+    * a block storage lacks is a MISS at the engine's first lookup: no RETRY, no query;
+    * a page deleted from storage leaves the index at the next periodic listing (then a
+      MISS at once); a query shorter than the prefetch threshold is not sent either."""
+    theirs = chain(22, 4)
+    write_pages_from_another_process(tmp_path, theirs)
+    monkeypatch.setenv(STORAGE_DELAY_ENV, "600")
+    cfg = tiny_config(workers=1, device_blocks=2, host_blocks=HOST_BLOCKS, storage="file",
+                      storage_dir=tmp_path, extra={"KVTIER_STORAGE__PREFETCH_THRESHOLD": "4",
+                                                   "KVTIER_STORAGE__INDEX_REFRESH_S": "0.5"})
+    with (running_stack(cfg, keyed_namespace=b"test-ns") as stack,
+          attached_host_pools(cfg) as pools):
+        storage = stack.storage
+        assert storage is not None
+        cache = stack.require_keyed()
+        assert storage.index_complete()  # listed before the first lookup
+        assert storage.holds(cache.storage_key(theirs[0]))
+        answers, took = lookups_until_settled(cache, theirs[0], "c1", theirs[1:])
+        assert answers[-1] is Lookup.HIT and Lookup.MISS not in answers, answers
+        assert took >= 0.6 > keyed.UNLISTED_WAIT_S  # waited for the slow store's answer
+        assert leading_hits(cache, theirs, "c1", wait_s=10) == 4  # past the prefetch cap too
+        ids = cache.prepare_load(theirs)
+        for h, hid in zip(theirs, ids, strict=True):  # the other process's bytes
+            assert torch.equal(pools[0].data[hid], content(h, pools[0].shape.page_bytes))
+        cache.complete_load(theirs)
+        # a block storage lacks: a MISS at the first lookup, nothing asked of storage
+        asked = cache.counters["storage_queries"]
+        absent = chain(23, 4)
+        answers, took = lookups_until_settled(cache, absent[0], "c2", absent[1:])
+        assert answers == [Lookup.MISS] and took < 0.1, (answers, took)
+        assert cache.counters["storage_queries"] == asked
+        assert cache.counters["storage_index_misses"] >= 1
+        # a page that disappeared from storage leaves the index at the next listing
+        gone = cache.storage_key(theirs[0])
+        next(tmp_path.rglob(gone.hex())).unlink()
+        wait_until(lambda: not storage.holds(gone), 10, "the periodic listing dropped it")
+        assert storage.index_complete() and storage.holds(cache.storage_key(theirs[1]))
+        stack.reset()  # the host copies go: storage is all that is left
+        answers, _ = lookups_until_settled(cache, theirs[0], "c3", theirs[1:])
+        assert answers == [Lookup.MISS], answers
+        # shorter than the threshold: no answer could start a prefetch, so nothing is asked
+        short = chain(24, 2)
+        assert cache.lookup(short[0], "c5", short[1:], threshold_tokens=100) is Lookup.MISS
+        assert cache.counters["storage_queries"] == asked
+        for rid in ("c1", "c2", "c3", "c5"):
+            cache.forget_request(rid)
+        cache.check_invariants()
+
+
+def test_two_instances_on_one_redis_keep_each_others_pages_listed(
+        redis_server: RedisServer) -> None:
+    """Two stacks (two worker processes, two managers) share one Redis: pages one writes
+    after the other listed are a MISS at once there (never a wrong block), listed by its next
+    refresh and then found; a page that expires leaves the index at the next refresh."""
+    redis.Redis.from_url(redis_server.url).flushall()
+
+    def config() -> KvtierConfig:
+        return tiny_config(workers=1, device_blocks=2, host_blocks=HOST_BLOCKS,
+                           storage="redis", extra={"KVTIER_STORAGE__PREFETCH_THRESHOLD": "4",
+                                                   "KVTIER_STORAGE__URL": redis_server.url})
+
+    a_cfg, b_cfg = config(), config()
+    with (running_stack(a_cfg, keyed_namespace=b"test-ns") as a,
+          attached_host_pools(a_cfg) as a_pools,
+          running_stack(b_cfg, keyed_namespace=b"test-ns") as b):
+        assert a.storage is not None and b.storage is not None
+        assert b.storage.index_complete() and b.storage.status()["index"]["pages"] == 0
+        hashes = chain(31, 4)
+        store(a.require_keyed(), a_pools[0], hashes)
+        settle(a)
+        cache = b.require_keyed()
+        assert cache.lookup(hashes[0], "r1", hashes[1:]) is Lookup.MISS  # listed before
+        assert b.storage.refresh_index(10.0)
+        assert b.storage.holds(cache.storage_key(hashes[0]))
+        answers, _ = lookups_until_settled(cache, hashes[0], "r2", hashes[1:])
+        assert answers[0] is Lookup.RETRY and answers[-1] is Lookup.HIT, answers
+        # a page that expires in Redis leaves the index at the next refresh
+        gone = cache.storage_key(hashes[3])
+        raw = redis.Redis.from_url(redis_server.url)
+        matches = list(raw.scan_iter(match=b"kvtier:*" + gone.hex().encode()))
+        assert len(matches) == 1, matches
+        raw.pexpire(matches[0], 1)
+        wait_until(lambda: not raw.exists(matches[0]), 5, "the page expired")
+        assert b.storage.refresh_index(10.0)
+        assert not b.storage.holds(gone) and b.storage.holds(cache.storage_key(hashes[2]))
+        for rid in ("r1", "r2"):
+            cache.forget_request(rid)
+        cache.check_invariants()
+
+
+def test_without_a_listing_an_unlisted_block_waits_at_most_the_grace(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`storage.index_refresh_s = 0` (no listing: the index is what this process wrote or
+    found): every storage query takes 1.5 s. A block the index does not list is a RETRY for
+    `UNLISTED_WAIT_S` (a healthy store answers well within it), then a MISS; one the index
+    lists (written here) is worth the wait: RETRY until the answer, then a HIT. The first
+    answer still lands for later requests (pages another instance wrote: found, and listed,
+    for the next request)."""
     monkeypatch.setenv(STORAGE_DELAY_ENV, "1500")
     cfg = tiny_config(workers=1, device_blocks=2, host_blocks=HOST_BLOCKS, storage="file",
-                      storage_dir=tmp_path, extra={"KVTIER_STORAGE__PREFETCH_THRESHOLD": "4"})
-    with running_stack(cfg) as stack, attached_host_pools(cfg) as pools:
+                      storage_dir=tmp_path, extra={"KVTIER_STORAGE__PREFETCH_THRESHOLD": "4",
+                                                   "KVTIER_STORAGE__INDEX_REFRESH_S": "0"})
+    with (running_stack(cfg, keyed_namespace=b"test-ns") as stack,
+          attached_host_pools(cfg) as pools):
         storage = stack.storage
         assert storage is not None
         cache = make_cache(stack)
@@ -236,9 +364,10 @@ def test_a_block_storage_cannot_serve_costs_at_most_one_step(
         store(cache, pools[0], ours + theirs)
         settle(stack)
         assert storage.holds(cache.storage_key(theirs[0]))  # our own backups are listed
+        assert not storage.index_complete() and storage.counters["index_listings"] == 0
         stack.reset()  # host emptied, storage kept
         for h in theirs:  # as pages another process wrote: never listed here
-            del storage._held[cache.storage_key(h)]
+            del storage._held[key_tag(cache.storage_key(h))]
         fresh = KeyedHostCache(stack.require_manager(), storage, namespace=b"test-ns",
                                host_ready=stack.workers_ready)
         assert fresh.lookup(ours[0], "c3", ours[1:]) is Lookup.RETRY
@@ -257,12 +386,7 @@ def test_a_block_storage_cannot_serve_costs_at_most_one_step(
         # c1's answer found the other process's pages and listed them: a later request hits
         assert storage.holds(cache.storage_key(theirs[0]))
         assert leading_hits(fresh, theirs, "c4", wait_s=10) == 4
-        # shorter than the threshold: no answer could start a prefetch, so nothing is asked
-        asked = fresh.counters["storage_queries"]
-        short = chain(24, 2)
-        assert fresh.lookup(short[0], "c5", short[1:], threshold_tokens=100) is Lookup.MISS
-        assert fresh.counters["storage_queries"] == asked
-        for rid in ("c1", "c2", "c3", "c4", "c5"):
+        for rid in ("c1", "c2", "c3", "c4"):
             fresh.forget_request(rid)
         fresh.check_invariants()
 

@@ -459,6 +459,50 @@ def test_clear_only_clears_its_namespace(open_backend: OpenBackend, backend_kind
 
 # --- file backend: capacity, LRU, atomic writes, restart ----------------------------------------
 
+def list_all(backend: StorageBackend, count: int) -> tuple[list[bytes], int]:
+    """Every key a listing in batches of about `count` gives, and how many batches."""
+    keys: list[bytes] = []
+    cursor, batches = 0, 0
+    while True:
+        got, cursor = backend.list_keys(cursor, count)
+        keys.extend(got)
+        batches += 1
+        assert batches < 10_000, "the listing never ends"
+        if cursor == 0:
+            return keys, batches
+
+
+def test_listing_gives_every_page_of_its_namespace_and_nothing_else(
+        open_backend: OpenBackend, backend_kind: str) -> None:
+    """The index of what storage holds is filled from this listing: every page of the
+    namespace (written by any instance), none of another namespace, none deleted; in bounded
+    batches with a cursor (a cluster: every primary in turn)."""
+    mine, theirs, other = open_backend(), open_backend(), open_backend(NS + "-other")
+    keys, pages = make_keys(300, "list"), make_pages(300, 1024)
+    assert mine.set(keys[:200], list(pages[:200])) == 200
+    assert theirs.set(keys[200:], list(pages[200:])) == 100  # another instance's pages
+    assert other.set(make_keys(5, "elsewhere"), list(pages[:5])) == 5
+    assert mine.delete(keys[:10]) == 10
+    listed, batches = list_all(mine, 16)
+    assert set(listed) == set(keys[10:]), len(set(listed))
+    assert batches > 1  # bounded batches, not one answer of everything
+    assert mine.stats()["errors_list"] == 0
+    assert list_all(other, 1000)[0] and not set(list_all(other, 1000)[0]) & set(keys)
+    with pytest.raises(ValueError, match="cursor"):
+        mine.list_keys(-1, 10)
+    mine.clear()
+    assert list_all(theirs, 1000)[0] == []
+
+
+def test_listing_during_a_redis_outage_is_a_counted_error(redis_server: RedisServer) -> None:
+    """An outage ends a listing at once and counts `errors_list` (the worker then answers
+    that it cannot list: the manager's index stays incomplete)."""
+    with RedisBackend(f"redis://127.0.0.1:{free_port()}/0", "down/r0", secret=SECRET,
+                      timeout_s=0.2) as down:
+        assert down.list_keys(0, 100) == ([], 0)
+        assert down.stats()["errors_list"] == 1
+
+
 def _files(root: Path) -> list[str]:
     return sorted(p.name for p in root.rglob("*") if p.is_file())
 

@@ -83,7 +83,8 @@ class _Rank:
             if task.kind == TaskKind.REVOKE:
                 return Completion(task.seq, rank, True, 0)  # every task here ran to its end
             if task.kind in STORAGE_KINDS:
-                return Completion(task.seq, rank, True, self.executor.storage_task(task))
+                result, detail = self.executor.storage_task(task)
+                return Completion(task.seq, rank, True, result, detail)
             if task.kind in DEVICE_KINDS:
                 [(result, detail)] = self.executor.device_batch(task.kind, [task])
                 return Completion(task.seq, rank, True, result, list(detail))

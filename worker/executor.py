@@ -27,12 +27,13 @@ from kvtier.worker.kv_pools import DeviceKV, DevicePool, HostPool
 from kvtier.worker.spec import WorkerSpec
 from kvtier.worker.storage.backend import StorageBackend
 from kvtier.worker.storage.factory import make_backend
-from kvtier.worker.wire import Task, TaskKind
+from kvtier.worker.wire import Task, TaskKind, key_tag
 
 log = logging.getLogger("kvtier.worker")
 
 DEVICE_KINDS = frozenset({TaskKind.D2H, TaskKind.H2D, TaskKind.FILL, TaskKind.CHECK})
-STORAGE_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP, TaskKind.CLEAR})
+STORAGE_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP, TaskKind.CLEAR,
+                           TaskKind.LIST})
 MERGEABLE = frozenset({TaskKind.D2H, TaskKind.H2D})
 
 
@@ -44,7 +45,7 @@ class TaskClass(IntEnum):
     LOAD = 1  # H2D, and the FILL / CHECK diagnostics (a request waits on them)
     BACKUP = 2  # D2H: write-through backups and write-back demotions
     STORAGE_READ = 3  # QUERY, PREFETCH
-    STORAGE_WRITE = 4  # BACKUP (host -> storage), CLEAR
+    STORAGE_WRITE = 4  # BACKUP (host -> storage), CLEAR, LIST (background work)
 
 
 TASK_CLASSES: dict[TaskKind, TaskClass] = {
@@ -56,6 +57,10 @@ TASK_CLASSES: dict[TaskKind, TaskClass] = {
     TaskKind.PREFETCH: TaskClass.STORAGE_READ,
     TaskKind.BACKUP: TaskClass.STORAGE_WRITE,
     TaskKind.CLEAR: TaskClass.STORAGE_WRITE,
+    # A listing is background work like a write: a scan of a large store (a scandir per
+    # shard, or SCAN round trips) must not hold up the queries and prefetches a request
+    # waits on, so it runs on the niced write lane, never on the read lane.
+    TaskKind.LIST: TaskClass.STORAGE_WRITE,
 }
 """The lane of every task kind but REVOKE, which a worker applies as it receives it."""
 
@@ -72,7 +77,15 @@ _TASK_OPS: dict[TaskKind, tuple[str, ...]] = {
     TaskKind.PREFETCH: ("get", "delete"),  # a damaged page is deleted as it is read
     TaskKind.BACKUP: ("set", "delete"),  # the file backend deletes pages beyond capacity
     TaskKind.CLEAR: ("clear", "delete"),
+    TaskKind.LIST: ("list",),
 }
+
+# A LIST reads the backend's listing in batches of this many keys (one scandir of a few
+# shards, or one SCAN round trip) and gives up (answers 0: the manager's index then stays
+# incomplete) once it took longer than LIST_BUDGET_S: a Redis shared with other applications
+# may hold millions of other keys, which SCAN walks too.
+LIST_BATCH_KEYS = 4096
+LIST_BUDGET_S = 5.0
 
 
 class TaskExecutor:
@@ -163,22 +176,52 @@ class TaskExecutor:
             return [(len(bad), bad)]
         raise ValueError(f"not a device task kind: {kind!r}")
 
-    def storage_task(self, task: Task, revoked: Callable[[int], bool] | None = None) -> int:
-        """Run one storage task; returns its result (see `kvtier.worker.wire`). A backend that
-        degrades to misses (Redis down, disk errors) answers anyway; the errors it counted
-        during the call fail the task, so the manager counts storage errors by operation.
+    def storage_task(self, task: Task, revoked: Callable[[int], bool] | None = None,
+                     ) -> tuple[int, list[int]]:
+        """Run one storage task; returns its result and detail (see `kvtier.worker.wire`). A
+        backend that degrades to misses (Redis down, disk errors) answers anyway; the errors it
+        counted during the call fail the task, so the manager counts storage errors by
+        operation.
         `revoked(seq)`: a PREFETCH asks it before each page batch and, once it says True,
         stops and answers with the pages read so far."""
         store = self.storage
         ops = _TASK_OPS.get(task.kind, ())
         before = _backend_errors(store, ops)
-        result = self._storage_call(task, revoked)
+        detail: list[int] = []
+        if task.kind == TaskKind.LIST:
+            result, detail = self._list(task, store)
+        else:
+            result = self._storage_call(task, revoked)
         errors = _backend_errors(store, ops) - before
         if errors:
             raise StorageError(
                 f"storage {task.kind.name.lower()}: {errors} backend error(s) (see this rank's "
                 f"log); {result} of {len(task.keys)} pages went through")
-        return result
+        return result, detail
+
+    def _list(self, task: Task, store: StorageBackend | None) -> tuple[int, list[int]]:
+        """LIST: (1, the key tag of every page) on rank 0, (1, []) on the others (see
+        `kvtier.worker.wire`); (0, []) when the listing has more than `task.src[0]` pages,
+        outlasts `LIST_BUDGET_S`, or there is no backend."""
+        if store is None:
+            return 0, []
+        if self.rank != 0:
+            return 1, []
+        limit = int(task.src[0]) if len(task.src) else 0
+        deadline = time.monotonic() + LIST_BUDGET_S
+        tags: set[int] = set()  # a key may come twice (SCAN)
+        cursor = 0
+        while True:
+            keys, cursor = store.list_keys(cursor, LIST_BATCH_KEYS)
+            tags.update(key_tag(k) for k in keys)
+            if len(tags) > limit:
+                return 0, []
+            if cursor == 0:
+                return 1, sorted(tags)
+            if time.monotonic() > deadline:
+                log.warning("rank %d: listing storage took over %.0f s; stopped after %d "
+                            "pages", self.rank, LIST_BUDGET_S, len(tags))
+                return 0, []
 
     def _storage_call(self, task: Task, revoked: Callable[[int], bool] | None) -> int:
         store = self.storage

@@ -16,8 +16,9 @@ rank) and the storage backend, sets its ready flag, then runs five threads:
   the queue behind a long copy. A REVOKE is applied right there (see below);
 * four lanes, one thread each, so no class of task waits behind another: **load** (H2D, and
   the FILL/CHECK diagnostics), **backup** (D2H), **storage read** (QUERY, PREFETCH) and
-  **storage write** (BACKUP, CLEAR). A 512-block backup or a slow storage write never holds
-  up a load or a storage hit query queued after it. On the CPU the copy engine lets a load's
+  **storage write** (BACKUP, CLEAR, and LIST: a listing of what storage holds, background
+  work like a write). A 512-block backup or a slow storage write never holds up a load or a
+  storage hit query queued after it. On the CPU the copy engine lets a load's
   copy steps go before a backup's (a backup waits between its ~4 MiB steps while a load
   runs); on CUDA they run on two streams, the load stream at the higher priority;
 * within a lane, tasks wait in a priority heap (higher `priority` first, then arrival order);
@@ -468,7 +469,7 @@ class Worker:
     def _run_storage(self, batch: list[Task]) -> None:
         for task in batch:
             try:
-                result = self.executor.storage_task(task, self._is_revoked)
+                result, detail = self.executor.storage_task(task, self._is_revoked)
             except Exception as e:
                 log.error("rank %d: storage %s task %d failed: %s", self.rank, task.kind.name,
                           task.seq, e)
@@ -477,7 +478,7 @@ class Worker:
                                         error=f"{type(e).__name__}: {e}"))
                 continue
             self._publish_storage_figures()  # before the answer: a reader of it sees them
-            self._answer(Completion(task.seq, self.rank, True, result))
+            self._answer(Completion(task.seq, self.rank, True, result, detail))
 
     def _publish_storage_figures(self) -> None:
         store = self.res.storage

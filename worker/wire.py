@@ -18,14 +18,24 @@ Task kinds and what their fields mean:
     CLEAR      -              -              -                          pages deleted
     REVOKE     PREFETCH seqs  -              -                          how many of them
                                                                         were not done yet
+    LIST       [max pages]    -              -                          1: `detail` is the
+                                                                        whole listing, 0: none
 
 `priority`: larger runs first within a class of tasks (loads a request waits on outrank
 backups). A worker runs four classes side by side, each on its own thread, so no class waits
 behind another (`kvtier.worker.executor.TASK_CLASSES`): device loads (H2D, and the FILL and
 CHECK diagnostics), device backups (D2H), storage reads (QUERY, PREFETCH) and storage writes
-(BACKUP, CLEAR). REVOKE is in no class: a worker applies it as it receives it (a PREFETCH it
+(BACKUP, CLEAR, LIST). REVOKE is in no class: a worker applies it as it receives it (a PREFETCH it
 names stops after the page batch it is reading and answers with the pages read so far; one
 not started reads none).
+
+LIST asks storage which pages it holds (the manager's index of what storage holds, see
+`kvtier.manager.storage_tier`): rank 0 answers 1 and, in `detail`, the `key_tag` of every
+page of its namespace, or 0 when it cannot list them all (more than `max pages`, longer than
+the worker's time budget, no backend); the other ranks answer 1 and nothing. A page is
+served only where every rank holds it, so rank 0's listing is a superset of what storage can
+serve, which is all the index needs (a page it lists and another rank lacks costs a query's
+wait, never data); listing on one rank spares the others the scan.
 
 Encoding (all integers little-endian, no pickle: a worker never executes what it decodes).
 Every message starts with the version byte `WIRE_VERSION` and a `MessageType` byte:
@@ -67,7 +77,7 @@ from typing import Any
 
 import numpy as np
 
-WIRE_VERSION = 2  # 2: TaskKind.REVOKE
+WIRE_VERSION = 3  # 2: TaskKind.REVOKE, 3: TaskKind.LIST
 SEQ_LIMIT = 1 << 47
 MAX_KEY_BYTES = 0xFFFF
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -85,7 +95,7 @@ class TaskKind(IntEnum):
     QUERY = 7
     CLEAR = 8
     REVOKE = 9
-
+    LIST = 10
 
 
 class Priority(IntEnum):
@@ -534,10 +544,19 @@ class Reassembler:
         return len(self._parts)
 
 
+def key_tag(skey: bytes) -> int:
+    """The 64-bit tag of a storage key in a LIST answer: its first 8 bytes as a signed
+    little-endian int (completion details are int64s, and the ranks' details are merged as a
+    set). Keys are SHA-256 digests, so two of 2**18 listed pages share a tag with odds of
+    about 2**-28; a shared tag costs a lookup a query's wait, never data."""
+    return int.from_bytes(skey[:8], "little", signed=True)
+
+
 # How the ranks' results of one task combine into the task's result: a page counts only where
 # every rank has it (minimum), every rank deletes its own pages (sum), other counts (CHECK
 # mismatches) take the worst rank (maximum).
-MIN_RESULT_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP})
+MIN_RESULT_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP,
+                              TaskKind.LIST})
 SUM_RESULT_KINDS = frozenset({TaskKind.CLEAR})
 
 

@@ -81,6 +81,11 @@ class StorageHooks(Protocol):
         long a lookup may wait for a query, never a decision to serve)."""
         ...
 
+    def index_complete(self) -> bool:
+        """Whether that index lists every page storage held at its last listing (recent
+        enough): a key it does not list is then not worth a query."""
+        ...
+
     def backup(self, nodes: list[Node]) -> None:
         """Write the host copies among `nodes` that storage does not hold yet."""
         ...

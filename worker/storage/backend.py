@@ -48,7 +48,7 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 )
 
-OPERATIONS = ("exists", "get", "set", "delete", "clear")
+OPERATIONS = ("exists", "get", "set", "delete", "clear", "list")
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$")
 _SHAPE_VALUE_TYPES = (str, int, float, bool)
@@ -285,13 +285,22 @@ class StorageBackend(ABC):
         """Remove every page of this namespace (and nothing else). Returns pages removed."""
 
     @abstractmethod
+    def list_keys(self, cursor: int, count: int) -> tuple[list[bytes], int]:
+        """A bounded batch of the keys of this namespace's pages: about `count` of them
+        (a batch may hold somewhat more or fewer) from `cursor` (0 starts a listing), and the
+        cursor of the next batch, 0 once the listing is done. A listing sees every page that
+        stayed stored from its start to its end; one written or deleted meanwhile may or may
+        not be in it, and a key may come twice. An outage counts `errors_list` and ends the
+        listing (0)."""
+
+    @abstractmethod
     def close(self) -> None:
         """Release files, threads and connections. The backend is unusable afterwards."""
 
     # -- observability --------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         """Counters since construction: pages/bytes read and written, misses, corrupt pages,
-        `errors_<op>` for op in exists/get/set/delete/clear, `read_calls`,
+        `errors_<op>` for op in exists/get/set/delete/clear/list, `read_calls`,
         `read_seconds_total`, `write_calls`, `write_seconds_total`, plus backend extras."""
         return self._stats.snapshot()
 

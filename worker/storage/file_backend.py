@@ -584,6 +584,30 @@ class FileBackend(StorageBackend):
         self._stats.add(pages_deleted=removed)
         return removed
 
+    def list_keys(self, cursor: int, count: int) -> tuple[list[bytes], int]:
+        """The pages of whole shard directories from shard number `cursor` (0..255) on, until
+        `count` keys are gathered: one `scandir` per shard (the directory is the truth, pages
+        of other processes sharing the root included; this process's index is not asked).
+        The next cursor is the next shard's number, 0 after shard ff."""
+        self._ensure_open()
+        if isinstance(cursor, bool) or not isinstance(cursor, int) or not 0 <= cursor < 256:
+            raise ValueError(f"list_keys: cursor {cursor!r} is not a shard number 0..255")
+        keys: list[bytes] = []
+        shard = cursor
+        while shard < 256 and len(keys) < count:
+            try:
+                with os.scandir(f"{self._root_s}/{shard:02x}") as entries:
+                    keys.extend(bytes.fromhex(e.name) for e in entries
+                                if _PAGE_NAME.match(e.name))
+            except FileNotFoundError:
+                pass  # no page was ever written to this shard
+            except OSError as exc:
+                self._stats.add(errors_list=1)
+                self._warn.warning(f"file storage {self.namespace}: listing failed: {exc}")
+                return keys, 0
+            shard += 1
+        return keys, shard if shard < 256 else 0
+
     def close(self) -> None:
         self._closed = True
         if self._pool is not None:

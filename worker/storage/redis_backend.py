@@ -24,6 +24,7 @@ scheduler call. So nothing here may block for long or raise for an outage:
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -46,6 +47,8 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 T = TypeVar("T")
+
+_PAGE_NAME = re.compile(rb"[0-9a-f]{64}")  # what follows the namespace prefix of a page
 
 
 def _redact(url: str) -> str:
@@ -459,6 +462,45 @@ class RedisBackend(StorageBackend):
             if batch:
                 removed += self._unlink(batch)
         return removed
+
+    def list_keys(self, cursor: int, count: int) -> tuple[list[bytes], int]:
+        """One `SCAN <cursor> MATCH kvtier:<namespace>:* COUNT <count>` round trip (SCAN's
+        COUNT bounds the keys the server looks at, so a batch holds at most about `count`
+        of ours, often fewer). On a cluster every primary is scanned in turn (sorted by
+        name): the cursor is the server's cursor times 2**16 plus the primary's index. An
+        outage or a reshard mid-listing counts `errors_list` and ends the listing."""
+        self._ensure_open()
+        if isinstance(cursor, bool) or not isinstance(cursor, int) or cursor < 0:
+            raise ValueError(f"list_keys: cursor {cursor!r} must be an int >= 0")
+        if self._in_backoff("list"):
+            return [], 0
+        ok, got = self._call("list", partial(self._scan_batch, cursor, max(1, count)))
+        if not ok or got is None:
+            return [], 0
+        return got
+
+    def _scan_batch(self, cursor: int, count: int) -> tuple[list[bytes], int]:
+        client = self.client
+        if isinstance(client, RedisCluster):
+            primaries = sorted(client.get_primaries(), key=lambda p: p.name)
+            index, server_cursor = cursor & 0xFFFF, cursor >> 16
+            if index >= len(primaries):
+                raise redis.exceptions.RedisClusterException(
+                    f"listing cursor names primary {index} of {len(primaries)}: resharded")
+            server = primaries[index].redis_connection
+        else:
+            index, server_cursor, primaries, server = 0, cursor, [], client
+        # the sync client answers (cursor, names); see _read_batch on the annotation
+        nxt, names = cast(tuple[int, list[bytes]],
+                          server.scan(server_cursor, match=self._prefix + b"*", count=count))
+        n = len(self._prefix)
+        keys = [bytes.fromhex(name[n:].decode("ascii")) for name in names
+                if _PAGE_NAME.fullmatch(name, n)]
+        if nxt:
+            return keys, (int(nxt) << 16) | index if primaries else int(nxt)
+        if index + 1 < len(primaries):
+            return keys, index + 1  # the next primary, from its start
+        return keys, 0
 
     def close(self) -> None:
         self._closed = True
