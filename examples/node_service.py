@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import queue
@@ -96,6 +97,13 @@ def engine_main(socket_path: str, model_dir: str) -> int:
     return 0
 
 
+def die_with_parent() -> None:
+    """In a child before exec: SIGTERM when this example's process dies, however it dies (a
+    test run interrupted with ^C or a SIGKILL of the example: seen leaving `kvtier serve` and
+    an engine running after the example was gone)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class Engine:
     """One engine child process (this file with --engine)."""
 
@@ -107,7 +115,7 @@ class Engine:
             self.proc = subprocess.Popen(
                 [sys.executable, __file__, "--engine", socket_path, "--model-dir", model_dir],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                env=env, bufsize=1)
+                env=env, bufsize=1, preexec_fn=die_with_parent)
         self.pid = self.proc.pid
         # a thread reads the answers (a select() on a buffered pipe misses lines already
         # read into the buffer); None: the process closed its stdout
@@ -197,7 +205,7 @@ class Serve:
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen([str(kvtier), "serve", "--config", str(self.toml)],
                                          stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = URL_LINE.search(log_path.read_text(errors="replace"))
