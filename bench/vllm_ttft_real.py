@@ -124,7 +124,10 @@ def child(extra_json: str, device_blocks: int, model_dir: str,
     prof = cProfile.Profile() if profile_to else None
     for line in sys.stdin:
         req = json.loads(line)
-        h0 = tier_hits(url_file) if extra is not None else (0, 0)
+        if "tokens" not in req:  # the driver's ask for the tier counters (between workloads)
+            print(json.dumps({"hits": tier_hits(url_file) if extra is not None else (0, 0)}),
+                  flush=True)
+            continue
         cpu = cpu_seconds(serve_pid)  # before the request: the deltas include its background
         t = time.perf_counter()
         if prof is not None:
@@ -134,12 +137,10 @@ def child(extra_json: str, device_blocks: int, model_dir: str,
         if prof is not None:
             prof.disable()
         dt = time.perf_counter() - t
-        h1 = tier_hits(url_file) if extra is not None else (0, 0)
         tok = int(out.outputs[0].token_ids[0])
         lp = out.outputs[0].logprobs
         logprob = float(lp[0][tok].logprob) if lp else float("nan")
         print(json.dumps({"ttft_s": dt, "cached": int(out.num_cached_tokens or 0),
-                          "host": h1[0] - h0[0], "storage": h1[1] - h0[1],
                           "next": tok, "logprob": logprob, "cpu": cpu}), flush=True)
     url_file.unlink(missing_ok=True)
     if prof is not None and profile_to is not None:
@@ -302,7 +303,8 @@ def profile_summary(name: str, path: Path, requests: int, top: int = 12) -> str:
 
 
 def report(name: str, requests: list[list[int]], res: dict[str, list[dict[str, Any]]],
-           loads: list[float], device_blocks: int) -> str:
+           tiers: dict[str, tuple[float, float]], loads: list[float],
+           device_blocks: int) -> str:
     reuse, blocks = ideal_reuse(requests)
     lines = [f"### {name}: {len(requests)} requests, prompts "
              f"{min(map(len, requests))}..{max(map(len, requests))} tokens, ideal reuse "
@@ -323,8 +325,7 @@ def report(name: str, requests: list[list[int]], res: dict[str, list[dict[str, A
         n = len(rs)
         computed = statistics.mean(len(q) - r["cached"] for q, r in zip(requests, rs,
                                                                          strict=True))
-        host = sum(r["host"] for r in rs) / n
-        storage = sum(r["storage"] for r in rs) / n
+        host, storage = tiers[cfg][0] / n, tiers[cfg][1] / n
         device = sum(r["cached"] for r in rs) / n - host - storage
         same = sum(a["next"] == b["next"] for a, b in zip(rs, base, strict=True))
         drift = max(abs(a["logprob"] - b["logprob"]) for a, b in zip(rs, base, strict=True))
@@ -395,9 +396,28 @@ def main() -> int:
             assert procs[name].stdout is not None
             if not procs[name].stdout.readline():  # one at a time: starts do not overlap
                 raise SystemExit(f"{name}: the vLLM process did not start (log: {log.name})")
+
+        def hits() -> dict[str, tuple[float, float]]:
+            """Every configuration's host and storage hit tokens so far. Asked between
+            workloads only: a scrape of kvtier's /metrics costs the vLLM process 10-15 ms of
+            Python (embedded: its admin runs there), and two per request put 20-30 ms of
+            CPU on kvtier's clock that no deployment pays (Prometheus scrapes every 15 s)."""
+            got: dict[str, tuple[float, float]] = {}
+            for name, p in procs.items():
+                assert p.stdin is not None and p.stdout is not None
+                p.stdin.write(json.dumps({"stats": True}) + "\n")
+                p.stdin.flush()
+                line = p.stdout.readline()
+                if not line:
+                    raise SystemExit(f"{name}: the vLLM process died (log: {log.name})")
+                host, storage = json.loads(line)["hits"]
+                got[name] = (float(host), float(storage))
+            return got
+
         for wname, requests in workloads.items():
             res: dict[str, list[dict[str, Any]]] = {n: [] for n in procs}
             loads: list[float] = []
+            before = hits()
             for i, req in enumerate(requests):
                 order = list(procs)
                 random.Random(f"{wname}{i}").shuffle(order)
@@ -412,7 +432,10 @@ def main() -> int:
                         raise SystemExit(f"{name}: the vLLM process died (log: {log.name})")
                     res[name].append(json.loads(line))
                 print(f"{wname}: {i + 1}/{len(requests)}", file=sys.stderr, flush=True)
-            out.append(report(wname, requests, res, loads, args.device_blocks))
+            after = hits()
+            tiers = {n: (after[n][0] - before[n][0], after[n][1] - before[n][1])
+                     for n in procs}
+            out.append(report(wname, requests, res, tiers, loads, args.device_blocks))
             print(out[-1] + "\n", flush=True)
     finally:
         for p in procs.values():
