@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvtier.manager import config as config_mod
 from kvtier.manager.config import ConfigError, load_config, rank_device
+from kvtier.manager.config import checks as config_checks
 from kvtier.manager.stack import worker_specs
 from kvtier.worker import kv_pools
 from kvtier.worker.kv_pools import HostPool, KVShape, PoolConfigError
@@ -28,7 +28,7 @@ SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="f
 
 def fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int, free: int = 80 << 30) -> None:
     """Pretend this machine has `count` CUDA devices with `free` bytes each."""
-    monkeypatch.setattr(config_mod, "resolve_device", lambda cfg: "cuda")
+    monkeypatch.setattr(config_checks, "resolve_device", lambda cfg: "cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (free, free))

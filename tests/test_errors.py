@@ -46,7 +46,7 @@ def test_the_root_is_one_class_defined_in_the_bottom_layer() -> None:
 def test_every_exception_kvtier_defines_derives_from_kvtier_error() -> None:
     found = _exception_classes()
     # The walk really reaches every layer (a broken walk would pass vacuously).
-    for name in ("kvtier.manager.config.ConfigError", "kvtier.worker.ipc.IPCError",
+    for name in ("kvtier.manager.config.base.ConfigError", "kvtier.worker.ipc.errors.IPCError",
                  "kvtier.worker.kv_pools.BlockIdError", "kvtier.admin.server.AdminBindError",
                  "kvtier.manager.launcher.WorkerStartError"):
         assert name in found, f"{name} not found by the module walk"

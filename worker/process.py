@@ -34,7 +34,7 @@ names that this rank still holds; the storage-read lane checks the mark before e
 batch, so a revoked prefetch stops after the batch it is reading (one not started reads
 nothing) and answers with the pages it read; the manager keeps those and frees the rest.
 
-Sleep (a weight update, see the "Sleep" section of `kvtier.worker.ipc`): when the manager
+Sleep (a weight update, see the "Sleep" section of `kvtier.worker.ipc.control`): when the manager
 makes the pools generation odd, the worker fails every task it holds or receives from then on
 ("... the pools are freed ...; task cancelled"; a cancelled load is published as failed to
 layer waiters), waits until no lane is inside a batch (a storage call is bounded by its

@@ -60,8 +60,8 @@ Every message starts with the version byte `WIRE_VERSION` and a `MessageType` by
 
 Ids are 64-bit so any pool size fits; the 32-byte head keeps the id arrays 8-byte aligned.
 Sequence numbers stay below `SEQ_LIMIT` (2**47) so that a (seq, layers_done) pair packs into
-one 64-bit shared-memory word (see `kvtier.worker.ipc`). Decoding checks every length against the
-head and raises ValueError naming the message and the field that does not add up.
+one 64-bit shared-memory word (see `kvtier.worker.ipc.control`). Decoding checks every length
+against the head and raises ValueError naming the message and the field that does not add up.
 """
 
 from __future__ import annotations
