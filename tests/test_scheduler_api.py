@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from kvtier.manager.core.hooks import RequestState
 from kvtier.manager.core.nodes import BACKING, EVICTING, SAVING, Node
 from kvtier.manager.errors import (
     InvalidRequestError,
@@ -32,7 +33,7 @@ from kvtier.manager.keys import chain_keys
 from kvtier.manager.scheduler import KVCacheManager, MatchResult
 from kvtier.manager.storage_tier import StorageTier
 from kvtier.manager.transfers import ImmediateDispatcher, ManualDispatcher
-from kvtier.worker.wire import Priority, Task, TaskKind
+from kvtier.worker.wire import Priority, Task, TaskKind, key_tag
 from support import tiny_config
 
 BS = 4
@@ -995,6 +996,37 @@ def test_revoked_query_starts_no_prefetch(make: Factory, tmp_path: Path) -> None
     # Without a storage tier there is nothing to revoke.
     plain = make(device_blocks=4)
     assert plain.revoke_prefetch(p) == 0
+
+
+def test_a_block_the_complete_index_lacks_is_a_miss_without_a_query(
+        make: Factory, tmp_path: Path) -> None:
+    """Issue 25, the scheduler API's twin of the keyed surface's check: once storage's listing
+    is complete, a cold prompt whose first block it does not list is a miss at once (match
+    and prefetch send no QUERY); a listed one is asked; before any listing, every miss is."""
+    m, d, tier = storage_manager(make, tmp_path)
+    cold, listed = prompt(3, 8 * BS + 1), prompt(4, 8 * BS + 1)
+    # No listing yet: the index is incomplete, so a miss asks storage (the control).
+    m.match("a", cold)
+    assert len(tasks_of(d, TaskKind.QUERY)) == 1 and tier.counters["index_misses"] == 0
+    m.release("a")
+    for t in tasks_of(d, TaskKind.QUERY):
+        d.complete(t.seq, result=0)
+    # Storage lists one page: the first block of `listed`.
+    first = tier.request_skeys(RequestState(chain_keys(listed, BS), None), listed, 1)[0]
+    tier.refresh_index()
+    [listing] = tasks_of(d, TaskKind.LIST)
+    d.complete(listing.seq, result=1, detail=[key_tag(first)])
+    assert tier.index_complete() and tier.holds(first)
+    m.match("b", cold)
+    assert not m.prefetch(cold)
+    assert not tasks_of(d, TaskKind.QUERY) and tier.counters["index_misses"] == 2
+    assert tier.counters["queries"] == 1
+    m.release("b")
+    assert m.prefetch(listed)
+    [query] = tasks_of(d, TaskKind.QUERY)
+    d.complete(query.seq, result=0)
+    assert tier.counters["queries"] == 2 and tier.counters["index_misses"] == 2
+    assert_no_leak(m)
 
 
 # ---------------------------------------------------------------------- lose_device (engine KV)
