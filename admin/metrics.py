@@ -171,6 +171,11 @@ class StackCollector(Collector):
         evicted.add_metric(["device", "demote"], c["evicted_device_demote"])
         evicted.add_metric(["host", "drop"], c["evicted_host_drop"])
         yield evicted
+        yield CounterMetricFamily(
+            "kvtier_host_evicted_unstored_blocks",
+            "Host copies evicted before storage held them (a backup skipped, failed or not "
+            "due yet under storage.write_policy): a later request recomputes them.",
+            value=c["evicted_host_unstored"])
 
         storage = self.stack.storage
         sc = storage.counters if storage is not None else None
@@ -243,6 +248,10 @@ class StackCollector(Collector):
         yield CounterMetricFamily(
             "kvtier_storage_backup_failed_pages", "Pages whose backup to storage failed.",
             value=get("backup_failed_pages"))
+        yield CounterMetricFamily(
+            "kvtier_storage_backup_skipped_pages",
+            "Pages not backed up because storage.max_backup_mb_s had no budget left.",
+            value=get("backup_skipped_pages"))
         errors = CounterMetricFamily(
             "kvtier_storage_errors", "Storage tasks that failed, by operation.", labels=["op"])
         for op in STORAGE_ERROR_OPS:

@@ -133,7 +133,7 @@ class StorageTier:
         self.write_policy = make_storage_write_policy(s.write_policy, s.write_threshold)
         # the backup rate limit: bytes one page costs over the ranks that write it, the
         # bucket's rate and size (one second's worth), its level and when it was filled
-        self._page_cost = manager.page_bytes * (1 if s.backup_one_rank else self.ranks)
+        self._page_cost = max(1, manager.page_bytes * (1 if s.backup_one_rank else self.ranks))
         self._rate = s.max_backup_mb_s * 1e6
         self._bucket = self._rate
         self._filled_at = time.monotonic()
