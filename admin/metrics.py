@@ -53,7 +53,7 @@ TRANSFER_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025
                       0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 """From a 100 us copy of a few CPU blocks to a 30 s storage batch (the transfer timeout)."""
 
-STORAGE_ERROR_OPS = ("query", "prefetch", "backup", "clear")
+STORAGE_ERROR_OPS = ("query", "prefetch", "backup", "clear", "list")
 
 BACKEND_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     # (figure of worker.ipc.STORAGE_FIGURES, kvtier_storage_backend_<name>, type, help)
@@ -171,6 +171,11 @@ class StackCollector(Collector):
         evicted.add_metric(["device", "demote"], c["evicted_device_demote"])
         evicted.add_metric(["host", "drop"], c["evicted_host_drop"])
         yield evicted
+        yield CounterMetricFamily(
+            "kvtier_host_evicted_unstored_blocks",
+            "Host copies evicted before storage held them (a backup skipped, failed or not "
+            "due yet under storage.write_policy): a later request recomputes them.",
+            value=c["evicted_host_unstored"])
 
         storage = self.stack.storage
         sc = storage.counters if storage is not None else None
@@ -243,6 +248,10 @@ class StackCollector(Collector):
         yield CounterMetricFamily(
             "kvtier_storage_backup_failed_pages", "Pages whose backup to storage failed.",
             value=get("backup_failed_pages"))
+        yield CounterMetricFamily(
+            "kvtier_storage_backup_skipped_pages",
+            "Pages not backed up because storage.max_backup_mb_s had no budget left.",
+            value=get("backup_skipped_pages"))
         errors = CounterMetricFamily(
             "kvtier_storage_errors", "Storage tasks that failed, by operation.", labels=["op"])
         for op in STORAGE_ERROR_OPS:
@@ -251,6 +260,27 @@ class StackCollector(Collector):
         yield GaugeMetricFamily(
             "kvtier_storage_prefetching_blocks", "Host blocks held by prefetches in flight.",
             value=storage.prefetching_blocks if storage is not None else 0)
+        # The index of what storage holds (storage.index_refresh_s): how often it was listed,
+        # what it lists, whether it is complete (a block it lacks is then a miss at once), and
+        # the misses it answered without a query on the scheduler API (the keyed surface's
+        # are kvtier_engine_storage_index_misses_total).
+        yield CounterMetricFamily(
+            "kvtier_storage_index_listings",
+            "Listings of what storage holds asked of the backend (LIST tasks; failures are "
+            "kvtier_storage_errors_total{op=\"list\"}).", value=get("index_listings"))
+        index = storage.status()["index"] if storage is not None else {}
+        yield GaugeMetricFamily(
+            "kvtier_storage_index_pages",
+            "Storage pages the index lists (last listing plus pages written or found since).",
+            value=index.get("pages", 0))
+        yield GaugeMetricFamily(
+            "kvtier_storage_index_complete",
+            "1 while the index lists every page storage held at a recent listing (a block it "
+            "lacks is a miss without a query), else 0.", value=int(bool(index.get("complete"))))
+        yield CounterMetricFamily(
+            "kvtier_storage_index_misses",
+            "Scheduler-API misses the complete index answered without a storage query.",
+            value=get("index_misses"))
 
     def _keyed_families(self) -> Iterator[Metric]:
         """The key-addressed surface's counters (an engine that owns its device tier, such as
@@ -277,6 +307,10 @@ class StackCollector(Collector):
             "kvtier_engine_storage_queries",
             "Storage queries the engine's lookups started (one per request and block run).",
             value=c.get("storage_queries", 0))
+        yield CounterMetricFamily(
+            "kvtier_engine_storage_index_misses",
+            "Engine lookups storage's complete index answered as a miss without a query.",
+            value=c.get("storage_index_misses", 0))
 
     def _backend_families(self) -> Iterator[Metric]:
         """What each rank's storage backend alone knows, as its worker last published it.

@@ -57,6 +57,11 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "kvtier host": {"host_blocks": 512, "storage_backend": "none"},
     "kvtier host+file": {"host_blocks": 48, "storage_backend": "file",
                          "prefetch_threshold": 2 * BLOCK},
+    # the same, writing to storage only blocks vLLM loaded back from the host tier once
+    # (storage.write_policy; "toml" is written to a file handed over as `kvtier_config`)
+    "kvtier host+file selective": {
+        "host_blocks": 48, "storage_backend": "file", "prefetch_threshold": 2 * BLOCK,
+        "toml": '[storage]\nwrite_policy = "write_through_selective"\nwrite_threshold = 1\n'},
     # attached to the node's `kvtier serve` (issue 19): the same 512-block host tier, as the
     # namespace's quota there (`attached_host_blocks`), storage off
     "kvtier attached": {"attached_host_blocks": 512},
@@ -383,6 +388,11 @@ def main() -> int:
         for name, extra in configs.items():
             if extra is not None and extra.get("storage_backend") == "file":
                 extra = dict(extra, storage_path=os.path.join(tmp, name.replace(" ", "_")))
+            if extra is not None and "toml" in extra:
+                toml_path = os.path.join(tmp, name.replace(" ", "_") + ".toml")
+                Path(toml_path).write_text(extra["toml"])
+                extra = {k: v for k, v in extra.items() if k != "toml"}
+                extra["kvtier_config"] = toml_path
             if extra is not None and "attached_host_blocks" in extra:
                 serve = start_serve(Path(tmp), extra["attached_host_blocks"], layers)
                 extra = {"kvtier_serve": serve.socket_path, "serve_url_file": serve.url_file,

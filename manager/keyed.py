@@ -365,6 +365,9 @@ class KeyedHostCache:
                     from_storage.append(stored)
                 ids.append(node.host)  # type: ignore[arg-type]
             self.counters["loads_prepared"] += len(ids)
+            if self.storage is not None and self.storage.write_policy.hit_threshold:
+                self.storage.on_hits(nodes)  # write_through_selective: now hot enough
+                self.m.flush()
             return ids
 
     def complete_load(self, hashes: Sequence[bytes]) -> None:

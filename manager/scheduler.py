@@ -257,6 +257,8 @@ class KVCacheManager(CacheCore):
             c.hit_storage_tokens += n_storage * bs
             if backups:
                 self.backup_hot(backups)
+            if storage is not None and storage.write_policy.hit_threshold:
+                storage.on_hits(nodes)  # write_through_selective: hot host copies to storage
             handle = LoadHandle(self.dispatcher if waits else None, waits, n_hit * bs, bs,
                                 self.transfer_timeout_s)
             req.handle = handle
@@ -434,6 +436,8 @@ class KVCacheManager(CacheCore):
             start = len(req.nodes)
             if (cap - start) * self.block_size < self.storage.threshold_tokens:
                 return False
+            if self.storage.index_misses(req, token_ids, start):
+                return False  # storage's complete index lacks the first block: nothing to ask
             self.storage.query(req, token_ids, start, cap)
             self._flush()
             return True

@@ -15,6 +15,8 @@ one; `kvtier.manager.stack.assemble` builds them all.
 Prefetch life cycle::
 
     match/prefetch misses >= prefetch_threshold tokens after the device and host tiers
+      -> storage's index is complete and does not list the first missed block: a miss at
+         once, nothing asked (`index_misses`; the keyed surface does the same)
       -> QUERY (how many leading pages does storage hold? minimum over ranks)
       -> enough, and host blocks free within `prefetch_host_blocks_limit`:
          nodes created on the host with PREFETCHING, one PREFETCH task
@@ -57,9 +59,17 @@ instance wrote since the last refresh costs a recompute, never a wrong block). I
 waits at most `UNLISTED_WAIT_S` for its query. Either way the index never decides whether a
 block is served: a query's answer and the page checks do.
 
-Backup: every block that lands on the host (a write-through backup, a hot block under
-write_through_selective, a write-back demotion) is written to storage once, asynchronously,
-in one BACKUP task per batch; BACKING keeps its host copy alive meanwhile.
+Backup: which host copies are written to storage, and when, is `storage.write_policy`
+(`kvtier.manager.policies.StorageWritePolicy`): every copy when it lands on the host
+(write_through, the default), a copy once its block was hit `storage.write_threshold` times
+(write_through_selective: `backup` when it lands, `on_hits` when a match or an engine load hits
+it), or only when the host tier evicts it (write_back: the cache core's `take_host_block`
+calls `write_back`). Each copy is written at most once, asynchronously, in one BACKUP task per
+batch; BACKING keeps its host copy alive meanwhile. `storage.max_backup_mb_s` bounds the bytes
+written per second with a token bucket holding one second's worth: a batch the bucket cannot
+pay for is written as far as it can and the rest skipped (`backup_skipped_pages`), so backups
+never queue up behind the engine under load (a skipped copy is written if it is hit again
+under write_through_selective, or when evicted under write_back; otherwise storage misses it).
 """
 
 from __future__ import annotations
@@ -68,7 +78,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.manager.core.cache import CacheCore
@@ -76,6 +86,7 @@ from kvtier.manager.core.hooks import RequestState
 from kvtier.manager.core.nodes import PREFETCHING, Node
 from kvtier.manager.errors import TransferTimeoutError
 from kvtier.manager.keys import storage_keys
+from kvtier.manager.policies import make_storage_write_policy
 from kvtier.worker.wire import Completion, Priority, Task, TaskKind, key_tag
 
 if TYPE_CHECKING:
@@ -119,6 +130,13 @@ class StorageTier:
         self.timeout_base_s = s.timeout_base_s
         self.timeout_per_1k_s = s.timeout_per_1k_tokens_s
         self.backend = s.backend
+        self.write_policy = make_storage_write_policy(s.write_policy, s.write_threshold)
+        # the backup rate limit: bytes one page costs over the ranks that write it, the
+        # bucket's rate and size (one second's worth), its level and when it was filled
+        self._page_cost = max(1, manager.page_bytes * (1 if s.backup_one_rank else self.ranks))
+        self._rate = s.max_backup_mb_s * 1e6
+        self._bucket = self._rate
+        self._filled_at = time.monotonic()
         self.prefetching_blocks = 0
         self.clears_running = 0  # CLEAR tasks sent and not answered (a slow clear goes on)
         self._prefetch_of: dict[Node, int] = {}
@@ -144,7 +162,7 @@ class StorageTier:
             "backup_pages", "backup_failed_pages", "errors_query", "errors_prefetch",
             "errors_backup", "errors_clear", "revoked_queries", "revoked_prefetches",
             "revoked_pages_kept", "revoked_pages_dropped", "index_listings",
-            "errors_list"), 0)
+            "errors_list", "index_misses", "backup_skipped_pages"), 0)
 
     # ------------------------------------------------------------------ keys
 
@@ -270,6 +288,8 @@ class StorageTier:
         # One budget for the query and the prefetch together: `timeout` bounds the whole wait.
         deadline = time.monotonic() + self._wait_budget(cap - start)
         if node is None:
+            if self.index_misses(req, token_ids, start):
+                return False
             seq = self.query(req, token_ids, start, cap)
             if self.policy == "best_effort":
                 return False  # it lands for later requests of the same prefix
@@ -291,6 +311,17 @@ class StorageTier:
             self.m.wait_unlocked([prefetch], max(0.0, deadline - time.monotonic()))
         except TransferTimeoutError:
             return False
+        return True
+
+    def index_misses(self, req: RequestState, token_ids: Any, start: int) -> bool:
+        """Whether storage's complete index does not list block `start` (then counted): storage
+        counts leading pages, so a query could only answer 0. The scheduler API's twin of the
+        keyed surface's check (`KeyedHostCache._query`)."""
+        if not self.index_complete():
+            return False
+        if self.holds(self.request_skeys(req, token_ids, start + 1)[start]):
+            return False
+        self.counters["index_misses"] += 1
         return True
 
     def _wait_budget(self, blocks: int) -> float:
@@ -438,23 +469,61 @@ class StorageTier:
     # ------------------------------------------------------------------ backup
 
     def backup(self, nodes: list[Node]) -> None:
-        """Write host copies that storage does not have yet (lock held)."""
+        """Host copies landed (lock held): write those the write policy wants now and storage
+        does not have yet."""
+        policy = self.write_policy
+        if policy.on_land:
+            self._write(nodes)
+        elif policy.hit_threshold:
+            self._write([n for n in nodes if n.hits >= policy.hit_threshold])
+
+    def on_hits(self, nodes: Sequence[Node | None]) -> None:
+        """`nodes` were hit (a match, an engine load; lock held): under
+        write_through_selective, write the host copies whose blocks reached the threshold."""
+        threshold = self.write_policy.hit_threshold
+        if threshold:
+            self._write([n for n in nodes
+                         if n is not None and n.hits >= threshold and n.host is not None])
+
+    def write_back(self, nodes: list[Node]) -> int:
+        """The host tier evicts these unwritten copies, oldest first (write_back, lock held):
+        write them first. Returns how many of the leading ones are being written (the rest:
+        the rate limit refused them)."""
+        return self._write(nodes)
+
+    def _take_budget(self, pages: int) -> int:
+        """How many of `pages` pages the backup rate limit lets through now (all without one)."""
+        if not self._rate or not pages:
+            return pages
+        now = time.monotonic()
+        self._bucket = min(self._rate, self._bucket + (now - self._filled_at) * self._rate)
+        self._filled_at = now
+        n = min(pages, int(self._bucket // self._page_cost))
+        self._bucket -= n * self._page_cost
+        return n
+
+    def _write(self, nodes: list[Node]) -> int:
+        """One BACKUP task for the copies among `nodes` that need one, as far as the rate
+        limit allows (in order); returns how many it writes."""
         src: list[int] = []
         keys: list[bytes] = []
         batch: list[Node] = []
-        for node in nodes:
-            if not self.m.start_storage_backup(node):
-                continue
+        wanted = [n for n in nodes if self.m.needs_storage_backup(n)]
+        allowed = self._take_budget(len(wanted))
+        self.counters["backup_skipped_pages"] += len(wanted) - allowed
+        for node in wanted[:allowed]:
+            self.m.start_storage_backup(node)
             src.append(node.host)  # type: ignore[arg-type]
             keys.append(node.skey)  # type: ignore[arg-type]
             batch.append(node)
         if not batch:
-            return
+            return 0
         m = self.m
         seq = m.next_seq()
         task = Task(seq, TaskKind.BACKUP, src, [], keys, Priority.BACKUP)
         self.counters["backup_tasks"] += 1
         m.track(task, batch, on_done=lambda ok, comp: self._on_backup(batch, ok, comp))
+        return len(batch)
 
     def _on_backup(self, nodes: list[Node], ok: bool, comp: Completion) -> None:
         # A backend that cannot write (Redis down, disk full) still answers the task, with
@@ -512,6 +581,7 @@ class StorageTier:
     def status(self) -> dict[str, Any]:
         c = dict(self.counters)
         return {"backend": self.backend, "prefetch_policy": self.policy,
+                "write_policy": self.write_policy.name,
                 "clears_running": self.clears_running,
                 "prefetch_threshold_tokens": self.threshold_tokens,
                 "prefetch_host_blocks_limit": self.limit,

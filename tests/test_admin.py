@@ -50,7 +50,10 @@ REQUIRED_METRICS = (
     "kvtier_resets_total", "kvtier_paused", "kvtier_storage_prefetch_pages_total",
     "kvtier_storage_backup_pages_total", "kvtier_storage_errors_total",
     "kvtier_storage_queries_total", "kvtier_storage_revoked_total",
-    "kvtier_storage_revoked_pages_total", "process_cpu_seconds_total",
+    "kvtier_storage_revoked_pages_total", "kvtier_storage_index_listings_total",
+    "kvtier_storage_index_pages", "kvtier_storage_index_complete",
+    "kvtier_storage_index_misses_total", "kvtier_storage_backup_skipped_pages_total",
+    "kvtier_host_evicted_unstored_blocks_total", "process_cpu_seconds_total",
     "process_resident_memory_bytes",
     # what the file backend of rank 0 publishes (Redis reports outages instead of bytes)
     "kvtier_storage_backend_corrupt_pages_total", "kvtier_storage_backend_evicted_pages_total",
@@ -227,6 +230,15 @@ def test_metrics_parse_agree_with_the_stack_and_pass_promtool(stack: Stack,
         "d2h", "h2d", "storage_read", "storage_write"}
     assert {lab["outcome"] for lab, _ in samples["kvtier_storage_prefetch_pages_total"]} == {
         "issued", "completed", "revoked"}
+    # the index of what storage holds, as the storage tier counts it
+    storage = stack.storage
+    assert storage is not None
+    assert value(samples, "kvtier_storage_index_listings_total") == (
+        storage.counters["index_listings"])
+    assert value(samples, "kvtier_storage_index_complete") == int(storage.index_complete())
+    assert value(samples, "kvtier_storage_errors_total", op="list") == 0
+    assert value(samples, "kvtier_storage_index_misses_total") == (
+        storage.counters["index_misses"])
     checked = promtool_check(http.get("/metrics").text)
     assert checked.returncode == 0, checked.stdout + checked.stderr
 

@@ -66,6 +66,9 @@ BRIEF_DEFAULTS = {
         "prefetch_host_blocks_limit": None,
         "index_refresh_s": 10.0,
         "backup_one_rank": False,
+        "write_policy": "write_through",
+        "write_threshold": 1,
+        "max_backup_mb_s": 0.0,
         "secret": "",
         "secret_file": "",
     },
@@ -283,6 +286,13 @@ FILE_ERRORS = [
         "storage.index_refresh_s = 0.1: must be 0 (no listing) or at least 0.5 seconds",
     ),
     ("[storage]\nindex_refresh_s = -1\n", "storage.index_refresh_s = -1: must be >= 0"),
+    (
+        "[storage]\nwrite_policy = 'lazy'\n",
+        "storage.write_policy = 'lazy': expected one of 'write_through', "
+        "'write_through_selective' or 'write_back'",
+    ),
+    ("[storage]\nwrite_threshold = 0\n", "storage.write_threshold = 0: must be >= 1"),
+    ("[storage]\nmax_backup_mb_s = -1\n", "storage.max_backup_mb_s = -1: must be >= 0"),
     ('[storage]\npath = "a\\u0000b"\n', "storage.path = 'a\\x00b': contains a NUL character"),
     (
         f'[storage]\npath = "/tmp/{"x" * 300}"\n',

@@ -30,7 +30,7 @@ from kvtier.manager.keyed import KeyedHostCache, Lookup, engine_key
 from kvtier.manager.stack import Stack
 from kvtier.worker.delays import STORAGE_DELAY_ENV
 from kvtier.worker.kv_pools import HostPool
-from kvtier.worker.wire import key_tag
+from kvtier.worker.wire import TaskKind, key_tag
 from redis_server import RedisServer
 from stack_support import attached_host_pools, running_stack
 from support import tiny_config, wait_until
@@ -606,6 +606,69 @@ def test_randomized_engine_traffic(keyed_stack: tuple[Stack, HostPool]) -> None:
     run.settings = settings(max_examples=25, stateful_step_count=30, deadline=None,
                             suppress_health_check=list(HealthCheck))
     run().runTest()
+
+
+KEYED_WRITES: dict[str, int] = {}
+
+
+class KeyedWritePolicyMachine(KeyedMachine):
+    """The same traffic under another storage write policy, checked where it acts (the core
+    calls `track` through the instance): every BACKUP as it is made writes only copies whose
+    blocks were loaded `storage.write_threshold` times (write_through_selective), or is made
+    while the host tier is full, i.e. evicting (write_back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        m = self.stack.require_manager()
+        storage = self.stack.storage
+        assert storage is not None
+        policy = storage.write_policy
+        track = m.track
+
+        def tracked(task, nodes, on_done=None):  # type: ignore[no-untyped-def]
+            if task.kind == TaskKind.BACKUP:
+                if policy.hit_threshold:
+                    low = [n for n in nodes if n.hits < policy.hit_threshold]
+                    assert not low, f"wrote {low} below the threshold"
+                if policy.on_host_evict:
+                    assert m.host_free == 0, "write_back wrote while the host tier had room"
+                KEYED_WRITES[policy.name] = KEYED_WRITES.get(policy.name, 0) + len(nodes)
+            track(task, nodes, on_done)
+
+        m.track = tracked  # type: ignore[method-assign]
+        self._untrack = lambda: setattr(m, "track", track)
+
+    @rule(prompt=st.integers(0, PROMPTS - 1), n=st.integers(1, PROMPT_BLOCKS))
+    def store_then_load(self, prompt: int, n: int) -> None:
+        """A block stored and then loaded (reused): what write_through_selective writes."""
+        self.store(prompt, n, ok=True, finish=True)
+        hashes = chain(prompt, n)
+        hits = leading_hits(self.cache, hashes)
+        if hits:
+            self.cache.prepare_load(hashes[:hits])
+            self.cache.complete_load(hashes[:hits])
+
+    def teardown(self) -> None:
+        super().teardown()
+        self._untrack()
+
+
+@pytest.mark.parametrize("write_policy", ["write_through_selective", "write_back"])
+def test_randomized_engine_traffic_per_storage_write_policy(tmp_path: Path,
+                                                            write_policy: str) -> None:
+    cfg = tiny_config(workers=1, device_blocks=2, host_blocks=HOST_BLOCKS, storage="file",
+                      storage_dir=tmp_path, extra={
+                          "KVTIER_STORAGE__PREFETCH_THRESHOLD": "4",
+                          "KVTIER_STORAGE__WRITE_POLICY": write_policy,
+                          "KVTIER_STORAGE__WRITE_THRESHOLD": "1"})
+    with (running_stack(cfg, keyed_namespace=b"test-ns") as stack,
+          attached_host_pools(cfg) as pools):
+        KeyedWritePolicyMachine.stack, KeyedWritePolicyMachine.pool = stack, pools[0]
+        run = KeyedWritePolicyMachine.TestCase
+        run.settings = settings(max_examples=15, stateful_step_count=30, deadline=None,
+                                suppress_health_check=list(HealthCheck))
+        run().runTest()
+    assert KEYED_WRITES.get(write_policy, 0) > 0, f"{write_policy} never wrote a page"
 
 
 def test_evicted_keys_are_the_announced_copies_made_room_for(

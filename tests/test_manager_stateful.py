@@ -386,20 +386,29 @@ TestNoHostTier.settings = settings(SETTINGS, max_examples=15)
 
 STORAGE_REACHED = dict.fromkeys(("hit_storage_tokens", "revoked_queries", "revoked_prefetches",
                                  "revoked_pages_kept", "revoked_pages_dropped"), 0)
+# What each storage write policy's runs wrote, and host copies evicted unwritten (all runs).
+WRITE_REACHED = dict.fromkeys(("write_through_selective", "write_back", "evicted_unstored"), 0)
 _storage_dirs: list[str] = []
+_storage_configs: dict[str, KvtierConfig] = {}
+WRITE_THRESHOLD = 2
 
 
-def _storage_config() -> KvtierConfig:
-    """One loaded configuration for every storage machine (a file backend that is never
-    written: the dispatcher stands in for the workers)."""
+def _storage_config(write_policy: str = "write_through") -> KvtierConfig:
+    """One loaded configuration per storage write policy for every storage machine (a file
+    backend that is never written: the dispatcher stands in for the workers)."""
     if not _storage_dirs:
         _storage_dirs.append(tempfile.mkdtemp(prefix="kvtier-stateful-"))
         atexit.register(shutil.rmtree, _storage_dirs[0], True)
-    return tiny_config(workers=1, device_blocks=10, host_blocks=10, storage="file",
-                       storage_dir=_storage_dirs[0], extra={
-                           "KVTIER_STORAGE__PREFETCH_POLICY": "best_effort",
-                           "KVTIER_STORAGE__PREFETCH_THRESHOLD": str(BS),
-                           "KVTIER_STORAGE__PREFETCH_HOST_BLOCKS_LIMIT": "8"})
+    if write_policy not in _storage_configs:
+        _storage_configs[write_policy] = tiny_config(
+            workers=1, device_blocks=10, host_blocks=10, storage="file",
+            storage_dir=_storage_dirs[0], extra={
+                "KVTIER_STORAGE__PREFETCH_POLICY": "best_effort",
+                "KVTIER_STORAGE__PREFETCH_THRESHOLD": str(BS),
+                "KVTIER_STORAGE__PREFETCH_HOST_BLOCKS_LIMIT": "8",
+                "KVTIER_STORAGE__WRITE_POLICY": write_policy,
+                "KVTIER_STORAGE__WRITE_THRESHOLD": str(WRITE_THRESHOLD)})
+    return _storage_configs[write_policy]
 
 
 class StorageMachine(ManagerMachine):
@@ -411,15 +420,51 @@ class StorageMachine(ManagerMachine):
     so serving one fails the content invariants."""
 
     policy = "write_through"
+    storage_policy = "write_through"
 
     def __init__(self) -> None:
         super().__init__()
         # kvtier's own device pools here: host copies are trusted (and backed up) at once;
         # copies awaiting a registration check are the base machine's engine-KV case
         self.m.track_device_copies = False
-        cfg = _storage_config()
+        cfg = _storage_config(self.storage_policy)
         self.tier = StorageTier(self.m, cfg)
         self.m.storage = self.tier
+        self._watch_storage_writes()
+
+    def _watch_storage_writes(self) -> None:
+        """Check the storage write policy where it acts (the core calls these through the
+        instance): every BACKUP as it is made (selective: no copy below the threshold;
+        write_back: only while the host tier is full, i.e. evicting), and every host
+        eviction against the content model (whether storage held the evicted page)."""
+        m, tier, model = self.m, self.tier, self.model
+        self.evictions = 0  # host copies take_host_block evicted
+        self.evicted_lost = 0  # ... whose page storage (the model) did not hold
+        track, take = m.track, m.take_host_block
+
+        def tracked(task, nodes, on_done=None):  # type: ignore[no-untyped-def]
+            policy = tier.write_policy
+            if task.kind == TaskKind.BACKUP:
+                if policy.hit_threshold:
+                    low = [n for n in nodes if n.hits < policy.hit_threshold]
+                    assert not low, f"write_through_selective wrote {low} below the threshold"
+                    WRITE_REACHED[policy.name] += len(nodes)
+                if policy.on_host_evict:
+                    assert m.host_free == 0, "write_back wrote while the host tier had room"
+                    WRITE_REACHED[policy.name] += len(nodes)
+            track(task, nodes, on_done)
+
+        def take_host_block():  # type: ignore[no-untyped-def]
+            held = [n for n in m._map.values() if n.host is not None]
+            hb = take()
+            for n in held:
+                if n.host is None:  # the copy this call evicted
+                    self.evictions += 1
+                    self.evicted_lost += model.storage.get(n.skey, GARBAGE) == GARBAGE
+            return hb
+
+        m.track = tracked  # type: ignore[method-assign]
+        m.take_host_block = take_host_block  # type: ignore[method-assign]
 
     def _resolve(self, task):  # type: ignore[no-untyped-def]
         if task.kind == TaskKind.QUERY:
@@ -533,6 +578,15 @@ class StorageMachine(ManagerMachine):
                               TaskKind.BACKUP, TaskKind.REVOKE), t
 
     @invariant()
+    def evicted_copies_are_stored_or_counted(self) -> None:
+        """Every host eviction of a page storage lacks is counted (`evicted_host_unstored`;
+        a copy whose page an earlier node wrote may be counted too: the flag, not storage,
+        is what the core knows)."""
+        counted = self.m.counters.evicted_host_unstored
+        assert self.evicted_lost <= counted <= self.evictions, (
+            self.evicted_lost, counted, self.evictions)
+
+    @invariant()
     def prefetch_accounting(self) -> None:
         tier = self.tier
         assert tier.prefetching_blocks == sum(
@@ -546,6 +600,7 @@ class StorageMachine(ManagerMachine):
         for k in STORAGE_REACHED:
             if k != "hit_storage_tokens":
                 STORAGE_REACHED[k] += self.tier.counters[k]
+        WRITE_REACHED["evicted_unstored"] += self.m.counters.evicted_host_unstored
         self.drain()
         assert self.tier.prefetching_blocks == 0 and not self.tier._revoked
         super().teardown()
@@ -553,6 +608,31 @@ class StorageMachine(ManagerMachine):
 
 TestWithStorage = StorageMachine.TestCase
 TestWithStorage.settings = settings(SETTINGS, max_examples=100)
+
+
+class StorageSelectiveMachine(StorageMachine):
+    """write_through_selective to storage: a copy is written once its block was hit twice."""
+
+    storage_policy = "write_through_selective"
+
+
+class StorageWriteBackMachine(StorageMachine):
+    """write_back to storage: copies are written only when the host tier evicts them."""
+
+    storage_policy = "write_back"
+
+
+TestWithStorageSelective = StorageSelectiveMachine.TestCase
+TestWithStorageSelective.settings = settings(SETTINGS, max_examples=50)
+TestWithStorageWriteBack = StorageWriteBackMachine.TestCase
+TestWithStorageWriteBack.settings = settings(SETTINGS, max_examples=50)
+
+
+def test_storage_write_policies_reached_every_path() -> None:
+    """Each storage write policy's machine wrote pages its own way, and some run evicted a
+    host copy storage lacked (the counted path)."""
+    missing = [k for k, v in WRITE_REACHED.items() if v == 0]
+    assert not missing, f"never reached: {missing} ({WRITE_REACHED})"
 
 
 def test_storage_runs_reached_every_path() -> None:

@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from kvtier.manager.core.nodes import BACKING, EVICTING, SAVING, Node
+from kvtier.manager.core.hooks import RequestState
+from kvtier.manager.core.nodes import BACKING, EVICTING, SAVING, STORED, Node
 from kvtier.manager.errors import (
     InvalidRequestError,
     OutOfBlocksError,
@@ -32,7 +33,7 @@ from kvtier.manager.keys import chain_keys
 from kvtier.manager.scheduler import KVCacheManager, MatchResult
 from kvtier.manager.storage_tier import StorageTier
 from kvtier.manager.transfers import ImmediateDispatcher, ManualDispatcher
-from kvtier.worker.wire import Priority, Task, TaskKind
+from kvtier.worker.wire import Priority, Task, TaskKind, key_tag
 from support import tiny_config
 
 BS = 4
@@ -932,16 +933,19 @@ def test_lost_worker_frees_device_blocks_whose_nodes_only_back_up_to_storage(
 # ---------------------------------------------------------------------- revoke
 
 
-def storage_manager(make: Factory, tmp_path: Path) -> tuple[KVCacheManager, ManualDispatcher,
-                                                             StorageTier]:
+def storage_manager(make: Factory, tmp_path: Path, host_blocks: int = 64,
+                    **storage: str) -> tuple[KVCacheManager, ManualDispatcher, StorageTier]:
     """A manager with a storage tier on a ManualDispatcher (a test answers every QUERY and
-    PREFETCH), best_effort, prefetch threshold 4 tokens, 64 host blocks (limit 16)."""
+    PREFETCH), best_effort, prefetch threshold 4 tokens, 64 host blocks (limit 16);
+    `storage`: more [storage] keys."""
     d = ManualDispatcher()
-    m = make(device_blocks=16, host_blocks=64, write_policy="write_through", dispatcher=d)
-    cfg = tiny_config(workers=1, host_blocks=64, device_blocks=16, storage="file",
+    m = make(device_blocks=16, host_blocks=host_blocks, write_policy="write_through",
+             dispatcher=d, page_bytes=4096)
+    cfg = tiny_config(workers=1, host_blocks=host_blocks, device_blocks=16, storage="file",
                       storage_dir=tmp_path, extra={
                           "KVTIER_STORAGE__PREFETCH_POLICY": "best_effort",
-                          "KVTIER_STORAGE__PREFETCH_THRESHOLD": "4"})
+                          "KVTIER_STORAGE__PREFETCH_THRESHOLD": "4",
+                          **{f"KVTIER_STORAGE__{k.upper()}": v for k, v in storage.items()}})
     tier = StorageTier(m, cfg)
     m.storage = tier
     return m, d, tier
@@ -995,6 +999,132 @@ def test_revoked_query_starts_no_prefetch(make: Factory, tmp_path: Path) -> None
     # Without a storage tier there is nothing to revoke.
     plain = make(device_blocks=4)
     assert plain.revoke_prefetch(p) == 0
+
+
+def test_a_block_the_complete_index_lacks_is_a_miss_without_a_query(
+        make: Factory, tmp_path: Path) -> None:
+    """Issue 25, the scheduler API's twin of the keyed surface's check: once storage's listing
+    is complete, a cold prompt whose first block it does not list is a miss at once (match
+    and prefetch send no QUERY); a listed one is asked; before any listing, every miss is."""
+    m, d, tier = storage_manager(make, tmp_path)
+    cold, listed = prompt(3, 8 * BS + 1), prompt(4, 8 * BS + 1)
+    # No listing yet: the index is incomplete, so a miss asks storage (the control).
+    m.match("a", cold)
+    assert len(tasks_of(d, TaskKind.QUERY)) == 1 and tier.counters["index_misses"] == 0
+    m.release("a")
+    for t in tasks_of(d, TaskKind.QUERY):
+        d.complete(t.seq, result=0)
+    # Storage lists one page: the first block of `listed`.
+    first = tier.request_skeys(RequestState(chain_keys(listed, BS), None), listed, 1)[0]
+    tier.refresh_index()
+    [listing] = tasks_of(d, TaskKind.LIST)
+    d.complete(listing.seq, result=1, detail=[key_tag(first)])
+    assert tier.index_complete() and tier.holds(first)
+    m.match("b", cold)
+    assert not m.prefetch(cold)
+    assert not tasks_of(d, TaskKind.QUERY) and tier.counters["index_misses"] == 2
+    assert tier.counters["queries"] == 1
+    m.release("b")
+    assert m.prefetch(listed)
+    [query] = tasks_of(d, TaskKind.QUERY)
+    d.complete(query.seq, result=0)
+    assert tier.counters["queries"] == 2 and tier.counters["index_misses"] == 2
+    assert_no_leak(m)
+
+
+def land(d: ManualDispatcher) -> None:
+    """Answer the device -> host copies in flight: their host copies land."""
+    for t in tasks_of(d, TaskKind.D2H):
+        d.complete(t.seq)
+
+
+def backed_up(d: ManualDispatcher) -> int:
+    """Answer every BACKUP in flight in full; returns the pages they wrote."""
+    pages = 0
+    for t in tasks_of(d, TaskKind.BACKUP):
+        d.complete(t.seq, result=len(t.keys))
+        pages += len(t.keys)
+    return pages
+
+
+def test_write_through_writes_every_copy_that_lands(make: Factory, tmp_path: Path) -> None:
+    m, d, tier = storage_manager(make, tmp_path)
+    serve(m, "a", prompt(5, 4 * BS))
+    land(d)
+    assert backed_up(d) == 4 and tier.counters["backup_pages"] == 4
+
+
+def test_selective_writes_a_copy_once_its_block_was_hit_enough(make: Factory,
+                                                               tmp_path: Path) -> None:
+    """storage.write_threshold = 2: nothing is written when the copies land, nor at the
+    first reuse; the second reuse writes the blocks it hit (device hits with host copies;
+    a host hit once its load has landed), and only those."""
+    m, d, tier = storage_manager(make, tmp_path, write_policy="write_through_selective",
+                                 write_threshold="2")
+    p = prompt(6, 4 * BS + 1)
+    serve(m, "a", p)
+    land(d)
+    assert not tasks_of(d, TaskKind.BACKUP)
+    serve(m, "b", p)  # 1 hit each
+    land(d)
+    assert not tasks_of(d, TaskKind.BACKUP)
+    serve(m, "c", p[: 2 * BS + 1])  # blocks 0 and 1 reach 2 hits
+    assert backed_up(d) == 2
+    # a host hit: written once its load landed (a load in flight may still move the copy)
+    evict = m.stats()["device"]["capacity"]
+    for i in range(evict // 4):
+        serve(m, f"x{i}", prompt(100 + i, 4 * BS + 1))
+    land(d)
+    backed_up(d)
+    assert where(m, p)[2] == "host"
+    res = m.match("e", p[: 3 * BS + 1])
+    assert res.host_tokens >= BS and not tasks_of(d, TaskKind.BACKUP)
+    res.handle.wait()  # the H2D lands
+    assert backed_up(d) >= 1
+    m.release("e")
+    assert tier.counters["backup_pages"] >= 3
+
+
+def test_write_back_writes_only_what_the_host_tier_evicts(make: Factory,
+                                                          tmp_path: Path) -> None:
+    """Nothing is written when copies land; a full host tier writes its oldest unwritten
+    copies (one BACKUP) and evicts a written one instead; with storage refusing (a rate
+    limit of nothing left), the oldest copy goes unwritten and is counted."""
+    m, d, tier = storage_manager(make, tmp_path, host_blocks=4, write_policy="write_back")
+    a, b = prompt(7, 4 * BS), prompt(8, 4 * BS)
+    serve(m, "a", a)
+    land(d)
+    assert m.stats()["host"]["free"] == 0 and not tasks_of(d, TaskKind.BACKUP)
+    serve(m, "b", b)  # its D2H needs host blocks: a's copies are written first
+    [backup] = tasks_of(d, TaskKind.BACKUP)
+    assert len(backup.keys) == 4 and m.counters.evicted_host_unstored == 0
+    assert not tasks_of(d, TaskKind.D2H)  # every host copy is being written: none taken
+    d.complete(backup.seq, result=4)
+    assert all(n is not None and n.flags & STORED for n in (node(m, a, i) for i in range(4)))
+    serve(m, "b2", prompt(9, 4 * BS))  # written copies go first now, nothing lost
+    land(d)
+    assert m.counters.evicted_host_unstored == 0 and m.counters.evicted_host_drop == 4
+    # storage refuses (no budget): the oldest unwritten copy is evicted unwritten, counted
+    tier._rate = tier._bucket = 1e-9
+    serve(m, "c", prompt(10, 2 * BS))
+    land(d)
+    assert m.counters.evicted_host_unstored == 2
+    assert tier.counters["backup_skipped_pages"] >= 2
+
+
+def test_backup_rate_limit_writes_what_the_budget_allows(make: Factory,
+                                                         tmp_path: Path) -> None:
+    """storage.max_backup_mb_s: a token bucket of one second's worth. A burst beyond it is
+    written as far as the bucket pays and the rest skipped (counted); the bucket refills."""
+    page = 4096  # storage_manager's page
+    m, d, tier = storage_manager(make, tmp_path, max_backup_mb_s=str(2.5 * page / 1e6))
+    serve(m, "a", prompt(11, 4 * BS))
+    land(d)
+    assert backed_up(d) == 2 and tier.counters["backup_skipped_pages"] == 2
+    tier._filled_at -= 1.0  # a second passes: the bucket is full again (2.5 pages)
+    serve(m, "b", prompt(12, 4 * BS))
+    land(d)
+    assert backed_up(d) == 2 and tier.counters["backup_skipped_pages"] == 4
 
 
 # ---------------------------------------------------------------------- lose_device (engine KV)

@@ -54,7 +54,7 @@ from kvtier.manager.core.nodes import (
     Node,
 )
 from kvtier.manager.errors import OutOfBlocksError, RequestCancelledError, TransferTimeoutError
-from kvtier.manager.policies import WritePolicy
+from kvtier.manager.policies import WRITE_BACK_BATCH, WritePolicy
 from kvtier.manager.transfers import Dispatcher, ImmediateDispatcher
 from kvtier.worker.wire import Completion, Priority, Task, TaskKind
 
@@ -83,6 +83,9 @@ class Counters:
     sleeps: int = 0
     lost_device: int = 0  # the device memory was replaced, host copies kept (`lose_device`)
     storage_forgotten: int = 0  # times storage was emptied (`forget_stored`)
+    # host copies with a storage key evicted before storage held them (a backup skipped,
+    # failed or still to come; under write_back, a batch refused or none within reach)
+    evicted_host_unstored: int = 0
 
 
 class CacheCore:
@@ -236,13 +239,23 @@ class CacheCore:
 
     def take_host_block(self) -> int | None:
         """A free host block, evicting the least recently used host copy if needed; None
-        when every host block is busy."""
+        when every host block is busy. A copy evicted with a storage key that storage lacks
+        is counted (`evicted_host_unstored`); under write_back such copies are written first
+        and a written one goes instead (`_write_back_oldest`)."""
         pool = self._host_pool
         if pool.num_free:
             return pool.allocate_one()
         victim = self._host_lru.oldest()
         if victim is None:
             return None
+        if victim.skey is not None and not victim.flags & STORED:
+            storage = self.storage
+            if storage is not None and storage.write_policy.on_host_evict:
+                victim = self._write_back_oldest(storage)
+                if victim is None:
+                    return None
+            if victim.skey is not None and not victim.flags & STORED:
+                self.counters.evicted_host_unstored += 1
         self._host_lru.unlink(victim)
         hb = victim.host
         victim.host = None
@@ -253,13 +266,40 @@ class CacheCore:
         return hb  # handed over without passing through the free list
 
 
+    def _write_back_oldest(self, storage: StorageHooks) -> Node | None:
+        """write_back: the oldest host copy is one storage lacks. Send the oldest unwritten
+        copies (up to `WRITE_BACK_BATCH`, in one BACKUP task: BACKING takes them out of the
+        LRU) and return the copy to evict instead: the oldest written one within reach;
+        else (none within reach, or the rate limit refused part of the batch) the oldest
+        unwritten copy left, evicted unwritten; None when every host copy is busy now."""
+        batch: list[Node] = []
+        victim: Node | None = None
+        for node in self._host_lru:  # at most WRITE_BACK_BATCH + 1 steps
+            if (node.skey is None or node.flags & STORED
+                    or len(batch) >= WRITE_BACK_BATCH):
+                victim = node
+                break
+            batch.append(node)
+        started = storage.write_back(batch)
+        return batch[started] if started < len(batch) else victim
+
     def host_victims(self, n: int) -> list[int]:
         """The keys of the host copies the next `n` calls of `take_host_block` would evict
-        (once the free list is empty), oldest first (read only)."""
+        (once the free list is empty), oldest first (read only; under write_back, with
+        every write-back batch accepted: each call passes over up to `WRITE_BACK_BATCH`
+        unwritten copies, which it sends to storage instead)."""
         keys: list[int] = []
         if n <= 0:
             return keys
+        storage = self.storage
+        write_back = storage is not None and storage.write_policy.on_host_evict
+        passed = 0
         for node in self._host_lru:
+            if (write_back and node.skey is not None and not node.flags & STORED
+                    and passed < WRITE_BACK_BATCH):
+                passed += 1
+                continue
+            passed = 0
             if node.key is not None:
                 keys.append(node.key)
             if len(keys) >= n:
@@ -514,6 +554,10 @@ class CacheCore:
 
     def _finish_load(self, rec: Inflight, ok: bool, error: str = "") -> None:
         exclusive = self.policy.exclusive
+        storage = self.storage
+        # host hits are written once settled (write_through_selective)
+        hit = (rec.nodes if ok and storage is not None and storage.write_policy.hit_threshold
+               else [])
         for node in reversed(rec.nodes):  # tail first: leaves age first
             node.flags &= ~LOADING
             if ok:
@@ -534,6 +578,9 @@ class CacheCore:
                 if node.key is not None:
                     fresh = self._node_cls(node.key, None, node.host, node.last)
                     fresh.hits = node.hits
+                    # the host copy keeps its storage name and copy (else never written)
+                    fresh.skey = node.skey
+                    fresh.flags = node.flags & STORED
                     self._map[node.key] = fresh
                     if node in self._pins:
                         self._pins[fresh] = self._pins.pop(node)
@@ -553,6 +600,8 @@ class CacheCore:
             for h, idx in rec.handles:
                 h.note_failure(idx, error)
         rec.handles.clear()
+        if hit and storage is not None:
+            storage.on_hits(hit)
 
     def _finish_d2h(self, rec: Inflight, ok: bool, error: str = "") -> None:
         for node in rec.nodes:
@@ -604,23 +653,38 @@ class CacheCore:
             self.free_host_copy(node)
         self.after_transfer(node)
 
+    @staticmethod
+    def needs_storage_backup(node: Node) -> bool:
+        """Whether `node` has a settled host copy storage lacks that nothing is writing yet:
+        not detached, stored or backing, and not in transit (prefetched or written by the
+        engine: bytes arriving; a D2H: bytes arriving; a load: a failed one moves the host
+        copy to a fresh node, which must not be evicted under a BACKUP that reads it)."""
+        return not (node.host is None or node.skey is None or node.key is None
+                    or node.flags & (STORED | BACKING | PREFETCHING | ENGINE_WRITE
+                                     | LOADING | SAVING | EVICTING))
+
     def start_storage_backup(self, node: Node) -> bool:
         """Mark `node`'s host copy as being written to storage (BACKING: kept meanwhile);
-        False when it needs no backup (no host copy or storage key, detached, stored,
-        already backing, or being prefetched)."""
-        if (node.host is None or node.skey is None or node.key is None
-                or node.flags & (STORED | BACKING | PREFETCHING)):
+        False when it needs no backup (`needs_storage_backup`)."""
+        if not self.needs_storage_backup(node):
             return False
         node.flags |= BACKING
         self.relist(node)
         return True
 
     def finish_storage_backup(self, node: Node, stored: bool) -> None:
-        """The backup of `node` was answered; `stored`: every page of its batch was written."""
+        """The backup of `node` was answered; `stored`: every page of its batch was written.
+        Under write_back the copy was written because the host tier was evicting it: a
+        written one goes back to the oldest end of the host LRU, the next to be evicted."""
         node.flags &= ~BACKING
         if stored:
             node.flags |= STORED
         self.after_transfer(node)
+        storage = self.storage
+        if (stored and node.hprev is not None and storage is not None
+                and storage.write_policy.on_host_evict):
+            self._host_lru.unlink(node)
+            self._host_lru.prepend(node)
 
     def forget_stored(self) -> None:
         """Storage was emptied: no node has a copy there any more."""

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from kvtier.manager.core.nodes import Node
+from kvtier.manager.policies import StorageWritePolicy
 from kvtier.manager.transfers import LoadHandle
 from kvtier.worker.wire import Completion
 
@@ -49,6 +50,8 @@ class StorageHooks(Protocol):
     """The storage tier as the core, the scheduler and the keyed surface see it (called with
     the core's lock held)."""
 
+    write_policy: StorageWritePolicy
+    """When host copies are written to storage (`storage.write_policy`)."""
     threshold_tokens: int
     """Misses shorter than this many tokens are not worth a storage query."""
     prefetching_blocks: int
@@ -86,8 +89,23 @@ class StorageHooks(Protocol):
         enough): a key it does not list is then not worth a query."""
         ...
 
+    def index_misses(self, req: RequestState, token_ids: Sequence[int], start: int) -> bool:
+        """Whether the complete index does not list block `start` of the request (counted):
+        a query could only answer 0, so none is sent."""
+        ...
+
     def backup(self, nodes: list[Node]) -> None:
-        """Write the host copies among `nodes` that storage does not hold yet."""
+        """Host copies landed: write those among `nodes` that the write policy wants now and
+        storage does not hold yet."""
+        ...
+
+    def on_hits(self, nodes: Sequence[Node | None]) -> None:
+        """`nodes` were hit: write the host copies the write policy wants now."""
+        ...
+
+    def write_back(self, nodes: list[Node]) -> int:
+        """The host tier evicts these unwritten copies (write_back): write them first;
+        returns how many of the leading ones are being written."""
         ...
 
     def revoke(self, keys: Iterable[int] | None = None) -> int:

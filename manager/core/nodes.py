@@ -187,6 +187,16 @@ class IntrusiveLRU:
         self._set_prev(head, node)
         self.size += 1
 
+    def prepend(self, node: Node) -> None:
+        """Make `node` the least recently used (the next to be evicted)."""
+        head = self.head
+        first = self._get_next(head)
+        self._set_prev(node, head)
+        self._set_next(node, first)
+        self._set_prev(first, node)
+        self._set_next(head, node)
+        self.size += 1
+
     def unlink(self, node: Node) -> None:
         prev, nxt = self._get_prev(node), self._get_next(node)
         self._set_next(prev, nxt)
