@@ -4,7 +4,13 @@ The scheduler-side calls an engine adapter makes for one request of a 4,096-toke
 16-token blocks (256 blocks), against the same key-addressed surface in two homes:
 
 * embedded: `EmbeddedCache` over a keyed `Stack` in this process (one worker process);
-* attached: `NodeClient` over the node socket of a `kvtier serve` child process.
+* attached: `NodeClient` over the node socket of a `kvtier serve` child process;
+* attached_events: the same in a namespace of its own with tier events on (`enable_events`,
+  as vLLM's KV events make the adapter do): every reply carries the namespace's events
+  (issue 20), the service reconciles the namespace each `node.events_interval_s`.
+
+Every home's step ends with `take_events()`, as vLLM's scheduler calls it each step (a
+home with events off answers []); `ratio_events_*` is attached_events / attached.
 
 A request pair is timed: a cold request (count_asked, the lookup of its first block, which
 misses, prepare_store of its 256 blocks, complete_store, forget_request, end_step) and then
@@ -72,6 +78,7 @@ def one_request(cache: EngineCache, keys: list[bytes], rid: str,
     cache.complete_store(plan.keys)
     cache.forget_request(rid)
     cache.end_step()
+    cache.take_events()
     cold_s = time.perf_counter() - t0
     time.sleep(gap_s)
     t1 = time.perf_counter()
@@ -87,6 +94,7 @@ def one_request(cache: EngineCache, keys: list[bytes], rid: str,
     cache.complete_load(keys)
     cache.forget_request(rid2)
     cache.end_step()
+    cache.take_events()
     warm_s = time.perf_counter() - t1
     time.sleep(gap_s)
     return cold_s, warm_s
@@ -128,6 +136,7 @@ def main() -> int:
                              env=env, text=True)
     stack = None
     client = None
+    watched = None
     try:
         assert serve.stdout is not None
         deadline = time.monotonic() + 60
@@ -151,14 +160,18 @@ def main() -> int:
         embedded = EmbeddedCache(stack)
         client = NodeClient(sock, wire.Hello(NAMESPACE, SHAPE, BLOCK, "sha256", "0", 1,
                                              os.getpid()), call_timeout_s=5.0)
-        if not client.connected:
-            raise SystemExit(f"not attached: {client.last_error}")
-        homes: dict[str, EngineCache] = {"embedded": embedded, "attached": client}
-        run_round(embedded, "warmup-e", 3)
-        run_round(client, "warmup-a", 3)
-        times: dict[str, list[tuple[float, float]]] = {"embedded": [], "attached": []}
+        watched = NodeClient(sock, wire.Hello(NAMESPACE + "-ev", SHAPE, BLOCK, "sha256", "0", 1,
+                                              os.getpid()), call_timeout_s=5.0)
+        if not client.connected or not watched.connected:
+            raise SystemExit(f"not attached: {client.last_error or watched.last_error}")
+        watched.enable_events()
+        homes: dict[str, EngineCache] = {"embedded": embedded, "attached": client,
+                                         "attached_events": watched}
+        for name, home in homes.items():
+            run_round(home, f"warmup-{name}", 3)
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in homes}
         for r in range(args.rounds):
-            order = ["embedded", "attached"] if r % 2 == 0 else ["attached", "embedded"]
+            order = list(homes) if r % 2 == 0 else list(reversed(homes))
             for name in order:
                 times[name] += run_round(homes[name], f"{name}-{r}", args.requests,
                                          args.gap_ms / 1e3)
@@ -179,6 +192,7 @@ def main() -> int:
             e, a = out[f"embedded_{kind}_us"], out[f"attached_{kind}_us"]
             out[f"added_{kind}_us"] = a - e
             out[f"ratio_{kind}"] = a / e
+            out[f"ratio_events_{kind}"] = out[f"attached_events_{kind}_us"] / a
         out["added_per_request_us"] = (out["added_cold_us"] + out["added_warm_us"]) / 2
         out["within_budget"] = out["added_per_request_us"] <= BUDGET_US
         if args.json:
@@ -190,15 +204,18 @@ def main() -> int:
             for kind in ("cold", "warm"):
                 print(f"  {kind:5s} request: embedded {out[f'embedded_{kind}_us']:8.1f} us, "
                       f"attached {out[f'attached_{kind}_us']:8.1f} us, ratio "
-                      f"{out[f'ratio_{kind}']:.2f}, added {out[f'added_{kind}_us']:+.1f} us")
+                      f"{out[f'ratio_{kind}']:.2f}, added {out[f'added_{kind}_us']:+.1f} us; "
+                      f"attached with events {out[f'attached_events_{kind}_us']:8.1f} us, "
+                      f"ratio to attached {out[f'ratio_events_{kind}']:.2f}")
             print(f"  one empty round trip over the socket: {out['round_trip_us']:.1f} us")
             print(f"  added per request (mean of cold and warm): "
                   f"{out['added_per_request_us']:+.1f} us, budget {BUDGET_US:.0f} us: "
                   f"{'met' if out['within_budget'] else 'NOT met'}")
         return 0
     finally:
-        if client is not None:
-            client.close()
+        for c in (client, watched):
+            if c is not None:
+                c.close()
         if stack is not None:
             stack.close()
         serve.terminate()

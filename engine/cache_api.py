@@ -106,6 +106,12 @@ class EngineCache(Protocol):
         """The page name of a block in storage (SHA-256 over the namespace and the hash)."""
         ...
 
+    @property
+    def storage_backend(self) -> str:
+        """The storage tier's backend ("none", "file", "redis", ...; attached: the
+        service's, "" until it was reached): a router's locality of STORAGE events."""
+        ...
+
     def lookup(self, block_hash: bytes, request_id: str = "",
                following: Sequence[bytes] = (), *,
                threshold_tokens: int | None = None) -> Lookup:
@@ -164,8 +170,9 @@ class EngineCache(Protocol):
 
     def enable_events(self) -> bool:
         """Start keeping tier events (`take_events`); False where this home has none to
-        give (attached: the node service's blocks are shared by its engines, so their events
-        are the service's to publish, not one engine's)."""
+        give. Embedded: the engine's own stack. Attached: the namespace's tiers on the node
+        as this engine can be served from them (blocks other engines of the namespace stored
+        included), relayed by the service per connection."""
         ...
 
     def take_events(self) -> list[TierEvent]:

@@ -76,6 +76,10 @@ class EmbeddedCache:
     def storage_key(self, block_hash: bytes) -> bytes:
         return self.cache.storage_key(block_hash)
 
+    @property
+    def storage_backend(self) -> str:
+        return self.stack.cfg.storage.backend
+
     def lookup(self, block_hash: bytes, request_id: str = "",
                following: Sequence[bytes] = (), *,
                threshold_tokens: int | None = None) -> Lookup:

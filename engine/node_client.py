@@ -30,6 +30,15 @@ Every UP starts a new `generation` (and so does a reply naming a new namespace g
 the service replaced a rank's worker). Host block ids handed out under another generation
 are void; `host_pools()` says which segments (name, inode) the current one means and the
 service instance nonce, so an engine never copies into a pool of an earlier service.
+
+Tier events (`enable_events`): the client subscribes its connection to the namespace's
+events (the EVENTS op, again after every attach) and every reply carries what the service has
+for it (`wire`: REPLY events). `take_events` returns them in order: the namespace's host and
+storage tiers as this engine can be served from them, blocks other engines of the namespace
+stored included. The client keeps what it has reported per tier (`_announced`), so it can
+withdraw all of it when that stops being true: on DOWN (nothing of the node is servable to
+this engine then) and on a RESYNC reply (the service's log was trimmed past this
+connection's place); after a reattach the namespace's state is announced again.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ from kvtier.engine.cache_api import (
     StorePlan,
     TierEvent,
 )
+from kvtier.manager.keyed_events import HOST, STORAGE
 from kvtier.manager.node import wire
 
 log = logging.getLogger("kvtier.engine")
@@ -63,6 +73,10 @@ _LOOKUPS = {wire.LookupCode.HIT: Lookup.HIT, wire.LookupCode.PENDING: Lookup.PEN
             wire.LookupCode.MISS: Lookup.MISS, wire.LookupCode.RETRY: Lookup.RETRY}
 _BY_CODE = {int(k): v for k, v in _LOOKUPS.items()}
 MAX_OUTBOX = 4096  # one-way records queued before they are sent without waiting for a step
+# `take_events` asks the service itself (a PENDING round trip) only when no reply came in
+# this long: replies of the step's own questions carry the events, so a busy step pays
+# nothing and a step that asked nothing pays one round trip per EVENTS_POLL_S at most
+EVENTS_POLL_S = 0.02
 
 
 class NodeUnavailable(Exception):
@@ -75,8 +89,10 @@ class NodeClient:
     Data structures: `_sock` (None while DOWN); `_outbox`, one-way op records not sent yet;
     `_answers`, request id -> block hash -> the lookup answer the last round trip gave for
     it (each used once); `_asked`, requests counted already; `_pools`, the segments of the
-    current generation. Invariant: `_outbox` and `_answers` are empty while DOWN (they belong
-    to a session the service has ended)."""
+    current generation; `_events`, tier events not taken yet; `_announced`, tier -> hashes
+    reported stored there and not removed since. Invariant: `_outbox` and `_answers` are
+    empty while DOWN (they belong to a session the service has ended); `_announced` is empty
+    while DOWN (a DOWN withdraws it)."""
 
     def __init__(self, path: str | Path, hello: wire.Hello, *, call_timeout_s: float = 1.0,
                  attach_timeout_s: float = 60.0, backoff_s: tuple[float, float] = (0.05, 5.0),
@@ -101,10 +117,14 @@ class NodeClient:
         self._asked: set[str] = set()
         self._pending = False
         self._pending_at = 0.0
+        self._events_on = False
+        self._events: list[TierEvent] = []
+        self._announced: dict[str, set[bytes]] = {HOST: set(), STORAGE: set()}
         self._closed = threading.Event()
         self._wake = threading.Event()
         self.session = 0
         self.quota_bytes = 0
+        self._storage_backend = ""  # the service's (WELCOME): "" until the first attach
         self.last_error = ""
         self.attaches = 0
         if connect_now:
@@ -150,8 +170,11 @@ class NodeClient:
             self._segments = welcome.segments
             self.session = welcome.session
             self.quota_bytes = welcome.quota_bytes
+            self._storage_backend = welcome.storage
             self.attaches += 1
             self._new_generation(welcome.generation, welcomed=True)
+            if self._events_on:  # this session's reader (sent with the first question)
+                self._outbox.append(wire.OpRecord(wire.Op.EVENTS, flag=1))
         self.last_error = ""
         log.info("kvtier node %s: attached (session %d, instance %s, generation %d)",
                  self.path, welcome.session, welcome.nonce[:8], self._generation)
@@ -194,6 +217,7 @@ class NodeClient:
         self._asked.clear()
         self._pools = None
         self._generation += 1
+        self._withdraw()
         self.last_error = why
         log.warning("kvtier node %s: connection lost (%s); lookups miss, reconnecting",
                     self.path, why)
@@ -276,6 +300,15 @@ class NodeClient:
             if reply.generation != self._server_gen:
                 self._new_generation(reply.generation)
             self._pending, self._pending_at = reply.pending, time.monotonic()
+            if reply.resync:
+                self._withdraw()
+            for ev in reply.events:
+                held = self._announced[ev.tier]
+                if ev.removed:
+                    held.difference_update(ev.hashes)
+                else:
+                    held.update(ev.hashes)
+                self._events.append(ev)
             return reply
 
     def _queue(self, record: wire.OpRecord) -> None:
@@ -313,6 +346,10 @@ class NodeClient:
             if self._pools is None and self._reread and self._sock is not None:
                 self._read_pools(welcomed=False)
             return self._pools
+
+    @property
+    def storage_backend(self) -> str:
+        return self._storage_backend
 
     def storage_key(self, block_hash: bytes) -> bytes:
         return hashlib.sha256(self._namespace + block_hash).digest()
@@ -427,13 +464,30 @@ class NodeClient:
         self._flush()
 
     def enable_events(self) -> bool:
-        """Attached engines keep no tier events: the node's blocks are shared by every
-        engine of the namespace, so one engine's stream would announce (and withdraw) blocks
-        of the others; the service would publish them (not built yet)."""
-        return False
+        """The namespace's tier events from now on (see the module docstring)."""
+        with self._lock:
+            if not self._events_on:
+                self._events_on = True
+                self._queue(wire.OpRecord(wire.Op.EVENTS, flag=1))
+        return True
 
     def take_events(self) -> list[TierEvent]:
-        return []
+        """The namespace's tier events since the last call, in order (host and storage, by
+        engine block hash)."""
+        with self._lock:
+            if (self._events_on and self._sock is not None
+                    and time.monotonic() - self._pending_at >= EVENTS_POLL_S):
+                with contextlib.suppress(NodeUnavailable):
+                    self._ask(wire.OpRecord(wire.Op.PENDING))
+            out, self._events = self._events, []
+            return out
+
+    def _withdraw(self) -> None:
+        """Every block reported stored, reported removed (DOWN, RESYNC)."""
+        for tier, held in self._announced.items():
+            if held:
+                self._events.append(TierEvent(tier, True, tuple(held)))
+                held.clear()
 
     def reset(self) -> None:
         with self._lock:

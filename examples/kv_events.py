@@ -29,6 +29,20 @@ each block, vLLM's block size, a parent already announced, no `ownership`, local
 remote (what Dynamo's KV indexer needs to index a block), and on every CPU / STORAGE
 `BlockRemoved` that the block was announced in that medium.
 
+`--attached`: the same instance attached to a `kvtier serve` (its namespace's host tier of
+16 blocks, file storage, the service's own KV-event publisher on) instead of embedding
+kvtier: vLLM's own stream now carries the node's tiers as this engine is served from them.
+The truth at each checkpoint is the service's: its own stream's sets for the namespace
+(CPU and STORAGE, by block hash), the namespace's host blocks in use from its `/status`
+(their count), and the page files in its storage folder. The run: the six prompts, the
+first again, pages lost and the second again, vLLM's own reset and the first again; then a
+second engine of the namespace (a `NodeClient` in this process: it stores the blocks of a
+seventh prompt, never writing their pages; only events are looked at) — those blocks are in
+the node's host tier, but this vLLM has never seen their tokens, so its stream holds them back
+(`held_back`) until it serves that prompt (a host hit: then they are announced, with tokens);
+last `POST /reset` on the service. (A worker kill is left to the embedded run: the
+namespace's workers are the service's own processes.)
+
 `--drop-removed-on-evict` is the break check: removed events of evicted host copies are
 dropped before vLLM sees them, and `events_match_state` must come out false.
 
@@ -41,6 +55,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import sys
@@ -242,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drop-removed-on-evict", action="store_true",
                     help="break check: drop the removed events of evicted host copies")
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--attached", action="store_true",
+                    help="attach to a kvtier serve (started here) instead of embedding kvtier")
     args = ap.parse_args(argv)
+    if args.attached:
+        return attached_main(args)
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVEventsConfig, KVTransferConfig
@@ -362,6 +381,239 @@ def main(argv: list[str] | None = None) -> int:
         llm.llm_engine.engine_core.shutdown()
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
     return 0
+
+
+def service_sets(sub: Any, namespace: str) -> dict[str, set[int]]:
+    """The service's own stream (`node.events`) for one namespace, by vLLM's external hash."""
+    got = sub.topics()
+    return {"CPU": {external(h) for h in got.get(f"kvtier/host/{namespace}", ())},
+            "STORAGE": {external(h) for h in got.get(f"kvtier/storage/{namespace}", ())}}
+
+
+class ServiceSubscriber:
+    """The service's own KV-event stream (`<prefix>/<tier>/<namespace>` topics, block hashes
+    as bytes), per topic the blocks stored and not removed since."""
+
+    def __init__(self, endpoint: str) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.sock = zmq.Context.instance().socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.setsockopt(zmq.RCVTIMEO, 100)
+        self.sock.connect(endpoint)
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.sets: dict[str, set[bytes]] = {}
+        self.problems: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
+
+        while not self._stop:
+            try:
+                topic, _, payload = self.sock.recv_multipart()
+            except zmq.Again:
+                continue
+            with self._lock:
+                held = self.sets.setdefault(topic.decode(), set())
+                for ev in self.decoder.decode(payload).events:
+                    if isinstance(ev, AllBlocksCleared):
+                        held.clear()
+                    elif isinstance(ev, BlockStored):
+                        held.update(ev.block_hashes)
+                    else:
+                        held.difference_update(ev.block_hashes)
+
+    def topics(self) -> dict[str, set[bytes]]:
+        with self._lock:
+            return {t: set(s) for t, s in self.sets.items()}
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(timeout=5)
+        self.sock.close(linger=0)
+
+
+def attached_main(args: argparse.Namespace) -> int:
+    """The `--attached` run (see the module docstring)."""
+    import node_service
+    from kvtier.engine.node_client import NodeClient
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    model = build_model(Path(args.model_dir or os.path.join(
+        tempfile.gettempdir(), "kvtier-vllm-tiny-llama")))
+    work = Path(tempfile.mkdtemp(prefix="kve", dir="/tmp"))  # a short socket path
+    serve: Any = None
+    llm: Any = None
+    other: Any = None
+    sub: Subscriber | None = None
+    ssub: ServiceSubscriber | None = None
+    try:
+        sock_dir = work / "run"
+        sock_dir.mkdir(mode=0o700)
+        storage = work / "storage"
+        # the tiny Llama's page: 2 layers x (K, V) x 2 heads x 64 x 32 tokens x 2 bytes
+        page = 2 * 2 * 2 * 64 * BLOCK * 2
+        serve = node_service.Serve(work, str(sock_dir / "node.sock"), f"kvev{os.getpid()}",
+                                   storage_path=str(storage), quota_bytes=HOST_BLOCKS * page,
+                                   events=True)
+        serve.start()
+        ssub = ServiceSubscriber(f"ipc://{sock_dir / 'events.pub'}")
+        pub, replay = free_port(), free_port()
+        endpoint = f"tcp://127.0.0.1:{pub}"
+        sub = Subscriber(endpoint)
+        kt = KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={
+                "spec_name": "KvtierOffloadingSpec",
+                "spec_module_path": "kvtier.integrations.vllm",
+                "kvtier_serve": str(sock_dir / "node.sock"), "prefetch_threshold": BLOCK})
+        ev = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint,
+                            replay_endpoint=f"tcp://127.0.0.1:{replay}")
+        llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
+                  dtype="bfloat16", block_size=BLOCK, num_gpu_blocks_override=12,
+                  max_model_len=320, kv_transfer_config=kt, kv_events_config=ev, seed=0)
+        manager = kvtier_manager(llm)
+        client = manager.cache
+        namespace = client.hello.namespace
+        if args.drop_removed_on_evict:
+            take = manager.take_events
+
+            def without_evictions() -> Any:  # the break: host removals never reach vLLM
+                for e in take():
+                    if not (e.removed and e.medium.value == "CPU"):
+                        yield e
+
+            manager.take_events = without_evictions
+        rng = random.Random(args.seed)
+        sp = SamplingParams(max_tokens=4, temperature=0.0)
+        seen: list[bytes] = []
+
+        def run(tokens: list[int]) -> None:
+            out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], sp, use_tqdm=False)[0]
+            for h in block_hashes(llm, tokens + list(out.outputs[0].token_ids)):
+                if h not in seen:
+                    seen.append(h)
+
+        def truth() -> dict[str, Any]:
+            svc = service_sets(ssub, namespace)
+            pages = {p.name for p in storage.glob("**/*") if p.is_file()}
+            files = {external(h) for h in seen
+                     if manager.storage_key(make_offload_key(h, 0)).hex() in pages}
+            [ns] = [n for n in serve.status()["node"]["namespaces"]
+                    if n["namespace"] == namespace]
+            used = ns["used_bytes"] // (ns["host_bytes"] // ns["host_blocks"])
+            return {"svc": svc, "files": files, "used": used}
+
+        checkpoints: list[dict[str, Any]] = []
+
+        def check(name: str, timeout: float = 20.0) -> None:
+            """Bounded: one engine step (kvtier's events taken and published by vLLM) and a
+            comparison, until vLLM's sets equal the service's or `timeout` passes."""
+            deadline = time.monotonic() + timeout
+            while True:
+                llm.generate([TokensPrompt(prompt_token_ids=[rng.randrange(VOCAB)] * 3)],
+                             SamplingParams(max_tokens=1), use_tqdm=False)
+                sub.quiet(0.3)
+                rebuilt, counts = sub.snapshot()
+                t = truth()
+                held_back = held_hashes(manager)
+                want = {m: t["svc"][m] - held_back[m] for m in MEDIA}
+                per = {m: {"events": len(rebuilt[m]), "kvtier": len(t["svc"][m]),
+                           "match": rebuilt[m] == want[m]} for m in MEDIA}
+                per["CPU"]["host_blocks_used"] = t["used"]
+                per["CPU"]["match"] &= len(t["svc"]["CPU"]) == t["used"]
+                per["STORAGE"]["files"] = len(t["files"])
+                per["STORAGE"]["match"] &= t["files"] == t["svc"]["STORAGE"] & {
+                    external(h) for h in seen}
+                if all(per[m]["match"] for m in MEDIA) or time.monotonic() > deadline:
+                    checkpoints.append({"at": name, **per,
+                                        "held_back": {m: len(held_back[m]) for m in MEDIA},
+                                        "counts": counts})
+                    return
+
+        prompts = [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
+                   for _ in range(PROMPTS + 1)]
+        for p in prompts[:PROMPTS]:
+            run(p)
+        check("after six prompts")
+        run(prompts[0])
+        check("first prompt again")
+        lost = {manager.storage_key(make_offload_key(h, 0)).hex()
+                for h in block_hashes(llm, prompts[1])}
+        for page_file in [p for p in storage.glob("**/*") if p.name in lost]:
+            page_file.unlink()  # the backend lost them (as a Redis TTL drops a page)
+        run(prompts[1])
+        check("pages lost, second prompt again")
+        if not llm.reset_prefix_cache(reset_connector=True):
+            raise SystemExit("vLLM's reset_prefix_cache failed")
+        run(prompts[0])
+        check("vLLM's reset, first prompt again")
+        # a second engine of the namespace stores the seventh prompt's blocks
+        other = NodeClient(client.path, client.hello)
+        theirs = block_hashes(llm, prompts[PROMPTS])
+        deadline = time.monotonic() + 20
+        while (plan := other.prepare_store(theirs)) is None or len(plan.keys) != len(theirs):
+            if plan is not None:  # a part planned: given back as failed, asked again whole
+                other.complete_store(plan.keys, ok=False)
+            if time.monotonic() > deadline:  # (refused while backups are in flight)
+                raise SystemExit(f"the second engine's store was refused: {plan}")
+            time.sleep(0.1)
+        other.complete_store(plan.keys)
+        other.end_step()
+        check("another engine stored a prompt")
+        run(prompts[PROMPTS])
+        check("this vLLM served the other engine's prompt")
+        req = urllib.request.Request(serve.url + "/reset", method="POST", data=b"")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+        check("after POST /reset")
+        report: dict[str, Any] = {
+            "mode": "attached",
+            "events_match_state": all(c[m]["match"] for c in checkpoints for m in MEDIA),
+            "media": sorted(m for m in sub.by_medium if m in MEDIA),
+            "stored": sub.counts["stored"], "removed": sub.counts["removed"],
+            "by_medium": sub.by_medium, "batches": sub.counts["batches"],
+            "usable_by_indexer": not sub.problems, "problems": sub.problems[:10],
+            "checkpoints": checkpoints, "blocks": len(seen),
+            "break_check": args.drop_removed_on_evict,
+        }
+    finally:
+        if other is not None:
+            other.close()
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        for s in (sub, ssub):
+            if s is not None:
+                s.close()
+        if serve is not None:
+            serve.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(report) if args.json else json.dumps(report, indent=2))
+    return 0
+
+
+def held_hashes(manager: Any) -> dict[str, set[int]]:
+    """Per medium, the blocks kvtier reported stored that vLLM's stream holds back for want
+    of their tokens (`kv_events.EventRelay.held`), by vLLM's external hash."""
+    from vllm.v1.kv_offload.base import get_offload_block_hash
+
+    out: dict[str, set[int]] = {m: set() for m in MEDIA}
+    relay = manager._events
+    for key, media in ({} if relay is None else relay.held).items():
+        for medium in media:
+            out[medium.value].add(external(get_offload_block_hash(key)))
+    return out
 
 
 if __name__ == "__main__":

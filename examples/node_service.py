@@ -174,10 +174,15 @@ class Engine:
 
 
 class Serve:
-    """`kvtier serve` with its engine socket at `socket_path`, storage off, admin on a free
-    loopback port without a token (a loopback-only demo)."""
+    """`kvtier serve` with its engine socket at `socket_path`, storage off (or file storage
+    in `storage_path`), admin on a free loopback port without a token (a loopback-only
+    demo); `events`: its KV-event publisher on (ipc, in the socket's folder)."""
 
-    def __init__(self, workdir: Path, socket_path: str, deployment_id: str) -> None:
+    def __init__(self, workdir: Path, socket_path: str, deployment_id: str, *,
+                 storage_path: str = "", quota_bytes: int = 64 << 20,
+                 events: bool = False) -> None:
+        storage = (f'[storage]\nbackend = "file"\npath = "{storage_path}"\n' if storage_path
+                   else '[storage]\nbackend = "none"\n')
         self.workdir = workdir
         self.toml = workdir / "kvtier.toml"
         self.toml.write_text(
@@ -186,10 +191,11 @@ class Serve:
             # namespaces get stacks of their own geometry
             "[model]\nnum_layers = 1\nnum_kv_heads = 1\nhead_dim = 8\n"
             "[cache]\nblock_size = 4\ndevice_blocks = 4\nhost_blocks = 4\n"
-            '[storage]\nbackend = "none"\n'
-            '[workers]\ncount = 1\ndevice = "cpu"\n'
+            + storage
+            + '[workers]\ncount = 1\ndevice = "cpu"\n'
             '[admin]\nhost = "127.0.0.1"\nport = 0\nauth = "none"\n'
-            f'[node]\nsocket = "{socket_path}"\nnamespace_quota_bytes = {64 << 20}\n')
+            f'[node]\nsocket = "{socket_path}"\nnamespace_quota_bytes = {quota_bytes}\n'
+            f'events = {"true" if events else "false"}\nevents_interval_s = 0.02\n')
         self.deployment_id = deployment_id
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""

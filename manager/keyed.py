@@ -73,7 +73,7 @@ from kvtier.manager.core.nodes import (
     STORED,
     Node,
 )
-from kvtier.manager.errors import InvalidRequestError
+from kvtier.manager.errors import InvalidRequestError, KvtierError
 from kvtier.manager.keyed_events import TierEvent, TierEventLog
 
 _monotonic = time.monotonic
@@ -486,6 +486,21 @@ class KeyedHostCache:
                 return []
             events.sweep(self.m.cached_nodes(), self.m.counters.storage_forgotten)
             return events.take()
+
+    def take_events_and_state(self, state: bool
+                              ) -> tuple[list[TierEvent], tuple[list[bytes], list[bytes]] | None]:
+        """`take_events()`, and with `state` the blocks reported servable in the host tier
+        and in storage right after it (under one lock hold: the events taken so far add up
+        to exactly that state). Events must be on."""
+        with self._lock:
+            events = self.events
+            if events is None:
+                raise KvtierError("tier events are off (enable_events first)")
+            events.sweep(self.m.cached_nodes(), self.m.counters.storage_forgotten)
+            taken = events.take()
+            if not state:
+                return taken, None
+            return taken, (list(events.host.values()), list(events.storage.values()))
 
     # ------------------------------------------------------------------ engine resets
 

@@ -29,11 +29,13 @@ import pytest
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvtier.engine.node_client import NodeClient
 from kvtier.manager.config import ConfigError, KvtierConfig, with_sections
+from kvtier.manager.keyed_events import HOST, STORAGE
 from kvtier.manager.node import events_wire as ew
 from kvtier.manager.node.namespaces import Namespace, namespace_deployment_id
 from kvtier.manager.node.server import NodeServer, NodeSocketError
-from node_engine import key
+from node_engine import hello, key
 from support import new_deployment_id, remove_leftovers, tiny_config, wait_until
 from test_node_service import EngineProc
 
@@ -311,6 +313,117 @@ def test_a_gap_is_recovered_through_replay(service: tuple[NodeServer, Path]) -> 
         ctx.term()
         if a is not None:
             a.close()
+
+
+class OwnStream:
+    """An attached engine's own stream as vLLM's connector gets it: `NodeClient.take_events`
+    of a client in this process (the real socket), applied per tier; a removal must name a
+    block announced before."""
+
+    def __init__(self, srv: NodeServer, namespace: str) -> None:
+        self.client = NodeClient(srv.path, hello(namespace))
+        assert self.client.enable_events()
+        self.sets: dict[str, set[bytes]] = {HOST: set(), STORAGE: set()}
+        self.removed = 0
+
+    def pull(self) -> None:
+        for e in self.client.take_events():
+            if e.removed:
+                stray = set(e.hashes) - self.sets[e.tier]
+                assert not stray, f"{e.tier}: removal of {len(stray)} block(s) never announced"
+                self.sets[e.tier].difference_update(e.hashes)
+                self.removed += len(e.hashes)
+            else:
+                self.sets[e.tier].update(e.hashes)
+
+
+def _own_settled(srv: NodeServer, pages: Path, streams: list[OwnStream], keys: list[int],
+                 what: str) -> dict[str, set[bytes]]:
+    """Wait (bounded) until every stream's sets equal what the service holds in NS_A."""
+    last: list[Any] = []
+
+    def same() -> bool:
+        held = _held(srv, pages, {NS_A: keys})
+        want = {HOST: held[f"{PREFIX}/host/{NS_A}"], STORAGE: held[f"{PREFIX}/storage/{NS_A}"]}
+        for s in streams:
+            s.pull()
+        last[:] = [want, [{t: len(v) for t, v in s.sets.items()} for s in streams]]
+        return all(s.sets == want for s in streams)
+
+    try:
+        wait_until(same, 10.0, what)
+    except AssertionError:
+        want, got = last
+        raise AssertionError(f"{what}: held {({t: len(v) for t, v in want.items()})}, "
+                             f"rebuilt {got}") from None
+    out: dict[str, set[bytes]] = last[0]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_an_attached_engines_own_events_are_its_namespaces_tiers(
+        service: tuple[NodeServer, Path]) -> None:
+    """What vLLM's connector of an attached engine is given (`NodeClient.take_events`):
+    its namespace's host tier and storage as the service holds them, blocks another engine
+    stored included, nothing of another namespace; through evictions, a reader that fell
+    behind the log's bound (RESYNC), `POST /reset`, a late reader; everything withdrawn
+    when the service goes away."""
+    srv, pages = service
+    a: EngineProc | None = None
+    b: EngineProc | None = None
+    streams: list[OwnStream] = []
+    try:
+        watcher = OwnStream(srv, NS_A)
+        streams.append(watcher)
+        a = EngineProc(srv.path, NS_A)
+        b = EngineProc(srv.path, NS_B)
+        keys: list[int] = []
+        for e, lo, n in ((a, 0, 6), (b, 100, 4)):
+            wait_until(lambda e=e, lo=lo, n=n: e.call(op="store", keys=list(range(lo, lo + n)))
+                       ["stored"] is not None, 20.0, f"the first store of keys {lo}..")
+        keys += range(6)
+        held = _own_settled(srv, pages, streams, keys, "after the first stores")
+        assert held[HOST] == {key(i) for i in range(6)} and held[STORAGE]
+        assert not any(key(i) in watcher.sets[t] for i in range(100, 104) for t in (HOST,
+                                                                                  STORAGE))
+        for lo in (6, 12):  # past namespace A's 8-block quota: evictions
+            wait_until(lambda lo=lo: a.call(op="store", keys=list(range(lo, lo + 6)))["stored"],
+                       10.0, f"a store of keys {lo}..{lo + 5}")
+            keys += range(lo, lo + 6)
+        _own_settled(srv, pages, streams, keys, "after the evictions")
+        assert watcher.removed > 0
+
+        # the watcher falls behind: a log bound of 1 hash, and it does not read meanwhile
+        [ns_a] = [ns for ns in srv.namespaces.all() if ns.name == NS_A]
+        ns_a.fanout.bound_hashes = 1
+        resyncs = ns_a.fanout.resyncs
+        wait_until(lambda: a.call(op="store", keys=list(range(18, 24)))["stored"], 10.0,
+                   "a store of keys 18..23")
+        keys += range(18, 24)
+        time.sleep(0.3)  # drains (the publisher's ticks) trim the log past the watcher
+        _own_settled(srv, pages, streams, keys, "after a resync")
+        assert ns_a.fanout.resyncs > resyncs
+        ns_a.fanout.bound_hashes = 1 << 17
+
+        srv.reset()  # the operator's POST /reset
+        held = _own_settled(srv, pages, streams, keys, "after POST /reset")
+        assert not held[HOST] and held[STORAGE]
+        wait_until(lambda: a.call(op="store", keys=[30, 31])["stored"], 10.0, "keys 30, 31")
+        keys += [30, 31]
+        streams.append(OwnStream(srv, NS_A))  # a late reader starts from the state
+        _own_settled(srv, pages, streams, keys, "a late reader")
+        assert streams[1].sets[HOST] == {key(30), key(31)}
+
+        srv.stop()  # nothing of the node is servable to the engines now: all withdrawn
+        wait_until(lambda: [s.pull() for s in streams] and not any(
+            v for s in streams for v in s.sets.values()), 10.0, "withdrawn on DOWN")
+    finally:
+        for s in streams:
+            s.client.close()
+        for e in (a, b):
+            if e is not None:
+                e.close()
 
 
 # ------------------------------------------------------------------------------ no service

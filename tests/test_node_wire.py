@@ -9,6 +9,7 @@ import struct
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvtier.manager.keyed_events import HOST, STORAGE, TierEvent
 from kvtier.manager.node import wire
 
 _KEYED = [wire.Op.COMPLETE_STORE, wire.Op.COMPLETE_LOAD, wire.Op.TOUCH]
@@ -19,7 +20,7 @@ def records(draw: st.DrawFn) -> list[wire.OpRecord]:
     out = []
     for _ in range(draw(st.integers(0, 4))):
         op = draw(st.sampled_from([*_KEYED, wire.Op.COUNT_ASKED, wire.Op.FORGET,
-                                   wire.Op.RESET]))
+                                   wire.Op.RESET, wire.Op.EVENTS]))
         keys = (draw(st.lists(st.binary(min_size=1, max_size=40), max_size=6))
                 if op in _KEYED else [])
         rid = draw(st.text(max_size=10)) if op in (wire.Op.COUNT_ASKED, wire.Op.FORGET) else ""
@@ -102,3 +103,55 @@ def test_reply_round_trip() -> None:
                    "why")
     ftype, seq, body = wire.decode_head(_body(wire.encode_reply(r, 9)))
     assert ftype is wire.FrameType.REPLY and seq == 9 and wire.decode_reply(body) == r
+
+
+@st.composite
+def tier_events(draw: st.DrawFn) -> list[TierEvent]:
+    return [TierEvent(draw(st.sampled_from([HOST, STORAGE])), draw(st.booleans()),
+                      tuple(draw(st.lists(st.binary(min_size=1, max_size=40), min_size=1,
+                                          max_size=5))))
+            for _ in range(draw(st.integers(0, 4)))]
+
+
+@RELAXED
+@given(tier_events(), st.booleans(), st.sampled_from(list(wire.ASKING)))
+def test_reply_events_round_trip(events: list[TierEvent], resync: bool, op: wire.Op) -> None:
+    r = wire.Reply(op, True, 3, False, 0, [5], b"\x01", "", resync, events)
+    ftype, _, body = wire.decode_head(_body(wire.encode_reply(r, 4)))
+    assert ftype is wire.FrameType.REPLY and wire.decode_reply(body) == r
+    cut = len(body) - 1
+    if events:  # the last event's last key byte missing
+        with pytest.raises(wire.WireError, match="truncated keys"):
+            wire.decode_reply(body[:cut])
+
+
+def _reply_with_event(tier: int = 1, removed: int = 0, width: int = 2, n: int = 1,
+                      flags: int = 0, keys: bytes = b"ab") -> bytes:
+    head = struct.pack("<BBBBQIIII", wire.Op.PENDING, 1, 0, flags, 0, 0, 0, 0, 1)
+    return head + struct.pack("<BBHI", tier, removed, width, n) + keys
+
+
+@pytest.mark.parametrize(("kw", "needle"), [
+    ({"tier": 3}, r"event 0: field tier = 3"),
+    ({"removed": 2}, r"event 0: field removed = 2"),
+    ({"n": 0, "keys": b""}, r"event 0: field n_keys = 0"),
+    ({"width": 2000}, r"event 0: field key_width = 2000"),
+    ({"n": 5}, r"event 0: truncated keys"),
+    ({"flags": 2}, r"field event_flags = 2"),
+])
+def test_bad_reply_events_name_the_field(kw: dict[str, int], needle: str) -> None:
+    with pytest.raises(wire.WireError, match=needle) as e:
+        wire.decode_reply(_reply_with_event(**kw))  # type: ignore[arg-type]
+    assert "\n" not in str(e.value)
+
+
+def test_events_op_takes_on_or_off_only() -> None:
+    ok = wire.encode_ops([wire.OpRecord(wire.Op.EVENTS, flag=1)], 1)
+    assert wire.decode_ops(_body(ok)[wire.HEAD_BYTES:]) == [wire.OpRecord(wire.Op.EVENTS,
+                                                                          flag=1)]
+    bad = wire.encode_ops([wire.OpRecord(wire.Op.EVENTS, flag=2)], 1)
+    with pytest.raises(wire.WireError, match=r"record 0 \(EVENTS\): field flag = 2"):
+        wire.decode_ops(_body(bad)[wire.HEAD_BYTES:])
+    keyed = wire.encode_ops([wire.OpRecord(wire.Op.EVENTS, [b"k"], flag=1)], 1)
+    with pytest.raises(wire.WireError, match=r"\(EVENTS\): field n_keys = 1"):
+        wire.decode_ops(_body(keyed)[wire.HEAD_BYTES:])

@@ -404,8 +404,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                      if self.admin_url else "off",
                      "; ".join(notes) or "none", namespace,
                      json.dumps(identity, sort_keys=True))
-        # tier events for vLLM's KV-event publisher (one-group models, embedded): host =
-        # vLLM's CPU medium, storage = STORAGE (local for files, remote for Redis)
+        # tier events for vLLM's KV-event publisher (one-group models): host = vLLM's CPU
+        # medium, storage = STORAGE (local for files, remote for Redis); attached, the
+        # node's tiers as this engine is served from them (other engines' blocks included)
         self._events: EventRelay | None = None
         if spec.config.enable_kv_cache_events:
             windowed = any(g.window_blocks is not None for g in self._groups.values())
@@ -414,13 +415,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 log.warning("kvtier: KV events are on, but this model has several KV cache "
                             "groups or a sliding window: kvtier publishes its tiers' events "
                             "for one full-attention group only")
-            elif not self.cache.enable_events():
-                log.warning("kvtier: KV events are on, but an attached instance does not "
-                            "publish the node service's tiers (shared by its engines)")
-            else:
-                self._events = EventRelay(
-                    Locality.LOCAL if self.cfg.storage.backend == "file" else Locality.REMOTE,
-                    spec.kv_events_config.self_describing_kv_events)
+            elif self.cache.enable_events():
+                self._events = EventRelay(self._storage_locality(),
+                                          spec.kv_events_config.self_describing_kv_events)
         atexit.register(self.shutdown)
 
     # -- keys
@@ -634,6 +631,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         models only, whose kvtier key is vLLM's block hash)."""
         return make_offload_key(block_hash, self._single_group_id)
 
+    def _storage_locality(self) -> Locality:
+        """STORAGE events: local for files, remote for a store other nodes share (Redis)."""
+        backend = self.cache.storage_backend or self.cfg.storage.backend
+        return Locality.LOCAL if backend == "file" else Locality.REMOTE
+
     def take_events(self) -> Iterable[OffloadingEvent]:
         """kvtier's tier events since the last call as vLLM's offloading events (vLLM's
         connector adds each block's tokens, parent and block size, and publishes them):
@@ -641,6 +643,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         (`kv_events.EventRelay`)."""
         if self._events is None:
             return
+        # attached: the service's backend, known once it was reached
+        self._events.storage_locality = self._storage_locality()
         yield from self._events.relay(
             (Medium.CPU if e.tier == "host" else Medium.STORAGE, e.removed,
              [self._offload_key(h) for h in e.hashes])

@@ -48,8 +48,9 @@ class EventRelay:
     """The tracker's residencies mirrored and the stored events held back (module
     docstring). `residency`: key -> the media vLLM's tracker counts for its payload (a key
     is present exactly while the tracker holds its payload); `held`: key -> media kvtier
-    reported stored that were not published for want of a payload. Called from vLLM's
-    scheduler thread only."""
+    reported stored that were not published for want of a payload; `ready`: held keys
+    described since the last relay, in description order. Called from vLLM's scheduler
+    thread only."""
 
     def __init__(self, storage_locality: Locality, describing: bool) -> None:
         self.storage_locality = storage_locality
@@ -58,6 +59,10 @@ class EventRelay:
         self.describing = describing
         self.residency: dict[OffloadKey, set[Medium]] = {}
         self.held: dict[OffloadKey, set[Medium]] = {}
+        # held keys vLLM described since the last relay, in the order it described them (a
+        # request's blocks, parent first: an indexer places a block only under a parent it
+        # knows, and the held order is the node's, e.g. another engine's blocks in tree order)
+        self.ready: list[OffloadKey] = []
 
     def described(self, key: OffloadKey, stored: bool) -> None:
         """vLLM snapshotted a payload for `key`: a store of it (`stored`: the tracker adds
@@ -67,10 +72,13 @@ class EventRelay:
             self.residency[key] = {Medium.CPU}
         elif stored:
             media.add(Medium.CPU)
+        if key in self.held:
+            self.ready.append(key)
 
     def reset(self) -> None:
         """vLLM's connector reset: its tracker drops every payload right after."""
         self.residency.clear()
+        self.ready.clear()
 
     def relay(self, events: Iterable[tuple[Medium, bool, list[OffloadKey]]]
               ) -> Iterator[OffloadingEvent]:
@@ -82,9 +90,11 @@ class EventRelay:
                 yield self._event(medium, removed, keys)
             return
         released: dict[Medium, list[OffloadKey]] = {}
-        for key in [k for k in self.held if k in self.residency]:
-            for medium in sorted(self.held.pop(key), key=lambda m: m.value):
+        for key in self.ready:
+            held = self.held.pop(key, None) if key in self.residency else None
+            for medium in sorted(held or (), key=lambda m: m.value):
                 released.setdefault(medium, []).append(key)
+        self.ready.clear()
         for medium, keys in released.items():
             yield self._stored(medium, keys)
         removed_keys: set[OffloadKey] = set()

@@ -7,9 +7,14 @@ its own (ZMQ sockets are used by that thread only)::
     start   PUB and ROUTER bound (ipc: in the engine socket's private 0700 directory unless
             configured, files 0600, a dead service's leftovers unlinked first)
     every node.events_interval_s
-            per namespace: `KeyedHostCache.take_events()` (the tree reconciled with what was
-            reported servable per tier) -> one batch per tier with events, each its own seq,
-            sent on `<prefix>/host/<ns>` or `<prefix>/storage/<ns>` and kept for replay
+            per namespace: what its event log (`fanout.EventFanout`, this publisher one of
+            its readers; it takes `KeyedHostCache.take_events()`: the tree reconciled with
+            what was reported servable per tier) has for it -> one batch per tier with
+            events, each its own seq, sent on `<prefix>/host/<ns>` or
+            `<prefix>/storage/<ns>` and kept for replay. A reader that fell behind the
+            log's bound (one take of more than `fanout.BOUND_HASHES` blocks) is told to
+            resync: an AllBlocksCleared on both of the namespace's topics, then a stored
+            event per tier with what is servable now
     between ticks
             replay requests answered from the buffer (the last node.events_buffer_batches
             batches), ended by the END_SEQ marker
@@ -28,7 +33,8 @@ token ids and no parent hash (the service is told block hashes only; see the REA
 
 Data structures: `_buffer`, a deque of (seq, topic, payload) at most
 `events_buffer_batches` long; `seq`, the next sequence number (one counter for every topic of
-this publisher); `published`, batches sent. Invariant: the buffer's seqs are consecutive and
+this publisher); `published`, batches sent; `_readers`, namespace -> its reader id in the
+namespace's fan-out. Invariant: the buffer's seqs are consecutive and
 end at `seq - 1`.
 """
 
@@ -93,6 +99,7 @@ class EventPublisher:
         self.interval_s = node.events_interval_s
         self.storage_locality = ew.LOCAL if cfg.storage.backend == "file" else ew.REMOTE
         self._namespaces = namespaces
+        self._readers: dict[str, int] = {}
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(
             maxlen=node.events_buffer_batches)
         self.seq = 0
@@ -200,15 +207,20 @@ class EventPublisher:
         """Reconcile every namespace and publish what changed (publisher thread only)."""
         for ns in self._namespaces():
             try:
-                got = ns.keyed.take_events()
+                reader = self._readers.get(ns.name)
+                if reader is None:
+                    reader = self._readers[ns.name] = ns.subscribe_events()
+                resync, got = ns.fanout.read(reader)
             except KvtierError as e:
                 log.warning("KV events of namespace %r skipped this tick: %s", ns.name, e)
                 continue
-            if not got:
+            if not got and not resync:
                 continue
             block_size = ns.cfg.cache.block_size
             for tier in (ew.HOST_TIER, ew.STORAGE_TIER):
                 events = to_events(got, tier, block_size, self.storage_locality)
+                if resync:
+                    events.insert(0, ew.AllBlocksCleared())
                 if events:
                     self._publish(ew.topic_for(self.prefix, tier, ns.name), events)
 

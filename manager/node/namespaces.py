@@ -36,6 +36,7 @@ from typing import Any
 from kvtier.manager.config import ConfigError, KvtierConfig, page_bytes, with_sections
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.keyed import KeyedHostCache
+from kvtier.manager.node.fanout import EventFanout
 from kvtier.manager.node.wire import Hello, Segment
 from kvtier.manager.stack import Stack
 from kvtier.worker.spec import host_segment_name
@@ -60,8 +61,9 @@ class Namespace:
 
     Data structures: `stack` (keyed, started), `keyed` (its `KeyedHostCache`), `geometry`
     (what every engine of it must match), `sessions` (ids of the engines attached now),
-    `engines_seen` (attaches ever). Invariant: `host_blocks * page_bytes * ranks` is at most
-    `quota_bytes`."""
+    `engines_seen` (attaches ever), `fanout` (its tier events, one log, a cursor per
+    reader: the publisher and each engine connection that asked for them). Invariant:
+    `host_blocks * page_bytes * ranks` is at most `quota_bytes`."""
 
     def __init__(self, name: str, cfg: KvtierConfig, geometry: dict[str, Any],
                  quota_bytes: int, stack: Stack) -> None:
@@ -77,6 +79,8 @@ class Namespace:
         self.sessions: set[int] = set()
         self.engines_seen = 0
         self.created = time.time()
+        self.fanout = EventFanout(self.keyed.take_events_and_state,
+                                  cfg.node.events_interval_s)
         # blocks the engines of this namespace looked up / loaded (by where the host copy
         # came from) / stored, engines that left included
         self.blocks = dict.fromkeys(("looked_up", "loaded_host", "loaded_storage", "stored"),
@@ -85,6 +89,18 @@ class Namespace:
     @property
     def host_bytes(self) -> int:
         return self.host_blocks * self.page_bytes * self.ranks
+
+    def subscribe_events(self) -> int:
+        """A new reader of this namespace's tier events (events switched on from now if
+        they were not: blocks cached before are announced once named again)."""
+        self.keyed.enable_events()
+        return self.fanout.subscribe()
+
+    def drain_events(self) -> None:
+        """Housekeeping (the server's thread): the keyed cache's events taken into the
+        fan-out when due."""
+        if self.keyed.events is not None:
+            self.fanout.drain_if_due()
 
     def segments(self) -> tuple[Segment, ...]:
         """The host pool of every rank, with its inode now (KvtierError while a rank's
@@ -111,6 +127,9 @@ class Namespace:
                 "ranks": self.ranks, "engines": len(self.sessions),
                 "engines_seen": self.engines_seen, "generation": self.keyed.generation,
                 "blocks": dict(self.blocks),
+                "events": {"readers": self.fanout.consumers, "next_seq": self.fanout.next_seq,
+                           "held_hashes": self.fanout.held, "resyncs": self.fanout.resyncs,
+                           "trimmed": self.fanout.trimmed},
                 "counters": dict(self.keyed.counters)}
 
 

@@ -16,14 +16,16 @@ for itself::
       -> OPS frames                  one-way ops applied in order; the asking op answered
                                      with one REPLY. Completions count only for keys this
                                      session prepared (another engine's copies are not its to
-                                     finish)
+                                     finish). After EVENTS on, every REPLY carries the
+                                     namespace's tier events this session has not had (its
+                                     reader of `Namespace.fanout`)
       -> closed / killed / bad frame / reply not read within node.send_timeout_s
          (SO_SNDTIMEO) / a frame begun and not finished within FRAME_TIMEOUT_S
                                      session ends: its open loads unpinned at once, its open
                                      stores abandoned (never served) and their host blocks
                                      freed after node.abandon_grace_s (a copy the engine had
-                                     started may still land), its storage queries forgotten;
-                                     everything else stays cached
+                                     started may still land), its storage queries forgotten,
+                                     its events reader dropped; everything else stays cached
 
 Request ids are the engine's; they are kept apart per session (`<session>:<id>`), so two
 engines using the same ids never share a storage query.
@@ -126,6 +128,7 @@ class Session:
         self.stores: dict[bytes, int] = {}
         self.loads: dict[bytes, int] = {}
         self.requests: set[str] = set()
+        self.events: int | None = None  # its reader of the namespace's events (EVENTS on)
         self.figures = dict.fromkeys(("lookups", "lookup_blocks", "hit_host_blocks",
                                       "hit_storage_blocks", "stores", "stores_failed",
                                       "loads"), 0)
@@ -417,7 +420,8 @@ class NodeServer:
         except KvtierError as e:
             raise NamespaceRefused(str(e)) from None
         s.sock.sendall(wire.encode_welcome(wire.Welcome(
-            s.sid, self.nonce, ns.keyed.generation, ns.quota_bytes, segments), seq))
+            s.sid, self.nonce, ns.keyed.generation, ns.quota_bytes, segments,
+            self.cfg.storage.backend), seq))
         log.info("engine pid %d attached (session %d, namespace %r)", s.pid, s.sid, ns.name)
         while not self._stop.is_set():
             got = self._read_frame(s.sock)
@@ -462,6 +466,12 @@ class NodeServer:
                 cache.forget_request(rid)
             elif op is wire.Op.RESET:
                 self._give_back(s, ns)
+            elif op is wire.Op.EVENTS:
+                if r.flag and s.events is None:
+                    s.events = ns.subscribe_events()
+                elif not r.flag and s.events is not None:
+                    ns.fanout.unsubscribe(s.events)
+                    s.events = None
             elif op is wire.Op.LOOKUP:
                 reply = self._lookup(s, ns, r)
             elif op is wire.Op.PREPARE_STORE:
@@ -472,6 +482,8 @@ class NodeServer:
                 reply = wire.Reply(op, True, cache.generation)
         if reply is not None:
             reply.pending = cache.pending_work()
+            if s.events is not None:  # the events this connection has not had yet
+                reply.resync, reply.events = ns.fanout.read(s.events, wire.REPLY_EVENT_BYTES)
         return reply
 
     def _lookup(self, s: Session, ns: Namespace, r: wire.OpRecord) -> wire.Reply:
@@ -551,6 +563,9 @@ class NodeServer:
         if ns is not None:
             open_stores, open_loads = sum(s.stores.values()), sum(s.loads.values())
             self._give_back(s, ns)
+            if s.events is not None:
+                ns.fanout.unsubscribe(s.events)
+                s.events = None
             for rid in s.requests:
                 ns.keyed.forget_request(rid)
             self.namespaces.detach(ns, s.sid)
@@ -573,5 +588,9 @@ class NodeServer:
                 ns.keyed.release_abandoned(nodes)
 
     def _grave_loop(self) -> None:
-        while not self._stop.wait(0.1):
+        # also the one drain of every namespace's tier events (`fanout`), each
+        # node.events_interval_s: readers (engines, the publisher) only read
+        while not self._stop.wait(min(0.1, self.cfg.node.events_interval_s)):
             self._bury()
+            for ns in self.namespaces.all():
+                ns.drain_events()

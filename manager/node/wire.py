@@ -36,18 +36,33 @@ An op record: a 20-byte head, then the request id, the keys, and `n_extra` extra
     COUNT_ASKED     -             blocks                -            no keys
     FORGET          -             -                     -            no keys
     RESET           -             -                     -            no keys, no request id
+    EVENTS          1: on, 0: off -                     -            no keys, no request id
+
+EVENTS on subscribes this connection to its namespace's tier events (host and storage, the
+service's `fanout.EventFanout`): from then on every REPLY carries the events the connection
+has not had yet (at most REPLY_EVENT_BYTES of hashes each; the rest ride on the next ones),
+so a scheduler step that asks anything gets them without a round trip of its own. The
+first events after EVENTS on are the namespace's state (a stored event per tier).
 
 Frame types, service -> client:
 
     WELCOME  the head, then a UTF-8 JSON object (`Welcome`: the session id, the service
              instance nonce, the namespace's generation, quota and host pool segments per
-             rank).
+             rank, the storage backend: what a STORAGE event's locality is).
     REPLY    the head (seq of the OPS frame answered), then
-             <B B B x Q I I I>  op answered, ok, pending, -, generation:u64, evicted:u32,
-                                n_ids:u32, n_flags:u32
+             <B B B B Q I I I I>  op answered, ok, pending, event flags (1: RESYNC),
+                                  generation:u64, evicted:u32, n_ids:u32, n_flags:u32,
+                                  n_events:u32
              then n_ids int64 (host block ids), n_flags u8 (LOOKUP: one `LookupCode` per key
              answered; PREPARE_STORE: 1 for each asked key in the plan, in order;
-             PREPARE_LOAD: came-from-storage per key), then the error text (UTF-8, rest).
+             PREPARE_LOAD: came-from-storage per key), then n_events tier events, then the
+             error text (UTF-8, rest). A tier event:
+                 <B B H I>  tier (1 host, 2 storage), removed (0, 1), key_width:u16,
+                            n_keys:u32 (at least 1), then the keys as in an op record
+             RESYNC: the connection fell behind its namespace's event log (see
+             `fanout`): every block announced before is to be taken as removed; the
+             events that follow (this reply's and the next ones') start from the
+             namespace's state.
     ERROR    the head, then UTF-8 text: why the service drops this connection.
 
 No pickle and no eval: decoding builds only ints, bytes, str and the dataclasses below, and
@@ -64,19 +79,22 @@ from enum import IntEnum
 from typing import Any
 
 from kvtier.manager.errors import KvtierError
+from kvtier.manager.keyed_events import HOST, STORAGE, TierEvent
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: EVENTS, tier events on REPLY, WELCOME's storage
 MAX_FRAME = 8 << 20  # 8 MiB: a 1M-token prompt's 65,536 32-byte hashes is 2 MiB
 MAX_HELLO = 64 << 10
 MAX_KEY_BYTES = 1024
 MAX_REQUEST_ID = 1024
 MAX_ERROR_TEXT = 4096
+REPLY_EVENT_BYTES = 1 << 20  # hash bytes of tier events per REPLY (a chunk more at most)
 
 _LEN = struct.Struct("<I")
 _HEAD = struct.Struct("<BBHI")
 _COUNT = struct.Struct("<I")
 _REC = struct.Struct("<BBHiIHxxI")
-_REPLY = struct.Struct("<BBBxQIII")
+_REPLY = struct.Struct("<BBBBQIIII")
+_EVENT = struct.Struct("<BBHI")
 LEN_BYTES = _LEN.size
 HEAD_BYTES = _HEAD.size
 
@@ -104,6 +122,7 @@ class Op(IntEnum):
     COUNT_ASKED = 13
     FORGET = 14
     RESET = 15
+    EVENTS = 16
 
 
 ASKING = frozenset({Op.LOOKUP, Op.PREPARE_STORE, Op.PREPARE_LOAD, Op.PENDING})
@@ -112,6 +131,8 @@ _KEYED = frozenset({Op.LOOKUP, Op.PREPARE_STORE, Op.PREPARE_LOAD, Op.COMPLETE_ST
 _WITH_RID = frozenset({Op.LOOKUP, Op.COUNT_ASKED, Op.FORGET})
 _OPS = {int(o): o for o in Op}
 _FRAMES = {int(t): t for t in FrameType}
+_TIERS = {HOST: 1, STORAGE: 2}
+_TIER_NAMES = {v: k for k, v in _TIERS.items()}
 
 
 class LookupCode(IntEnum):
@@ -147,6 +168,8 @@ class Reply:
     ids: list[int] = field(default_factory=list)
     flags: bytes = b""
     error: str = ""
+    resync: bool = False
+    events: list[TierEvent] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------ hello
@@ -187,14 +210,16 @@ class Segment:
 @dataclass(frozen=True, slots=True)
 class Welcome:
     """The service's answer to HELLO: this connection's `session` id, the service instance
-    `nonce` (hex), the namespace's `generation` and host quota, and its host pool
-    segments (one per rank)."""
+    `nonce` (hex), the namespace's `generation` and host quota, its host pool
+    segments (one per rank), and the service's `storage` backend ("none", "file", "redis",
+    ...)."""
 
     session: int
     nonce: str
     generation: int
     quota_bytes: int
     segments: tuple[Segment, ...]
+    storage: str = "none"
 
 
 def _field(obj: dict[str, Any], frame: str, name: str, kind: type) -> Any:
@@ -252,7 +277,7 @@ def decode_hello(body: bytes) -> Hello:
 
 def encode_welcome(w: Welcome, seq: int = 0) -> bytes:
     body = json.dumps({"session": w.session, "nonce": w.nonce, "generation": w.generation,
-                       "quota_bytes": w.quota_bytes,
+                       "quota_bytes": w.quota_bytes, "storage": w.storage,
                        "segments": [{"rank": s.rank, "name": s.name, "inode": s.inode,
                                      "num_blocks": s.num_blocks} for s in w.segments]}).encode()
     return _frame(FrameType.WELCOME, seq, body)
@@ -270,7 +295,8 @@ def decode_welcome(body: bytes) -> Welcome:
                             _field(s, "WELCOME segment", "num_blocks", int)))
     return Welcome(_field(obj, "WELCOME", "session", int), _field(obj, "WELCOME", "nonce", str),
                    _field(obj, "WELCOME", "generation", int),
-                   _field(obj, "WELCOME", "quota_bytes", int), tuple(segs))
+                   _field(obj, "WELCOME", "quota_bytes", int), tuple(segs),
+                   _field(obj, "WELCOME", "storage", str)[:64])
 
 
 # ------------------------------------------------------------------------------ frames
@@ -324,6 +350,33 @@ def _pack_keys(keys: list[bytes]) -> tuple[int, bytes]:
     return 0, lens + b"".join(keys)
 
 
+def _unpack_keys(body: bytes, at: int, n_keys: int, width: int,
+                 where: str) -> tuple[list[bytes], int]:
+    """`n_keys` keys packed as `_pack_keys` packs them, from `at`; (keys, the offset after)."""
+    keys: list[bytes] = []
+    if not n_keys:
+        return keys, at
+    if width:
+        end = at + n_keys * width
+        if end > len(body):
+            raise WireError(f"{where}: truncated keys ({n_keys} x {width} bytes "
+                            f"announced, {len(body) - at} left)")
+        return [body[j:j + width] for j in range(at, end, width)], end
+    if at + 2 * n_keys > len(body):
+        raise WireError(f"{where}: truncated key lengths ({n_keys} announced)")
+    lens = struct.unpack_from(f"<{n_keys}H", body, at)
+    at += 2 * n_keys
+    if sum(lens) > len(body) - at:
+        raise WireError(f"{where}: truncated keys ({sum(lens)} bytes announced, "
+                        f"{len(body) - at} left)")
+    for j, n in enumerate(lens):
+        if not 0 < n <= MAX_KEY_BYTES:
+            raise WireError(f"{where}: key {j} of {n} bytes (1 to {MAX_KEY_BYTES})")
+        keys.append(body[at:at + n])
+        at += n
+    return keys, at
+
+
 def encode_ops(records: list[OpRecord], seq: int) -> bytes:
     parts = [_COUNT.pack(len(records))]
     for r in records:
@@ -367,6 +420,8 @@ def decode_ops(body: bytes) -> list[OpRecord]:
             raise WireError(f"{where}: field rid_len = {rid_len}, this op takes no request id")
         if n_keys and op not in _KEYED:
             raise WireError(f"{where}: field n_keys = {n_keys}, this op takes no keys")
+        if op is Op.EVENTS and flag > 1:
+            raise WireError(f"{where}: field flag = {flag} (1: on, 0: off)")
         if width > MAX_KEY_BYTES:
             raise WireError(f"{where}: field key_width = {width}, at most {MAX_KEY_BYTES}")
         if at + rid_len > len(body):
@@ -376,29 +431,7 @@ def decode_ops(body: bytes) -> list[OpRecord]:
         except UnicodeDecodeError:
             raise WireError(f"{where}: the request id is not UTF-8") from None
         at += rid_len
-        keys: list[bytes] = []
-        if n_keys:
-            if width:
-                end = at + n_keys * width
-                if end > len(body):
-                    raise WireError(f"{where}: truncated keys ({n_keys} x {width} bytes "
-                                    f"announced, {len(body) - at} left)")
-                keys = [body[j:j + width] for j in range(at, end, width)]
-                at = end
-            else:
-                if at + 2 * n_keys > len(body):
-                    raise WireError(f"{where}: truncated key lengths ({n_keys} announced)")
-                lens = struct.unpack_from(f"<{n_keys}H", body, at)
-                at += 2 * n_keys
-                if sum(lens) > len(body) - at:
-                    raise WireError(f"{where}: truncated keys ({sum(lens)} bytes announced, "
-                                    f"{len(body) - at} left)")
-                for j, n in enumerate(lens):
-                    if not 0 < n <= MAX_KEY_BYTES:
-                        raise WireError(f"{where}: key {j} of {n} bytes (1 to "
-                                        f"{MAX_KEY_BYTES})")
-                    keys.append(body[at:at + n])
-                    at += n
+        keys, at = _unpack_keys(body, at, n_keys, width, where)
         if n_extra:
             if op is not Op.PREPARE_LOAD or n_extra != n_keys:
                 raise WireError(f"{where}: field n_extra = {n_extra}: only PREPARE_LOAD carries "
@@ -417,19 +450,29 @@ def decode_ops(body: bytes) -> list[OpRecord]:
 
 def encode_reply(r: Reply, seq: int) -> bytes:
     err = r.error.encode("utf-8", "replace")[:MAX_ERROR_TEXT]
-    body = (_REPLY.pack(r.op, r.ok, r.pending, r.generation, r.evicted, len(r.ids),
-                        len(r.flags))
-            + struct.pack(f"<{len(r.ids)}q", *r.ids) + r.flags + err)
-    return _frame(FrameType.REPLY, seq, body)
+    parts = [_REPLY.pack(r.op, r.ok, r.pending, int(r.resync), r.generation, r.evicted,
+                         len(r.ids), len(r.flags), len(r.events)),
+             struct.pack(f"<{len(r.ids)}q", *r.ids), r.flags]
+    for e in r.events:
+        if not e.hashes:
+            raise WireError(f"REPLY ({r.op.name}): a tier event without keys")
+        width, keys = _pack_keys(list(e.hashes))
+        parts.append(_EVENT.pack(_TIERS[e.tier], e.removed, width, len(e.hashes)))
+        parts.append(keys)
+    parts.append(err)
+    return _frame(FrameType.REPLY, seq, b"".join(parts))
 
 
 def decode_reply(body: bytes) -> Reply:
     if len(body) < _REPLY.size:
         raise WireError("REPLY: truncated head")
-    op_v, ok, pending, gen, evicted, n_ids, n_flags = _REPLY.unpack_from(body)
+    op_v, ok, pending, ev_flags, gen, evicted, n_ids, n_flags, n_events = _REPLY.unpack_from(
+        body)
     op = _OPS.get(op_v)
     if op is None:
         raise WireError(f"REPLY: unknown op {op_v}")
+    if ev_flags > 1:
+        raise WireError(f"REPLY ({op.name}): field event_flags = {ev_flags} (0 or 1)")
     at = _REPLY.size
     if at + 8 * n_ids + n_flags > len(body):
         raise WireError(f"REPLY ({op.name}): {n_ids} ids and {n_flags} flags announced, "
@@ -438,5 +481,26 @@ def decode_reply(body: bytes) -> Reply:
     at += 8 * n_ids
     flags = body[at:at + n_flags]
     at += n_flags
+    if n_events > (len(body) - at) // _EVENT.size:
+        raise WireError(f"REPLY ({op.name}): field n_events = {n_events}, the frame holds at "
+                        f"most {(len(body) - at) // _EVENT.size}")
+    events: list[TierEvent] = []
+    for i in range(n_events):
+        where = f"REPLY ({op.name}) event {i}"
+        if at + _EVENT.size > len(body):
+            raise WireError(f"{where}: truncated head")
+        tier_v, removed, width, n_keys = _EVENT.unpack_from(body, at)
+        at += _EVENT.size
+        tier = _TIER_NAMES.get(tier_v)
+        if tier is None:
+            raise WireError(f"{where}: field tier = {tier_v} (1 host, 2 storage)")
+        if removed > 1:
+            raise WireError(f"{where}: field removed = {removed} (0 or 1)")
+        if not n_keys:
+            raise WireError(f"{where}: field n_keys = 0 (an event names at least one block)")
+        if width > MAX_KEY_BYTES:
+            raise WireError(f"{where}: field key_width = {width}, at most {MAX_KEY_BYTES}")
+        keys, at = _unpack_keys(body, at, n_keys, width, where)
+        events.append(TierEvent(tier, bool(removed), tuple(keys)))
     return Reply(op, bool(ok), gen, bool(pending), evicted, ids, flags,
-                 body[at:].decode("utf-8", "replace"))
+                 body[at:].decode("utf-8", "replace"), bool(ev_flags), events)
