@@ -35,9 +35,9 @@ EXAMPLE = ROOT / "examples" / "vllm_offload.py"
 PREFIX_TOKENS = 192  # prompt A: 200 tokens, 6 full blocks of 32
 RUN_TIMEOUT_S = 400
 RUNS_AT_ONCE = 2
-"""vLLM processes side by side. A run is one process, mostly single-threaded (imports, the
-engine's start, tiny forward passes): two of them on two cores take about the time of one and
-a half (measured: tests/README.md, test_vllm's line)."""
+"""vLLM processes side by side. A run is one process (VLLM_ENABLE_V1_MULTIPROCESSING=0 in the
+example) spending most of its time in imports and the engine's start, single-threaded Python:
+a second run uses the other core (CI's machine has two)."""
 
 if not VLLM_PYTHON.exists():
     if os.environ.get("CI"):
