@@ -10,12 +10,13 @@ runs (Debian's packages and PyPI are), so everything is built here, once per run
 * `build_images`: the base images from Debian packages (a `debootstrap --variant=minbase`
   bookworm tree imported as local/debian:bookworm; Python 3.11, Redis and Prometheus on it from
   tests/compose_live/*.Dockerfile, tagged with the names compose.yaml uses), then the project's
-  images from docker/Dockerfile and docker/Dockerfile.vllm unchanged, with BASE_IMAGE pointing at
-  the Python image and pip reading a wheelhouse (`Wheelhouse`: vLLM's exact pins, torch and
-  kvtier's dependencies, downloaded with the host's pip and its cache, served on loopback as a
-  --find-links URL with PIP_NO_INDEX=1), so the vLLM image installs what `make vllm-env`
-  installs, the same way, without downloading it twice. Tags that did not exist before are
-  recorded and removed at the end.
+  images from docker/Dockerfile and docker/Dockerfile.vllm unchanged (docker/Dockerfile's stage
+  `torch` first: both open with it, so its layers are built once and reused), with BASE_IMAGE
+  pointing at the Python image and pip reading a wheelhouse (`Wheelhouse`: vLLM's exact pins,
+  torch and kvtier's dependencies, downloaded with the host's pip and its cache, served on
+  loopback as a --find-links URL with PIP_NO_INDEX=1), so the vLLM image installs what
+  `make vllm-env` installs, the same way, without downloading it twice. Tags that did not exist
+  before are recorded and removed at the end.
 * `derived_compose`: compose.yaml with what the test must change, and only that (checked by
   test_compose_live.py): host ports published on ephemeral loopback ports (fixed ones may be
   taken on a shared machine), Grafana left out (its image cannot be had), and both vLLM
@@ -56,6 +57,8 @@ LIVE_DIR = REPO / "tests" / "compose_live"
 PYTHON_IMAGE = "local/python:3.11-bookworm"
 DEBIAN_IMAGE = "local/debian:bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
+TORCH_STAGE = "local/kvtier-torch-stage:latest"
+"""docker/Dockerfile's stage `torch`, which docker/Dockerfile.vllm opens with too."""
 SERVICES = ("redis", "kvtier", "vllm", "vllm-b", "prometheus")
 """The services the live test starts (Grafana's image cannot be had here)."""
 
@@ -357,6 +360,19 @@ def build_images(engine: DockerEngine, work: Path, timings: Timings,
         with wheels.served() as url:
             args = ["--network", "host", "--build-arg", f"BASE_IMAGE={PYTHON_IMAGE}",
                     "--build-arg", f"PIP_FIND_LINKS={url}", "--build-arg", "PIP_NO_INDEX=1"]
+
+            def torch_stage() -> None:
+                # both project images open with this stage's instructions: built first, its
+                # layers (torch above all) are the cache both builds then start from, instead
+                # of two torch installs side by side
+                existed = engine.image_exists(TORCH_STAGE)
+                engine.docker("build", "-q", *args, "--target", "torch", "-f",
+                              str(REPO / "docker" / "Dockerfile"), "-t", TORCH_STAGE, str(REPO),
+                              timeout=1500)
+                if not existed:
+                    built.append(TORCH_STAGE)
+
+            _timed(timings, "torch stage (shared by both project images)", torch_stage)
             jobs = []
             for name, svc in compose()["services"].items():
                 if "build" not in svc or name not in SERVICES:

@@ -574,3 +574,17 @@ def test_prometheus_scrapes_the_node_service_and_both_vllms(kvtier_cfg):
     assert prometheus_targets("vllm") == ["vllm:8000", "vllm-b:8000"]
     jobs = [s["job_name"] for s in load_yaml(PROMETHEUS_YML)["scrape_configs"]]
     assert jobs == ["kvtier", "vllm"], jobs
+
+
+def test_the_vllm_image_opens_with_the_kvtier_images_torch_stage():
+    """docker/Dockerfile.vllm's instructions up to its torch install are docker/Dockerfile's
+    stage `torch`, word for word: what lets a build of one image reuse the other's layers
+    (tests/test_compose_live.py builds that stage once for both)."""
+    kvtier = dockerfile_instructions()
+    vllm = dockerfile_instructions(VLLM_DOCKERFILE)
+    stage_end = next(i for i, (kw, _) in enumerate(kvtier[2:], 2) if kw == "FROM")
+    stage = kvtier[:stage_end]
+    assert stage[1] == ("FROM", "${BASE_IMAGE} AS torch"), stage
+    assert any(kw == "RUN" and "torch==${TORCH_VERSION}" in rest for kw, rest in stage), stage
+    assert vllm[:stage_end] == [*stage[:1], ("FROM", "${BASE_IMAGE}"), *stage[2:]]
+    assert kvtier[stage_end] == ("FROM", "torch")

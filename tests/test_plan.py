@@ -16,6 +16,7 @@ runs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import random
@@ -279,6 +280,19 @@ def _replay(tmp_path: Path, source: list[str], device: int, host: int) -> dict[s
     return report
 
 
+REPLAYS_AT_ONCE = 2
+"""Replays side by side: each is a `kvtier replay` and one worker process, mostly waiting on
+each other or starting up, so two of them on two cores take well under twice one's time."""
+
+
+def _replays(tmp_path: Path, source: list[str], sizes: list[tuple[int, int]]
+             ) -> list[dict[str, Any]]:
+    """`_replay` at every (device, host) of `sizes`, REPLAYS_AT_ONCE at a time; reports in
+    the order of `sizes`. Each run has its own config file and deployment id."""
+    with concurrent.futures.ThreadPoolExecutor(REPLAYS_AT_ONCE) as pool:
+        return list(pool.map(lambda dh: _replay(tmp_path, source, *dh), sizes))
+
+
 def _five(points: list[list[float]], low: int) -> list[list[float]]:
     """Five curve points from `low` up, spread over the curve (both ends included)."""
     ok = [p for p in points if p[0] >= low]
@@ -334,8 +348,9 @@ def test_plan_equals_replay(tmp_path: Path, source: str) -> None:
         assert plan["capped_repeats"] > 0  # the case the exactness bound is about
     low = max(plan["min_device_blocks"], plan["exact_from_device_blocks"])
     checked = []
-    for size, rate in _five(plan["device_curve"], low):
-        got = _replay(tmp_path, src, int(size), 0)
+    sizes = _five(plan["device_curve"], low)
+    runs = _replays(tmp_path, src, [(int(s), 0) for s, _ in sizes])
+    for (size, rate), got in zip(sizes, runs, strict=True):
         assert got["requests"] == plan["requests"]
         assert got["lookup_tokens"] == plan["lookup_tokens"]
         assert got["hit_rate"] == rate, (size, got["hit_tokens"], rate)
@@ -350,8 +365,9 @@ def test_plan_equals_replay(tmp_path: Path, source: str) -> None:
     bad = set(two["inexact_host_sizes"])
     points = [p for p in two["curve"] if p[0] not in bad]
     checked = []
-    for host, rate in _five(points, 1):
-        got = _replay(tmp_path, src, device, int(host))
+    hosts = _five(points, 1)
+    runs = _replays(tmp_path, src, [(device, int(h)) for h, _ in hosts])
+    for (host, rate), got in zip(hosts, runs, strict=True):
         assert got["hit_rate"] == rate, (device, host, got["hit_tokens"], rate)
         checked.append((host, rate))
     assert len({r for _, r in checked}) >= 3, checked

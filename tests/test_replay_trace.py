@@ -1,9 +1,15 @@
-"""`kvtier replay --verify --json` on the first 3,000 requests of the shared Mooncake trace.
+"""`kvtier replay --verify --json` on the first 1,000 requests of the shared Mooncake trace.
 
 A black-box run of the main job: the console script, two worker processes, device and host
 tiers (write_back, so the tiers are exclusive). Every hit from either tier is checked byte for
 byte on both ranks before it counts; the run must report no corrupt block, hits from both
 tiers, and a total hit rate within a point of the plain LRU simulation of the same blocks.
+
+Why 1,000 requests (3,000 until 2026-11-27, 85 s on two quiet cores): the first 1,000 already
+fill the 16,000-block device tier several times over (13.7 M prompt tokens looked up, 214,000
+blocks), so the host tier serves hits (1.83 M tokens by the LRU simulation, 28,600 blocks each
+verified on both ranks) beside the device tier's (0.59 M tokens); the run time is in proportion
+to the requests. test_fidelity keeps the 3,000 requests through the in-process manager.
 """
 
 from __future__ import annotations
@@ -17,10 +23,10 @@ from lru_reference import simulate
 from support import clean_env, kvtier_script, leftovers, new_deployment_id
 from test_fidelity import TRACE, block_identities, trace  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.slow  # 3,000 trace requests through two worker processes
+pytestmark = pytest.mark.slow  # 1,000 trace requests through two worker processes
 
 REPO = Path(__file__).resolve().parents[1]
-LIMIT = 3000
+LIMIT = 1000
 
 CONFIG = """\
 deployment_id = "{dep}"
@@ -44,7 +50,7 @@ port = 0
 """
 
 
-def test_replay_verify_first_3000_trace_requests(tmp_path: Path, trace) -> None:  # noqa: F811
+def test_replay_verify_first_1000_trace_requests(tmp_path: Path, trace) -> None:  # noqa: F811
     cfg = tmp_path / "kvtier.toml"
     dep = new_deployment_id("trace")
     cfg.write_text(CONFIG.format(dep=dep))
@@ -66,7 +72,8 @@ def test_replay_verify_first_3000_trace_requests(tmp_path: Path, trace) -> None:
     assert report["verified_blocks"] * 64 == hits["device"] + hits["host"] + hits["storage"]
     assert report["transfer_bytes"]["d2h"] > 0 and report["transfer_bytes"]["h2d"] > 0
 
-    sim = simulate(((block_identities(ids, n), n) for ids, n in trace), 64, 16000, 64000)
+    sim = simulate(((block_identities(ids, n), n) for ids, n in trace[:LIMIT]), 64, 16000,
+                   64000)
     assert report["lookup_tokens"] == sim.lookup_tokens
     assert abs(report["hit_rate"] - sim.total_rate) < 0.01, (report["hit_rate"], sim.total_rate)
 

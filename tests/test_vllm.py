@@ -1,19 +1,28 @@
 """kvtier inside a real vLLM (the CPU build), end to end: `examples/vllm_offload.py` in vLLM's own
 virtual environment (`make vllm-env`, pinned in integrations/vllm/requirements-*.txt).
 
-Each test starts one vLLM process (a tiny random Llama, 12 device blocks of 32 tokens) and reads
-the JSON line the example prints: how many of prompt A's tokens vLLM got back from kvtier
+Each run starts one vLLM process (a tiny random Llama, 12 device blocks of 32 tokens) and
+reads the JSON line the example prints: how many of prompt A's tokens vLLM got back from kvtier
 (kvtier's own hit counters over its admin's real HTTP /metrics) and whether A's tokens and
 logprobs equal A's cold run exactly. The negative control (kvtier's host pages overwritten
 behind its back) must come out different, which shows the comparison can fail.
+
+The runs are processes of their own (own deployment ids, admin ports, storage folders, Redis),
+so the `ahead` fixture starts the runs of every selected test of this module at the first one,
+`RUNS_AT_ONCE` side by side, in file order; each test waits for its own runs and asserts on
+their reports. A test's runs that depend on each other (a second process reading the first
+one's storage) stay in order, in one chain.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +34,10 @@ VLLM_PYTHON = ROOT / os.environ.get("KVTIER_VLLM_VENV", ".venv-vllm") / "bin" / 
 EXAMPLE = ROOT / "examples" / "vllm_offload.py"
 PREFIX_TOKENS = 192  # prompt A: 200 tokens, 6 full blocks of 32
 RUN_TIMEOUT_S = 400
+RUNS_AT_ONCE = 2
+"""vLLM processes side by side. A run is one process (VLLM_ENABLE_V1_MULTIPROCESSING=0 in the
+example) spending most of its time in imports and the engine's start, single-threaded Python:
+a second run uses the other core (CI's machine has two)."""
 
 if not VLLM_PYTHON.exists():
     if os.environ.get("CI"):
@@ -32,19 +45,18 @@ if not VLLM_PYTHON.exists():
     pytest.skip(f"vLLM's environment {VLLM_PYTHON} is not built (make vllm-env)",
                 allow_module_level=True)
 
-pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S * 2 + 60)
+# a test waits for its own chain of runs, at most four runs of RUN_TIMEOUT_S and a queue
+pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S * 4 + 60)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("vllm-model") / "tiny-llama"
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
 
 
 def run_example(model_dir: Path, *args: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     proc = subprocess.run(
         [str(VLLM_PYTHON), str(EXAMPLE), "--json", "--model-dir", str(model_dir), *args],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=ROOT)
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env(), cwd=ROOT)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = "\n".join(proc.stderr.splitlines()[-40:])
@@ -53,66 +65,177 @@ def run_example(model_dir: Path, *args: str) -> dict[str, Any]:
     return report
 
 
-def test_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(model_dir: Path) -> None:
-    r = run_example(model_dir)
+def run_check(*argv: str) -> dict[str, Any]:
+    """A script (tests/vllm_*_check.py or `-c` code) in vLLM's environment: its last line of
+    output, parsed."""
+    proc = subprocess.run([str(VLLM_PYTHON), *argv], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return report
+
+
+class Models:
+    """The random models of the runs, one folder per kind under `root`, each built once
+    (`built`: kind -> folder, guarded by `lock`) before the first run that uses it, so that
+    runs side by side never write one model folder at once."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.lock = threading.Lock()
+        self.built: dict[str, Path] = {}
+
+    def __call__(self, kind: str) -> Path:
+        with self.lock:
+            if kind not in self.built:
+                path = self.root / {"llama": "tiny-llama", "hybrid": "tiny-gemma3",
+                                    "gemma2": "tiny-gemma2"}[kind]
+                subprocess.run(
+                    [str(VLLM_PYTHON), "-c", "import sys; sys.path.insert(0, 'examples'); "
+                     "from pathlib import Path; import vllm_offload; "
+                     "vllm_offload.build_model(Path(sys.argv[1]), sys.argv[2])",
+                     str(path), kind],
+                    cwd=ROOT, check=True, capture_output=True, timeout=300)
+                self.built[kind] = path
+            return self.built[kind]
+
+
+Chain = Callable[[Models, Path], Any]
+CHAINS: dict[str, Chain] = {}
+"""Test name -> the runs it asserts on (models, a fresh folder) -> what the test reads."""
+
+
+def runs(test: str) -> Callable[[Chain], Chain]:
+    def register(chain: Chain) -> Chain:
+        CHAINS[test] = chain
+        return chain
+    return register
+
+
+class Ahead:
+    """The chains of the selected tests, submitted in file order to a pool of RUNS_AT_ONCE
+    threads (each thread waits on one process); `futures`: test name -> its chain's future."""
+
+    def __init__(self, names: list[str], models: Models,
+                 folder: Callable[[str], Path]) -> None:
+        self.pool = concurrent.futures.ThreadPoolExecutor(RUNS_AT_ONCE)
+        self.futures = {name: self.pool.submit(CHAINS[name], models, folder(name))
+                        for name in names if name in CHAINS}
+
+    def __getitem__(self, test: str) -> Any:
+        return self.futures[test].result(timeout=RUN_TIMEOUT_S * 4)
+
+    def close(self) -> None:
+        # a stopped session (-x, a failure in setup) does not start what is still queued
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="module")
+def ahead(request: pytest.FixtureRequest,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ahead]:
+    names = [item.name for item in request.session.items
+             if item.module is request.module]
+    models = Models(tmp_path_factory.mktemp("vllm-models"))
+    pool = Ahead(names, models, lambda name: tmp_path_factory.mktemp(name[:40]))
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture
+def my_runs(request: pytest.FixtureRequest, ahead: Ahead) -> Callable[[], Any]:
+    """What this test's chain returned (waited for in the test, so that a failed run fails
+    the test that owns it)."""
+    return lambda: ahead[request.node.name]
+
+
+# ------------------------------------------------------------------------ one group (Llama)
+
+
+@runs("test_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly")
+def _plain(models: Models, tmp: Path) -> dict[str, Any]:
+    return run_example(models("llama"))
+
+
+def test_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(my_runs: Callable[[], Any]
+                                                                   ) -> None:
+    r = my_runs()
     assert r["vllm_num_cached_tokens"] == PREFIX_TOKENS, r
     assert r["tokens_by_tier"] == {"host": PREFIX_TOKENS, "storage": 0}, r
     assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
     assert any('tier="host"' in ln and not ln.endswith(" 0.0") for ln in r["metrics_lines"])
 
 
-def test_negative_control_overwritten_host_pages_change_the_output(model_dir: Path) -> None:
-    r = run_example(model_dir, "--corrupt-host")
+@runs("test_negative_control_overwritten_host_pages_change_the_output")
+def _corrupt(models: Models, tmp: Path) -> dict[str, Any]:
+    return run_example(models("llama"), "--corrupt-host")
+
+
+def test_negative_control_overwritten_host_pages_change_the_output(my_runs: Callable[[], Any]
+                                                                   ) -> None:
+    r = my_runs()
     assert r["corrupted_bytes"] > 0 and r["tokens_loaded_from_kvtier"] == PREFIX_TOKENS, r
     assert r["identical"] is False, (
         "kvtier's host pages were overwritten, yet vLLM's output did not change: the "
         f"comparison cannot tell served KV from recomputed KV: {r}")
 
 
-def test_a_new_vllm_process_finds_the_prefix_in_file_storage(model_dir: Path,
-                                                               tmp_path: Path) -> None:
-    storage = tmp_path / "storage"
-    ref = tmp_path / "cold.json"
-    first = run_example(model_dir, "--storage", "file", "--storage-path", str(storage),
-                        "--reference", str(ref))
+@runs("test_a_new_vllm_process_finds_the_prefix_in_file_storage")
+def _file_storage(models: Models, tmp: Path) -> list[dict[str, Any]]:
+    args = ("--storage", "file", "--storage-path", str(tmp / "storage"),
+            "--reference", str(tmp / "cold.json"))
+    return [run_example(models("llama"), *args), run_example(models("llama"), *args)]
+
+
+def test_a_new_vllm_process_finds_the_prefix_in_file_storage(my_runs: Callable[[], Any]
+                                                             ) -> None:
+    first, second = my_runs()
     assert first["identical"] is True and first["reference"] == "this run", first
-    second = run_example(model_dir, "--storage", "file", "--storage-path", str(storage),
-                         "--reference", str(ref))
     assert second["reference"] == "file", second
     assert second["tokens_by_tier"] == {"host": 0, "storage": PREFIX_TOKENS}, second
     assert second["identical"] is True and second["max_abs_logprob_diff"] == 0.0, second
 
 
-def test_two_vllm_instances_share_one_redis(model_dir: Path, tmp_path: Path) -> None:
-    ref = tmp_path / "cold.json"
+@runs("test_two_vllm_instances_share_one_redis")
+def _redis(models: Models, tmp: Path) -> list[dict[str, Any]]:
+    ref = tmp / "cold.json"
     with RedisServer() as redis:
-        first = run_example(model_dir, "--storage", "redis", "--redis-url", redis.url,
-                            "--reference", str(ref))
-        assert first["identical"] is True, first
-        second = run_example(model_dir, "--storage", "redis", "--redis-url", redis.url,
-                             "--reference", str(ref))
+        args = ("--storage", "redis", "--redis-url", redis.url, "--reference", str(ref))
+        return [run_example(models("llama"), *args), run_example(models("llama"), *args)]
+
+
+def test_two_vllm_instances_share_one_redis(my_runs: Callable[[], Any]) -> None:
+    first, second = my_runs()
+    assert first["identical"] is True, first
     assert second["tokens_by_tier"] == {"host": 0, "storage": PREFIX_TOKENS}, second
     assert second["identical"] is True and second["max_abs_logprob_diff"] == 0.0, second
 
 
-def test_reset_with_storage_makes_the_next_repeat_a_recompute(model_dir: Path,
-                                                               tmp_path: Path) -> None:
-    r = run_example(model_dir, "--storage", "file", "--storage-path", str(tmp_path / "s"),
-                    "--reset-storage")
+@runs("test_reset_with_storage_makes_the_next_repeat_a_recompute")
+def _reset(models: Models, tmp: Path) -> dict[str, Any]:
+    return run_example(models("llama"), "--storage", "file", "--storage-path", str(tmp / "s"),
+                       "--reset-storage")
+
+
+def test_reset_with_storage_makes_the_next_repeat_a_recompute(my_runs: Callable[[], Any]
+                                                              ) -> None:
+    r = my_runs()
     assert r["reset"]["cleared"]["host_blocks"] > 0, r
     assert r["tokens_loaded_from_kvtier"] == 0 and r["vllm_num_cached_tokens"] == 0, r
     assert r["identical"] is True, r
 
 
-def test_the_worker_side_copies_exactly_and_never_touches_a_replaced_pool() -> None:
+@runs("test_the_worker_side_copies_exactly_and_never_touches_a_replaced_pool")
+def _worker_check(models: Models, tmp: Path) -> dict[str, Any]:
+    return run_check(str(ROOT / "tests" / "vllm_worker_check.py"))
+
+
+def test_the_worker_side_copies_exactly_and_never_touches_a_replaced_pool(
+        my_runs: Callable[[], Any]) -> None:
     """tests/vllm_worker_check.py in vLLM's environment: the adapter's copies against a real
     kvtier worker, and the inode checks that keep a replaced worker's pool safe."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_worker_check.py")],
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = my_runs()
     assert r["jobs_done"] == [1, 2] and r["round_trip_exact"] and r["host_page_is_block_3"], r
     # a load planned against another segment: nothing copied, the blocks reported to vLLM
     assert r["stale_load_errors"] == [1, 2] and r["stale_load_copied_nothing"], r
@@ -121,8 +244,13 @@ def test_the_worker_side_copies_exactly_and_never_touches_a_replaced_pool() -> N
     assert r["store_into_new_pool_exact"], r
 
 
-def test_a_killed_kvtier_worker_never_stops_vllm(model_dir: Path) -> None:
-    r = run_example(model_dir, "--kill-worker")
+@runs("test_a_killed_kvtier_worker_never_stops_vllm")
+def _kill_worker(models: Models, tmp: Path) -> dict[str, Any]:
+    return run_example(models("llama"), "--kill-worker")
+
+
+def test_a_killed_kvtier_worker_never_stops_vllm(my_runs: Callable[[], Any]) -> None:
+    r = my_runs()
     assert r["killed_worker_pids"], r
     assert len(r["during_restart_tokens"]) == 8, r  # served while kvtier restarted
     assert r.get("replacement_worker_pids"), f"kvtier's worker was not replaced: {r}"
@@ -141,11 +269,6 @@ def test_a_killed_kvtier_worker_never_stops_vllm(model_dir: Path) -> None:
 SWA_WINDOW_BLOCKS = 2
 
 
-@pytest.fixture(scope="module")
-def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("vllm-hybrid") / "tiny-gemma3"
-
-
 def hybrid(model_dir: Path, *args: str, model: str = "hybrid") -> dict[str, Any]:
     r = run_example(model_dir, "--model", model, *args)
     assert [(g["group_id"], g["kind"]) for g in r["kv_cache_groups"]] == [
@@ -153,15 +276,16 @@ def hybrid(model_dir: Path, *args: str, model: str = "hybrid") -> dict[str, Any]
     return r
 
 
-def test_kv_cache_groups_are_told_apart_refused_in_one_line_and_copied_apart() -> None:
+@runs("test_kv_cache_groups_are_told_apart_refused_in_one_line_and_copied_apart")
+def _groups_check(models: Models, tmp: Path) -> dict[str, Any]:
+    return run_check(str(ROOT / "tests" / "vllm_groups_check.py"))
+
+
+def test_kv_cache_groups_are_told_apart_refused_in_one_line_and_copied_apart(
+        my_runs: Callable[[], Any]) -> None:
     """tests/vllm_groups_check.py in vLLM's environment, with vLLM's own KV cache spec
     classes and a real kvtier worker for the copies."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_groups_check.py")],
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = my_runs()
     assert r["kinds"] == ["sliding_window", "full"] and r["window_blocks"] == [3, None], r
     assert r["keys_differ"] and r["page_layers"] == 2, r
     for what, words in (("mamba_refused", ("KV cache group 1", "MambaSpec", "mixer1")),
@@ -173,27 +297,31 @@ def test_kv_cache_groups_are_told_apart_refused_in_one_line_and_copied_apart() -
     assert "2 groups" in r["bad_group_sizes_refused"], r
 
 
+@runs("test_a_model_with_a_state_group_is_refused_at_start_naming_it")
+def _state_group(models: Models, tmp: Path) -> dict[str, Any]:
+    return run_check(str(ROOT / "tests" / "vllm_state_group_check.py"), str(tmp / "tiny-jamba"))
+
+
 @pytest.mark.slow
-def test_a_model_with_a_state_group_is_refused_at_start_naming_it(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_model_with_a_state_group_is_refused_at_start_naming_it(my_runs: Callable[[], Any]
+                                                                  ) -> None:
     """A tiny Jamba (Mamba mixers + attention) in a real vLLM: vLLM makes a Mamba group and a
     full-attention group; kvtier refuses the model in one line naming the state group."""
-    model = tmp_path_factory.mktemp("vllm-jamba") / "tiny-jamba"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    proc = subprocess.run(
-        [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_state_group_check.py"), str(model)],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = my_runs()
     msg = r["refused"]
     assert msg.startswith("KV cache group 0 (MambaSpec, layers model.layers.0.mixer"), r
     assert "recurrent state" in msg and "\n" not in msg, r
 
 
+@runs("test_hybrid_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly")
+def _hybrid_plain(models: Models, tmp: Path) -> dict[str, Any]:
+    return hybrid(models("hybrid"))
+
+
 @pytest.mark.slow
 def test_hybrid_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(
-        hybrid_dir: Path) -> None:
-    r = hybrid(hybrid_dir)
+        my_runs: Callable[[], Any]) -> None:
+    r = my_runs()
     assert r["vllm_num_cached_tokens"] == PREFIX_TOKENS, r
     # tokens count once (the full-attention group's blocks), not once per group
     assert r["tokens_by_tier"] == {"host": PREFIX_TOKENS, "storage": 0}, r
@@ -202,35 +330,51 @@ def test_hybrid_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(
     assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
 
 
+@runs("test_gemma2_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly")
+def _gemma2(models: Models, tmp: Path) -> dict[str, Any]:
+    return hybrid(models("gemma2"), model="gemma2")
+
+
 @pytest.mark.slow
 def test_gemma2_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+        my_runs: Callable[[], Any]) -> None:
     """Gemma 2's architecture (every other layer a sliding window, logit soft-capping): the
     same two groups, the same exact return."""
-    model_dir = tmp_path_factory.mktemp("vllm-gemma2") / "tiny-gemma2"
-    r = hybrid(model_dir, model="gemma2")
+    r = my_runs()
     assert r["tokens_by_tier"] == {"host": PREFIX_TOKENS, "storage": 0}, r
     assert r["blocks_loaded_by_group"] == {"0": SWA_WINDOW_BLOCKS, "1": PREFIX_TOKENS // 32}, r
     assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
 
 
+@runs("test_hybrid_negative_control_overwritten_host_pages_change_the_output")
+def _hybrid_corrupt(models: Models, tmp: Path) -> dict[str, Any]:
+    return hybrid(models("hybrid"), "--corrupt-host")
+
+
 @pytest.mark.slow
 def test_hybrid_negative_control_overwritten_host_pages_change_the_output(
-        hybrid_dir: Path) -> None:
-    r = hybrid(hybrid_dir, "--corrupt-host")
+        my_runs: Callable[[], Any]) -> None:
+    r = my_runs()
     assert r["corrupted_bytes"] > 0 and r["tokens_loaded_from_kvtier"] == PREFIX_TOKENS, r
     assert r["identical"] is False, (
         f"kvtier's host pages were overwritten, yet the hybrid model's output did not change: {r}")
 
 
+def _file_args(tmp: Path) -> tuple[str, ...]:
+    return ("--storage", "file", "--storage-path", str(tmp / "storage"),
+            "--reference", str(tmp / "cold.json"))
+
+
+@runs("test_hybrid_a_new_vllm_process_finds_both_groups_in_file_storage")
+def _hybrid_file(models: Models, tmp: Path) -> list[dict[str, Any]]:
+    return [hybrid(models("hybrid"), *_file_args(tmp)), hybrid(models("hybrid"), *_file_args(tmp))]
+
+
 @pytest.mark.slow
 def test_hybrid_a_new_vllm_process_finds_both_groups_in_file_storage(
-        hybrid_dir: Path, tmp_path: Path) -> None:
-    storage, ref = tmp_path / "storage", tmp_path / "cold.json"
-    args = ("--storage", "file", "--storage-path", str(storage), "--reference", str(ref))
-    first = hybrid(hybrid_dir, *args)
+        my_runs: Callable[[], Any]) -> None:
+    first, second = my_runs()
     assert first["identical"] is True and first["reference"] == "this run", first
-    second = hybrid(hybrid_dir, *args)
     assert second["reference"] == "file", second
     assert second["tokens_by_tier"] == {"host": 0, "storage": PREFIX_TOKENS}, second
     assert second["blocks_loaded_by_group"] == {"0": SWA_WINDOW_BLOCKS,
@@ -238,52 +382,63 @@ def test_hybrid_a_new_vllm_process_finds_both_groups_in_file_storage(
     assert second["identical"] is True and second["max_abs_logprob_diff"] == 0.0, second
 
 
+@runs("test_hybrid_one_groups_pages_missing_from_storage_means_a_recompute")
+def _hybrid_drop(models: Models, tmp: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    first = hybrid(models("hybrid"), *_file_args(tmp))
+    # each run recomputes A and stores the missing pages again: the runs are independent
+    dropped = {kind: hybrid(models("hybrid"), *_file_args(tmp), "--drop-group-pages", kind)
+               for kind in ("sliding_window", "full")}
+    return first, dropped
+
+
 @pytest.mark.slow
 def test_hybrid_one_groups_pages_missing_from_storage_means_a_recompute(
-        hybrid_dir: Path, tmp_path: Path) -> None:
+        my_runs: Callable[[], Any]) -> None:
     """No hit from half a block set: with one group's pages of A deleted from storage and
     the other's present, A is recomputed (nothing loaded), and still exact."""
-    storage, ref = tmp_path / "storage", tmp_path / "cold.json"
-    args = ("--storage", "file", "--storage-path", str(storage), "--reference", str(ref))
-    assert hybrid(hybrid_dir, *args)["identical"] is True
+    first, dropped = my_runs()
+    assert first["identical"] is True
     for kind, pages in (("sliding_window", SWA_WINDOW_BLOCKS), ("full", PREFIX_TOKENS // 32)):
-        # each run recomputes A and stores the missing pages again: the runs are independent
-        r = hybrid(hybrid_dir, *args, "--drop-group-pages", kind)
+        r = dropped[kind]
         assert r["dropped_pages"] == pages, r  # that group's pages of A, and only those
         assert r["tokens_loaded_from_kvtier"] == 0 and r["vllm_num_cached_tokens"] == 0, r
         assert r["blocks_loaded_by_group"] == {"0": 0, "1": 0}, r
         assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
+ATTACHED_CHECK = (
+    "import json\n"
+    "from kvtier.integrations.vllm.defaults import check_extra_config\n"
+    "from kvtier.integrations.vllm.errors import VllmAdapterError\n"
+    "out = {}\n"
+    "for name, extra in (('ok', {'kvtier_serve': '/run/kvtier/node.sock'}),\n"
+    "                    ('clash', {'kvtier_serve': '/s', 'host_blocks': 8,\n"
+    "                               'storage_backend': 'file'}),\n"
+    "                    ('empty', {'kvtier_serve': ''}),\n"
+    "                    ('embedded', {'host_blocks': 8})):\n"
+    "    try:\n"
+    "        check_extra_config(extra)\n"
+    "        out[name] = 'accepted'\n"
+    "    except VllmAdapterError as e:\n"
+    "        out[name] = str(e)\n"
+    "print(json.dumps(out))\n")
 
 
-def test_attached_mode_is_one_key_and_refuses_an_embedded_setting_in_one_line() -> None:
+@runs("test_attached_mode_is_one_key_and_refuses_an_embedded_setting_in_one_line")
+def _attached(models: Models, tmp: Path) -> dict[str, Any]:
+    return run_check("-c", ATTACHED_CHECK)
+
+
+def test_attached_mode_is_one_key_and_refuses_an_embedded_setting_in_one_line(
+        my_runs: Callable[[], Any]) -> None:
     """`kvtier_serve` picks attached mode; with it, a setting of the instance's own kvtier
     (host_blocks, storage_*, admin*) is refused naming the key, as is an empty socket path."""
-    code = (
-        "import json\n"
-        "from kvtier.integrations.vllm.defaults import check_extra_config\n"
-        "from kvtier.integrations.vllm.errors import VllmAdapterError\n"
-        "out = {}\n"
-        "for name, extra in (('ok', {'kvtier_serve': '/run/kvtier/node.sock'}),\n"
-        "                    ('clash', {'kvtier_serve': '/s', 'host_blocks': 8,\n"
-        "                               'storage_backend': 'file'}),\n"
-        "                    ('empty', {'kvtier_serve': ''}),\n"
-        "                    ('embedded', {'host_blocks': 8})):\n"
-        "    try:\n"
-        "        check_extra_config(extra)\n"
-        "        out[name] = 'accepted'\n"
-        "    except VllmAdapterError as e:\n"
-        "        out[name] = str(e)\n"
-        "print(json.dumps(out))\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    proc = subprocess.run([str(VLLM_PYTHON), "-c", code], capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = my_runs()
     assert r["ok"] == "accepted" and r["embedded"] == "accepted", r
     for word in ("host_blocks", "storage_backend", "kvtier_serve = '/s'", "kvtier serve"):
         assert word in r["clash"], r["clash"]
     assert "kvtier_serve = ''" in r["empty"] and "\n" not in r["clash"] + r["empty"], r
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
