@@ -178,6 +178,23 @@ class StorageConfig(BaseModel):
         description="only rank 0 writes to storage (the KV is identical on every rank, as with "
         "MLA); otherwise every rank writes its own pages",
     )
+    # When host copies are written to storage (manager/policies.py, the second table).
+    write_policy: Literal["write_through", "write_through_selective", "write_back"] = Field(
+        "write_through",
+        description="when a host copy is written to storage: when it lands on the host "
+        "(write_through), once its block was hit write_threshold times "
+        "(write_through_selective), or when the host tier evicts it (write_back)",
+    )
+    write_threshold: int = Field(
+        1, ge=1, le=1 << 20,
+        description="hits before write_through_selective writes a block to storage",
+    )
+    max_backup_mb_s: float = Field(
+        0.0, ge=0, le=1 << 20, allow_inf_nan=False,
+        description="MB/s that backups may write to storage (a token bucket holding one "
+        "second's worth; a batch over it is not written, counted as backup_skipped_pages); "
+        "0: no limit",
+    )
     secret: SecretStr = Field(
         SecretStr(""),
         description="the storage secret that authenticates every stored page, at least 16 "
