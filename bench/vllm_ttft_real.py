@@ -407,20 +407,26 @@ def main() -> int:
             if not procs[name].stdout.readline():  # one at a time: starts do not overlap
                 raise SystemExit(f"{name}: the vLLM process did not start (log: {log.name})")
 
+        def ask(name: str, msg: dict[str, Any]) -> dict[str, Any]:
+            """One line to a configuration's process, its one-line answer."""
+            p = procs[name]
+            assert p.stdin is not None and p.stdout is not None
+            p.stdin.write(json.dumps(msg) + "\n")
+            p.stdin.flush()
+            line = p.stdout.readline()
+            if not line:
+                raise SystemExit(f"{name}: the vLLM process died (log: {log.name})")
+            answer: dict[str, Any] = json.loads(line)
+            return answer
+
         def hits() -> dict[str, tuple[float, float]]:
             """Every configuration's host and storage hit tokens so far. Asked between
             workloads only: a scrape of kvtier's /metrics costs the vLLM process 10-15 ms of
             Python (embedded: its admin runs there), and two per request put 20-30 ms of
             CPU on kvtier's clock that no deployment pays (Prometheus scrapes every 15 s)."""
             got: dict[str, tuple[float, float]] = {}
-            for name, p in procs.items():
-                assert p.stdin is not None and p.stdout is not None
-                p.stdin.write(json.dumps({"stats": True}) + "\n")
-                p.stdin.flush()
-                line = p.stdout.readline()
-                if not line:
-                    raise SystemExit(f"{name}: the vLLM process died (log: {log.name})")
-                host, storage = json.loads(line)["hits"]
+            for name in procs:
+                host, storage = ask(name, {"stats": True})["hits"]
                 got[name] = (float(host), float(storage))
             return got
 
@@ -433,14 +439,7 @@ def main() -> int:
                 random.Random(f"{wname}{i}").shuffle(order)
                 for name in order:
                     loads.append(os.getloadavg()[0])
-                    p = procs[name]
-                    assert p.stdin is not None and p.stdout is not None
-                    p.stdin.write(json.dumps({"tokens": req}) + "\n")
-                    p.stdin.flush()
-                    line = p.stdout.readline()
-                    if not line:
-                        raise SystemExit(f"{name}: the vLLM process died (log: {log.name})")
-                    res[name].append(json.loads(line))
+                    res[name].append(ask(name, {"tokens": req}))
                 print(f"{wname}: {i + 1}/{len(requests)}", file=sys.stderr, flush=True)
             after = hits()
             tiers = {n: (after[n][0] - before[n][0], after[n][1] - before[n][1])

@@ -250,6 +250,37 @@ def kvtier_holds(llm: Any, hashes: list[bytes], storage: Path) -> dict[str, set[
     return {"CPU": host, "STORAGE": stored}
 
 
+def start_llm(model: Path, connector: dict[str, Any], endpoint: str, replay: int,
+              drop_removed_on_evict: bool) -> tuple[Any, Any]:
+    """vLLM with kvtier (`connector`: the connector's own keys) and vLLM's ZMQ KV-event
+    publisher on `endpoint` (replay on `replay`); returns it and kvtier's offloading manager.
+    `drop_removed_on_evict`: the break check, host removals never reach vLLM."""
+    from vllm import LLM
+    from vllm.config import KVEventsConfig, KVTransferConfig
+
+    kt = KVTransferConfig(
+        kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"spec_name": "KvtierOffloadingSpec",
+                                   "spec_module_path": "kvtier.integrations.vllm", **connector})
+    ev = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint,
+                        replay_endpoint=f"tcp://127.0.0.1:{replay}")
+    llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
+              dtype="bfloat16", block_size=BLOCK, num_gpu_blocks_override=12,
+              max_model_len=320, kv_transfer_config=kt, kv_events_config=ev, seed=0)
+    manager = kvtier_manager(llm)
+    if drop_removed_on_evict:
+        take = manager.take_events
+
+        def without_evictions() -> Any:
+            for e in take():
+                if not (e.removed and e.medium.value == "CPU"):
+                    yield e
+
+        manager.take_events = without_evictions
+    return llm, manager
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
@@ -263,8 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.attached:
         return attached_main(args)
 
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.v1.kv_offload.base import make_offload_key
 
@@ -275,32 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         storage = Path(tmp) / "storage"
         pub, replay = free_port(), free_port()
         endpoint = f"tcp://127.0.0.1:{pub}"
-        kt = KVTransferConfig(
-            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={
-                "spec_name": "KvtierOffloadingSpec",
-                "spec_module_path": "kvtier.integrations.vllm",
-                "host_blocks": HOST_BLOCKS, "storage_backend": "file",
-                "storage_path": str(storage), "prefetch_threshold": BLOCK, "admin_port": 0,
-                "admin_auth": "none", "admin_url_file": str(url_file)})
-        ev = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint,
-                            replay_endpoint=f"tcp://127.0.0.1:{replay}")
         sub = Subscriber(endpoint)
-        llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
-                  dtype="bfloat16", block_size=BLOCK, num_gpu_blocks_override=12,
-                  max_model_len=320, kv_transfer_config=kt, kv_events_config=ev, seed=0)
+        llm, manager = start_llm(model, {
+            "host_blocks": HOST_BLOCKS, "storage_backend": "file", "storage_path": str(storage),
+            "prefetch_threshold": BLOCK, "admin_port": 0, "admin_auth": "none",
+            "admin_url_file": str(url_file)}, endpoint, replay, args.drop_removed_on_evict)
         url = url_file.read_text().strip()
-        manager = kvtier_manager(llm)
-        if args.drop_removed_on_evict:
-            take = manager.take_events
-
-            def without_evictions() -> Any:  # the break: host removals never reach vLLM
-                for e in take():
-                    if not (e.removed and e.medium.value == "CPU"):
-                        yield e
-
-            manager.take_events = without_evictions
         rng = random.Random(args.seed)
         sp = SamplingParams(max_tokens=4, temperature=0.0)
         seen: list[bytes] = []
@@ -444,8 +454,7 @@ def attached_main(args: argparse.Namespace) -> int:
     """The `--attached` run (see the module docstring)."""
     import node_service
     from kvtier.engine.node_client import NodeClient
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.v1.kv_offload.base import make_offload_key
 
@@ -471,30 +480,11 @@ def attached_main(args: argparse.Namespace) -> int:
         pub, replay = free_port(), free_port()
         endpoint = f"tcp://127.0.0.1:{pub}"
         sub = Subscriber(endpoint)
-        kt = KVTransferConfig(
-            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={
-                "spec_name": "KvtierOffloadingSpec",
-                "spec_module_path": "kvtier.integrations.vllm",
-                "kvtier_serve": str(sock_dir / "node.sock"), "prefetch_threshold": BLOCK})
-        ev = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint,
-                            replay_endpoint=f"tcp://127.0.0.1:{replay}")
-        llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
-                  dtype="bfloat16", block_size=BLOCK, num_gpu_blocks_override=12,
-                  max_model_len=320, kv_transfer_config=kt, kv_events_config=ev, seed=0)
-        manager = kvtier_manager(llm)
+        llm, manager = start_llm(model, {
+            "kvtier_serve": str(sock_dir / "node.sock"), "prefetch_threshold": BLOCK},
+            endpoint, replay, args.drop_removed_on_evict)
         client = manager.cache
         namespace = client.hello.namespace
-        if args.drop_removed_on_evict:
-            take = manager.take_events
-
-            def without_evictions() -> Any:  # the break: host removals never reach vLLM
-                for e in take():
-                    if not (e.removed and e.medium.value == "CPU"):
-                        yield e
-
-            manager.take_events = without_evictions
         rng = random.Random(args.seed)
         sp = SamplingParams(max_tokens=4, temperature=0.0)
         seen: list[bytes] = []
