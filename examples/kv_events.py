@@ -63,6 +63,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -281,6 +282,30 @@ def start_llm(model: Path, connector: dict[str, Any], endpoint: str, replay: int
     return llm, manager
 
 
+def first_checkpoints(llm: Any, manager: Any, prompts: list[list[int]], storage: Path,
+                      run: Callable[[list[int]], None], check: Callable[[str], None]) -> None:
+    """The checkpoints both runs share: the prompts (host evictions, every block backed up),
+    the first again, the second's page files lost behind kvtier's back and the prompt again,
+    vLLM's own reset and the first prompt again."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    for p in prompts:
+        run(p)
+    check("after six prompts")
+    run(prompts[0])
+    check("first prompt again")
+    lost = {manager.storage_key(make_offload_key(h, 0)).hex()
+            for h in block_hashes(llm, prompts[1])}
+    for page in [p for p in storage.glob("**/*") if p.name in lost]:
+        page.unlink()  # the backend lost them (as a Redis TTL drops a page)
+    run(prompts[1])
+    check("pages lost, second prompt again")
+    if not llm.reset_prefix_cache(reset_connector=True):
+        raise SystemExit("vLLM's reset_prefix_cache failed")
+    run(prompts[0])
+    check("vLLM's reset, first prompt again")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
@@ -296,7 +321,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    from vllm.v1.kv_offload.base import make_offload_key
 
     model = build_model(Path(args.model_dir or os.path.join(
         tempfile.gettempdir(), "kvtier-vllm-tiny-llama")))
@@ -344,21 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpoints.append({"at": name, **per, "counts": counts})
 
         prompts = [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
-        for p in prompts:
-            run(p)
-        check("after six prompts")
-        run(prompts[0])
-        check("first prompt again")
-        lost = {manager.storage_key(make_offload_key(h, 0)).hex()
-                for h in block_hashes(llm, prompts[1])}
-        for page in [p for p in storage.glob("**/*") if p.name in lost]:
-            page.unlink()  # the backend lost them (as a Redis TTL drops a page)
-        run(prompts[1])
-        check("pages lost, second prompt again")
-        if not llm.reset_prefix_cache(reset_connector=True):
-            raise SystemExit("vLLM's reset_prefix_cache failed")
-        run(prompts[0])
-        check("vLLM's reset, first prompt again")
+        first_checkpoints(llm, manager, prompts, storage, run, check)
         pids = worker_pids(url)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
@@ -534,21 +544,7 @@ def attached_main(args: argparse.Namespace) -> int:
 
         prompts = [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
                    for _ in range(PROMPTS + 1)]
-        for p in prompts[:PROMPTS]:
-            run(p)
-        check("after six prompts")
-        run(prompts[0])
-        check("first prompt again")
-        lost = {manager.storage_key(make_offload_key(h, 0)).hex()
-                for h in block_hashes(llm, prompts[1])}
-        for page_file in [p for p in storage.glob("**/*") if p.name in lost]:
-            page_file.unlink()  # the backend lost them (as a Redis TTL drops a page)
-        run(prompts[1])
-        check("pages lost, second prompt again")
-        if not llm.reset_prefix_cache(reset_connector=True):
-            raise SystemExit("vLLM's reset_prefix_cache failed")
-        run(prompts[0])
-        check("vLLM's reset, first prompt again")
+        first_checkpoints(llm, manager, prompts[:PROMPTS], storage, run, check)
         # a second engine of the namespace stores the seventh prompt's blocks
         other = NodeClient(client.path, client.hello)
         theirs = block_hashes(llm, prompts[PROMPTS])
