@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: run test install system-deps lint lint-vllm bench clean vllm-env vllm-example consumers-env
+.PHONY: run test test-engines test-live test-all test-report install system-deps lint lint-vllm \
+	bench clean vllm-env vllm-example consumers-env
 
 $(VENV)/.installed: pyproject.toml setup.py manager/_native.c
 	python3 -m venv $(VENV)
@@ -73,8 +74,30 @@ lint-vllm: install vllm-env
 	$(VENV)/bin/mypy --python-executable $(VLLM_VENV)/bin/python \
 		--cache-dir .mypy_cache/vllm -p kvtier.integrations
 
-test: install system-deps lint vllm-env lint-vllm consumers-env
-	$(VENV)/bin/pytest -q --durations=40
+# The suite in three tiers, every test in exactly one (pytest markers; tests/tiers.py refuses a
+# test in none or two). Each run adds its tier to .kvtier/test-durations.json (make test-report).
+#   test:         lint, then every test that starts no vLLM, no HF model, no KV-event consumer
+#                 and no Docker engine (the README's test command; a contributor's inner loop)
+#   test-engines: vLLM (`LLM`, `vllm serve`), Dynamo's indexer, vllm-router, the HF model;
+#                 the vLLM adapter type-checked against vLLM's own classes first
+#   test-live:    the docker-compose deployment on a real Docker engine
+#   test-all:     the three in that order (what .ci/run runs)
+PYTEST := $(VENV)/bin/pytest -q --durations=20
+
+test: install system-deps lint
+	$(PYTEST) -m fast
+
+test-engines: install system-deps vllm-env lint-vllm consumers-env
+	$(PYTEST) -m engines
+
+test-live: install system-deps
+	$(PYTEST) -m live
+
+test-all: test test-engines test-live
+
+# Each tier's wall time and the 20 slowest tests, from the last run of each tier.
+test-report: install
+	$(PY) scripts/test_report.py
 
 bench: install
 	$(PY) bench/hotpath.py --peers

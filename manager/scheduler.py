@@ -302,6 +302,12 @@ class KVCacheManager(CacheCore):
             ids = self._dev_pool.allocate(need)
             req.blocks.extend(ids)
             req.length = length
+            # making room can evict a host copy under write_back, which queues its BACKUP:
+            # sent now, like every call's tasks (left queued, it waited for the next call,
+            # and a reset waited on it until its timeout: test_manager_stateful's outbox
+            # invariant found it)
+            if self.ledger.outbox:
+                self.ledger.flush()
             return ids
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,

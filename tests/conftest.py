@@ -4,6 +4,11 @@
   that asks for it (defined in redis_server.py, which bench/ imports too).
 - `shm_name`: a fresh host-pool segment name; the test fails if the segment is left behind.
 - Tests marked `cuda` are skipped, with the reason shown, where torch sees no CUDA GPU.
+- Every test is in exactly one tier (`fast`, `engines`, `live`: tiers.py); collection fails,
+  naming each test, when one has none or two. Every run writes .kvtier/test-durations.json.
+- Hypothesis profiles: `ci` (CI=true: the budgets written in the tests) and `dev` (the rest:
+  a third of them), both without deadlines; `KVTIER_HYPOTHESIS_PROFILE` picks one. Tests scale
+  their `max_examples` with `support.examples(n)`.
 """
 
 from __future__ import annotations
@@ -14,15 +19,49 @@ import posix_ipc
 import pytest
 from redis_server import redis_cluster, redis_server
 from support import new_segment_name
+from tiers import DurationLog, dump_tiers, tag_report, tier_problems
 
 __all__ = ["redis_cluster", "redis_server"]  # module-scoped fixtures, shared by every module
 
 NO_CUDA = "needs a CUDA GPU: torch.cuda.is_available() is false"
 
 
+_DURATIONS: list[DurationLog] = []  # the controller's log (none in a pytest-xdist worker)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller, or a run without pytest-xdist
+        _DURATIONS[:] = [DurationLog()]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for log in _DURATIONS:
+        log.report(report)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for log in _DURATIONS:
+        log.write(exitstatus)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Iterator[pytest.TestReport]:
+    rep: pytest.TestReport = yield
+    tag_report(item, rep)
+    return rep
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: every collected test is checked
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the `cuda` tests on a machine without a GPU. torch is imported only when such a
-    test was collected (it costs seconds, and most runs select none)."""
+    """Refuse a test in no tier or in two; skip the `cuda` tests on a machine without a GPU.
+    torch is imported only when such a test was collected (it costs seconds, and most runs
+    select none)."""
+    problems = tier_problems(items)
+    dump_tiers(items)
+    if problems:
+        raise pytest.UsageError(
+            f"{len(problems)} test(s) not in exactly one tier:\n" + "\n".join(problems))
     cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
     if not cuda_items:
         return

@@ -33,6 +33,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from support import new_deployment_id, promtool, tiny_config, wait_until
 
+pytestmark = pytest.mark.fast
+
 TOKEN = "s3cret-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 LIMITS = {"KVTIER_ADMIN__MAX_BODY_BYTES": "65536", "KVTIER_ADMIN__MAX_PIN_TOKENS": "256",

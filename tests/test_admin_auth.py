@@ -31,6 +31,8 @@ from kvtier.admin.auth import (
     write_token,
 )
 
+pytestmark = pytest.mark.fast
+
 
 def _mode(path: Path) -> int:
     return stat.S_IMODE(path.lstat().st_mode)

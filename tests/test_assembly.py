@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from kvtier.manager.keyed import KeyedHostCache
 from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.stack import assemble
 from kvtier.manager.storage_tier import StorageTier
 from kvtier.manager.transfers import ImmediateDispatcher
 from support import tiny_config
+
+pytestmark = pytest.mark.fast
 
 
 def test_assemble_hands_the_storage_tier_to_the_manager(tmp_path: Path) -> None:

@@ -11,6 +11,8 @@ import pytest
 from kvtier.manager.core.block_pool import BlockPool
 from kvtier.manager.errors import BlockPoolError, OutOfBlocksError
 
+pytestmark = pytest.mark.fast
+
 
 def snapshot(pool: BlockPool) -> tuple[list[int], int, list[bool]]:
     return pool.free_ids(), pool.num_free, [pool.is_free(i) for i in range(pool.capacity)]

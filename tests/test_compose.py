@@ -74,6 +74,8 @@ from support import (
     wait_until,
 )
 
+pytestmark = pytest.mark.fast
+
 CONTAINER_CONFIG = "/etc/kvtier/kvtier.toml"
 
 

@@ -52,7 +52,7 @@ from compose_support import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 BLOCK = 32  # docker/vllm-entrypoint.sh: --block-size 32 for the tiny model
 PROMPT_TOKENS = 200  # 6 full blocks + 8 tokens

@@ -39,6 +39,8 @@ from pydantic import ValidationError
 from redis_server import RedisClusterServers, RedisServer
 from support import fill, free_port, tmpfs_mount
 
+pytestmark = pytest.mark.fast
+
 REPO = Path(__file__).resolve().parents[1]
 
 BRIEF_DEFAULTS = {

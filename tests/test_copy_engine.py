@@ -24,6 +24,8 @@ from kvtier.worker.copy_engine import LAYER_DELAY_ENV, CopyEngine, plan_copy, wi
 from kvtier.worker.kv_pools import BlockIdError, DevicePool, HostPool, KVShape
 from support import new_segment_name
 
+pytestmark = pytest.mark.fast
+
 # 256-byte rows (complex128 path) and 6-byte rows (int16 path)
 SHAPES = {
     "wide": KVShape(num_layers=4, num_kv_heads=2, head_dim=16, block_size=4, dtype="float16"),

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("manager", "worker", "admin", "engine", "integrations")  # kvtier.<name>
 CORE = ROOT / "manager" / "core"

@@ -23,6 +23,8 @@ from kvtier.worker.kv_pools import HostPool, KVShape, PoolConfigError
 from stack_support import check, fill, running_stack
 from support import clean_env, new_segment_name, tiny_config
 
+pytestmark = pytest.mark.fast
+
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
 
 

@@ -15,6 +15,8 @@ from kvtier.manager.stack import Stack
 from kvtier.worker.kv_pools import HostPool, KVShape
 from support import remove_leftovers, tiny_config
 
+pytestmark = pytest.mark.fast
+
 KEYS = [hashlib.sha256(b"embedded-%d" % i).digest() for i in range(6)]
 
 

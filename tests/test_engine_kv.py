@@ -60,6 +60,8 @@ from support import (
     wait_until,
 )
 
+pytestmark = pytest.mark.fast
+
 TESTS_DIR = Path(__file__).resolve().parent
 L, N, BS, H, D = 3, 16, 4, 2, 8  # tiny_config's KV geometry with 3 layers, 16 blocks
 HOST_BLOCKS = 16

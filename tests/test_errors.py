@@ -13,6 +13,8 @@ import pytest
 from kvtier.manager import errors as manager_errors
 from kvtier.worker.errors import KvtierError
 
+pytestmark = pytest.mark.fast
+
 PACKAGES = ("kvtier.manager", "kvtier.worker", "kvtier.admin")
 
 

@@ -21,6 +21,8 @@ from kvtier.worker.process import WorkerSpec
 from kvtier.worker.wire import Completion, Task, TaskKind
 from support import new_deployment_id, tiny_config
 
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parents[1]
 SHM = Path("/dev/shm")
 

@@ -31,7 +31,8 @@ from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.transfers import ImmediateDispatcher
 from lru_reference import LRUResult, simulate
 
-pytestmark = pytest.mark.slow  # 3,000 trace requests of up to 64,000 blocks, twice
+# 3,000 trace requests of up to 64,000 blocks, twice
+pytestmark = [pytest.mark.fast, pytest.mark.slow]
 
 TRACE = (Path(__file__).resolve().parents[2] / "shared" / "traces"
          / "mooncake_conversation_trace.jsonl")

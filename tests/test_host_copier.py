@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from kvtier.engine.host_copier import HostCopier
 from kvtier.worker.kv_pools import HostPool, KVShape
 
+pytestmark = pytest.mark.fast
+
 SHAPE = KVShape(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
 DEV_BLOCKS, HOST_BLOCKS = 16, 12
 

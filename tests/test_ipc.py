@@ -57,6 +57,8 @@ from kvtier.worker.wire import (
 )
 from support import new_deployment_id
 
+pytestmark = pytest.mark.fast
+
 HERE = os.path.abspath(__file__)
 I64 = st.integers(-(2**63), 2**63 - 1)
 

@@ -22,6 +22,8 @@ import pytest
 from kvtier.manager import janitor
 from support import clean_env, leftovers, pid_exists, remove_leftovers, wait_until
 
+pytestmark = pytest.mark.fast
+
 OWNER = """
 import os, sys, time, tempfile
 from pathlib import Path

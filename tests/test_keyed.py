@@ -35,6 +35,8 @@ from redis_server import RedisServer
 from stack_support import attached_host_pools, running_stack
 from support import tiny_config, wait_until
 
+pytestmark = pytest.mark.fast
+
 HOST_BLOCKS = 12
 PROMPTS = 5
 PROMPT_BLOCKS = 6

@@ -20,6 +20,8 @@ import pytest
 import xxhash
 from kvtier.manager.keys import ExtraKey, TokenKeyError, chain_keys, key_bytes, storage_keys
 
+pytestmark = pytest.mark.fast
+
 BS = 4
 REPO = Path(__file__).resolve().parents[1]
 

@@ -36,7 +36,7 @@ if not VLLM_PYTHON.exists():
     pytest.skip(f"vLLM's environment {VLLM_PYTHON} is not built (make vllm-env)",
                 allow_module_level=True)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 60)]
+pytestmark = [pytest.mark.engines, pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 60)]
 
 
 @pytest.fixture(scope="module")

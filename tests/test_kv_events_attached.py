@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from test_kv_events import RUN_TIMEOUT_S, checkpoint, run_example
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 60)]
+pytestmark = [pytest.mark.engines, pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 60)]
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,8 @@ from kvtier.worker.kv_pools import (
     parse_dtype,
 )
 
+pytestmark = pytest.mark.fast
+
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = KVShape(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
 

@@ -39,7 +39,7 @@ for _need, _make in ((VLLM_PYTHON, "make vllm-env"),
             raise RuntimeError(f"{_need} is missing: `make test` builds it ({_make})")
         pytest.skip(f"{_need} is not built ({_make})", allow_module_level=True)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 120)]
+pytestmark = [pytest.mark.engines, pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 120)]
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,8 @@ from kvtier.manager.transfers import ManualDispatcher
 from kvtier.worker.wire import TaskKind
 from support import tiny_config
 
+pytestmark = pytest.mark.fast
+
 BS = 4
 PREFIXES = [tuple(range(100 * p, 100 * p + 8)) for p in range(3)]
 tokens_st = st.builds(
@@ -342,6 +344,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def pending_tasks_are_transfers(self) -> None:
+        assert not self.m.ledger.outbox, f"queued, never sent: {self.m.ledger.outbox}"
         for t in self.dispatcher.tasks.values():
             assert t.kind in (TaskKind.D2H, TaskKind.H2D)
 
@@ -573,6 +576,8 @@ class StorageMachine(ManagerMachine):
 
     @invariant()
     def pending_tasks_are_transfers(self) -> None:
+        # every API call sends the tasks it made before it returns: none waits in the outbox
+        assert not self.m.ledger.outbox, f"queued, never sent: {self.m.ledger.outbox}"
         for t in self.dispatcher.tasks.values():
             assert t.kind in (TaskKind.D2H, TaskKind.H2D, TaskKind.QUERY, TaskKind.PREFETCH,
                               TaskKind.BACKUP, TaskKind.REVOKE), t

@@ -31,7 +31,8 @@ from support import (
     wait_until,
 )
 
-pytestmark = pytest.mark.slow  # a prometheus server scraping `kvtier serve` with two workers
+# a prometheus server scraping `kvtier serve` with two workers
+pytestmark = [pytest.mark.fast, pytest.mark.slow]
 
 RANKS = 2
 

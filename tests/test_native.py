@@ -30,6 +30,8 @@ from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.transfers import ManualDispatcher
 from test_manager_stateful import SETTINGS, ManagerMachine
 
+pytestmark = pytest.mark.fast
+
 needs_native = pytest.mark.skipif(not native.available(),
                                   reason=f"native extension not in use: {native.UNAVAILABLE}")
 

@@ -190,6 +190,7 @@ def _settled(srv: NodeServer, pages: Path, subs: list[Subscriber],
 # ------------------------------------------------------------------------------ tests
 
 
+@pytest.mark.engines  # vLLM's own decoder, in a process of vLLM's environment
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_engines_events_rebuild_what_the_service_holds(
@@ -289,6 +290,7 @@ def _decoded_by_vllm_equal(payloads: list[bytes]) -> None:
     assert theirs == ours
 
 
+@pytest.mark.fast
 def test_a_gap_is_recovered_through_replay(service: tuple[NodeServer, Path]) -> None:
     """Batches 1 and 2 lost on the way: the next batch received triggers a replay from 1
     and the rebuilt sets equal the service's."""
@@ -360,6 +362,7 @@ def _own_settled(srv: NodeServer, pages: Path, streams: list[OwnStream], keys: l
     return out
 
 
+@pytest.mark.fast
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_an_attached_engines_own_events_are_its_namespaces_tiers(
@@ -429,6 +432,7 @@ def test_an_attached_engines_own_events_are_its_namespaces_tiers(
 # ------------------------------------------------------------------------------ no service
 
 
+@pytest.mark.fast
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.lists(st.binary(min_size=1, max_size=40),
                                                   min_size=1, max_size=5),
@@ -451,6 +455,7 @@ def test_batches_round_trip(events: list[tuple[bool, list[bytes], str, str]],
         assert "ownership" not in e
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("key_", "value", "needle"), [
     ("events_endpoint", "tcp://0.0.0.0:5557", "node.events_endpoint"),
     ("events_endpoint", "ipc://relative/path", "absolute path"),
@@ -465,6 +470,7 @@ def test_bad_endpoints_are_one_line_errors(key_: str, value: Any, needle: str) -
     assert "\n" not in msg and needle in msg, msg
 
 
+@pytest.mark.fast
 def test_tcp_on_loopback_binds_and_a_taken_port_is_one_line(tmp_path: Path) -> None:
     d = Path(tempfile.mkdtemp(prefix="kve", dir="/tmp"))
     d2 = Path(tempfile.mkdtemp(prefix="kve", dir="/tmp"))

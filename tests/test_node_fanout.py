@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kvtier.manager.keyed_events import HOST, STORAGE, TierEvent
 from kvtier.manager.node.fanout import EventFanout
+
+pytestmark = pytest.mark.fast
 
 TIERS = (HOST, STORAGE)
 

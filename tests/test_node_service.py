@@ -34,6 +34,8 @@ from node_engine import SHAPE, hello
 from serve_support import ServeProcess, tiny_toml
 from support import kvtier_script, new_deployment_id, promtool, remove_leftovers, wait_until
 
+pytestmark = pytest.mark.fast
+
 ENGINE = Path(__file__).with_name("node_engine.py")
 PAGE = 2 * 2 * 2 * 8 * 4 * 2  # layers x K,V x heads x head_dim x block x float16 = 512
 NS_A, NS_B = "model-a", "model-b"

@@ -36,6 +36,8 @@ from kvtier.worker.kv_pools import HostPool, KVShape
 from node_engine import SHAPE, hello
 from support import new_deployment_id, remove_leftovers, tiny_config, wait_until
 
+pytestmark = pytest.mark.fast
+
 ENGINES = 3
 KEYS = [hashlib.sha256(b"stateful-%d" % i).digest() for i in range(12)]
 NS = "stateful"

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from kvtier.manager.keyed_events import HOST, STORAGE, TierEvent
 from kvtier.manager.node import wire
 
+pytestmark = pytest.mark.fast
+
 _KEYED = [wire.Op.COMPLETE_STORE, wire.Op.COMPLETE_LOAD, wire.Op.TOUCH]
 
 

@@ -19,6 +19,8 @@ from kvtier.worker.kv_pools import HostPool, KVShape
 from kvtier.worker.spec import WorkerSpec
 from support import new_deployment_id, tiny_config
 
+pytestmark = pytest.mark.fast
+
 SHAPE = KVShape(2, 2, 8, 4, "float16")
 GPU = "0000:3b:00.0"
 GPU_UUID = "GPU-5f0c1f2a-7d1e-4a8b-9e3c-0123456789ab"

@@ -23,7 +23,8 @@ import pytest
 from serve_support import ServeProcess, tiny_toml
 from support import clean_env, module_command, new_deployment_id
 
-pytestmark = pytest.mark.slow  # `kvtier serve` with a worker, and a schemathesis run
+# `kvtier serve` with a worker, and a schemathesis run
+pytestmark = [pytest.mark.fast, pytest.mark.slow]
 
 SEED = 20240611
 MAX_EXAMPLES = 20

@@ -39,6 +39,8 @@ from kvtier.manager.plan import (
 from kvtier.manager.scheduler import KVCacheManager
 from support import clean_env, kvtier_script, leftovers, new_deployment_id
 
+pytestmark = pytest.mark.fast
+
 # The shared workspace's trace (beside the checkout); KVTIER_TEST_TRACE names another copy.
 TRACE = Path(os.environ.get("KVTIER_TEST_TRACE") or (
     Path(__file__).resolve().parents[2] / "shared" / "traces"

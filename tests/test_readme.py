@@ -13,6 +13,8 @@ import pytest
 from kvtier.manager.config import KvtierConfig
 from support import clean_env, kvtier_script, leftovers, new_deployment_id
 
+pytestmark = pytest.mark.fast
+
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 
@@ -27,8 +29,16 @@ def test_readme_opens_with_the_run_and_test_commands() -> None:
 
 
 def test_ci_runs_the_readme_test_command() -> None:
+    """.ci/run runs `make test-all`, whose first tier is the README's `make test`, then the
+    engine and live tiers: every tier's marker has a target and test-all runs them all."""
     ci = (REPO / ".ci" / "run").read_text()
-    assert re.search(r"^make test$", ci, re.M)
+    assert re.search(r"^make test-all( |\|\||$)", ci, re.M), ci
+    makefile = (REPO / "Makefile").read_text()
+    test_all = re.search(r"^test-all: (.*)$", makefile, re.M)
+    assert test_all and test_all.group(1).split() == ["test", "test-engines", "test-live"]
+    for target, tier in (("test", "fast"), ("test-engines", "engines"), ("test-live", "live")):
+        recipe = re.search(rf"^{target}: .*\n\t(.+)$", makefile, re.M)
+        assert recipe and recipe.group(1).endswith(f"-m {tier}"), (target, recipe)
 
 
 def test_every_configuration_key_is_documented() -> None:

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from support import SHM_DIR, clean_env, pid_exists, require_tool
 
-pytestmark = pytest.mark.slow  # runs the example: a process importing torch and transformers
+# runs the example: a process importing torch and transformers
+pytestmark = [pytest.mark.engines, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 TIERS = ("device", "host", "storage_file", "storage_redis")

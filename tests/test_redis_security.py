@@ -21,6 +21,8 @@ from kvtier.manager.config import ConfigError, check_storage_reachable, load_con
 from kvtier.worker.storage.redis_backend import RedisBackend
 from redis_server import RedisServer, TlsFiles, make_tls_files
 
+pytestmark = pytest.mark.fast
+
 PAGE = 4096
 NS = "sec-model/r0"
 SECRET = b"kvtier-test-redis-security-0001"

@@ -23,7 +23,8 @@ from lru_reference import simulate
 from support import clean_env, kvtier_script, leftovers, new_deployment_id
 from test_fidelity import TRACE, block_identities, trace  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.slow  # 1,000 trace requests through two worker processes
+# 1,000 trace requests through two worker processes
+pytestmark = [pytest.mark.fast, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 LIMIT = 1000

@@ -48,6 +48,8 @@ from support import (
     tiny_config,
 )
 
+pytestmark = pytest.mark.fast
+
 REPO = Path(__file__).resolve().parents[1]
 L, E, H, D, BS = 3, 2, 2, 8, 4  # model layers, extra layers, KV heads, head dim, block size
 N, HOST = 16, 12

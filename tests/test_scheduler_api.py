@@ -36,6 +36,8 @@ from kvtier.manager.transfers import ImmediateDispatcher, ManualDispatcher
 from kvtier.worker.wire import Priority, Task, TaskKind, key_tag
 from support import tiny_config
 
+pytestmark = pytest.mark.fast
+
 BS = 4
 Factory = Callable[..., KVCacheManager]
 

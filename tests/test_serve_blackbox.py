@@ -39,7 +39,8 @@ from support import (
     wait_until,
 )
 
-pytestmark = pytest.mark.slow  # `kvtier serve` and `kvtier status` as child processes
+# `kvtier serve` and `kvtier status` as child processes
+pytestmark = [pytest.mark.fast, pytest.mark.slow]
 
 TOKEN = "blackbox-token-1"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

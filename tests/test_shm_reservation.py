@@ -19,6 +19,8 @@ from kvtier.worker.ipc import IPCError, ManagerIPC, existing_names
 from kvtier.worker.kv_pools import HostPool, KVShape, PoolConfigError
 from support import new_deployment_id
 
+pytestmark = pytest.mark.fast
+
 SHAPE = KVShape(2, 2, 8, 4, "float16")  # 512-byte pages
 SHM = Path("/dev/shm")
 

@@ -58,7 +58,7 @@ from stack_support import (
 )
 from support import leftovers, new_deployment_id, tiny_config, wait_until
 
-pytestmark = pytest.mark.slow  # real worker processes
+pytestmark = [pytest.mark.fast, pytest.mark.slow]  # real worker processes
 
 BS = 4
 WAIT_S = 20.0

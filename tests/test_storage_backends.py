@@ -31,6 +31,8 @@ from kvtier.worker.storage.redis_backend import RedisBackend
 from redis_server import RedisClusterServers, RedisServer
 from support import free_port, wait_until
 
+pytestmark = pytest.mark.fast
+
 PAGE = 64 * 1024
 SHAPE = {"num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16", "block_size": 64}
 NS = namespace_for(SHAPE, 0, 2)

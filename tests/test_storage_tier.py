@@ -57,7 +57,8 @@ from storage_support import (
 )
 from support import clean_env, leftovers, module_command, new_deployment_id, wait_until
 
-pytestmark = pytest.mark.slow  # real worker processes, redis-server and a Redis Cluster
+# real worker processes, redis-server and a Redis Cluster
+pytestmark = [pytest.mark.fast, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKS = 16  # blocks of a test prompt

@@ -18,6 +18,8 @@ from kvtier.manager import workloads
 from kvtier.manager.workloads import TRACE_BLOCK_TOKENS, TraceError, WorkRequest, read_trace
 from support import clean_env, kvtier_script, new_deployment_id
 
+pytestmark = pytest.mark.fast
+
 GOOD = '{"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": [7]}'
 
 BAD_LINES = [

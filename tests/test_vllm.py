@@ -46,7 +46,7 @@ if not VLLM_PYTHON.exists():
                 allow_module_level=True)
 
 # a test waits for its own chain of runs, at most four runs of RUN_TIMEOUT_S and a queue
-pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S * 4 + 60)
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(RUN_TIMEOUT_S * 4 + 60)]
 
 
 def _env() -> dict[str, str]:

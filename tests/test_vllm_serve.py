@@ -65,7 +65,7 @@ if not VLLM_PYTHON.exists():
     pytest.skip(f"vLLM's environment {VLLM_PYTHON} is not built (make vllm-env)",
                 allow_module_level=True)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * START_TIMEOUT_S + 300)]
+pytestmark = [pytest.mark.engines, pytest.mark.slow, pytest.mark.timeout(3 * START_TIMEOUT_S + 300)]
 
 START_LINE = re.compile(r"kvtier offloading: deployment (vllm-[0-9a-f]{12}), (\d+) host blocks "
                         r".*?, admin (http://[0-9.]+:\d+)")

@@ -48,7 +48,7 @@ from support import (
     wait_until,
 )
 
-pytestmark = pytest.mark.slow  # real Stacks: worker processes that import torch
+pytestmark = [pytest.mark.fast, pytest.mark.slow]  # real Stacks: worker processes that import torch
 
 REPO = Path(__file__).resolve().parent.parent
 

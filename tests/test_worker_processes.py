@@ -60,7 +60,7 @@ from support import (
 )
 from test_manager_stateful import BS, PREFIXES, ManagerMachine
 
-pytestmark = pytest.mark.slow  # real Stacks: worker processes that import torch
+pytestmark = [pytest.mark.fast, pytest.mark.slow]  # real Stacks: worker processes that import torch
 
 TESTS_DIR = Path(__file__).resolve().parent
 _tokens = itertools.count(1)
