@@ -682,3 +682,39 @@ def build_plan(profile: StackProfile, cfg: PlanInputs, points: int = 80,
                 "reuse: the hit rate rises to the achievable one, the cold misses remain",
     }
     return out
+
+
+# ------------------------------------------------------------------ other policies, by replay
+
+
+def policy_hit_blocks(requests: Sequence[WorkRequest] | Sequence[Sequence[int]],
+                      block_size: int, sizes: Sequence[int] | I64, policy: str) -> list[int]:
+    """Device hit blocks of an eviction policy at each device size: no one-pass method
+    exists for a policy without LRU's inclusion property, so each size is a replay: the
+    stream through the scheduler (`KVCacheManager`, in process, device only, no workers),
+    one request at a time, match -> allocate -> commit -> release, as `kvtier replay` drives
+    it (so the figures equal `kvtier replay`'s hit_tokens.device / block_size). A size below
+    the largest request's blocks is answered with -1 (replay refuses it)."""
+    # The scheduler sits above this module's own layer only for this replay: imported here
+    # so the one-pass curves keep the module engine-agnostic and light to import.
+    from kvtier.manager.scheduler import KVCacheManager
+
+    prompts = [r.tokens if isinstance(r, WorkRequest) else list(r) for r in requests]
+    need = max((-(-len(t) // block_size) for t in prompts), default=1)
+    out: list[int] = []
+    for size in sizes:
+        if int(size) < need:
+            out.append(-1)
+            continue
+        m = KVCacheManager(block_size=block_size, device_blocks=int(size), host_blocks=0,
+                           eviction_policy=policy)
+        hits = 0
+        for i, toks in enumerate(prompts):
+            rid = f"r{i}"
+            mr = m.match(rid, toks)
+            m.allocate(rid, len(toks) - mr.num_tokens, reserve_blocks=0)
+            m.commit(rid, toks, len(toks))
+            m.release(rid)
+            hits += mr.num_tokens // block_size
+        out.append(hits)
+    return out

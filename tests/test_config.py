@@ -39,6 +39,8 @@ from pydantic import ValidationError
 from redis_server import RedisClusterServers, RedisServer
 from support import fill, free_port, tmpfs_mount
 
+pytestmark = pytest.mark.fast
+
 REPO = Path(__file__).resolve().parents[1]
 
 BRIEF_DEFAULTS = {
@@ -51,6 +53,7 @@ BRIEF_DEFAULTS = {
         "host_blocks": 8192,
         "write_policy": "write_through_selective",
         "hit_threshold": 2,
+        "eviction_policy": "lru",
         "decode_reserve_blocks": 1,
     },
     "storage": {
