@@ -139,8 +139,9 @@ class HeapEviction:
     Leaves first, without child links: a policy's priority is nondecreasing in the node's
     hits and in its stamp (the policy's clock when its last request released it). A request
     that matches a child matches its parent too (so parent hits >= child hits) and releases
-    them together (same stamp), and a parent still held by another request gets a later
-    stamp, so a parent's priority is never below its child's; ties go to the deeper node.
+    them together (same stamp; a parent released while pinned or still held by another
+    request gets the stamp too, kept for when it is listed later), so a parent's priority is
+    never below its child's; ties go to the deeper node.
     Hence the lowest live entry is a node none of whose children is cached on the device.
     Pinned nodes are never in the LRU list, so never live.
     """
@@ -176,9 +177,17 @@ class HeapEviction:
         self.on_release(len(nodes))
         stamp = self.clock
         bonus = self.request_bonus(nodes)
+        meta = self._meta
         for depth, node in enumerate(nodes):
-            if node is not None and node.dprev is not None and node.key is not None:
+            if node is None or node.key is None:
+                continue
+            if node.dprev is not None:
                 self._push(node, node.key, depth, stamp, bonus)
+            else:
+                # Still held (pinned, another request, a transfer): not evictable now, but
+                # its stamp moves with its children's, so when `listed` pushes it later it
+                # still ranks above every child released meanwhile (leaves first).
+                meta[node.key] = (depth, stamp, -1, bonus)
 
     def listed(self, node: EvictableNode) -> None:
         """`node` joined the device LRU list outside a release (a transfer answered, an
