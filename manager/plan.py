@@ -561,11 +561,16 @@ OFFLINE_BOUNDS = (
 
 
 def build_plan(profile: StackProfile, cfg: PlanInputs, points: int = 80,
-               offline_points: int = 16) -> dict[str, Any]:
+               offline_points: int = 16, policies: Sequence[str] = (),
+               requests: Sequence[WorkRequest] | Sequence[Sequence[int]] = (),
+               policy_points: int = 8) -> dict[str, Any]:
     """Everything `kvtier plan --json` prints: the curves, the sizes for each target, the
     prefill saved at the configured sizes, and where the figures are exact. With
     `offline_points` > 0 also the clairvoyant offline curve (`offline_hit_blocks`) on a grid
-    of about 1.5x that many sizes plus the configured one: one O(N log N) pass per size."""
+    of about 1.5x that many sizes plus the configured one: one O(N log N) pass per size.
+    With `policies` (eviction policy names) and the `requests` the profile was made of, each
+    policy's device curve by replay (`policy_hit_blocks`) on a grid of about 1.5x
+    `policy_points` sizes from the smallest replay accepts, plus the configured one."""
     bs = profile.block_size
     lookup = profile.lookup_tokens
     reqs = profile.requests
@@ -673,6 +678,17 @@ def build_plan(profile: StackProfile, cfg: PlanInputs, points: int = 80,
                            "lru_token_hit_rate": rate(dev_cfg_hits)},
             "elapsed_s": round(time.perf_counter() - t_off, 3),
         }
+    if policies:
+        lo = max(profile.min_device_blocks, 1)
+        pgrid = np.unique(np.concatenate((size_grid(top, policy_points), [d_cfg])))
+        pgrid = pgrid[pgrid >= lo]
+        curves: dict[str, list[list[float]]] = {}
+        t_pol = time.perf_counter()
+        for name in policies:
+            hits = policy_hit_blocks(requests, bs, pgrid, name)
+            curves[name] = [[int(s), rate(h)] for s, h in zip(pgrid, hits, strict=True)]
+        out["policy_curves"] = curves
+        out["policy_curves_elapsed_s"] = round(time.perf_counter() - t_pol, 3)
     cold = 1.0 - achievable
     out["storage"] = {
         "configured": cfg.storage,

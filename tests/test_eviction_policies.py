@@ -224,7 +224,7 @@ def test_unknown_policy_is_one_line(tmp_path: Path) -> None:
 def test_replay_verify_and_plan_equal_replay_under_each_policy(tmp_path: Path) -> None:
     """`kvtier replay --verify` serves only bytes that belong to their keys under every
     policy, and its device hits equal the planner's curve for that policy
-    (`policy_hit_blocks`, what `kvtier plan --policies` prints)."""
+    (`policy_hit_blocks`, and `kvtier plan --policies`' JSON at the configured size)."""
     procs = {}
     for p in EVICTION_POLICIES:
         cfg = tmp_path / f"{p}.toml"
@@ -238,6 +238,13 @@ def test_replay_verify_and_plan_equal_replay_under_each_policy(tmp_path: Path) -
             stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=tmp_path)
     from kvtier.manager.workloads import chat_requests
 
+    plan = subprocess.run(
+        [str(kvtier_script()), "plan", "--workload", "chat", "--limit", "120", "--json",
+         "--offline-points", "0", "--policies", ",".join(EVICTION_POLICIES), "--config",
+         str(tmp_path / "lru.toml")], capture_output=True, text=True, env=clean_env(),
+        cwd=tmp_path, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    curves = json.loads(plan.stdout.strip().splitlines()[-1])["policy_curves"]
     reqs = chat_requests(120)
     seen = set()
     for p, proc in procs.items():
@@ -248,4 +255,6 @@ def test_replay_verify_and_plan_equal_replay_under_each_policy(tmp_path: Path) -
         want = policy_hit_blocks(reqs, 64, [250], p)[0]
         assert got["hit_tokens"]["device"] == want * 64, (p, got["hit_tokens"], want)
         seen.add(want)
+        # `kvtier plan --policies` at the configured size: the same replay's hit rate
+        assert dict((s, r) for s, r in curves[p])[250] == pytest.approx(got["hit_rate"]), p
     assert len(seen) == len(procs)  # the size is one where every policy differs
