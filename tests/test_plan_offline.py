@@ -1,7 +1,7 @@
 """The planner's clairvoyant offline curve (`kvtier.manager.plan.offline_hit_blocks`): held to
 an exhaustive search over every schedule a prefix-tree cache of the same size could follow
-(hypothesis, small streams), to LRU's exact curve and to the scheduler (never below either),
-and to the planner's JSON.
+(hypothesis, small streams), to LRU's exact curve, the scheduler and every eviction policy's
+replay (never below any), and to the planner's JSON.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from kvtier.manager.plan import (
     build_plan,
     device_hit_blocks,
     offline_hit_blocks,
+    policy_hit_blocks,
     stack_profile,
 )
+from kvtier.manager.policies import EVICTION_POLICIES
 from kvtier.manager.scheduler import KVCacheManager
 
 pytestmark = pytest.mark.fast
@@ -102,7 +104,7 @@ def test_offline_curve_equals_exhaustive_search(case: tuple[list[list[int]], int
 
 @given(prompt_streams())
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_offline_curve_is_never_below_lru_or_the_scheduler(
+def test_offline_curve_is_never_below_lru_the_scheduler_or_any_policy(
         case: tuple[list[list[int]], int]) -> None:
     prompts, bs = case
     prof = stack_profile(prompts, bs)
@@ -111,8 +113,13 @@ def test_offline_curve_is_never_below_lru_or_the_scheduler(
     lru = device_hit_blocks(prof, top)
     assert (off >= lru).all(), (off.tolist(), lru.tolist())
     assert (np.diff(off) >= 0).all()  # more room never serves less
-    for d in range(max(prof.min_device_blocks, 1), top + 1):
+    lo = max(prof.min_device_blocks, 1)
+    for d in range(lo, top + 1):
         assert scheduler_device_hits(prompts, bs, d) <= off[d], d
+    # ... nor below any eviction policy's replay at the same size.
+    for policy in EVICTION_POLICIES:
+        got = policy_hit_blocks(prompts, bs, range(lo, top + 1), policy)
+        assert all(g <= o for g, o in zip(got, off[lo:].tolist(), strict=True)), policy
     # Unbounded, it serves every reuse, as LRU does.
     assert off[-1] == lru[-1]
 
