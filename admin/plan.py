@@ -3,8 +3,9 @@
 Reads the same inputs as `kvtier replay` (a Mooncake trace or a built-in workload, the
 configuration's block size, KV shape and tier sizes), runs `kvtier.manager.plan` (the stack
 distance pass and the curves: see there what is exact) and prints a summary, one JSON
-object (`--json`, on the last line) and a plot (`--plot PNG`: the device curve and the
-device + host curve at the configured device size, the configured sizes marked).
+object (`--json`, on the last line) and a plot (`--plot PNG`: the device curve, LRU's exact
+one beside the clairvoyant offline (Belady) curve, and the device + host curve at the
+configured device size, the configured sizes marked).
 
 Exit statuses: 0 done, 2 bad input (a configuration key, a trace line, an option), 1 the plot
 could not be written (the report is printed first).
@@ -34,16 +35,34 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PNG", help="write the hit-rate curves as a PNG")
     p.add_argument("--points", type=int, default=80, metavar="N",
                    help="points per curve (at least 50; default 80)")
+    p.add_argument("--offline-points", type=int, default=24, metavar="N",
+                   help="about 1.5x N sizes of the clairvoyant offline (Belady) curve, one "
+                        "pass each (0: none; default 24)")
+    p.add_argument("--policies", metavar="A,B,...", default="",
+                   help="eviction policies (cache.eviction_policy values) whose device curves "
+                        "to add, each by replay at about 1.5x --policy-points sizes")
+    p.add_argument("--policy-points", type=int, default=8, metavar="N",
+                   help="sizes per --policies curve, about 1.5x N (default 8)")
 
 
 def run_plan_command(args: argparse.Namespace) -> int:
     """`kvtier plan`: 0, 1 when the plot cannot be written, 2 on bad input."""
     # numpy and the pass load only for this subcommand (cli builds every parser at start).
     from kvtier.manager.plan import PlanInputs, build_plan, stack_profile
+    from kvtier.manager.policies import EVICTION_POLICIES
 
     try:
         if args.points < 50:
             raise ConfigError(f"--points must be >= 50, got {args.points}")
+        if args.offline_points < 0:
+            raise ConfigError(f"--offline-points must be >= 0, got {args.offline_points}")
+        policies = [p for p in args.policies.split(",") if p]
+        bad = [p for p in policies if p not in EVICTION_POLICIES]
+        if bad:
+            raise ConfigError(f"--policies: unknown {', '.join(map(repr, bad))}; expected "
+                              f"names from {', '.join(EVICTION_POLICIES)}")
+        if args.policy_points < 1:
+            raise ConfigError(f"--policy-points must be >= 1, got {args.policy_points}")
         # Planning sizes pools for the machine that will run them, not this one.
         cfg = load_config(args.config, check_resources=False)
         requests = requests_from_args(args)
@@ -61,7 +80,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         write_policy=cfg.cache.write_policy,
         storage=cfg.storage.backend != "none",
     )
-    plan = build_plan(profile, inputs, args.points)
+    plan = build_plan(profile, inputs, args.points, args.offline_points, policies, requests,
+                      args.policy_points)
     plan["elapsed_s"] = round(time.perf_counter() - t0, 3)
     plan["stack_pass_s"] = round(pass_s, 3)
     plan["accesses_per_s"] = round(profile.accesses / pass_s) if pass_s else 0
@@ -102,6 +122,17 @@ def print_plan(p: dict[str, Any]) -> None:
     print(f"configured device_blocks = {cfg['device_blocks']:,}: hit rate "
           f"{d['token_hit_rate']:.1%}, {d['prefill_tokens_saved_per_request']:,.0f} prefill "
           f"tokens saved per request{'' if d['exact'] else ' (not exact: capped repeats)'}")
+    if "offline" in p:
+        o = p["offline"]["configured"]
+        print(f"clairvoyant offline (Belady) at device_blocks = {cfg['device_blocks']:,}: hit "
+              f"rate {o['token_hit_rate']:.1%} (LRU {o['lru_token_hit_rate']:.1%}): what any "
+              "eviction policy could at most reach at that size")
+    for name, curve in p.get("policy_curves", {}).items():
+        at = {int(s): r for s, r in curve}
+        print(f"eviction_policy = {name} (by replay): " + ", ".join(
+            f"{s:,} blocks {at[s]:.1%}" for s in sorted(at)[::max(1, len(at) // 6)])
+            + (f"; configured {at[cfg['device_blocks']]:.1%}"
+               if cfg["device_blocks"] in at else ""))
     t = p["two_tier"]
     tc = t["configured"]
     print(f"device {cfg['device_blocks']:,} + host blocks ({t['write_policy']}"
@@ -136,7 +167,14 @@ def plot_plan(p: dict[str, Any], path: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=100)
     xs = [s * bb / gib for s, _ in p["device_curve"]]
     ys = [r for _, r in p["device_curve"]]
-    ax1.plot(xs, ys, color="tab:blue")
+    ax1.plot(xs, ys, color="tab:blue", label="LRU (exact)")
+    if "offline_curve" in p:
+        ax1.plot([s * bb / gib for s, _ in p["offline_curve"]],
+                 [r for _, r in p["offline_curve"]], color="black", ls="--", marker=".",
+                 ms=3, label="offline (Belady), a bound")
+    for name, curve in p.get("policy_curves", {}).items():
+        ax1.plot([s * bb / gib for s, _ in curve], [r for _, r in curve], marker="x", ms=4,
+                 lw=1, label=f"{name} (replay)")
     ax1.axvline(cfg["device_blocks"] * bb / gib, color="tab:red", ls="--",
                 label=f"device_blocks = {cfg['device_blocks']:,}")
     ax1.axhline(p["achievable_hit_rate"], color="grey", ls=":", label="achievable")

@@ -50,6 +50,12 @@ proven bound is the achievable hit rate (an unbounded cache). The device-only cu
 a lower bound for them: backups in flight pin blocks on the device (write_through measured
 0.500 where the device alone gives 0.504 at 70 device blocks).
 
+The offline reference (`offline_hit_blocks`): beside LRU, what a clairvoyant cache of the
+same size would serve, Belady's rule with bypass over the same stream (see its doc for what
+it bounds and why). It has no one-pass form here: one O(N log N) pass per size (a heap with
+lazy deletion over precomputed next-use keys; about 0.5-0.9 s per size for the shared
+trace's first 3,000 requests, 632,169 accesses), so the plan computes it on a coarser grid.
+
 Cost: O(N log N) for N block accesses (a Fenwick tree over access times, its updates and
 queries vectorised with numpy per request), memory linear in distinct blocks plus accesses.
 The module is engine-agnostic and imports no plotting or terminal library.
@@ -57,7 +63,9 @@ The module is engine-agnostic and imports no plotting or terminal library.
 
 from __future__ import annotations
 
+import heapq
 import math
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,6 +146,8 @@ class StackProfile:
     accesses: int
     distinct_blocks: int
     capped_repeats: list[int] = field(default_factory=list)
+    blocks: list[I64] = field(default_factory=list)
+    """Request i's full blocks as dense ids, in order (what `offline_hit_blocks` reads)."""
 
     @property
     def requests(self) -> int:
@@ -247,7 +257,7 @@ def profile_from_ids(per_req: Sequence[I64], lens: Sequence[int], block_size: in
         distinct += k - int(was.sum())
         t += k
     return StackProfile(bs, tokens, limit, full, owned, frees, start, dist, t, distinct,
-                        capped)
+                        capped, list(per_req))
 
 
 # ------------------------------------------------------------------ curves
@@ -398,6 +408,135 @@ def smallest_host_blocks(profile: StackProfile, device_blocks: int, grid: I64,
             out[k] = hi[k]
 
 
+# ------------------------------------------------------------------ the offline reference
+
+
+@dataclass
+class OfflineTrace:
+    """A request stream serialized for the clairvoyant pass: one entry per full block of each
+    request, in request order and, within a request, root first.
+
+    * `block[k]`, `depth[k]` (its position in its request), `counted[k]` (position < the
+      request's lookup `limit`: a hit there counts; the capped last block of an exact-multiple
+      prompt is an insertion opportunity only), `key[k]`: the eviction priority after access k,
+      `next counted use * (max depth + 1) + depth` where "never again" is the stream's length
+      (larger keys leave first).
+    * `starts[i]`: request i's first entry (`starts[R]` = the length).
+
+    Invariant that makes Belady's rule leaves-first on its own: a block's next counted use is
+    never later than any of its children's (a request that looks up a child looks up its
+    parent first, one entry earlier), and ties (both never used again) go to the deeper one.
+    """
+
+    block: list[int]
+    counted: list[bool]
+    key: list[int]
+    starts: list[int]
+
+
+def offline_trace(profile: StackProfile) -> OfflineTrace:
+    """Precompute next-use keys for `offline_hit_blocks`: one stable sort, O(N log N)."""
+    if len(profile.blocks) != profile.requests:
+        raise ValueError("the profile carries no block ids (built by profile_from_ids?)")
+    sizes = np.array([b.size for b in profile.blocks], dtype=np.int64)
+    n = int(sizes.sum())
+    starts = np.zeros(sizes.size + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    block = (np.concatenate(profile.blocks) if n else np.zeros(0, dtype=np.int64))
+    depth = np.arange(n, dtype=np.int64) - np.repeat(starts[:-1], sizes)
+    counted = depth < np.repeat(profile.limit, sizes)
+    # Next counted use of the same block, strictly later: sort by block (stable keeps time
+    # order), then a reversed running minimum per block group. Each group's values are offset
+    # by group * (n + 1), so the minimum never leaks in from a later (larger) group.
+    order = np.argsort(block, kind="stable")
+    sb = block[order]
+    grp = np.zeros(n, dtype=np.int64)
+    if n:
+        grp[1:] = np.cumsum(sb[1:] != sb[:-1])
+    never = n
+    cand = np.where(counted[order], order, never) + grp * (n + 1)
+    rmin = np.minimum.accumulate(cand[::-1])[::-1]
+    nxt_sorted = np.full(n, never, dtype=np.int64)
+    if n > 1:
+        same = grp[1:] == grp[:-1]
+        nxt_sorted[:-1] = np.where(same, rmin[1:] - grp[:-1] * (n + 1), never)
+    nxt = np.empty(n, dtype=np.int64)
+    nxt[order] = nxt_sorted
+    width = int(depth.max()) + 1 if n else 1
+    key = nxt * width + depth
+    return OfflineTrace(block.tolist(), counted.tolist(), key.tolist(), starts.tolist())
+
+
+def offline_hits_at(trace: OfflineTrace, capacity: int) -> int:
+    """Blocks served with at most `capacity` cached blocks between requests, by Belady's
+    rule with bypass: a block that misses is cached only if some cached block's next use is
+    later than its own, and then that block (the farthest, deeper first on ties) leaves.
+
+    Data structures: `cached` maps a block to its current key; `heap` is a max-heap (negated
+    keys) with lazy deletion (an entry whose key is no longer the block's is skipped), rebuilt
+    from `cached` when stale entries outnumber live ones 4 to 1 (memory stays O(capacity)).
+    O(log n) per access. The cache stays prefix-closed (see `OfflineTrace`), so a request's
+    hits are the leading run of its looked-up blocks, as in replay.
+    """
+    if capacity <= 0:
+        return 0
+    block, counted, keys, starts = trace.block, trace.counted, trace.key, trace.starts
+    cached: dict[int, int] = {}
+    heap: list[tuple[int, int]] = []
+    push, pop = heapq.heappush, heapq.heappop
+    hits = 0
+    for i in range(len(starts) - 1):
+        run = True
+        for k in range(starts[i], starts[i + 1]):
+            b = block[k]
+            key = keys[k]
+            if b in cached:
+                if run and counted[k]:
+                    hits += 1
+                cached[b] = key
+                push(heap, (-key, b))
+                continue
+            run = False
+            if len(cached) < capacity:
+                cached[b] = key
+                push(heap, (-key, b))
+                continue
+            while True:
+                nk, v = heap[0]
+                if cached.get(v) == -nk:
+                    break
+                pop(heap)
+            if -nk > key:  # the farthest cached block leaves; b takes its place
+                pop(heap)
+                del cached[v]
+                cached[b] = key
+                push(heap, (-key, b))
+            # else: b's next use is the farthest of all: it is not cached (bypass)
+        if len(heap) > 4 * len(cached) + 1024:
+            heap = [(-kk, bb) for bb, kk in cached.items()]
+            heapq.heapify(heap)
+    return hits
+
+
+def offline_hit_blocks(profile: StackProfile, sizes: Sequence[int] | I64) -> I64:
+    """Blocks the clairvoyant offline cache serves at each size (see `offline_hits_at`).
+
+    What it is: the most blocks any eviction policy can serve from a cache that holds at most
+    `size` full blocks between requests, in replay's order, hits counted as the leading run
+    of each request's looked-up blocks. Why: every such policy (LRU, ARC, ...) picks the next
+    cache from the previous one plus the request's blocks, which is a schedule of paging with
+    bypass over the serialized stream (a block enters the cache only when its request has it),
+    where Belady's rule (farthest next use leaves) is optimal (Belady 1966; Mattson et al.
+    1970), and Belady's own schedule keeps the cache prefix-closed, so its hits are prefix
+    hits. So it bounds every online policy's device-only replay at device_blocks = size from
+    above (replay's pool also holds the running request, so it keeps at most `size`, often
+    fewer). tests/test_plan.py holds it equal to an exhaustive search over prefix-closed
+    caches on small streams. One pass per size, O(N log N) each.
+    """
+    trace = offline_trace(profile)
+    return np.array([offline_hits_at(trace, int(s)) for s in sizes], dtype=np.int64)
+
+
 # ------------------------------------------------------------------ the plan
 
 
@@ -413,9 +552,25 @@ class PlanInputs:
     storage: bool = False
 
 
-def build_plan(profile: StackProfile, cfg: PlanInputs, points: int = 80) -> dict[str, Any]:
+OFFLINE_BOUNDS = (
+    "Belady's rule with bypass (the cached block whose next use is farthest leaves; deeper "
+    "first on ties, so leaves first): the most blocks any eviction policy can serve from a "
+    "device pool that holds at most that many blocks between requests, in replay's order "
+    "(device only, hits as the leading run). An upper bound on every policy's replay at "
+    "device_blocks = size; no online policy reaches it (it knows the future)")
+
+
+def build_plan(profile: StackProfile, cfg: PlanInputs, points: int = 80,
+               offline_points: int = 16, policies: Sequence[str] = (),
+               requests: Sequence[WorkRequest] | Sequence[Sequence[int]] = (),
+               policy_points: int = 8) -> dict[str, Any]:
     """Everything `kvtier plan --json` prints: the curves, the sizes for each target, the
-    prefill saved at the configured sizes, and where the figures are exact."""
+    prefill saved at the configured sizes, and where the figures are exact. With
+    `offline_points` > 0 also the clairvoyant offline curve (`offline_hit_blocks`) on a grid
+    of about 1.5x that many sizes plus the configured one: one O(N log N) pass per size.
+    With `policies` (eviction policy names) and the `requests` the profile was made of, each
+    policy's device curve by replay (`policy_hit_blocks`) on a grid of about 1.5x
+    `policy_points` sizes from the smallest replay accepts, plus the configured one."""
     bs = profile.block_size
     lookup = profile.lookup_tokens
     reqs = profile.requests
@@ -508,6 +663,32 @@ def build_plan(profile: StackProfile, cfg: PlanInputs, points: int = 80) -> dict
             "curve is write_back's (exclusive tiers), an estimate no measured replay exceeded")
     out["two_tier"] = two_tier
     out["write_back_curve"] = exclusive_curve
+    if offline_points > 0 and profile.blocks:
+        t_off = time.perf_counter()
+        ogrid = np.unique(np.concatenate((size_grid(top, offline_points), [max(d_cfg, 1)])))
+        ohits = offline_hit_blocks(profile, ogrid)
+        offline_curve = [[int(s), rate(int(h))] for s, h in zip(ogrid, ohits, strict=True)]
+        at_cfg = int(ohits[int(np.searchsorted(ogrid, max(d_cfg, 1)))])
+        out["offline_curve"] = offline_curve
+        out["offline_curve_bytes"] = [[s * cfg.block_bytes, r] for s, r in offline_curve]
+        out["offline"] = {
+            "rule": "belady",
+            "bounds": OFFLINE_BOUNDS,
+            "configured": {"device_blocks": d_cfg, "token_hit_rate": rate(at_cfg),
+                           "lru_token_hit_rate": rate(dev_cfg_hits)},
+            "elapsed_s": round(time.perf_counter() - t_off, 3),
+        }
+    if policies:
+        lo = max(profile.min_device_blocks, 1)
+        pgrid = np.unique(np.concatenate((size_grid(top, policy_points), [d_cfg])))
+        pgrid = pgrid[pgrid >= lo]
+        curves: dict[str, list[list[float]]] = {}
+        t_pol = time.perf_counter()
+        for name in policies:
+            hits = policy_hit_blocks(requests, bs, pgrid, name)
+            curves[name] = [[int(s), rate(h)] for s, h in zip(pgrid, hits, strict=True)]
+        out["policy_curves"] = curves
+        out["policy_curves_elapsed_s"] = round(time.perf_counter() - t_pol, 3)
     cold = 1.0 - achievable
     out["storage"] = {
         "configured": cfg.storage,
@@ -516,4 +697,40 @@ def build_plan(profile: StackProfile, cfg: PlanInputs, points: int = 80) -> dict
         "note": "a store that keeps every block (shared across instances) serves every "
                 "reuse: the hit rate rises to the achievable one, the cold misses remain",
     }
+    return out
+
+
+# ------------------------------------------------------------------ other policies, by replay
+
+
+def policy_hit_blocks(requests: Sequence[WorkRequest] | Sequence[Sequence[int]],
+                      block_size: int, sizes: Sequence[int] | I64, policy: str) -> list[int]:
+    """Device hit blocks of an eviction policy at each device size: no one-pass method
+    exists for a policy without LRU's inclusion property, so each size is a replay: the
+    stream through the scheduler (`KVCacheManager`, in process, device only, no workers),
+    one request at a time, match -> allocate -> commit -> release, as `kvtier replay` drives
+    it (so the figures equal `kvtier replay`'s hit_tokens.device / block_size). A size below
+    the largest request's blocks is answered with -1 (replay refuses it)."""
+    # The scheduler sits above this module's own layer only for this replay: imported here
+    # so the one-pass curves keep the module engine-agnostic and light to import.
+    from kvtier.manager.scheduler import KVCacheManager
+
+    prompts = [r.tokens if isinstance(r, WorkRequest) else list(r) for r in requests]
+    need = max((-(-len(t) // block_size) for t in prompts), default=1)
+    out: list[int] = []
+    for size in sizes:
+        if int(size) < need:
+            out.append(-1)
+            continue
+        m = KVCacheManager(block_size=block_size, device_blocks=int(size), host_blocks=0,
+                           eviction_policy=policy)
+        hits = 0
+        for i, toks in enumerate(prompts):
+            rid = f"r{i}"
+            mr = m.match(rid, toks)
+            m.allocate(rid, len(toks) - mr.num_tokens, reserve_blocks=0)
+            m.commit(rid, toks, len(toks))
+            m.release(rid)
+            hits += mr.num_tokens // block_size
+        out.append(hits)
     return out

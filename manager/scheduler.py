@@ -127,6 +127,7 @@ class KVCacheManager(CacheCore):
         transfer_timeout_s: float = 30.0,
         storage: Callable[[CacheCore], StorageHooks] | None = None,
         track_device_copies: bool = False,
+        eviction_policy: str = "lru",
     ) -> None:
         """`storage`: builds the storage tier over this manager's core (called once, here);
         `track_device_copies`: engine KV, host copies read from a model runner's memory wait
@@ -146,7 +147,7 @@ class KVCacheManager(CacheCore):
             policy=(write_policy if isinstance(write_policy, WritePolicy)
                     else make_write_policy(write_policy, hit_threshold)),
             dispatcher=dispatcher, page_bytes=page_bytes,
-            transfer_timeout_s=transfer_timeout_s)
+            transfer_timeout_s=transfer_timeout_s, eviction_policy=eviction_policy)
         self.num_layers = num_layers
         self.decode_reserve_blocks = decode_reserve_blocks
         self._requests: dict[str, RequestState] = {}
@@ -412,6 +413,8 @@ class KVCacheManager(CacheCore):
             lru = self._dev_lru
             rest, appended = self._loops.release_walk(nodes, lru.head, now, DEVICE_BUSY)
             lru.size += appended
+            if self._evict is not None:  # a strategy other than LRU orders the victims
+                self.policy_released(nodes)
             for i in rest:
                 node = nodes[i]
                 if node is None:

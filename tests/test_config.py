@@ -53,6 +53,7 @@ BRIEF_DEFAULTS = {
         "host_blocks": 8192,
         "write_policy": "write_through_selective",
         "hit_threshold": 2,
+        "eviction_policy": "lru",
         "decode_reserve_blocks": 1,
     },
     "storage": {

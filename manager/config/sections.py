@@ -91,6 +91,13 @@ class CacheConfig(BaseModel):
     hit_threshold: int = Field(
         2, ge=1, description="hits before write_through_selective backs a block up to host"
     )
+    eviction_policy: Literal["lru", "lfuda", "hitboost"] = Field(
+        "lru",
+        description="which evictable device block leaves first: lru (least recently used, the "
+        "compiled list), lfuda (LFU with dynamic aging) or hitboost (LRU in which a block "
+        "that was ever hit counts as one cache size more recent); leaves always first, "
+        "pinned blocks never",
+    )
     decode_reserve_blocks: int = Field(
         1, ge=0, description="extra device blocks allocate() reserves per request for decoding"
     )

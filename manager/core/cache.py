@@ -54,7 +54,12 @@ from kvtier.manager.core.nodes import (
     Node,
 )
 from kvtier.manager.errors import OutOfBlocksError, RequestCancelledError, TransferTimeoutError
-from kvtier.manager.policies import WRITE_BACK_BATCH, WritePolicy
+from kvtier.manager.policies import (
+    WRITE_BACK_BATCH,
+    HeapEviction,
+    WritePolicy,
+    make_eviction_policy,
+)
 from kvtier.manager.transfers import Dispatcher, ImmediateDispatcher
 from kvtier.worker.wire import Completion, Priority, Task, TaskKind
 
@@ -86,6 +91,9 @@ class Counters:
     # host copies with a storage key evicted before storage held them (a backup skipped,
     # failed or still to come; under write_back, a batch refused or none within reach)
     evicted_host_unstored: int = 0
+    # victims an eviction strategy could not name (the LRU list's oldest taken instead;
+    # stays 0 while every listing reaches the strategy, which the stateful tests check)
+    eviction_policy_fallbacks: int = 0
 
 
 class CacheCore:
@@ -109,8 +117,13 @@ class CacheCore:
 
     def __init__(self, *, block_size: int, device_blocks: int, host_blocks: int,
                  policy: WritePolicy, dispatcher: Dispatcher | None, page_bytes: int,
-                 transfer_timeout_s: float) -> None:
+                 transfer_timeout_s: float, eviction_policy: str = "lru") -> None:
         self.block_size = block_size  # tokens per block
+        # Device eviction order: None is LRU, the intrusive list's own order (compiled);
+        # otherwise a strategy (manager.policies) that picks victims among that list's nodes.
+        self.eviction_policy = eviction_policy
+        self._evict: HeapEviction | None = make_eviction_policy(eviction_policy,
+                                                                device_blocks)
         self.page_bytes = page_bytes  # bytes of one block on one rank
         self.transfer_timeout_s = transfer_timeout_s
         self.policy = policy
@@ -335,6 +348,8 @@ class CacheCore:
         if want_dev != (node.dprev is not None):
             if want_dev:
                 self._dev_lru.append(node)
+                if self._evict is not None:
+                    self._evict.listed(node)
             else:
                 self._dev_lru.unlink(node)
         want_host = attached and node.host is not None and not flags & HOST_BUSY
@@ -822,7 +837,21 @@ class CacheCore:
         policy = self.policy
         host_tier = self._host_pool.capacity > 0
         c = self.counters
-        if not host_tier:
+        strategy = self._evict
+        if strategy is not None:
+            victims = self._policy_victims(strategy, n)
+            if not host_tier:
+                for victim in victims:
+                    freed_one = victim.dev
+                    victim.dev = None
+                    self._forget(victim)
+                    pool.free_one(freed_one)  # type: ignore[arg-type]
+                self._dev_in_tree -= len(victims)
+                c.evicted_device_drop += len(victims)
+                return []
+        else:
+            victims = []
+        if strategy is None and not host_tier:
             # Device only: every victim is dropped. Unlink a run of victims from the head of
             # the list in one pass (compiled or not, see manager.core.native) and free their
             # blocks in one call.
@@ -835,11 +864,17 @@ class CacheCore:
         demote_src: list[int] = []
         demote_dst: list[int] = []
         demote_nodes: list[Node] = []
-        for _ in range(n):
-            victim = lru.oldest()
-            if victim is None:
-                break
-            lru.unlink(victim)
+        for i in range(n):
+            if strategy is not None:
+                if i == len(victims):
+                    break
+                victim = victims[i]
+            else:
+                oldest = lru.oldest()
+                if oldest is None:
+                    break
+                victim = oldest
+                lru.unlink(victim)
             if victim.host is not None:
                 c.evicted_device_demote += 1
                 pool.free_one(victim.dev)  # type: ignore[arg-type]
@@ -870,6 +905,34 @@ class CacheCore:
 
     # ------------------------------------------------------------------ whole-tree transitions
 
+    def _policy_victims(self, strategy: HeapEviction, n: int) -> list[Node]:
+        """Up to `n` victims in the strategy's order, unlinked from the device LRU list (its
+        oldest when the strategy has no live entry left: cannot happen while every listing
+        goes through `relist` or `release`, kept so eviction never stalls)."""
+        lru = self._dev_lru
+        out: list[Node] = []
+        while len(out) < n and lru.size:
+            victim: Node | None = strategy.victim()
+            if victim is None:
+                victim = lru.oldest()
+                self.counters.eviction_policy_fallbacks += 1
+                if victim is None:
+                    break
+            lru.unlink(victim)
+            out.append(victim)
+        return out
+
+    def policy_released(self, nodes: list[Node | None]) -> None:
+        """A request's nodes were released (the scheduler's `release`): the eviction strategy
+        learns which became evictable, at which depth."""
+        strategy = self._evict
+        if strategy is not None:
+            strategy.released(nodes)
+            lru = self._dev_lru
+            tree = self._map
+            strategy.compact(iter(lru), lru.size,
+                             lambda k: (nd := tree.get(k)) is not None and nd.dev is not None)
+
     def _clear_all(self) -> dict[str, int]:
         """Drop every node. Nodes held by requests become detached (their device blocks the
         requests' own); nodes a transfer still uses keep their blocks until it is answered
@@ -882,6 +945,8 @@ class CacheCore:
         # Every node in the LRU lists is in the tree: both lists empty in one pass each.
         self._dev_lru.clear()
         self._host_lru.clear()
+        if self._evict is not None:
+            self._evict.clear()
         # Nodes with no transfer in flight in one call (compiled or not, see manager.core.native).
         dev_freed, host_freed, detached, busy = self._loops.clear_walk(
             list(self._map.values()), dev_ids, host_ids, IN_FLIGHT)
@@ -915,6 +980,7 @@ class CacheCore:
         loops = self._loops
         self._dev_lru = DeviceLRU(loops.node_class)
         self._host_lru = HostLRU(loops.node_class)
+        self._evict = make_eviction_policy(self.eviction_policy, device_blocks)
         self._node_cls = loops.node_class if host_blocks else loops.device_node_class
         self._map.clear()
         self._pins.clear()
