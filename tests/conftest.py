@@ -17,13 +17,21 @@ from collections.abc import Iterator
 
 import posix_ipc
 import pytest
+from hypothesis import settings
 from redis_server import redis_cluster, redis_server
-from support import new_segment_name
+from support import HYPOTHESIS_PROFILE, new_segment_name
 from tiers import DurationLog, dump_tiers, tag_report, tier_problems
 
 __all__ = ["redis_cluster", "redis_server"]  # module-scoped fixtures, shared by every module
 
 NO_CUDA = "needs a CUDA GPU: torch.cuda.is_available() is false"
+
+# Tests that state no budget: CI's 100 examples (hypothesis' default), a contributor's 40.
+# Deadlines: 2 s on CI's loaded machine, 1 s elsewhere, for the pure-function tests; every test
+# that starts processes or threads turns them off in its own settings (deadline=None).
+settings.register_profile("ci", max_examples=100, deadline=2000, print_blob=True)
+settings.register_profile("dev", max_examples=40, deadline=1000)
+settings.load_profile(HYPOTHESIS_PROFILE)
 
 
 _DURATIONS: list[DurationLog] = []  # the controller's log (none in a pytest-xdist worker)

@@ -40,6 +40,21 @@ _ids = itertools.count()
 # --------------------------------------------------------------------------- waiting
 
 
+# Hypothesis budgets per machine (profiles registered in conftest.py): CI (CI=true) runs the
+# budgets the tests state; a contributor's `make test` runs `DEV_SHARE` of them. Set
+# KVTIER_HYPOTHESIS_PROFILE=ci (or dev) to choose. The stateful machines whose "reached every
+# path" checks add up their runs (test_manager_stateful, test_keyed, test_worker_processes)
+# keep their stated budgets on both: fewer runs would miss paths, not find bugs faster.
+HYPOTHESIS_PROFILE = os.environ.get(
+    "KVTIER_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
+DEV_SHARE = 0.4
+
+
+def examples(n: int) -> int:
+    """`max_examples` for a test whose CI budget is `n`, under the profile in force."""
+    return n if HYPOTHESIS_PROFILE == "ci" else max(10, round(n * DEV_SHARE))
+
+
 def wait_until(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
     """Poll `pred` every `interval` seconds until it returns something truthy, and return
     that; AssertionError naming `what` after `timeout` seconds. Every wait in the tests is

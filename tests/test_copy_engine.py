@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from kvtier.worker import content
 from kvtier.worker.copy_engine import LAYER_DELAY_ENV, CopyEngine, plan_copy, wide_dtype
 from kvtier.worker.kv_pools import BlockIdError, DevicePool, HostPool, KVShape
-from support import new_segment_name
+from support import examples, new_segment_name
 
 pytestmark = pytest.mark.fast
 
@@ -182,7 +182,7 @@ def id_patterns(n_src: int, n_dst: int) -> st.SearchStrategy[tuple[list[int], li
     return build()
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(pairs=id_patterns(DEV_BLOCKS, HOST_BLOCKS), min_run=st.sampled_from([0, 2, 3, 10**9]))
 def test_plan_covers_every_pair_once(pairs: tuple[list[int], list[int]], min_run: int) -> None:
     src, dst = pairs
@@ -235,12 +235,12 @@ def test_adversarial_id_patterns(strategy: str, shape_name: str) -> None:
     r = Rig(shape, strategy=strategy, stage_bytes=2 * shape.page_bytes,
             d2h_min_run_bytes=2 * shape.page_bytes, h2d_min_run_bytes=3 * shape.layer_bytes)
 
-    @settings(max_examples=40, deadline=None)
+    @settings(max_examples=examples(40), deadline=None)
     @given(pairs=id_patterns(DEV_BLOCKS, HOST_BLOCKS))
     def d2h_case(pairs: tuple[list[int], list[int]]) -> None:
         check_d2h(r, *pairs)
 
-    @settings(max_examples=40, deadline=None)
+    @settings(max_examples=examples(40), deadline=None)
     @given(pairs=id_patterns(HOST_BLOCKS, DEV_BLOCKS))
     def h2d_case(pairs: tuple[list[int], list[int]]) -> None:
         check_h2d(r, *pairs)

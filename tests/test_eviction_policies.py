@@ -27,7 +27,7 @@ from kvtier.manager.keys import chain_keys
 from kvtier.manager.plan import policy_hit_blocks
 from kvtier.manager.policies import EVICTION_POLICIES, make_eviction_policy
 from kvtier.manager.scheduler import KVCacheManager
-from support import clean_env, kvtier_script
+from support import clean_env, examples, kvtier_script
 
 pytestmark = pytest.mark.fast
 
@@ -197,7 +197,7 @@ def machine(policy: str) -> type[RuleBasedStateMachine]:
     return PolicyMachine
 
 
-SETTINGS = settings(max_examples=200, stateful_step_count=40, deadline=None,
+SETTINGS = settings(max_examples=examples(200), stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 TestLru = machine("lru").TestCase
 TestLru.settings = SETTINGS

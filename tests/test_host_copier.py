@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtier.engine.host_copier import HostCopier
 from kvtier.worker.kv_pools import HostPool, KVShape
+from support import examples
 
 pytestmark = pytest.mark.fast
 
@@ -47,7 +48,7 @@ def page_layers(pool: HostPool, h: int) -> np.ndarray:
     return pool.data[h, :kv_bytes].view(SHAPE.num_layers, SHAPE.layer_bytes).numpy()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(data=st.data())
 def test_a_store_then_a_load_gives_back_every_byte(data: st.DataObject) -> None:
     p = HostPool(SHAPE, HOST_BLOCKS, f"/kvtier_test_copier_h{os.getpid()}")

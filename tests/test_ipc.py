@@ -55,7 +55,7 @@ from kvtier.worker.wire import (
     encode_task,
     message_type,
 )
-from support import new_deployment_id
+from support import examples, new_deployment_id
 
 pytestmark = pytest.mark.fast
 
@@ -210,7 +210,7 @@ def test_numpy_ids_encode_like_lists() -> None:
 
 
 @given(st.binary(max_size=20000), st.integers(0, 2**32 - 1), st.integers(0, 2**40))
-@settings(max_examples=50)
+@settings(max_examples=examples(50))
 def test_fragments_round_trip(message: bytes, sender: int, seq: int) -> None:
     parts = encode_fragments(message, sender=sender, seq=seq, max_size=1000)
     assert all(len(p) <= 1000 for p in parts)
@@ -278,7 +278,7 @@ def test_malformed_heads_are_named() -> None:
 
 
 @given(st.binary(max_size=200))
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 def test_random_bytes_never_crash_decoders(data: bytes) -> None:
     for decode in (decode_task, decode_completion, decode_arena_ref, decode_fragment):
         with contextlib.suppress(ValueError):

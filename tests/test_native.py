@@ -28,6 +28,7 @@ from kvtier.manager.core import native
 from kvtier.manager.keys import chain_keys
 from kvtier.manager.scheduler import KVCacheManager
 from kvtier.manager.transfers import ManualDispatcher
+from support import examples
 from test_manager_stateful import SETTINGS, ManagerMachine
 
 pytestmark = pytest.mark.fast
@@ -116,7 +117,7 @@ int32 = st.integers(-(2**31), 2**31 - 1)
 
 
 @needs_native
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(tokens=st.lists(int32 | st.integers(0, 40), max_size=300),
        block_size=st.integers(1, 70), parent=st.integers(0, 2**128 - 1),
        start=st.integers(0, 8), count=st.none() | st.integers(0, 12))
@@ -137,7 +138,7 @@ def test_tree_keys_are_identical(tokens: list[int], block_size: int, parent: int
 
 
 @needs_native
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(data=st.binary(max_size=1500), seed=st.integers(0, 2**64 - 1))
 def test_resolved_xxh3_is_the_packages(data: bytes, seed: int) -> None:
     from kvtier.manager import _native
@@ -273,7 +274,7 @@ def test_block_pool_frees_identically(seed: int) -> None:
 
 
 @needs_native
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(bits=st.sampled_from([3, 6, 12, 128]), seed=st.integers(0, 2**32 - 1),
        capacity=st.integers(0, 50))
 def test_keymap_behaves_as_a_dict(bits: int, seed: int, capacity: int) -> None:
@@ -430,11 +431,11 @@ TestPureWriteThroughSelective.settings = SETTINGS
 TestPureWriteBack = _pure("write_back", 10).TestCase
 TestPureWriteBack.settings = SETTINGS
 TestPureNoHostTier = _pure("write_through_selective", 0).TestCase
-TestPureNoHostTier.settings = settings(SETTINGS, max_examples=15)
+TestPureNoHostTier.settings = settings(SETTINGS, max_examples=examples(15))
 
 
 @needs_native
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_keyed_hits_is_the_python_walk(seed: int) -> None:
     """The compiled batch lookup of an engine's hashes (`kvtier.manager.keyed.count_hits`)

@@ -36,7 +36,7 @@ from kvtier.manager.node import events_wire as ew
 from kvtier.manager.node.namespaces import Namespace, namespace_deployment_id
 from kvtier.manager.node.server import NodeServer, NodeSocketError
 from node_engine import hello, key
-from support import new_deployment_id, remove_leftovers, tiny_config, wait_until
+from support import examples, new_deployment_id, remove_leftovers, tiny_config, wait_until
 from test_node_service import EngineProc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -433,7 +433,7 @@ def test_an_attached_engines_own_events_are_its_namespaces_tiers(
 
 
 @pytest.mark.fast
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.lists(st.binary(min_size=1, max_size=40),
                                                   min_size=1, max_size=5),
                           st.sampled_from([ew.MEDIUM_CPU, ew.MEDIUM_STORAGE]),

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kvtier.manager.keyed_events import HOST, STORAGE, TierEvent
 from kvtier.manager.node.fanout import EventFanout
+from support import examples
 
 pytestmark = pytest.mark.fast
 
@@ -140,7 +141,7 @@ class FanoutMachine(RuleBasedStateMachine):
 
 
 TestFanout = FanoutMachine.TestCase
-TestFanout.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
+TestFanout.settings = settings(max_examples=examples(100), stateful_step_count=40, deadline=None,
                                suppress_health_check=[HealthCheck.too_slow])
 
 

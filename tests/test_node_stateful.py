@@ -34,7 +34,7 @@ from kvtier.manager.node.namespaces import namespace_deployment_id
 from kvtier.manager.node.server import NodeServer
 from kvtier.worker.kv_pools import HostPool, KVShape
 from node_engine import SHAPE, hello
-from support import new_deployment_id, remove_leftovers, tiny_config, wait_until
+from support import examples, new_deployment_id, remove_leftovers, tiny_config, wait_until
 
 pytestmark = pytest.mark.fast
 
@@ -251,6 +251,6 @@ class NodeMachine(RuleBasedStateMachine):
 def test_node_sessions_stateful(server: NodeServer) -> None:
     NodeMachine.srv = server
     run = NodeMachine.TestCase
-    run.settings = settings(max_examples=40, stateful_step_count=25, deadline=None,
+    run.settings = settings(max_examples=examples(40), stateful_step_count=25, deadline=None,
                             suppress_health_check=list(HealthCheck))
     run().runTest()

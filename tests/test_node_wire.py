@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvtier.manager.keyed_events import HOST, STORAGE, TierEvent
 from kvtier.manager.node import wire
+from support import examples
 
 pytestmark = pytest.mark.fast
 
@@ -60,7 +61,7 @@ def test_ops_round_trip(recs: list[wire.OpRecord], seq: int) -> None:
 
 
 @given(st.binary(max_size=300))
-@settings(RELAXED, max_examples=500)
+@settings(RELAXED, max_examples=examples(500))
 def test_hostile_bytes_raise_only_wire_errors(data: bytes) -> None:
     for decode in (wire.decode_ops, wire.decode_reply, wire.decode_hello,
                    wire.decode_welcome, wire.decode_head):

@@ -37,7 +37,7 @@ from kvtier.manager.plan import (
     two_tier_hits,
 )
 from kvtier.manager.scheduler import KVCacheManager
-from support import clean_env, kvtier_script, leftovers, new_deployment_id
+from support import clean_env, examples, kvtier_script, leftovers, new_deployment_id
 
 pytestmark = pytest.mark.fast
 
@@ -89,7 +89,7 @@ def block_streams(draw: st.DrawFn) -> tuple[list[list[int]], list[int], int]:
 
 
 @given(block_streams())
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 def test_stack_distances_match_a_plain_lru_stack(stream: tuple[list[list[int]], list[int],
                                                               int]) -> None:
     reqs, lens, bs = stream
@@ -141,7 +141,7 @@ def prompt_streams(draw: st.DrawFn) -> tuple[list[list[int]], int]:
 
 
 @given(prompt_streams())
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_curves_equal_the_scheduler_at_every_size(case: tuple[list[list[int]], int]) -> None:
     prompts, bs = case
     prof = stack_profile(prompts, bs)

@@ -23,6 +23,7 @@ from kvtier.manager.plan import (
 )
 from kvtier.manager.policies import EVICTION_POLICIES
 from kvtier.manager.scheduler import KVCacheManager
+from support import examples
 
 pytestmark = pytest.mark.fast
 
@@ -88,7 +89,7 @@ def scheduler_device_hits(prompts: list[list[int]], bs: int, device: int) -> int
 
 
 @given(prompt_streams())
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_offline_curve_equals_exhaustive_search(case: tuple[list[list[int]], int]) -> None:
     prompts, bs = case
     prof = stack_profile(prompts, bs)
@@ -103,7 +104,7 @@ def test_offline_curve_equals_exhaustive_search(case: tuple[list[list[int]], int
 
 
 @given(prompt_streams())
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_offline_curve_is_never_below_lru_the_scheduler_or_any_policy(
         case: tuple[list[list[int]], int]) -> None:
     prompts, bs = case
