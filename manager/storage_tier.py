@@ -70,6 +70,18 @@ written per second with a token bucket holding one second's worth: a batch the b
 pay for is written as far as it can and the rest skipped (`backup_skipped_pages`), so backups
 never queue up behind the engine under load (a skipped copy is written if it is hit again
 under write_through_selective, or when evicted under write_back; otherwise storage misses it).
+
+Back-pressure (`storage.slow_write_ms`): `write_latency` is an exponential moving average
+(weight `EMA_WEIGHT` per answer) of the seconds from sending a BACKUP task to its answer,
+queueing in the worker's storage-write lane included: that is what a slow backend costs (its
+batches pile up in the lane, holding their host copies in BACKING and the lane's thread
+busy). While it is above the threshold, writes are slow and `_write` skips every batch
+(`backup_slow_skipped_pages`; the nodes never enter BACKING, so no page is announced to the
+index or in events), except one probe batch at most every `PROBE_INTERVAL_S`, whose answer
+moves the average (without probes a skipping tier would never
+learn that the backend recovered). `read_latency` is the same average over PREFETCH tasks,
+reported (`/status`, `/metrics`) so an operator sees a slow read path; loads never wait on
+writes in any case: the worker runs storage reads and storage writes on lanes of their own.
 """
 
 from __future__ import annotations
@@ -93,6 +105,16 @@ if TYPE_CHECKING:
     from kvtier.manager.config import KvtierConfig
 
 log = logging.getLogger(__name__)
+
+EMA_WEIGHT = 0.2
+"""Weight of the newest answer in the latency averages: five slow batches in a row (about a
+second of a backend that takes 200 ms a batch) lift a healthy average past a threshold twice
+the healthy figure, and one fast probe answer does not end a slow spell by itself."""
+
+PROBE_INTERVAL_S = 1.0
+"""While writes are slow, at most one probe batch a second measures whether the backend
+recovered (not gated on backups in flight: a task dropped without an answer must not stop
+the probes for good)."""
 
 HELD_INDEX_MAX = 1 << 18
 """Storage keys the index of held pages keeps (64-bit tags, ~90 B each with the dict: 24 MB
@@ -137,6 +159,12 @@ class StorageTier:
         self._rate = s.max_backup_mb_s * 1e6
         self._bucket = self._rate
         self._filled_at = time.monotonic()
+        # back-pressure: the latency averages (None until the first answer), the threshold
+        # (0: off) and when the last probe was sent
+        self.slow_write_s = s.slow_write_ms / 1000
+        self.write_latency: float | None = None
+        self.read_latency: float | None = None
+        self._probed_at = float("-inf")
         self.prefetching_blocks = 0
         self.clears_running = 0  # CLEAR tasks sent and not answered (a slow clear goes on)
         self._prefetch_of: dict[Node, int] = {}
@@ -162,7 +190,8 @@ class StorageTier:
             "backup_pages", "backup_failed_pages", "errors_query", "errors_prefetch",
             "errors_backup", "errors_clear", "revoked_queries", "revoked_prefetches",
             "revoked_pages_kept", "revoked_pages_dropped", "index_listings",
-            "errors_list", "index_misses", "backup_skipped_pages"), 0)
+            "errors_list", "index_misses", "backup_skipped_pages",
+            "backup_slow_skipped_pages", "backup_probes"), 0)
 
     # ------------------------------------------------------------------ keys
 
@@ -410,11 +439,16 @@ class StorageTier:
         self.prefetching_blocks += len(nodes)
         self.counters["prefetch_tasks"] += 1
         self.counters["prefetch_pages_issued"] += len(nodes)
-        m.track(task, nodes, on_done=lambda ok, comp: self._on_prefetch(pseq, nodes, ok, comp))
+        sent = time.monotonic()
+        m.track(task, nodes, on_done=lambda ok, comp: self._on_prefetch(
+            pseq, nodes, ok, comp, sent))
         return found
 
-    def _on_prefetch(self, seq: int, nodes: list[Node], ok: bool, comp: Completion) -> None:
+    def _on_prefetch(self, seq: int, nodes: list[Node], ok: bool, comp: Completion,
+                     sent: float | None = None) -> None:
         m = self.m
+        if sent is not None:
+            self.read_latency = _ema(self.read_latency, time.monotonic() - sent)
         # A revoked prefetch answers with the pages every rank read before it stopped: they
         # landed, so they stay (as SGLang's terminate_prefetch keeps completed pages).
         good = min(comp.result, len(nodes)) if ok else 0
@@ -509,6 +543,13 @@ class StorageTier:
         keys: list[bytes] = []
         batch: list[Node] = []
         wanted = [n for n in nodes if self.m.needs_storage_backup(n)]
+        if wanted and self.writes_slow():
+            now = time.monotonic()
+            if now - self._probed_at < PROBE_INTERVAL_S:
+                self.counters["backup_slow_skipped_pages"] += len(wanted)
+                return 0
+            self._probed_at = now  # this batch probes whether the backend recovered
+            self.counters["backup_probes"] += 1
         allowed = self._take_budget(len(wanted))
         self.counters["backup_skipped_pages"] += len(wanted) - allowed
         for node in wanted[:allowed]:
@@ -522,10 +563,24 @@ class StorageTier:
         seq = m.next_seq()
         task = Task(seq, TaskKind.BACKUP, src, [], keys, Priority.BACKUP)
         self.counters["backup_tasks"] += 1
-        m.track(task, batch, on_done=lambda ok, comp: self._on_backup(batch, ok, comp))
+        sent = time.monotonic()
+        m.track(task, batch, on_done=lambda ok, comp: self._on_backup(batch, ok, comp, sent))
         return len(batch)
 
-    def _on_backup(self, nodes: list[Node], ok: bool, comp: Completion) -> None:
+    def writes_slow(self) -> bool:
+        """Whether the backup latency average is above `storage.slow_write_ms` (never when
+        that is 0)."""
+        ema = self.write_latency
+        return bool(self.slow_write_s) and ema is not None and ema > self.slow_write_s
+
+    def _on_backup(self, nodes: list[Node], ok: bool, comp: Completion,
+                   sent: float | None = None) -> None:
+        if sent is not None:
+            was_slow = self.writes_slow()
+            now = time.monotonic()
+            self.write_latency = _ema(self.write_latency, now - sent)
+            if not was_slow and self.writes_slow():
+                self._probed_at = now  # slow from now: the first probe one interval later
         # A backend that cannot write (Redis down, disk full) still answers the task, with
         # the number of pages it wrote (the minimum over ranks): only those count as backed
         # up, and only a fully written batch marks its nodes STORED.
@@ -588,6 +643,19 @@ class StorageTier:
                 "prefetching_blocks": self.prefetching_blocks,
                 "index": {"pages": len(self._held), "complete": self.index_complete(),
                           "refresh_s": self.index_refresh_s},
+                "back_pressure": {"writes_slow": self.writes_slow(),
+                                  "slow_write_ms": self.slow_write_s * 1000,
+                                  "write_latency_ms": _ms(self.write_latency),
+                                  "read_latency_ms": _ms(self.read_latency)},
                 "counters": c,
                 "backup_bytes": c["backup_pages"] * self.page_bytes * self.ranks,
                 "prefetch_bytes": c["prefetch_pages_completed"] * self.page_bytes * self.ranks}
+
+
+def _ema(average: float | None, sample: float) -> float:
+    """The latency average after one more answer (the first answer starts it)."""
+    return sample if average is None else average + EMA_WEIGHT * (sample - average)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)

@@ -33,6 +33,7 @@ from kvtier.manager.replay import ReplayReport
 from kvtier.manager.stack import Stack
 from kvtier.worker.delays import PREFETCH_PAGE_DELAY_ENV, STORAGE_DELAY_ENV
 from kvtier.worker.storage import HEADER_BYTES
+from kvtier.worker.storage.page_crypto import TAG_BYTES
 from kvtier.worker.storage.redis_backend import RedisBackend
 from redis_server import RedisServer, ping
 from storage_support import (
@@ -182,14 +183,14 @@ def test_round_trip_device_host_storage_and_back_is_byte_exact(one: OneInstance)
     if backend == "file":
         for rank in range(RANKS):
             sizes = {page_file(stack, rank, k).stat().st_size for k in keys}
-            assert sizes == {HEADER_BYTES + PAGE_BYTES}
+            assert sizes == {HEADER_BYTES + PAGE_BYTES + TAG_BYTES}  # encrypted: + GCM tag
         assert (page_file(stack, 0, keys[0]).read_bytes()[HEADER_BYTES:]
                 != page_file(stack, 1, keys[0]).read_bytes()[HEADER_BYTES:])
     else:
         r = redis.Redis.from_url(url)  # type: ignore[arg-type]
         for rank in range(RANKS):
-            assert all(r.strlen(redis_key(stack, rank, k)) == HEADER_BYTES + PAGE_BYTES
-                       for k in keys)
+            assert all(r.strlen(redis_key(stack, rank, k))
+                       == HEADER_BYTES + PAGE_BYTES + TAG_BYTES for k in keys)
 
     cleared = stack.reset()
     assert cleared["device_blocks"] == cleared["host_blocks"] == len(prompts) * BLOCKS
@@ -308,7 +309,7 @@ def test_storage_secret_is_not_in_status_logs_or_worker_command_line(one: OneIns
 
 
 def _flip_byte(stack: Stack, backend: str, url: str | None, rank: int, key: bytes) -> None:
-    offset = HEADER_BYTES + PAGE_BYTES // 2  # inside the payload: only the MAC sees it
+    offset = HEADER_BYTES + PAGE_BYTES // 2  # inside the payload: only the GCM tag sees it
     if backend == "file":
         path = page_file(stack, rank, key)
         data = bytearray(path.read_bytes())
@@ -392,7 +393,7 @@ def test_corrupt_or_truncated_page_is_a_counted_miss_never_data(one: OneInstance
     verb = "deleted" if backend == "file" else "dropped"
     rank1 = (log_dir / "worker-r1.log").read_text()
     assert (f"1 corrupt page(s) {verb} (first: key {page_keys(flipped)[flip_at].hex()[:16]}..., "
-            "bad_mac)") in rank1, rank1
+            "bad_tag)") in rank1, rank1
     rank0 = (log_dir / "worker-r0.log").read_text()
     cut_key = page_keys(truncated)[cut_at].hex()[:16]
     if backend == "redis":

@@ -1,0 +1,327 @@
+"""Encrypted storage pages (format version 4, `kvtier.worker.storage.page_crypto`) and the
+storage tier's back-pressure, against real stores (files in a temp dir, a real redis-server,
+a real 3-node Redis Cluster) and embedded stacks.
+
+What must hold: a known byte pattern written through a backend never appears in what the
+store holds (the file, the Redis value), while the same write in clear shows it (the negative
+control that proves the search would find it); a page under a key id the reader does not list,
+of the other format version, or with one bit flipped (ciphertext, tag, header) is a miss,
+counted by reason, deleted, never data; rotation works end to end between two stacks sharing
+one storage folder; a slow backend (delay injection) makes the manager skip backups, counted,
+never announced as stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from kvtier.manager.stack import Stack
+from kvtier.worker.delays import STORAGE_WRITE_DELAY_ENV
+from kvtier.worker.storage import HEADER_BYTES, PageStatus, namespace_for
+from kvtier.worker.storage.backend import StorageBackend
+from kvtier.worker.storage.file_backend import FileBackend
+from kvtier.worker.storage.page_crypto import (
+    TAG_BYTES,
+    AeadPageCodec,
+    PageKeys,
+    parse_key_ids,
+)
+from kvtier.worker.storage.redis_backend import RedisBackend
+from storage_support import BS, ModelRunner, page_keys, prompt, stack_config
+from support import new_deployment_id
+
+pytestmark = pytest.mark.fast
+
+PAGE = 4096
+SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16", "block_size": 4}
+NS = namespace_for(SHAPE, 0, 1)
+SECRET = b"kvtier-test-storage-secret-crypto"
+PATTERN = b"KNOWN-KV-PATTERN-0123456789abcdef"  # 33 bytes: never aligned to a 16-byte block
+PAGE_BYTES = (PATTERN * (PAGE // len(PATTERN) + 1))[:PAGE]
+
+OpenBackend = Callable[..., StorageBackend]
+
+
+def make_keys(n: int, salt: str = "") -> list[bytes]:
+    return [hashlib.sha256(f"crypto/{salt}/{i}".encode()).digest() for i in range(n)]
+
+
+@pytest.fixture(params=["file", "redis", "redis-cluster"])
+def backend_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def open_backend(backend_kind: str, tmp_path: Path,
+                 request: pytest.FixtureRequest) -> Iterator[OpenBackend]:
+    """Backends of the parametrized kind on one store (as several instances would open it),
+    closed after the test."""
+    url = ""
+    if backend_kind == "redis":
+        url = request.getfixturevalue("redis_server").url
+    elif backend_kind == "redis-cluster":
+        url = request.getfixturevalue("redis_cluster").url
+    if url:
+        flusher = RedisBackend(url, NS, secret=SECRET)
+        flusher.client.flushall()
+        flusher.close()
+    opened: list[StorageBackend] = []
+
+    def _open(keys: PageKeys | None = None) -> StorageBackend:
+        backend: StorageBackend
+        if backend_kind == "file":
+            backend = FileBackend(tmp_path / "store", NS, secret=SECRET, page_bytes=PAGE,
+                                  keys=keys)
+        else:
+            backend = RedisBackend(url, NS, secret=SECRET, page_bytes=PAGE, keys=keys)
+        opened.append(backend)
+        return backend
+
+    yield _open
+    for backend in opened:
+        backend.close()
+
+
+def stored_values(backend: StorageBackend) -> list[bytes]:
+    """Every stored byte string of the backend's namespace, read behind its back."""
+    if isinstance(backend, FileBackend):
+        return [p.read_bytes() for p in backend.root.rglob("*") if p.is_file()]
+    assert isinstance(backend, RedisBackend)
+    out: list[bytes] = []
+    client = backend.client
+    servers = ([n.redis_connection for n in client.get_primaries()]
+               if isinstance(client, redis.RedisCluster) else [client])
+    for server in servers:
+        for name in server.scan_iter(match=b"kvtier:*"):
+            value = server.get(name)
+            if value is not None:
+                out.append(value)
+    return out
+
+
+def raw_of(backend: StorageBackend, key: bytes) -> bytes:
+    if isinstance(backend, FileBackend):
+        return (backend.root / key.hex()[:2] / key.hex()).read_bytes()
+    assert isinstance(backend, RedisBackend)
+    value = backend.client.get(backend.redis_key(key))
+    assert isinstance(value, bytes)
+    return value
+
+
+def put_raw(backend: StorageBackend, key: bytes, raw: bytes) -> None:
+    if isinstance(backend, FileBackend):
+        (backend.root / key.hex()[:2] / key.hex()).write_bytes(raw)
+    else:
+        assert isinstance(backend, RedisBackend)
+        backend.client.set(backend.redis_key(key), raw)
+
+
+def read_back(backend: StorageBackend, keys: list[bytes]) -> tuple[list[bool], list[bytes]]:
+    dests = [bytearray(PAGE) for _ in keys]
+    hits = backend.get_into(keys, dests)
+    return hits, [bytes(d) for d in dests]
+
+
+# ---------------------------------------------------------------------- at rest
+
+
+def test_known_pattern_is_never_stored_in_clear_and_round_trips(
+        open_backend: OpenBackend) -> None:
+    keys = make_keys(8)
+    clear = open_backend()  # negative control first: format 3, clear
+    assert clear.set(keys[:4], [PAGE_BYTES] * 4) == 4
+    shown = [v for v in stored_values(clear) if PATTERN in v]
+    assert len(shown) == 4, "the search must find the pattern in clear pages"
+    assert clear.delete(keys[:4]) == 4
+
+    sealed = open_backend(PageKeys(SECRET))
+    assert sealed.set(keys, [PAGE_BYTES] * 8) == 8
+    values = stored_values(sealed)
+    assert len(values) == 8
+    assert all(len(v) == HEADER_BYTES + PAGE + TAG_BYTES for v in values)
+    # not the pattern, nor any 16-byte piece of it (AES blocks are 16 bytes)
+    for value in values:
+        assert all(PAGE_BYTES[i:i + 16] not in value for i in range(0, 64))
+    hits, pages = read_back(sealed, keys)
+    assert hits == [True] * 8 and pages == [PAGE_BYTES] * 8  # byte-exact
+    # another instance sharing the store (another writer salt) reads them too
+    other = open_backend(PageKeys(SECRET))
+    hits, pages = read_back(other, keys)
+    assert hits == [True] * 8 and pages == [PAGE_BYTES] * 8
+    # two writes of the same page under one key never repeat a nonce: ciphertexts differ
+    assert other.set(keys[:1], [PAGE_BYTES]) == 1
+    assert raw_of(other, keys[0]) not in values
+
+
+def test_unknown_or_removed_key_id_is_refused_counted_and_deleted(
+        open_backend: OpenBackend, caplog: pytest.LogCaptureFixture) -> None:
+    keys = make_keys(3, "rotate")
+    old = open_backend(PageKeys(SECRET, 1))
+    assert old.set(keys, [PAGE_BYTES] * 3) == 3
+    rotated = open_backend(PageKeys(SECRET, 2, (1,)))  # step 1: key 2 new, key 1 still read
+    hits, pages = read_back(rotated, keys[:1])
+    assert hits == [True] and pages == [PAGE_BYTES]
+    retired = open_backend(PageKeys(SECRET, 2))  # step 2: key 1 removed
+    hits, _ = read_back(retired, keys[1:])
+    assert hits == [False, False]
+    stats = retired.stats()
+    assert stats["unknown_key_pages"] == 2 and stats["corrupt_pages"] == 2
+    assert retired.exists(keys[1:]) == [False, False]  # deleted: not offered again
+    assert "unknown_key" in caplog.text  # one line names the reason
+    foreign = open_backend(PageKeys(SECRET, 7))  # an id no one configured
+    assert read_back(foreign, keys[:1])[0] == [False]
+    assert foreign.stats()["unknown_key_pages"] == 1
+
+
+@pytest.mark.parametrize("where", ["ciphertext", "tag", "salt", "nonce", "key id"])
+def test_a_flipped_bit_is_refused(open_backend: OpenBackend, where: str) -> None:
+    keys = make_keys(2, where)
+    sealed = open_backend(PageKeys(SECRET, 1, (2,)))
+    assert sealed.set(keys, [PAGE_BYTES] * 2) == 2
+    raw = bytearray(raw_of(sealed, keys[0]))
+    offset = {"ciphertext": HEADER_BYTES + PAGE // 2, "tag": len(raw) - 3, "salt": 60,
+              "nonce": 70, "key id": 48}[where]
+    raw[offset] ^= 0x02  # key id 1 -> 3: listed nowhere
+    put_raw(sealed, keys[0], bytes(raw))
+    hits, pages = read_back(sealed, keys)
+    assert hits == [False, True] and pages[1] == PAGE_BYTES
+    expected = "unknown_key_pages" if where == "key id" else None
+    stats = sealed.stats()
+    assert stats["corrupt_pages"] == 1
+    assert stats["unknown_key_pages"] == (1 if expected else 0)
+
+
+def test_pages_of_the_other_format_are_refused_as_old_format(
+        open_backend: OpenBackend) -> None:
+    keys = make_keys(2, "format")
+    clear = open_backend()
+    assert clear.set(keys[:1], [PAGE_BYTES]) == 1
+    sealed = open_backend(PageKeys(SECRET))
+    assert sealed.set(keys[1:], [PAGE_BYTES]) == 1
+    assert read_back(sealed, keys[:1])[0] == [False]  # a format 3 page, encryption on
+    assert read_back(clear, keys[1:])[0] == [False]  # a format 4 page, encryption off
+    assert sealed.stats()["old_format_pages"] == 1 and clear.stats()["old_format_pages"] == 1
+
+
+def test_codec_binds_page_key_and_namespace() -> None:
+    """The associated data: a page moved under another key or namespace fails."""
+    keys = PageKeys(SECRET)
+    codec = AeadPageCodec(keys, NS)
+    a, b = make_keys(2, "bind")
+    page = codec.encode_page(a, PAGE_BYTES)
+    dest = memoryview(bytearray(PAGE))
+    assert codec.decode_into(a, page, dest) is PageStatus.OK and bytes(dest) == PAGE_BYTES
+    moved = bytearray(page)
+    moved[8:40] = b  # claims to be the page of key b
+    assert codec.decode_into(b, moved, dest) is PageStatus.BAD_TAG
+    elsewhere = AeadPageCodec(keys, namespace_for(SHAPE, 1, 2))
+    assert elsewhere.decode_into(a, page, dest) is PageStatus.BAD_TAG
+    other_secret = AeadPageCodec(PageKeys(b"another-secret-of-32-bytes-xxxxx"), NS)
+    assert other_secret.decode_into(a, page, dest) is PageStatus.BAD_TAG
+    assert "secret" not in repr(keys).lower() or SECRET.decode() not in repr(keys)
+    assert parse_key_ids(" 3, 2 ,") == (3, 2)
+    with pytest.raises(ValueError, match="key id '0'"):
+        parse_key_ids("0")
+
+
+# ---------------------------------------------------------------------- two stacks
+
+
+def _embedded(storage_dir: Path, **extra: str) -> Stack:
+    env = {"KVTIER_STORAGE__SECRET": SECRET.decode(), "KVTIER_STORAGE__INDEX_REFRESH_S": "0"}
+    env.update({f"KVTIER_STORAGE__{k.upper()}": v for k, v in extra.items()})
+    cfg = stack_config(new_deployment_id(), storage_dir, extra=env)
+    stack = Stack(cfg, embedded=True)
+    stack.start()
+    return stack
+
+
+def _storage_hits(runner: ModelRunner, tokens: list[int]) -> int:
+    out = runner.run(tokens, compute=False)
+    assert not out.corrupt_blocks  # every block served is byte-checked on both ranks
+    return out.match.num_tokens // BS
+
+
+def test_rotation_end_to_end_across_two_stacks_sharing_one_folder(tmp_path: Path) -> None:
+    blocks = 6
+    first, second = prompt(501, blocks), prompt(502, blocks)
+    store = tmp_path / "shared"
+    a = _embedded(store, key_id="1")
+    try:
+        ModelRunner(a).run(first)  # computed, written under key 1
+        raw = [p.read_bytes() for p in store.rglob("*") if p.is_file()]
+        assert len(raw) == 2 * blocks  # both ranks
+        assert all(int.from_bytes(r[48:52], "little") == 1 for r in raw)
+    finally:
+        a.close()
+    b = _embedded(store, key_id="2", old_key_ids="1")  # rotated: reads key 1, writes key 2
+    try:
+        runner = ModelRunner(b)
+        assert _storage_hits(runner, first) == blocks
+        runner.run(second)  # written under key 2
+    finally:
+        b.close()
+    c = _embedded(store, key_id="2")  # key 1 retired
+    try:
+        runner = ModelRunner(c)
+        assert _storage_hits(runner, second) == blocks
+        assert _storage_hits(runner, first) == 0  # refused, never served
+        assert c.workers is not None
+        refused = sum(r.storage.stats()["unknown_key_pages"]  # type: ignore[union-attr]
+                      for r in c.workers._ranks)
+        assert refused >= 1  # the first block on each rank that was asked
+        keys = page_keys(first)
+        assert not any((store / ns / keys[0].hex()[:2] / keys[0].hex()).exists()
+                       for ns in {p.parent.parent.relative_to(store).as_posix()
+                                  for p in store.rglob("*") if p.is_file()})
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------------- back-pressure
+
+
+def test_slow_backend_skips_backups_counted_never_announced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(STORAGE_WRITE_DELAY_ENV, "60")  # every BACKUP takes 60 ms
+    stack = _embedded(tmp_path / "slow", slow_write_ms="40")
+    try:
+        tier = stack.storage
+        assert tier is not None
+        runner = ModelRunner(stack)
+        runner.run(prompt(601, 4))  # the first backup measures 60 ms > 40 ms: slow
+        assert tier.writes_slow()
+        written = tier.counters["backup_pages"]
+        t0 = time.monotonic()
+        for i in range(3):
+            runner.run(prompt(610 + i, 4))
+        assert time.monotonic() - t0 < 0.06 * 3  # no request paid for a backup
+        c = tier.counters
+        assert c["backup_slow_skipped_pages"] == 12 and c["backup_pages"] == written
+        skipped = page_keys(prompt(610, 4))
+        assert not any(tier.holds(k) for k in skipped)  # never listed as stored
+        files = {p.name for p in (tmp_path / "slow").rglob("*") if p.is_file()}
+        assert not files & {k.hex() for k in skipped}
+        status = stack.status()["storage"]["back_pressure"]
+        assert status["writes_slow"] and status["write_latency_ms"] > 40
+        # the backend is fast again: after the probe interval one probe batch goes through,
+        # and its answer brings the average down
+        monkeypatch.setenv(STORAGE_WRITE_DELAY_ENV, "0")
+        assert stack.workers is not None
+        for r in stack.workers._ranks:
+            r.executor.storage_write_delay_s = 0.0
+        deadline = time.monotonic() + 10
+        n = 0
+        while tier.writes_slow() and time.monotonic() < deadline:
+            time.sleep(0.2)
+            n += 1
+            runner.run(prompt(700 + n, 4))
+        assert not tier.writes_slow()
+        assert tier.counters["backup_probes"] >= 1
+    finally:
+        stack.close()
