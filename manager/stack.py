@@ -156,6 +156,7 @@ def worker_spec(cfg: KvtierConfig, rank: int, storage_tag: str = "") -> WorkerSp
         num_extra_layers=c.model.num_extra_layers, kv_scales=c.model.kv_scales,
         storage_encrypt=s.encrypt, storage_key_id=s.key_id,
         storage_old_key_ids=parse_key_ids(s.old_key_ids),
+        storage_compression=s.compression,
         host_numa=str(c.workers.host_numa),
         # the wait for the model runner's registration ends inside the supervisor's
         # ready timeout, so the worker's own error (what is missing) is the one reported

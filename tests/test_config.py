@@ -74,6 +74,7 @@ BRIEF_DEFAULTS = {
         "encrypt": True,
         "key_id": 1,
         "old_key_ids": "",
+        "compression": "none",
         "slow_write_ms": 1000.0,
     },
     "workers": {"count": 1, "device": "auto", "cuda_devices": "", "ready_timeout_s": 60,
@@ -301,6 +302,9 @@ FILE_ERRORS = [
     ("[storage]\nold_key_ids = '1,x'\n",
      "storage.old_key_ids = '1,x': key id 'x' is not an integer from 1 to 4294967295"),
     ("[storage]\nslow_write_ms = -5\n", "storage.slow_write_ms = -5: must be >= 0"),
+    ("[storage]\nencrypt = false\ncompression = 'zstd'\n",
+     "storage.compression = 'zstd': needs storage.encrypt = true (compressed pages are "
+     "encrypted pages, format 4)"),
     ('[storage]\npath = "a\\u0000b"\n', "storage.path = 'a\\x00b': contains a NUL character"),
     (
         f'[storage]\npath = "/tmp/{"x" * 300}"\n',

@@ -14,6 +14,8 @@ never announced as stored.
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -72,13 +74,14 @@ def open_backend(backend_kind: str, tmp_path: Path,
         flusher.close()
     opened: list[StorageBackend] = []
 
-    def _open(keys: PageKeys | None = None) -> StorageBackend:
+    def _open(keys: PageKeys | None = None, compression: str = "none") -> StorageBackend:
         backend: StorageBackend
         if backend_kind == "file":
             backend = FileBackend(tmp_path / "store", NS, secret=SECRET, page_bytes=PAGE,
-                                  keys=keys)
+                                  keys=keys, compression=compression)
         else:
-            backend = RedisBackend(url, NS, secret=SECRET, page_bytes=PAGE, keys=keys)
+            backend = RedisBackend(url, NS, secret=SECRET, page_bytes=PAGE, keys=keys,
+                                   compression=compression)
         opened.append(backend)
         return backend
 
@@ -229,6 +232,41 @@ def test_codec_binds_page_key_and_namespace() -> None:
         parse_key_ids("0")
 
 
+# ---------------------------------------------------------------------- compression
+
+
+def test_compressed_pages_round_trip_byte_exact_and_stay_private(
+        open_backend: OpenBackend) -> None:
+    keys = make_keys(4, "zstd")
+    noise = os.urandom(PAGE)  # incompressible: stored as it is (encoding 0)
+    pages = [PAGE_BYTES, noise, PAGE_BYTES[::-1], bytes(PAGE)]
+    writer = open_backend(PageKeys(SECRET), compression="zstd")
+    assert writer.set(keys, pages) == 4
+    sizes = [len(raw_of(writer, k)) for k in keys]
+    full = HEADER_BYTES + PAGE + TAG_BYTES
+    assert sizes[1] == full and all(n < full // 4 for n in (sizes[0], sizes[2], sizes[3]))
+    assert [raw_of(writer, k)[67] for k in keys] == [1, 0, 1, 1]  # the encoding byte
+    assert not any(PATTERN[:16] in raw_of(writer, k) for k in keys)
+    # a reader that does not compress opens both encodings, byte-exact
+    reader = open_backend(PageKeys(SECRET))
+    hits, back = read_back(reader, keys)
+    assert hits == [True] * 4 and back == pages
+    assert reader.exists(keys) == [True] * 4  # a short file is a plausible page
+    # a flipped bit in a compressed page is refused before anything is decompressed
+    raw = bytearray(raw_of(writer, keys[0]))
+    raw[HEADER_BYTES + 3] ^= 1
+    put_raw(writer, keys[0], bytes(raw))
+    assert read_back(reader, keys[:1])[0] == [False]
+    assert reader.stats()["corrupt_pages"] == 1
+
+
+def test_compression_needs_encryption() -> None:
+    with pytest.raises(ValueError, match=re.escape("compression = 'zstd' needs storage.encrypt")):
+        FileBackend("/nonexistent-kvtier", NS, secret=SECRET, compression="zstd")
+    with pytest.raises(ValueError, match=re.escape("compression = 'lz4': expected one of")):
+        AeadPageCodec(PageKeys(SECRET), NS, "lz4")
+
+
 # ---------------------------------------------------------------------- two stacks
 
 
@@ -251,7 +289,9 @@ def test_rotation_end_to_end_across_two_stacks_sharing_one_folder(tmp_path: Path
     blocks = 6
     first, second = prompt(501, blocks), prompt(502, blocks)
     store = tmp_path / "shared"
-    a = _embedded(store, key_id="1")
+    a = _embedded(store, key_id="1", compression="zstd")  # one writer compresses, none reads
+    assert a.workers is not None
+    assert all(r.spec.storage_compression == "zstd" for r in a.workers._ranks)
     try:
         ModelRunner(a).run(first)  # computed, written under key 1
         raw = [p.read_bytes() for p in store.rglob("*") if p.is_file()]

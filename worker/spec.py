@@ -79,6 +79,7 @@ class WorkerSpec:
     storage_encrypt: bool = False
     storage_key_id: int = 1
     storage_old_key_ids: tuple[int, ...] = ()
+    storage_compression: str = "none"  # storage.compression: "none" | "zstd"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

@@ -225,12 +225,27 @@ class StorageConfig(BaseModel):
         description="comma-separated key ids whose pages are still read (e.g. \"1\"); a page "
         "under any other id is refused, counted as kvtier_storage_backend_unknown_key_pages",
     )
+    compression: Literal["none", "zstd"] = Field(
+        "none",
+        description="compress every page with zstd (level 1) before encrypting it, kept only "
+        "when smaller; needs encrypt = true. Pays only on a store slower than about 150 MB/s "
+        "per worker core (bench/storage_codecs.py); readers open both kinds whatever this says",
+    )
     slow_write_ms: float = Field(
         1000.0, ge=0, le=600_000, allow_inf_nan=False,
         description="back-pressure: while the moving average of a storage backup's latency "
         "(sent to answered, queueing included) is above this, backups are skipped "
         "(kvtier_storage_backup_slow_skipped_pages_total), one probe batch a second; 0: off",
     )
+
+    @field_validator("compression")
+    @classmethod
+    def _compression_needs_encryption(cls, value: str, info: ValidationInfo) -> str:
+        """Compressed pages are format 4: a clear deployment cannot write them."""
+        if value != "none" and info.data.get("encrypt") is False:
+            raise ValueError("needs storage.encrypt = true (compressed pages are encrypted "
+                             "pages, format 4)")
+        return value
 
     @field_validator("old_key_ids")
     @classmethod

@@ -179,9 +179,10 @@ class FileBackend(StorageBackend):
         page_bytes: int | None = None,
         io_threads: int = DEFAULT_IO_THREADS,
         keys: PageKeys | None = None,
+        compression: str = "none",
     ) -> None:
         super().__init__(namespace, page_bytes)
-        self._codec = make_codec(secret, self.namespace, keys)
+        self._codec = make_codec(secret, self.namespace, keys, compression)
         overhead = self._overhead = self._codec.overhead
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise ValueError(f"capacity_bytes must be an int, got {capacity_bytes!r}")
@@ -441,9 +442,12 @@ class FileBackend(StorageBackend):
         return count
 
     def _present(self, hexkey: str) -> bool:
-        """A page file exists with a plausible size; its MAC is verified on read.
+        """A page file exists with a plausible size; its MAC (or GCM tag) is verified on read.
         Pages are renamed into place whole, so a wrong size can only be a damaged page: it is
-        counted and deleted here rather than offered to a prefetch."""
+        counted and deleted here rather than offered to a prefetch. Encrypted pages may be
+        shorter (compressed, `storage.compression`, by this or another writer): for them only
+        a file longer than a whole page, or too short for a header and tag, is refused here;
+        a truncated one is refused by its tag when read."""
         path = self._page_path(hexkey)
         try:
             st = os.stat(path)
@@ -455,6 +459,8 @@ class FileBackend(StorageBackend):
             return False
         if self.page_bytes is None:
             plausible = st.st_size >= self._overhead
+        elif self._codec.variable:  # a compressed page is shorter; its tag is checked on read
+            plausible = HEADER_BYTES < st.st_size <= self._overhead + self.page_bytes
         else:
             plausible = st.st_size == self._overhead + self.page_bytes
         if not plausible:
@@ -482,7 +488,7 @@ class FileBackend(StorageBackend):
     def _write_one(self, key: bytes, payload: memoryview) -> None:
         hexkey = key.hex()
         parts = [memoryview(p) for p in self._codec.encode_parts(key, payload)]
-        size = self._overhead + payload.nbytes
+        size = sum(p.nbytes for p in parts)  # a compressed page is shorter
         if self.capacity_bytes and size > self.capacity_bytes:
             raise OSError(f"page of {size} bytes exceeds capacity_bytes={self.capacity_bytes}")
         self._ensure_shard(hexkey[:2])

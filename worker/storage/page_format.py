@@ -117,6 +117,7 @@ class PageCodec:
     version = FORMAT_VERSION
     overhead = HEADER_BYTES  # stored bytes beyond the payload
     in_place = True  # a split read lands the payload straight in the caller's page
+    variable = False  # every page is exactly payload + overhead bytes
 
     def __init__(self, secret: bytes, namespace: str) -> None:
         self.namespace = namespace

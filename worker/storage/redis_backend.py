@@ -128,9 +128,10 @@ class RedisBackend(StorageBackend):
         batch_bytes: int = 8 << 20,
         batch_keys: int = 512,
         keys: PageKeys | None = None,
+        compression: str = "none",
     ) -> None:
         super().__init__(namespace, page_bytes)
-        self._codec = make_codec(secret, self.namespace, keys)
+        self._codec = make_codec(secret, self.namespace, keys, compression)
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s < 0:
             raise ValueError(f"ttl_s must be an int >= 0 (0 = no expiry), got {ttl_s!r}")
         for name, value in (
