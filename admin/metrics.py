@@ -267,9 +267,10 @@ class StackCollector(Collector):
         latency = GaugeMetricFamily(
             "kvtier_storage_latency_average_seconds",
             "Moving average of storage task latency, sent to answered (write: backups, "
-            "queueing included; read: prefetches); absent before the first answer.",
+            "queueing included; read: queries; prefetch: prefetches); absent before the first "
+            "answer.",
             labels=["op"])
-        for op in ("write", "read"):
+        for op in ("write", "read", "prefetch"):
             ms = bp.get(f"{op}_latency_ms")
             if ms is not None:
                 latency.add_metric([op], ms / 1000)
@@ -278,6 +279,14 @@ class StackCollector(Collector):
             "kvtier_storage_writes_slow",
             "1 while back-pressure skips backups (storage.slow_write_ms), else 0.",
             value=int(bool(bp.get("writes_slow"))))
+        yield GaugeMetricFamily(
+            "kvtier_storage_reads_slow",
+            "1 while back-pressure answers lookups without asking storage "
+            "(storage.slow_read_ms), else 0.", value=int(bool(bp.get("reads_slow"))))
+        yield CounterMetricFamily(
+            "kvtier_storage_query_slow_skips",
+            "Lookups answered as a miss without asking storage because storage reads were "
+            "slow (back-pressure).", value=get("query_slow_skips"))
         errors = CounterMetricFamily(
             "kvtier_storage_errors", "Storage tasks that failed, by operation.", labels=["op"])
         for op in STORAGE_ERROR_OPS:

@@ -78,10 +78,14 @@ batches pile up in the lane, holding their host copies in BACKING and the lane's
 busy). While it is above the threshold, writes are slow and `_write` skips every batch
 (`backup_slow_skipped_pages`; the nodes never enter BACKING, so no page is announced to the
 index or in events), except one probe batch at most every `PROBE_INTERVAL_S`, whose answer
-moves the average (without probes a skipping tier would never
-learn that the backend recovered). `read_latency` is the same average over PREFETCH tasks,
-reported (`/status`, `/metrics`) so an operator sees a slow read path; loads never wait on
-writes in any case: the worker runs storage reads and storage writes on lanes of their own.
+moves the average (without probes a skipping tier would never learn that the backend
+recovered). `read_latency` is the same average over QUERY tasks (a lookup's first round trip
+to storage): while it is above `storage.slow_read_ms`, a lookup that would ask storage
+(`on_miss`, the scheduler's `prefetch`, the keyed surface's queries) is a miss at once
+instead (`query_slow_skips`: the request recomputes rather than waits on a slow store),
+except one probe query a second. `prefetch_latency` (PREFETCH tasks) is reported only. Loads
+never wait on writes in any case: the worker runs storage reads and storage writes on lanes
+of their own.
 """
 
 from __future__ import annotations
@@ -162,8 +166,11 @@ class StorageTier:
         # back-pressure: the latency averages (None until the first answer), the threshold
         # (0: off) and when the last probe was sent
         self.slow_write_s = s.slow_write_ms / 1000
+        self.slow_read_s = s.slow_read_ms / 1000
         self.write_latency: float | None = None
         self.read_latency: float | None = None
+        self.prefetch_latency: float | None = None
+        self._read_probed_at = float("-inf")
         self._probed_at = float("-inf")
         self.prefetching_blocks = 0
         self.clears_running = 0  # CLEAR tasks sent and not answered (a slow clear goes on)
@@ -191,7 +198,8 @@ class StorageTier:
             "errors_backup", "errors_clear", "revoked_queries", "revoked_prefetches",
             "revoked_pages_kept", "revoked_pages_dropped", "index_listings",
             "errors_list", "index_misses", "backup_skipped_pages",
-            "backup_slow_skipped_pages", "backup_probes"), 0)
+            "backup_slow_skipped_pages", "backup_probes", "query_slow_skips",
+            "query_probes"), 0)
 
     # ------------------------------------------------------------------ keys
 
@@ -342,10 +350,41 @@ class StorageTier:
             return False
         return True
 
+    def reads_slow(self) -> bool:
+        """Whether the query latency average is above `storage.slow_read_ms` (never when that
+        is 0)."""
+        ema = self.read_latency
+        return bool(self.slow_read_s) and ema is not None and ema > self.slow_read_s
+
+    def reads_skipped(self) -> bool:
+        """Whether this lookup must not ask storage because reads are slow (counted in
+        `query_slow_skips`); one lookup a second asks anyway, as the probe that tells when the
+        store recovered (`query_probes`)."""
+        if not self.reads_slow():
+            return False
+        now = time.monotonic()
+        if now - self._read_probed_at >= PROBE_INTERVAL_S:
+            self._read_probed_at = now
+            self.counters["query_probes"] += 1
+            return False
+        self.counters["query_slow_skips"] += 1
+        return True
+
+    def _read_answered(self, sent: float) -> None:
+        """A QUERY answered: the read latency average moves (lock held)."""
+        was_slow = self.reads_slow()
+        now = time.monotonic()
+        self.read_latency = _ema(self.read_latency, now - sent)
+        if not was_slow and self.reads_slow():
+            self._read_probed_at = now  # slow from now: the first probe one interval later
+
     def index_misses(self, req: RequestState, token_ids: Any, start: int) -> bool:
         """Whether storage's complete index does not list block `start` (then counted): storage
         counts leading pages, so a query could only answer 0. The scheduler API's twin of the
-        keyed surface's check (`KeyedHostCache._query`)."""
+        keyed surface's check (`KeyedHostCache._query`). Also True, without a look at the
+        index, while reads are slow (`reads_skipped`): not asking is then the point."""
+        if self.reads_skipped():
+            return True
         if not self.index_complete():
             return False
         if self.holds(self.request_skeys(req, token_ids, start + 1)[start]):
@@ -376,8 +415,10 @@ class StorageTier:
         seq = m.next_seq()
         task = Task(seq, TaskKind.QUERY, [], [], list(skeys), Priority.PREFETCH)
         self.counters["queries"] += 1
+        sent = time.monotonic()
 
         def done(ok: bool, comp: Completion) -> None:
+            self._read_answered(sent)
             found = 0
             revoked = seq in self._revoked
             try:
@@ -448,7 +489,7 @@ class StorageTier:
                      sent: float | None = None) -> None:
         m = self.m
         if sent is not None:
-            self.read_latency = _ema(self.read_latency, time.monotonic() - sent)
+            self.prefetch_latency = _ema(self.prefetch_latency, time.monotonic() - sent)
         # A revoked prefetch answers with the pages every rank read before it stopped: they
         # landed, so they stay (as SGLang's terminate_prefetch keeps completed pages).
         good = min(comp.result, len(nodes)) if ok else 0
@@ -644,9 +685,12 @@ class StorageTier:
                 "index": {"pages": len(self._held), "complete": self.index_complete(),
                           "refresh_s": self.index_refresh_s},
                 "back_pressure": {"writes_slow": self.writes_slow(),
+                                  "reads_slow": self.reads_slow(),
                                   "slow_write_ms": self.slow_write_s * 1000,
+                                  "slow_read_ms": self.slow_read_s * 1000,
                                   "write_latency_ms": _ms(self.write_latency),
-                                  "read_latency_ms": _ms(self.read_latency)},
+                                  "read_latency_ms": _ms(self.read_latency),
+                                  "prefetch_latency_ms": _ms(self.prefetch_latency)},
                 "counters": c,
                 "backup_bytes": c["backup_pages"] * self.page_bytes * self.ranks,
                 "prefetch_bytes": c["prefetch_pages_completed"] * self.page_bytes * self.ranks}

@@ -76,6 +76,7 @@ BRIEF_DEFAULTS = {
         "old_key_ids": "",
         "compression": "none",
         "slow_write_ms": 1000.0,
+        "slow_read_ms": 2000.0,
     },
     "workers": {"count": 1, "device": "auto", "cuda_devices": "", "ready_timeout_s": 60,
                 "engine_kv": False, "heartbeat_timeout_s": 5, "host_numa": "auto"},

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import redis
 from kvtier.manager.stack import Stack
-from kvtier.worker.delays import STORAGE_WRITE_DELAY_ENV
+from kvtier.worker.delays import STORAGE_DELAY_ENV, STORAGE_WRITE_DELAY_ENV
 from kvtier.worker.storage import HEADER_BYTES, PageStatus, namespace_for
 from kvtier.worker.storage.backend import StorageBackend
 from kvtier.worker.storage.file_backend import FileBackend
@@ -365,3 +365,32 @@ def test_slow_backend_skips_backups_counted_never_announced(
         assert tier.counters["backup_probes"] >= 1
     finally:
         stack.close()
+
+
+def test_slow_reads_make_lookups_miss_at_once_counted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = tmp_path / "reads"
+    held = [prompt(801 + i, 6) for i in range(3)]
+    fast = _embedded(store)
+    try:
+        runner = ModelRunner(fast)
+        for p in held:
+            runner.run(p)  # computed and written
+    finally:
+        fast.close()
+    monkeypatch.setenv(STORAGE_DELAY_ENV, "60")  # every storage query and read: +60 ms
+    slow = _embedded(store, slow_read_ms="40")
+    try:
+        tier = slow.storage
+        assert tier is not None
+        runner = ModelRunner(slow)
+        assert _storage_hits(runner, held[0]) == 6  # waited for: the query measures 60 ms
+        assert tier.reads_slow()
+        t0 = time.monotonic()
+        out = runner.run(held[1], compute=False)
+        assert time.monotonic() - t0 < 0.06  # did not wait on the store...
+        assert out.match.num_tokens == 0  # ...though it holds every block: a miss at once
+        assert tier.counters["query_slow_skips"] == 1
+        assert slow.status()["storage"]["back_pressure"]["reads_slow"]
+    finally:
+        slow.close()

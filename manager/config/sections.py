@@ -238,6 +238,13 @@ class StorageConfig(BaseModel):
         "(kvtier_storage_backup_slow_skipped_pages_total), one probe batch a second; 0: off",
     )
 
+    slow_read_ms: float = Field(
+        2000.0, ge=0, le=600_000, allow_inf_nan=False,
+        description="back-pressure: while the moving average of a storage query's latency "
+        "(sent to answered) is above this, lookups do not ask storage (a miss at once, "
+        "kvtier_storage_query_slow_skips_total), one probe query a second; 0: off",
+    )
+
     @field_validator("compression")
     @classmethod
     def _compression_needs_encryption(cls, value: str, info: ValidationInfo) -> str:
