@@ -35,8 +35,9 @@ from kvtier.worker.storage.page_crypto import (
     parse_key_ids,
 )
 from kvtier.worker.storage.redis_backend import RedisBackend
+from stack_support import attached_host_pools, running_stack
 from storage_support import BS, ModelRunner, namespaces, page_keys, prompt, stack_config
-from support import new_deployment_id
+from support import new_deployment_id, tiny_config
 
 pytestmark = pytest.mark.fast
 
@@ -414,3 +415,48 @@ def test_slow_reads_make_lookups_miss_at_once_counted(
         assert slow.status()["storage"]["back_pressure"]["reads_slow"]
     finally:
         slow.close()
+
+
+def _chain(prompt_id: int, n: int) -> list[bytes]:
+    """An engine's chained block hashes (the keyed surface's keys)."""
+    out: list[bytes] = []
+    parent = b""
+    for i in range(n):
+        parent = hashlib.sha256(parent + bytes([prompt_id, i])).digest()
+        out.append(parent)
+    return out
+
+
+def test_a_store_skipped_by_back_pressure_is_never_an_event(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's path (the keyed surface, a worker process): a block whose storage write was
+    skipped is announced in the host tier only, never in storage."""
+    monkeypatch.setenv(STORAGE_WRITE_DELAY_ENV, "80")  # the worker's every BACKUP: +80 ms
+    cfg = tiny_config(workers=1, device_blocks=2, host_blocks=64, storage="file",
+                      storage_dir=tmp_path, write_policy="write_through",
+                      extra={"KVTIER_STORAGE__SECRET": SECRET.decode(),
+                             "KVTIER_STORAGE__SLOW_WRITE_MS": "40",
+                             "KVTIER_STORAGE__INDEX_REFRESH_S": "0"})
+    with (running_stack(cfg, keyed_namespace=b"ns") as stack,
+          attached_host_pools(cfg) as pools):
+        cache = stack.require_keyed()
+        tier = stack.storage
+        assert tier is not None
+        cache.enable_events()
+
+        def store_and_settle(hashes: list[bytes]) -> set[tuple[str, bool]]:
+            plan = cache.prepare_store(hashes)
+            assert plan is not None
+            for hid in plan.host_ids:
+                pools[0].data[hid].fill_(7)
+            cache.complete_store(plan.keys, ok=True)
+            deadline = time.monotonic() + 20
+            while stack.require_manager().stats()["tasks_inflight"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            return {(e.tier, e.removed) for e in cache.take_events()}
+
+        assert store_and_settle(_chain(1, 3)) == {("host", False), ("storage", False)}
+        assert tier.writes_slow()  # that backup took 80 ms
+        assert store_and_settle(_chain(2, 3)) == {("host", False)}  # skipped: host only
+        assert tier.counters["backup_slow_skipped_pages"] == 3
