@@ -69,6 +69,12 @@ BACKEND_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("stored_pages", "stored_pages", "gauge", "Pages the rank's backend holds."),
     ("capacity_bytes", "capacity_bytes", "gauge",
      "The rank's byte limit for stored pages (0: none)."),
+    ("unknown_key_pages", "unknown_key_pages", "counter",
+     "Pages refused because their key id is not storage.key_id or in storage.old_key_ids "
+     "(retired or foreign keys); also counted as corrupt pages."),
+    ("old_format_pages", "old_format_pages", "counter",
+     "Pages refused because they are of another page format version (clear pages in an "
+     "encrypting deployment, or the reverse); also counted as corrupt pages."),
 )
 
 
@@ -252,6 +258,35 @@ class StackCollector(Collector):
             "kvtier_storage_backup_skipped_pages",
             "Pages not backed up because storage.max_backup_mb_s had no budget left.",
             value=get("backup_skipped_pages"))
+        yield CounterMetricFamily(
+            "kvtier_storage_backup_slow_skipped_pages",
+            "Pages not backed up because storage writes were slow (back-pressure: the backup "
+            "latency average above storage.slow_write_ms); never announced as stored.",
+            value=get("backup_slow_skipped_pages"))
+        bp = storage.status()["back_pressure"] if storage is not None else {}
+        latency = GaugeMetricFamily(
+            "kvtier_storage_latency_average_seconds",
+            "Moving average of storage task latency, sent to answered (write: backups, "
+            "queueing included; read: queries; prefetch: prefetches); absent before the first "
+            "answer.",
+            labels=["op"])
+        for op in ("write", "read", "prefetch"):
+            ms = bp.get(f"{op}_latency_ms")
+            if ms is not None:
+                latency.add_metric([op], ms / 1000)
+        yield latency
+        yield GaugeMetricFamily(
+            "kvtier_storage_writes_slow",
+            "1 while back-pressure skips backups (storage.slow_write_ms), else 0.",
+            value=int(bool(bp.get("writes_slow"))))
+        yield GaugeMetricFamily(
+            "kvtier_storage_reads_slow",
+            "1 while back-pressure answers lookups without asking storage "
+            "(storage.slow_read_ms), else 0.", value=int(bool(bp.get("reads_slow"))))
+        yield CounterMetricFamily(
+            "kvtier_storage_query_slow_skips",
+            "Lookups answered as a miss without asking storage because storage reads were "
+            "slow (back-pressure).", value=get("query_slow_skips"))
         errors = CounterMetricFamily(
             "kvtier_storage_errors", "Storage tasks that failed, by operation.", labels=["op"])
         for op in STORAGE_ERROR_OPS:

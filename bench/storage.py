@@ -46,6 +46,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from kvtier.worker.storage.file_backend import FileBackend  # noqa: E402
+from kvtier.worker.storage.page_crypto import TAG_BYTES, PageKeys  # noqa: E402
 from kvtier.worker.storage.page_format import HEADER_BYTES  # noqa: E402
 from kvtier.worker.storage.redis_backend import RedisBackend  # noqa: E402
 
@@ -135,15 +136,16 @@ def result(backend: str, page: int, count: int, t_ours: list[float], t_plain: li
     }
 
 
-def bench_file(root: Path, keys: list[bytes], src: np.ndarray, reps: int, io_threads: int
-               ) -> dict[str, object]:
+def bench_file(root: Path, keys: list[bytes], src: np.ndarray, reps: int, io_threads: int,
+               fmt: str = "clear") -> dict[str, object]:
     count, page = src.shape
-    backend = FileBackend(root, NAMESPACE, secret=SECRET, page_bytes=page, io_threads=io_threads)
+    backend = FileBackend(root, NAMESPACE, secret=SECRET, page_bytes=page, io_threads=io_threads,
+                          keys=page_keys(fmt))
     backend.clear()
     assert backend.set(keys, list(src)) == count
     host = HostPages(count, page, "file")
     dests = host.views
-    plain_dests = plain_buffer(count, page + HEADER_BYTES)
+    plain_dests = plain_buffer(count, page + HEADER_BYTES + (TAG_BYTES if fmt != "clear" else 0))
     paths = [str(backend.root / k.hex()[:2] / k.hex()) for k in keys]
 
     def ours() -> None:
@@ -163,12 +165,14 @@ def bench_file(root: Path, keys: list[bytes], src: np.ndarray, reps: int, io_thr
     dest_kind = host.kind
     host.close()  # unlinks now; unmaps when the last page view is gone
     return result("file", page, count, t_ours, t_plain, io_threads=io_threads, dest=dest_kind,
-                  plain="open+readinto per page file")
+                  plain="open+readinto per page file", format=fmt)
 
 
-def bench_redis(url: str, keys: list[bytes], src: np.ndarray, reps: int) -> dict[str, object]:
+def bench_redis(url: str, keys: list[bytes], src: np.ndarray, reps: int,
+                fmt: str = "clear") -> dict[str, object]:
     count, page = src.shape
-    backend = RedisBackend(url, NAMESPACE, secret=SECRET, page_bytes=page, timeout_s=5.0)
+    backend = RedisBackend(url, NAMESPACE, secret=SECRET, page_bytes=page, timeout_s=5.0,
+                           keys=page_keys(fmt))
     backend.clear()
     assert backend.set(keys, list(src)) == count
     host = HostPages(count, page, "redis")
@@ -201,9 +205,15 @@ def bench_redis(url: str, keys: list[bytes], src: np.ndarray, reps: int) -> dict
     host.close()
     if cluster:
         return result("cluster", page, count, t_ours, t_plain, dest=dest_kind,
-                      plain=f"redis-py mget_nonatomic in the same {len(batches)} batches")
+                      plain=f"redis-py mget_nonatomic in the same {len(batches)} batches",
+                      format=fmt)
     return result("redis", page, count, t_ours, t_plain, dest=dest_kind,
-                  plain=f"MGET in the same {len(batches)} batches")
+                  plain=f"MGET in the same {len(batches)} batches", format=fmt)
+
+
+def page_keys(fmt: str) -> PageKeys | None:
+    """Format 4 (AES-256-GCM) keys for "encrypted", None (format 3, MAC) for "clear"."""
+    return PageKeys(SECRET) if fmt == "encrypted" else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,12 +230,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated io_threads values for the file backend "
                              "(1 = calling thread only; default 1,2)")
     parser.add_argument("--dir", default=None, help="directory for the file backend")
+    parser.add_argument("--formats", default="clear,encrypted",
+                        help="page formats: clear (format 3, MAC) and/or encrypted (format 4)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
 
     page_sizes = [int(x) * 1024 for x in args.page_kib.split(",") if x]
     backends = [b for b in args.backends.split(",") if b]
     threads = [int(x) for x in args.file_threads.split(",") if x]
+    formats = [f for f in args.formats.split(",") if f]
+    if any(f not in ("clear", "encrypted") for f in formats) or not formats:
+        parser.error("--formats takes clear and/or encrypted")
     if (any(b not in ("file", "redis", "redis-cluster") for b in backends) or not page_sizes
             or args.reps < 1):
         parser.error("--backends takes file, redis and/or redis-cluster; --page-kib and --reps "
@@ -242,13 +257,15 @@ def main(argv: list[str] | None = None) -> int:
             count = max(1, (args.total_mib << 20) // page)
             keys = [hashlib.sha256(f"bench/{page}/{i}".encode()).digest() for i in range(count)]
             src = np.random.default_rng(page).integers(0, 256, (count, page), dtype=np.uint8)
-            if "file" in backends:
-                for io_threads in threads:
-                    results.append(bench_file(workdir, keys, src, args.reps, io_threads))
-            if server is not None:
-                results.append(bench_redis(server.url, keys, src, args.reps))
-            if cluster is not None:
-                results.append(bench_redis(cluster.url, keys, src, args.reps))
+            for fmt in formats:  # each format after the other, in the same invocation
+                if "file" in backends:
+                    for io_threads in threads:
+                        results.append(bench_file(workdir, keys, src, args.reps, io_threads,
+                                                  fmt))
+                if server is not None:
+                    results.append(bench_redis(server.url, keys, src, args.reps, fmt))
+                if cluster is not None:
+                    results.append(bench_redis(cluster.url, keys, src, args.reps, fmt))
             del src
     finally:
         if server is not None:
@@ -268,10 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         print("storage prefetch throughput (page cache warm for both sides; medians of "
               f"{args.reps} interleaved repetitions, GB/s = 1e9 payload bytes/s, ratio = "
               "median of per-repetition ours/plain)")
-        print(f"{'backend':8} {'threads':>7} {'page':>8} {'pages':>6} {'ours GB/s':>10} "
+        print(f"{'backend':8} {'format':>9} {'threads':>7} {'page':>8} {'pages':>6} "
+              f"{'ours GB/s':>10} "
               f"{'plain GB/s':>11} {'ratio':>6}  plain read")
         for r in results:
-            print(f"{r['backend']:8} {r.get('io_threads', '-')!s:>7} {r['page_kib']!s:>6}Ki "
+            print(f"{r['backend']:8} {r['format']!s:>9} {r.get('io_threads', '-')!s:>7} "
+                  f"{r['page_kib']!s:>6}Ki "
                   f"{r['pages']!s:>6} {r['gbps']:>10.2f} {r['plain_gbps']:>11.2f} "
                   f"{r['ratio']:>6.2f}  {r['plain']}")
     return 0

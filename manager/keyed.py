@@ -259,9 +259,13 @@ class KeyedHostCache:
 
     def _query(self, q: _Query, threshold_tokens: int | None = None) -> bool:
         """Ask storage about `q`'s blocks (True), or answer it at once, not held (False),
-        when storage's complete index does not list its first block: storage counts leading
-        blocks, so the answer could only be 0."""
+        when storage's complete index does not list its first block (storage counts leading
+        blocks, so the answer could only be 0) or storage reads are slow (back-pressure:
+        `StorageTier.reads_skipped`, a recompute rather than a wait)."""
         assert self.storage is not None
+        if self.storage.reads_skipped():
+            q.answer(0)
+            return False
         first = self.storage_key(q.keys[0])
         listed = self.storage.holds(first)
         if not listed and self.storage.index_complete():

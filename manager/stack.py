@@ -80,6 +80,7 @@ from kvtier.manager.storage_tier import StorageTier
 from kvtier.manager.transfers import Dispatcher, ImmediateDispatcher, TransferObserver
 from kvtier.worker.ipc import TreeStatus
 from kvtier.worker.spec import WorkerSpec
+from kvtier.worker.storage.page_crypto import parse_key_ids
 from kvtier.worker.wire import TaskKind
 
 if TYPE_CHECKING:
@@ -153,6 +154,9 @@ def worker_spec(cfg: KvtierConfig, rank: int, storage_tag: str = "") -> WorkerSp
         manager_timeout_s=max(3.0, c.workers.heartbeat_timeout_s), model_name=c.model.name,
         storage_tag=storage_tag, storage_secret=secret.hex(),
         num_extra_layers=c.model.num_extra_layers, kv_scales=c.model.kv_scales,
+        storage_encrypt=s.encrypt, storage_key_id=s.key_id,
+        storage_old_key_ids=parse_key_ids(s.old_key_ids),
+        storage_compression=s.compression,
         host_numa=str(c.workers.host_numa),
         # the wait for the model runner's registration ends inside the supervisor's
         # ready timeout, so the worker's own error (what is missing) is the one reported

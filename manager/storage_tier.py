@@ -70,6 +70,22 @@ written per second with a token bucket holding one second's worth: a batch the b
 pay for is written as far as it can and the rest skipped (`backup_skipped_pages`), so backups
 never queue up behind the engine under load (a skipped copy is written if it is hit again
 under write_through_selective, or when evicted under write_back; otherwise storage misses it).
+
+Back-pressure (`storage.slow_write_ms`): `write_latency` is an exponential moving average
+(weight `EMA_WEIGHT` per answer) of the seconds from sending a BACKUP task to its answer,
+queueing in the worker's storage-write lane included: that is what a slow backend costs (its
+batches pile up in the lane, holding their host copies in BACKING and the lane's thread
+busy). While it is above the threshold, writes are slow and `_write` skips every batch
+(`backup_slow_skipped_pages`; the nodes never enter BACKING, so no page is announced to the
+index or in events), except one probe batch at most every `PROBE_INTERVAL_S`, whose answer
+moves the average (without probes a skipping tier would never learn that the backend
+recovered). `read_latency` is the same average over QUERY tasks (a lookup's first round trip
+to storage): while it is above `storage.slow_read_ms`, a lookup that would ask storage
+(`on_miss`, the scheduler's `prefetch`, the keyed surface's queries) is a miss at once
+instead (`query_slow_skips`: the request recomputes rather than waits on a slow store),
+except one probe query a second. `prefetch_latency` (PREFETCH tasks) is reported only. Loads
+never wait on writes in any case: the worker runs storage reads and storage writes on lanes
+of their own.
 """
 
 from __future__ import annotations
@@ -93,6 +109,16 @@ if TYPE_CHECKING:
     from kvtier.manager.config import KvtierConfig
 
 log = logging.getLogger(__name__)
+
+EMA_WEIGHT = 0.2
+"""Weight of the newest answer in the latency averages: five slow batches in a row (about a
+second of a backend that takes 200 ms a batch) lift a healthy average past a threshold twice
+the healthy figure, and one fast probe answer does not end a slow spell by itself."""
+
+PROBE_INTERVAL_S = 1.0
+"""While writes are slow, at most one probe batch a second measures whether the backend
+recovered (not gated on backups in flight: a task dropped without an answer must not stop
+the probes for good)."""
 
 HELD_INDEX_MAX = 1 << 18
 """Storage keys the index of held pages keeps (64-bit tags, ~90 B each with the dict: 24 MB
@@ -137,6 +163,15 @@ class StorageTier:
         self._rate = s.max_backup_mb_s * 1e6
         self._bucket = self._rate
         self._filled_at = time.monotonic()
+        # back-pressure: the latency averages (None until the first answer), the threshold
+        # (0: off) and when the last probe was sent
+        self.slow_write_s = s.slow_write_ms / 1000
+        self.slow_read_s = s.slow_read_ms / 1000
+        self.write_latency: float | None = None
+        self.read_latency: float | None = None
+        self.prefetch_latency: float | None = None
+        self._read_probed_at = float("-inf")
+        self._probed_at = float("-inf")
         self.prefetching_blocks = 0
         self.clears_running = 0  # CLEAR tasks sent and not answered (a slow clear goes on)
         self._prefetch_of: dict[Node, int] = {}
@@ -162,7 +197,9 @@ class StorageTier:
             "backup_pages", "backup_failed_pages", "errors_query", "errors_prefetch",
             "errors_backup", "errors_clear", "revoked_queries", "revoked_prefetches",
             "revoked_pages_kept", "revoked_pages_dropped", "index_listings",
-            "errors_list", "index_misses", "backup_skipped_pages"), 0)
+            "errors_list", "index_misses", "backup_skipped_pages",
+            "backup_slow_skipped_pages", "backup_probes", "query_slow_skips",
+            "query_probes"), 0)
 
     # ------------------------------------------------------------------ keys
 
@@ -313,10 +350,41 @@ class StorageTier:
             return False
         return True
 
+    def reads_slow(self) -> bool:
+        """Whether the query latency average is above `storage.slow_read_ms` (never when that
+        is 0)."""
+        ema = self.read_latency
+        return bool(self.slow_read_s) and ema is not None and ema > self.slow_read_s
+
+    def reads_skipped(self) -> bool:
+        """Whether this lookup must not ask storage because reads are slow (counted in
+        `query_slow_skips`); one lookup a second asks anyway, as the probe that tells when the
+        store recovered (`query_probes`)."""
+        if not self.reads_slow():
+            return False
+        now = time.monotonic()
+        if now - self._read_probed_at >= PROBE_INTERVAL_S:
+            self._read_probed_at = now
+            self.counters["query_probes"] += 1
+            return False
+        self.counters["query_slow_skips"] += 1
+        return True
+
+    def _read_answered(self, sent: float) -> None:
+        """A QUERY answered: the read latency average moves (lock held)."""
+        was_slow = self.reads_slow()
+        now = time.monotonic()
+        self.read_latency = _ema(self.read_latency, now - sent)
+        if not was_slow and self.reads_slow():
+            self._read_probed_at = now  # slow from now: the first probe one interval later
+
     def index_misses(self, req: RequestState, token_ids: Any, start: int) -> bool:
         """Whether storage's complete index does not list block `start` (then counted): storage
         counts leading pages, so a query could only answer 0. The scheduler API's twin of the
-        keyed surface's check (`KeyedHostCache._query`)."""
+        keyed surface's check (`KeyedHostCache._query`). Also True, without a look at the
+        index, while reads are slow (`reads_skipped`): not asking is then the point."""
+        if self.reads_skipped():
+            return True
         if not self.index_complete():
             return False
         if self.holds(self.request_skeys(req, token_ids, start + 1)[start]):
@@ -347,8 +415,10 @@ class StorageTier:
         seq = m.next_seq()
         task = Task(seq, TaskKind.QUERY, [], [], list(skeys), Priority.PREFETCH)
         self.counters["queries"] += 1
+        sent = time.monotonic()
 
         def done(ok: bool, comp: Completion) -> None:
+            self._read_answered(sent)
             found = 0
             revoked = seq in self._revoked
             try:
@@ -410,11 +480,16 @@ class StorageTier:
         self.prefetching_blocks += len(nodes)
         self.counters["prefetch_tasks"] += 1
         self.counters["prefetch_pages_issued"] += len(nodes)
-        m.track(task, nodes, on_done=lambda ok, comp: self._on_prefetch(pseq, nodes, ok, comp))
+        sent = time.monotonic()
+        m.track(task, nodes, on_done=lambda ok, comp: self._on_prefetch(
+            pseq, nodes, ok, comp, sent))
         return found
 
-    def _on_prefetch(self, seq: int, nodes: list[Node], ok: bool, comp: Completion) -> None:
+    def _on_prefetch(self, seq: int, nodes: list[Node], ok: bool, comp: Completion,
+                     sent: float | None = None) -> None:
         m = self.m
+        if sent is not None:
+            self.prefetch_latency = _ema(self.prefetch_latency, time.monotonic() - sent)
         # A revoked prefetch answers with the pages every rank read before it stopped: they
         # landed, so they stay (as SGLang's terminate_prefetch keeps completed pages).
         good = min(comp.result, len(nodes)) if ok else 0
@@ -509,6 +584,13 @@ class StorageTier:
         keys: list[bytes] = []
         batch: list[Node] = []
         wanted = [n for n in nodes if self.m.needs_storage_backup(n)]
+        if wanted and self.writes_slow():
+            now = time.monotonic()
+            if now - self._probed_at < PROBE_INTERVAL_S:
+                self.counters["backup_slow_skipped_pages"] += len(wanted)
+                return 0
+            self._probed_at = now  # this batch probes whether the backend recovered
+            self.counters["backup_probes"] += 1
         allowed = self._take_budget(len(wanted))
         self.counters["backup_skipped_pages"] += len(wanted) - allowed
         for node in wanted[:allowed]:
@@ -522,10 +604,24 @@ class StorageTier:
         seq = m.next_seq()
         task = Task(seq, TaskKind.BACKUP, src, [], keys, Priority.BACKUP)
         self.counters["backup_tasks"] += 1
-        m.track(task, batch, on_done=lambda ok, comp: self._on_backup(batch, ok, comp))
+        sent = time.monotonic()
+        m.track(task, batch, on_done=lambda ok, comp: self._on_backup(batch, ok, comp, sent))
         return len(batch)
 
-    def _on_backup(self, nodes: list[Node], ok: bool, comp: Completion) -> None:
+    def writes_slow(self) -> bool:
+        """Whether the backup latency average is above `storage.slow_write_ms` (never when
+        that is 0)."""
+        ema = self.write_latency
+        return bool(self.slow_write_s) and ema is not None and ema > self.slow_write_s
+
+    def _on_backup(self, nodes: list[Node], ok: bool, comp: Completion,
+                   sent: float | None = None) -> None:
+        if sent is not None:
+            was_slow = self.writes_slow()
+            now = time.monotonic()
+            self.write_latency = _ema(self.write_latency, now - sent)
+            if not was_slow and self.writes_slow():
+                self._probed_at = now  # slow from now: the first probe one interval later
         # A backend that cannot write (Redis down, disk full) still answers the task, with
         # the number of pages it wrote (the minimum over ranks): only those count as backed
         # up, and only a fully written batch marks its nodes STORED.
@@ -588,6 +684,22 @@ class StorageTier:
                 "prefetching_blocks": self.prefetching_blocks,
                 "index": {"pages": len(self._held), "complete": self.index_complete(),
                           "refresh_s": self.index_refresh_s},
+                "back_pressure": {"writes_slow": self.writes_slow(),
+                                  "reads_slow": self.reads_slow(),
+                                  "slow_write_ms": self.slow_write_s * 1000,
+                                  "slow_read_ms": self.slow_read_s * 1000,
+                                  "write_latency_ms": _ms(self.write_latency),
+                                  "read_latency_ms": _ms(self.read_latency),
+                                  "prefetch_latency_ms": _ms(self.prefetch_latency)},
                 "counters": c,
                 "backup_bytes": c["backup_pages"] * self.page_bytes * self.ranks,
                 "prefetch_bytes": c["prefetch_pages_completed"] * self.page_bytes * self.ranks}
+
+
+def _ema(average: float | None, sample: float) -> float:
+    """The latency average after one more answer (the first answer starts it)."""
+    return sample if average is None else average + EMA_WEIGHT * (sample - average)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)

@@ -314,7 +314,8 @@ class RankResources:
                 spec.storage_backend, namespace=spec.storage_namespace(layout),
                 secret=spec.storage_secret_bytes, path=spec.storage_path, url=spec.storage_url,
                 capacity_bytes=spec.storage_capacity_bytes, ttl_s=spec.storage_ttl_s,
-                page_bytes=shape.page_bytes, timeout_s=spec.storage_timeout_s)
+                page_bytes=shape.page_bytes, timeout_s=spec.storage_timeout_s,
+                keys=spec.storage_keys(), compression=spec.storage_compression)
             self.executor = TaskExecutor(spec.rank, self.device, self.host, self.storage,
                                          backup_one_rank=spec.backup_one_rank)
         except BaseException:

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.worker.storage.backend import namespace_for
+from kvtier.worker.storage.page_crypto import PageKeys
 
 REFUSED_EXIT = 3
 """A worker's exit status when it refused to start (a deliberate KvtierError: a registration
@@ -73,13 +74,28 @@ class WorkerSpec:
     # block, layer, K/V and KV head travel with every block, see worker/page_layout.py)
     num_extra_layers: int = 0
     kv_scales: str = "none"
+    # storage.encrypt, storage.key_id, storage.old_key_ids (worker/storage/page_crypto.py):
+    # pages are AES-256-GCM under key id storage_key_id, readable under those ids too
+    storage_encrypt: bool = False
+    storage_key_id: int = 1
+    storage_old_key_ids: tuple[int, ...] = ()
+    storage_compression: str = "none"  # storage.compression: "none" | "zstd"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> WorkerSpec:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        fields["storage_old_key_ids"] = tuple(fields.get("storage_old_key_ids", ()))
+        return cls(**fields)
+
+    def storage_keys(self) -> PageKeys | None:
+        """The page keys of an encrypting deployment (None: version 3 pages, in clear)."""
+        if not self.storage_encrypt or self.storage_backend == "none":
+            return None
+        return PageKeys(self.storage_secret_bytes, self.storage_key_id,
+                        self.storage_old_key_ids)
 
     @property
     def storage_secret_bytes(self) -> bytes:

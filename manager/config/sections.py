@@ -12,6 +12,7 @@ from kvtier.manager.config.values import local_endpoint_problem, path_problem, r
 from kvtier.manager.private_state import MIN_SECRET_BYTES
 from kvtier.worker import numa
 from kvtier.worker.ipc import MAX_RANKS
+from kvtier.worker.storage.page_crypto import parse_key_ids
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -214,6 +215,58 @@ class StorageConfig(BaseModel):
         "bytes, mode 0600) on first use; refused if another user owns it or others can read it; "
         "empty: $XDG_STATE_HOME/kvtier/storage-secret (else ~/.local/state/kvtier/...)",
     )
+
+    encrypt: bool = Field(
+        True,
+        description="encrypt every stored page with AES-256-GCM under a key derived from the "
+        "storage secret (page format 4); false: pages in clear, authenticated by a keyed "
+        "BLAKE3 MAC (format 3). A reader reads one format: pages of the other are misses",
+    )
+    key_id: int = Field(
+        1, ge=1, le=0xFFFFFFFF,
+        description="the key id new pages are encrypted under (rotation: raise it and list "
+        "the previous id in old_key_ids until its pages are gone)",
+    )
+    old_key_ids: str = Field(
+        "",
+        description="comma-separated key ids whose pages are still read (e.g. \"1\"); a page "
+        "under any other id is refused, counted as kvtier_storage_backend_unknown_key_pages",
+    )
+    compression: Literal["none", "zstd"] = Field(
+        "none",
+        description="compress every page with zstd (level 1) before encrypting it, kept only "
+        "when smaller; needs encrypt = true. Pays only on a store slower than about 150 MB/s "
+        "per worker core (bench/storage_codecs.py); readers open both kinds whatever this says",
+    )
+    slow_write_ms: float = Field(
+        1000.0, ge=0, le=600_000, allow_inf_nan=False,
+        description="back-pressure: while the moving average of a storage backup's latency "
+        "(sent to answered, queueing included) is above this, backups are skipped "
+        "(kvtier_storage_backup_slow_skipped_pages_total), one probe batch a second; 0: off",
+    )
+
+    slow_read_ms: float = Field(
+        2000.0, ge=0, le=600_000, allow_inf_nan=False,
+        description="back-pressure: while the moving average of a storage query's latency "
+        "(sent to answered) is above this, lookups do not ask storage (a miss at once, "
+        "kvtier_storage_query_slow_skips_total), one probe query a second; 0: off",
+    )
+
+    @field_validator("compression")
+    @classmethod
+    def _compression_needs_encryption(cls, value: str, info: ValidationInfo) -> str:
+        """Compressed pages are format 4: a clear deployment cannot write them."""
+        if value != "none" and info.data.get("encrypt") is False:
+            raise ValueError("needs storage.encrypt = true (compressed pages are encrypted "
+                             "pages, format 4)")
+        return value
+
+    @field_validator("old_key_ids")
+    @classmethod
+    def _key_ids_parse(cls, text: str) -> str:
+        """Ids a reader accepts: refuse a typo at start rather than refusing every page."""
+        parse_key_ids(text)
+        return text
 
     @field_validator("secret")
     @classmethod

@@ -94,6 +94,11 @@ class StorageHooks(Protocol):
         a query could only answer 0, so none is sent."""
         ...
 
+    def reads_skipped(self) -> bool:
+        """Whether storage reads are slow (back-pressure, `storage.slow_read_ms`) and this
+        lookup must not ask storage (counted; True except for one probe a second)."""
+        ...
+
     def backup(self, nodes: list[Node]) -> None:
         """Host copies landed: write those among `nodes` that the write policy wants now and
         storage does not hold yet."""

@@ -7,7 +7,7 @@ Control segment layout (all fields int64, native little-endian, 8-byte aligned; 
 
     byte off  field
     0         magic  (b"KVTIERC1")
-    8         layout version (`_LAYOUT_VERSION`, 3)
+    8         layout version (`_LAYOUT_VERSION`, 4)
     16        num_ranks
     24        progress slots per rank (K)
     32        manager pid
@@ -20,14 +20,14 @@ Control segment layout (all fields int64, native little-endian, 8-byte aligned; 
     88        pools generation: even while the pools exist, odd while they are freed (sleep)
     96        device blocks of the next wake      104  host blocks of the next wake
     112..127  reserved
-    128 + r * (136 + 8K)  rank r block:
+    128 + r * (152 + 8K)  rank r block:
         +0  ready (0/1)         +8  heartbeat ns       +16 pid          +24 tasks in flight
         +32 arena position consumed                    +40 tasks received
         +48 last seq received   +56 host pool NUMA node + 1 (0: not bound)
         +64 storage backend figures: one word per name of STORAGE_FIGURES, -1 where the
             rank's backend does not report that figure (or has not published yet)
-        +128 pools generation this rank has reached (see "Sleep" below)
-        +136 progress ring: K words, slot seq % K holds (seq << 16) | layers_done
+        +144 pools generation this rank has reached (see "Sleep" below)
+        +152 progress ring: K words, slot seq % K holds (seq << 16) | layers_done
 
 Layer progress: a worker loading task `seq` layer by layer stores one word per layer into its
 ring and posts the notify semaphore; the manager's watcher thread turns each post into a
@@ -71,7 +71,7 @@ SEND_TIMEOUT_S = 5.0
 MAX_LAYERS = 0xFFFF
 
 _MAGIC = int.from_bytes(b"KVTIERC1", "little")
-_LAYOUT_VERSION = 3
+_LAYOUT_VERSION = 4  # 4: two more storage figures (encrypted pages' refusals)
 
 # header words
 _W_MAGIC, _W_LAYOUT, _W_RANKS, _W_SLOTS = 0, 1, 2, 3
@@ -92,6 +92,8 @@ STORAGE_FIGURES = (
     "used_bytes",  # bytes of pages held; gauge
     "stored_pages",  # pages held; gauge
     "capacity_bytes",  # the byte limit (0: none); gauge
+    "unknown_key_pages",  # pages under a key id the configuration does not list; counter
+    "old_format_pages",  # pages of another page format version; counter
 )
 """Backend figures a worker publishes (names as in `StorageBackend.stats()`)."""
 _R_POOLS = _R_STORAGE + len(STORAGE_FIGURES)

@@ -178,6 +178,8 @@ class BackendStats:
             "bytes_written": 0,
             "misses": 0,
             "corrupt_pages": 0,
+            "unknown_key_pages": 0,
+            "old_format_pages": 0,
             "pages_deleted": 0,
             "read_calls": 0,
             "read_seconds_total": 0.0,
@@ -221,6 +223,16 @@ class BackendStats:
                     "sum": self._hist_sum[op],
                 }
             return out
+
+
+def refusals(reasons: Sequence[str]) -> dict[str, int]:
+    """Counter increments for refused pages by reason (`PageStatus` values): every refusal is
+    a `corrupt_pages`; those under a key id the configuration does not list (unknown or
+    retired) are also `unknown_key_pages`, those of another format version
+    `old_format_pages`."""
+    return {"corrupt_pages": len(reasons),
+            "unknown_key_pages": sum(r == "unknown_key" for r in reasons),
+            "old_format_pages": sum(r == "bad_version" for r in reasons)}
 
 
 class StorageBackend(ABC):

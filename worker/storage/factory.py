@@ -9,6 +9,7 @@ without Redis never pays for loading the Redis client.
 from __future__ import annotations
 
 from kvtier.worker.storage.backend import StorageBackend
+from kvtier.worker.storage.page_crypto import PageKeys
 
 BACKEND_KINDS = ("none", "file", "redis")
 
@@ -25,9 +26,13 @@ def make_backend(
     page_bytes: int | None = None,
     timeout_s: float = 0.5,
     io_threads: int = 2,
+    keys: PageKeys | None = None,
+    compression: str = "none",
 ) -> StorageBackend | None:
     """Open the storage tier named by `[storage] backend`, its pages authenticated with
-    `secret` (the deployment's storage secret: instances sharing a store must share it).
+    `secret` (the deployment's storage secret: instances sharing a store must share it), and
+    encrypted under `keys` (format version 4, see `page_crypto`) unless `keys` is None, and
+    compressed before that as `compression` says ("none" | "zstd").
 
     * "none" returns None: there is no storage tier, and callers skip every storage step
       (queries, prefetches, backups) instead of talking to a store that always misses.
@@ -50,13 +55,15 @@ def make_backend(
             capacity_bytes=capacity_bytes,
             page_bytes=page_bytes,
             io_threads=io_threads,
+            keys=keys,
+            compression=compression,
         )
     if kind == "redis":
         from kvtier.worker.storage.redis_backend import RedisBackend
 
         return RedisBackend(
-            url, namespace, secret=secret, ttl_s=ttl_s, page_bytes=page_bytes, timeout_s=timeout_s
-        )
+            url, namespace, secret=secret, ttl_s=ttl_s, page_bytes=page_bytes,
+            timeout_s=timeout_s, keys=keys, compression=compression)
     raise ValueError(
         f"storage backend {kind!r} is unknown; choose one of {', '.join(BACKEND_KINDS)}"
     )

@@ -38,8 +38,10 @@ from kvtier.worker.storage.backend import (
     StorageBackend,
     check_keys,
     log,
+    refusals,
 )
-from kvtier.worker.storage.page_format import HEADER_BYTES, PageCodec, PageStatus
+from kvtier.worker.storage.page_crypto import PageKeys, make_codec
+from kvtier.worker.storage.page_format import HEADER_BYTES, PageStatus
 
 # Threads one read batch is spread over, the caller included (a write batch: the caller only).
 # Neither copying a page out of the page cache nor verifying its MAC (keyed BLAKE3 over every
@@ -176,17 +178,20 @@ class FileBackend(StorageBackend):
         capacity_bytes: int = 0,
         page_bytes: int | None = None,
         io_threads: int = DEFAULT_IO_THREADS,
+        keys: PageKeys | None = None,
+        compression: str = "none",
     ) -> None:
         super().__init__(namespace, page_bytes)
-        self._codec = PageCodec(secret, self.namespace)
+        self._codec = make_codec(secret, self.namespace, keys, compression)
+        overhead = self._overhead = self._codec.overhead
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise ValueError(f"capacity_bytes must be an int, got {capacity_bytes!r}")
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0 (0 = unlimited), got {capacity_bytes}")
-        if page_bytes is not None and 0 < capacity_bytes < HEADER_BYTES + page_bytes:
+        if page_bytes is not None and 0 < capacity_bytes < overhead + page_bytes:
             raise ValueError(
                 f"capacity_bytes={capacity_bytes} cannot hold one page "
-                f"({HEADER_BYTES + page_bytes} bytes with its header)"
+                f"({overhead + page_bytes} bytes with its header)"
             )
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ValueError(f"io_threads must be an int >= 1, got {io_threads!r}")
@@ -308,6 +313,11 @@ class FileBackend(StorageBackend):
         header = bytearray(HEADER_BYTES)
         header_view = memoryview(header)
         spare = memoryview(bytearray(1))
+        # an encrypted page's ciphertext + tag land here, then decrypt into the destination
+        in_place = self._codec.in_place
+        scratch = None if in_place else memoryview(
+            bytearray(max((dests[i].nbytes for i in range(lo, hi)), default=0)
+                      + self._overhead - HEADER_BYTES))
         now = time.time()
         flags = os.O_RDONLY | os.O_CLOEXEC
         verify_split = self._codec.verify_split
@@ -325,8 +335,10 @@ class FileBackend(StorageBackend):
                 continue
             try:
                 dest = dests[i]
-                total = _read_page_file(fd, header_view, dest, spare)
-                status = verify_split(keys[i], header, dest, total)
+                body = dest if scratch is None else scratch[
+                    :dest.nbytes + self._overhead - HEADER_BYTES]
+                total = _read_page_file(fd, header_view, body, spare)
+                status = verify_split(keys[i], header, body, total, dest)
                 if status is PageStatus.OK:
                     known = lru_get(hexkey)
                     refreshed = False
@@ -400,8 +412,8 @@ class FileBackend(StorageBackend):
             pages_read=pages,
             bytes_read=sum(v.nbytes for v, ok in zip(views, hits, strict=True) if ok),
             misses=len(hits) - pages,
-            corrupt_pages=len(corrupt),
             errors_get=len(errors),
+            **refusals([outcomes[i] for i in corrupt]),
         )
         self._stats.observe("read", time.perf_counter() - start)
         if corrupt:
@@ -430,9 +442,12 @@ class FileBackend(StorageBackend):
         return count
 
     def _present(self, hexkey: str) -> bool:
-        """A page file exists with a plausible size; its MAC is verified on read.
+        """A page file exists with a plausible size; its MAC (or GCM tag) is verified on read.
         Pages are renamed into place whole, so a wrong size can only be a damaged page: it is
-        counted and deleted here rather than offered to a prefetch."""
+        counted and deleted here rather than offered to a prefetch. Encrypted pages may be
+        shorter (compressed, `storage.compression`, by this or another writer): for them only
+        a file longer than a whole page, or too short for a header and tag, is refused here;
+        a truncated one is refused by its tag when read."""
         path = self._page_path(hexkey)
         try:
             st = os.stat(path)
@@ -443,9 +458,11 @@ class FileBackend(StorageBackend):
             self._warn.warning(f"file storage {self.namespace}: stat failed: {exc}")
             return False
         if self.page_bytes is None:
-            plausible = st.st_size >= HEADER_BYTES
+            plausible = st.st_size >= self._overhead
+        elif self._codec.variable:  # a compressed page is shorter; its tag is checked on read
+            plausible = HEADER_BYTES < st.st_size <= self._overhead + self.page_bytes
         else:
-            plausible = st.st_size == HEADER_BYTES + self.page_bytes
+            plausible = st.st_size == self._overhead + self.page_bytes
         if not plausible:
             self._drop_corrupt(path, hexkey, st.st_ino)
             self._stats.add(corrupt_pages=1)
@@ -470,8 +487,8 @@ class FileBackend(StorageBackend):
 
     def _write_one(self, key: bytes, payload: memoryview) -> None:
         hexkey = key.hex()
-        header = self._codec.encode_header(key, payload)
-        size = HEADER_BYTES + payload.nbytes
+        parts = [memoryview(p) for p in self._codec.encode_parts(key, payload)]
+        size = sum(p.nbytes for p in parts)  # a compressed page is shorter
         if self.capacity_bytes and size > self.capacity_bytes:
             raise OSError(f"page of {size} bytes exceeds capacity_bytes={self.capacity_bytes}")
         self._ensure_shard(hexkey[:2])
@@ -490,7 +507,7 @@ class FileBackend(StorageBackend):
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:
-                _writev_full(fd, [memoryview(header), payload])
+                _writev_full(fd, parts)
             finally:
                 os.close(fd)
             with self._lock:

@@ -49,6 +49,10 @@ secret used elsewhere gives an unrelated key. The binding releases the GIL while
 large inputs, so the file backend's I/O threads still verify pages in parallel.
 
 Anything that does not match is a miss, reported as a `PageStatus` so the backend can count it.
+
+Version 4 (`page_crypto`) encrypts the payload with AES-256-GCM, whose tag replaces this MAC;
+it is what a deployment writes by default (`storage.encrypt`). A reader reads one version: a
+page of the other is BAD_VERSION (a miss, counted as an old-format page, deleted).
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ class PageStatus(enum.Enum):
     BAD_KEY = "bad_key"
     BAD_LENGTH = "bad_length"
     BAD_MAC = "bad_mac"  # damaged, forged, or written with another secret
+    UNKNOWN_KEY = "unknown_key"  # version 4: a key id the configuration does not list
+    BAD_TAG = "bad_tag"  # version 4: the GCM tag failed (damaged, forged, another secret)
 
 
 def mac_key(secret: bytes) -> bytes:
@@ -108,6 +114,10 @@ class PageCodec:
     """
 
     __slots__ = ("_base", "namespace")
+    version = FORMAT_VERSION
+    overhead = HEADER_BYTES  # stored bytes beyond the payload
+    in_place = True  # a split read lands the payload straight in the caller's page
+    variable = False  # every page is exactly payload + overhead bytes
 
     def __init__(self, secret: bytes, namespace: str) -> None:
         self.namespace = namespace
@@ -135,20 +145,29 @@ class PageCodec:
         prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, bytes(key), nbytes)
         return prefix + self.mac(prefix, payload)
 
+    def encode_parts(self, key: bytes, payload: bytes | bytearray | memoryview,
+                     ) -> list[bytes | bytearray | memoryview]:
+        """The buffers of a stored page in order: header, payload (not copied)."""
+        return [self.encode_header(key, payload), payload]
+
     def encode_page(self, key: bytes, payload: bytes | bytearray | memoryview) -> bytes:
         """Header + payload as one bytes object (one copy of the payload), for stores that
         keep a page as a single value."""
         return b"".join((self.encode_header(key, payload), payload))
 
     def verify_split(self, key: bytes, header: bytes | bytearray | memoryview,
-                     payload: memoryview, total_read: int) -> PageStatus:
+                     payload: memoryview, total_read: int,
+                     dest: memoryview | None = None) -> PageStatus:
         """Verify a page that was read as separate header and payload buffers (a vectored
-        file read straight into the caller's page). `total_read` is every byte the read
-        returned, so a stored page longer or shorter than header + payload is caught. The
-        fixed header fields are compared as one 48-byte string (this runs once per page on the
-        prefetch path)."""
+        file read straight into the caller's page, so `dest`, if given, is `payload`).
+        `total_read` is every byte the read returned, so a stored page longer or shorter than
+        header + payload is caught. The fixed header fields are compared as one 48-byte
+        string (this runs once per page on the prefetch path). A page of another version
+        (an encrypted version 4 page is 16 bytes longer) is BAD_VERSION."""
         expected = HEADER_BYTES + payload.nbytes
         if total_read != expected:
+            if total_read >= 8 and _other_version(header):
+                return PageStatus.BAD_VERSION
             return PageStatus.TRUNCATED if total_read < expected else PageStatus.TOO_LONG
         head = memoryview(header)
         prefix = _expected_prefix(key, payload.nbytes)
@@ -165,6 +184,8 @@ class PageCodec:
         authentic, copy its payload into `dest`. On any other status `dest` is untouched."""
         view = memoryview(page)
         expected = HEADER_BYTES + dest.nbytes
+        if view.nbytes != expected and view.nbytes >= 8 and _other_version(view):
+            return PageStatus.BAD_VERSION
         if view.nbytes < expected:
             return PageStatus.TRUNCATED
         if view.nbytes > expected:
@@ -206,6 +227,12 @@ def check_header(
 def header_mac(header: bytes | bytearray | memoryview) -> bytes:
     """The MAC field of a header that `check_header` accepted."""
     return bytes(memoryview(header)[_PREFIX_BYTES:HEADER_BYTES])
+
+
+def _other_version(header: bytes | bytearray | memoryview) -> bool:
+    """Whether a header has kvtier's magic and a version other than this one."""
+    magic, version = struct.unpack_from("<4sH", header, 0)
+    return bool(magic == MAGIC and version != FORMAT_VERSION)
 
 
 def _expected_prefix(key: bytes, payload_len: int) -> bytes:

@@ -39,8 +39,10 @@ from kvtier.worker.storage.backend import (
     StorageBackend,
     check_keys,
     log,
+    refusals,
 )
-from kvtier.worker.storage.page_format import HEADER_BYTES, PageCodec, PageStatus
+from kvtier.worker.storage.page_crypto import PageKeys, make_codec
+from kvtier.worker.storage.page_format import PageStatus
 from redis.backoff import NoBackoff
 from redis.client import Pipeline
 from redis.cluster import RedisCluster
@@ -125,9 +127,11 @@ class RedisBackend(StorageBackend):
         log_interval_s: float = 30.0,
         batch_bytes: int = 8 << 20,
         batch_keys: int = 512,
+        keys: PageKeys | None = None,
+        compression: str = "none",
     ) -> None:
         super().__init__(namespace, page_bytes)
-        self._codec = PageCodec(secret, self.namespace)
+        self._codec = make_codec(secret, self.namespace, keys, compression)
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s < 0:
             raise ValueError(f"ttl_s must be an int >= 0 (0 = no expiry), got {ttl_s!r}")
         for name, value in (
@@ -190,7 +194,8 @@ class RedisBackend(StorageBackend):
 
     def batch_bounds(self, n: int, page_len: int) -> Iterator[tuple[int, int]]:
         """The [lo, hi) index ranges one call of `n` pages of `page_len` bytes is cut into."""
-        per = max(1, min(self._batch_keys, self._batch_bytes // max(1, page_len + HEADER_BYTES)))
+        stored = max(1, page_len + self._codec.overhead)
+        per = max(1, min(self._batch_keys, self._batch_bytes // stored))
         for lo in range(0, n, per):
             yield lo, min(n, lo + per)
 
@@ -347,7 +352,7 @@ class RedisBackend(StorageBackend):
             pages_read=pages,
             bytes_read=sum(v.nbytes for v, ok in zip(views, hits, strict=True) if ok),
             misses=len(hits) - pages,
-            corrupt_pages=len(corrupt),
+            **refusals([status.value for _, status in corrupt]),
         )
         self._stats.observe("read", time.perf_counter() - start)
         if corrupt:
