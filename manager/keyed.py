@@ -42,15 +42,19 @@ index (`StorageTier.holds`) is filled from the backend's own listing, refreshed 
 Data structures: the manager's flat map `key -> Node` (keys are the first 16 bytes of the
 engine's hash, an int like kvtier's own 128-bit keys); `_writers[key]` / `_readers[key]`: FIFO
 lists of the nodes an engine store / load of that key holds, so a completion always finds the
-node its preparation marked even after a reset replaced the tree (vLLM completes a key's jobs
-in submission order); `_reads[node]`: loads in flight per node; `_abandoned`: nodes of
-copies the engine gave up on when it reset itself (still marked until released).
+node its preparation marked even after a reset replaced the tree (a writers list holds one
+node: a key has one open store at a time, see below); `_reads[node]`: loads in flight per
+node; `_abandoned`: nodes of copies the engine gave up on when it reset itself (still marked
+until released).
 
-Invariants (checked by `check_invariants`, and by the manager's own check): a node marked
-ENGINE_WRITE is in exactly one `_writers` list and never readable; a node marked ENGINE_READ
-has `_reads[node] > 0` and is in that many places of the `_readers` lists; neither is in the host
-LRU. A reset or a lost worker detaches such nodes (the manager writes them off); their host
-blocks return to the free list only when the engine's completion arrives.
+Invariants (checked by `check_invariants`, and by the manager's own check): a key has at most
+one open store (`prepare_store` leaves out a key whose store, detached by a reset, is still
+open: completions name only hashes, so two would be told apart by completion order, which an
+engine does not keep across stores); a node marked ENGINE_WRITE is in exactly one `_writers`
+list and never readable; a node marked ENGINE_READ has `_reads[node] > 0` and is in that many
+places of the `_readers` lists; neither is in the host LRU. A reset or a lost worker detaches
+such nodes (the manager writes them off); their host blocks return to the free list only when
+the engine's completion arrives.
 """
 
 from __future__ import annotations
@@ -414,9 +418,15 @@ class KeyedHostCache:
             m = self.m
             todo: list[bytes] = []
             seen: set[bytes] = set()
+            writers = self._writers
             for h in hashes:
                 _check_hash(h)
-                if h in seen or m.lookup(engine_key(h)) is not None:
+                # Left out too: a key whose store, prepared before a reset detached its node,
+                # is still open. Completions name only hashes and an engine may complete its
+                # stores in any order, so a second open store of the key would let one
+                # store's outcome land on the other's node (a failure freeing a block still
+                # being copied, a success publishing the failed copy's bytes).
+                if h in seen or h in writers or m.lookup(engine_key(h)) is not None:
                     continue
                 seen.add(h)
                 todo.append(h)
@@ -554,6 +564,8 @@ class KeyedHostCache:
         with self._lock:
             writing = [n for fifo in self._writers.values() for n in fifo]
             assert len(writing) == len({id(n) for n in writing}), "a node written twice"
+            assert all(len(fifo) == 1 for fifo in self._writers.values()), (
+                "a key with two open stores")
             for n in writing:
                 assert n.flags & ENGINE_WRITE and n.hprev is None, f"writer {n} misflagged"
             count: dict[int, int] = {}

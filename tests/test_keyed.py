@@ -196,6 +196,47 @@ def test_a_reset_never_frees_a_block_the_engine_is_copying(
     cache.check_invariants()
 
 
+def test_a_store_open_across_a_reset_never_gets_a_second_writer(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    """A store prepared before a kvtier reset is still copying when the engine stores the
+    same blocks again; the later store fails and completes first. Completions name only
+    hashes, so the failure must not be taken for the first store's (freeing its blocks
+    mid-copy), and the first store's success must not publish the failed copy's bytes."""
+    stack, pool = keyed_stack
+    settle(stack)  # no backup of an earlier test holds a host block
+    cache = make_cache(stack)
+    page = pool.shape.page_bytes
+    m = stack.require_manager()
+    first = cache.prepare_store(chain(2, 4))
+    assert first is not None and len(first.keys) == 4
+    for h, hid in zip(first.keys, first.host_ids, strict=True):
+        pool.data[hid].copy_(content(h, page))
+    stack.reset()  # kvtier's reset: the engine does not know, its copy goes on
+    again = cache.prepare_store(chain(2, 5))
+    assert again is not None
+    assert not set(again.host_ids) & set(first.host_ids)
+    for hid in again.host_ids:
+        pool.data[hid].fill_(0xEE)  # a copy that failed half way
+    cache.complete_store(again.keys, ok=False)
+    # the first copy still runs: none of its blocks may be handed out to another store
+    assert not any(m.host_block_is_free(i) for i in first.host_ids)
+    other = cache.prepare_store(chain(3, HOST_BLOCKS - len(first.keys)))
+    assert other is not None and not set(other.host_ids) & set(first.host_ids)
+    cache.complete_store(other.keys, ok=False)
+    cache.complete_store(first.keys, ok=True)
+    cache.check_invariants()
+    hashes = chain(2, 5)
+    n = cache.count_hits(hashes)
+    if n:  # whatever is served holds the bytes stored under its hash
+        ids = cache.prepare_load(hashes[:n])
+        for h, hid in zip(hashes, ids, strict=False):
+            assert torch.equal(pool.data[hid], content(h, page)), (
+                f"host block {hid} does not hold the bytes stored under {h[:4].hex()}")
+        cache.complete_load(hashes[:n])
+    assert all(m.host_block_is_free(i) for i in first.host_ids)  # dropped with the reset
+    cache.check_invariants()
+
+
 def test_a_new_cache_finds_blocks_in_storage(keyed_stack: tuple[Stack, HostPool]) -> None:
     stack, pool = keyed_stack
     cache = make_cache(stack)
