@@ -24,19 +24,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import require_built
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / os.environ.get("KVTIER_VLLM_VENV", ".venv-vllm") / "bin" / "python"
 EXAMPLE = ROOT / "examples" / "kv_events.py"
 RUN_TIMEOUT_S = 400
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` builds it (make vllm-env)")
-    pytest.skip(f"vLLM's environment {VLLM_PYTHON} is not built (make vllm-env)",
-                allow_module_level=True)
 
 pytestmark = [pytest.mark.engines, pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 60)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_environments() -> None:
+    require_built((VLLM_PYTHON, "make vllm-env"))
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_kv_events import RUN_TIMEOUT_S, checkpoint, run_example
+from support import require_built
+from test_kv_events import RUN_TIMEOUT_S, VLLM_PYTHON, checkpoint, run_example
 
 pytestmark = [pytest.mark.engines, pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 60)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_environments() -> None:
+    require_built((VLLM_PYTHON, "make vllm-env"))
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import require_built
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / os.environ.get("KVTIER_VLLM_VENV", ".venv-vllm") / "bin" / "python"
@@ -32,14 +33,14 @@ RUN_TIMEOUT_S = 480
 BLOCK = 32
 PROMPT_BLOCKS = 6
 
-for _need, _make in ((VLLM_PYTHON, "make vllm-env"),
-                     (CONSUMERS / "bin" / "vllm-router", "make consumers-env")):
-    if not _need.exists():
-        if os.environ.get("CI"):
-            raise RuntimeError(f"{_need} is missing: `make test` builds it ({_make})")
-        pytest.skip(f"{_need} is not built ({_make})", allow_module_level=True)
 
 pytestmark = [pytest.mark.engines, pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 120)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_environments() -> None:
+    require_built((VLLM_PYTHON, "make vllm-env"),
+                  (CONSUMERS / "bin" / "vllm-router", "make consumers-env"))
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import require_built
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / os.environ.get("KVTIER_VLLM_VENV", ".venv-vllm") / "bin" / "python"
@@ -29,13 +30,13 @@ RUN_TIMEOUT_S = 900
 # about its cold speed; measured 0.15-0.63 s on 2 loaded cores (tiny model, 8 tokens)
 SERVE_DOWN_BOUND_S = 30.0
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` builds it (make vllm-env)")
-    pytest.skip(f"vLLM's environment {VLLM_PYTHON} is not built (make vllm-env)",
-                allow_module_level=True)
 
 pytestmark = [pytest.mark.engines, pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 120)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_environments() -> None:
+    require_built((VLLM_PYTHON, "make vllm-env"))
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 from redis_server import RedisServer
+from support import require_built
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / os.environ.get("KVTIER_VLLM_VENV", ".venv-vllm") / "bin" / "python"
@@ -39,14 +40,14 @@ RUNS_AT_ONCE = 2
 example) spending most of its time in imports and the engine's start, single-threaded Python:
 a second run uses the other core (CI's machine has two)."""
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` builds it (make vllm-env)")
-    pytest.skip(f"vLLM's environment {VLLM_PYTHON} is not built (make vllm-env)",
-                allow_module_level=True)
 
 # a test waits for its own chain of runs, at most four runs of RUN_TIMEOUT_S and a queue
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(RUN_TIMEOUT_S * 4 + 60)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_environments() -> None:
+    require_built((VLLM_PYTHON, "make vllm-env"))
 
 
 def _env() -> dict[str, str]:

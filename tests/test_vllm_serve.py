@@ -43,6 +43,7 @@ from support import (
     leftovers,
     pid_exists,
     remove_leftovers,
+    require_built,
     require_tool,
     wait_until,
 )
@@ -59,13 +60,14 @@ LONG_PREFIX = 288
 START_TIMEOUT_S = 420  # two vLLM servers starting at once on two shared cores
 STOP_TIMEOUT_S = 60
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` builds it (make vllm-env)")
-    pytest.skip(f"vLLM's environment {VLLM_PYTHON} is not built (make vllm-env)",
-                allow_module_level=True)
 
 pytestmark = [pytest.mark.engines, pytest.mark.slow, pytest.mark.timeout(3 * START_TIMEOUT_S + 300)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_environments() -> None:
+    require_built((VLLM_PYTHON, "make vllm-env"))
+
 
 START_LINE = re.compile(r"kvtier offloading: deployment (vllm-[0-9a-f]{12}), (\d+) host blocks "
                         r".*?, admin (http://[0-9.]+:\d+)")
