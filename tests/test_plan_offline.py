@@ -22,7 +22,6 @@ from kvtier.manager.plan import (
     stack_profile,
 )
 from kvtier.manager.policies import EVICTION_POLICIES
-from kvtier.manager.scheduler import KVCacheManager
 from support import examples
 
 pytestmark = pytest.mark.fast
@@ -74,20 +73,6 @@ def exhaustive(reqs: list[list[int]], limits: list[int], capacity: int) -> int:
     return max(states.values())
 
 
-def scheduler_device_hits(prompts: list[list[int]], bs: int, device: int) -> int:
-    """Device hit blocks of `prompts` driven as `kvtier replay` drives the scheduler."""
-    m = KVCacheManager(block_size=bs, device_blocks=device, host_blocks=0)
-    hits = 0
-    for i, toks in enumerate(prompts):
-        rid = f"r{i}"
-        mr = m.match(rid, toks)
-        m.allocate(rid, len(toks) - mr.num_tokens, reserve_blocks=0)
-        m.commit(rid, toks, len(toks))
-        m.release(rid)
-        hits += mr.num_tokens // bs
-    return hits
-
-
 @given(prompt_streams())
 @settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_offline_curve_equals_exhaustive_search(case: tuple[list[list[int]], int]) -> None:
@@ -114,10 +99,9 @@ def test_offline_curve_is_never_below_lru_the_scheduler_or_any_policy(
     lru = device_hit_blocks(prof, top)
     assert (off >= lru).all(), (off.tolist(), lru.tolist())
     assert (np.diff(off) >= 0).all()  # more room never serves less
+    # ... nor below the scheduler's replay at the same size under any eviction policy (lru
+    # included: the scheduler as `kvtier replay` drives it)
     lo = max(prof.min_device_blocks, 1)
-    for d in range(lo, top + 1):
-        assert scheduler_device_hits(prompts, bs, d) <= off[d], d
-    # ... nor below any eviction policy's replay at the same size.
     for policy in EVICTION_POLICIES:
         got = policy_hit_blocks(prompts, bs, range(lo, top + 1), policy)
         assert all(g <= o for g, o in zip(got, off[lo:].tolist(), strict=True)), policy
