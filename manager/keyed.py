@@ -43,9 +43,10 @@ Data structures: the manager's flat map `key -> Node` (keys are the first 16 byt
 engine's hash, an int like kvtier's own 128-bit keys); `_writers[key]` / `_readers[key]`: FIFO
 lists of the nodes an engine store / load of that key holds, so a completion always finds the
 node its preparation marked even after a reset replaced the tree (a writers list holds one
-node: a key has one open store at a time, see below); `_reads[node]`: loads in flight per
-node; `_abandoned`: nodes of copies the engine gave up on when it reset itself (still marked
-until released).
+node: a key has one open store at a time, see below; a readers list that holds two nodes
+after a reset is released whole, once every load in it completed: `_done_unmatched[key]`
+counts those completions); `_reads[node]`: loads in flight per node; `_abandoned`: nodes of
+copies the engine gave up on when it reset itself (still marked until released).
 
 Invariants (checked by `check_invariants`, and by the manager's own check): a key has at most
 one open store (`prepare_store` leaves out a key whose store, detached by a reset, is still
@@ -165,6 +166,8 @@ class KeyedHostCache:
         self._lock: threading.RLock = manager.lock
         self._writers: dict[bytes, list[Node]] = {}
         self._readers: dict[bytes, list[Node]] = {}
+        # hash -> loads of it completed while its open loads read more than one node
+        self._done_unmatched: dict[bytes, int] = {}
         self._reads: dict[Node, int] = {}
         self._abandoned: list[Node] = []
         # request -> block hash -> (the latest query that covered it, its index there)
@@ -379,22 +382,46 @@ class KeyedHostCache:
             return ids
 
     def complete_load(self, hashes: Sequence[bytes]) -> None:
-        """The engine finished copying these blocks (prepared by `prepare_load`)."""
+        """The engine finished copying these blocks (prepared by `prepare_load`).
+
+        A completion names a hash, not a load. While every open load of the hash reads one
+        node, which load finished does not matter. After a kvtier reset the open loads of a
+        hash may read two nodes (the detached one of a load prepared before the reset, and
+        the node stored since): then no completion can be told apart, and releasing either
+        node early would free or make evictable a block a copy still reads. So all of them
+        are held until every open load of that hash has completed (`_done_unmatched`), then
+        released together; a hash loaded without pause after such a reset keeps its old
+        block until the loads pause (a held block, never a wrong one)."""
         with self._lock:
             for h in hashes:
                 fifo = self._readers.get(h)
                 if not fifo:
                     continue  # not ours (prepared before a reset of the engine)
-                node = fifo.pop(0)
-                if not fifo:
-                    del self._readers[h]
-                n = self._reads[node] - 1
-                if n:
-                    self._reads[node] = n
+                first = fifo[0]
+                if all(n is first for n in fifo) and h not in self._done_unmatched:
+                    self._finish_read(h, fifo, 1)
                     continue
-                del self._reads[node]
-                self.m.finish_engine_read(node)
-                self.counters["loads_completed"] += 1
+                done = self._done_unmatched.get(h, 0) + 1
+                if done < len(fifo):
+                    self._done_unmatched[h] = done
+                    continue
+                self._done_unmatched.pop(h, None)
+                self._finish_read(h, fifo, len(fifo))
+
+    def _finish_read(self, h: bytes, fifo: list[Node], k: int) -> None:
+        """Take the first `k` loads of hash `h` off its readers list; a node none of them
+        reads any more is readable and evictable again (the core's transition)."""
+        for node in fifo[:k]:
+            n = self._reads[node] - 1
+            if n:
+                self._reads[node] = n
+                continue
+            del self._reads[node]
+            self.m.finish_engine_read(node)
+            self.counters["loads_completed"] += 1
+        del fifo[:k]
+        if not fifo:
+            del self._readers[h]
 
     def touch(self, hashes: Sequence[bytes]) -> None:
         """Mark these blocks recently used (the engine hit them in its own device cache)."""
@@ -528,6 +555,7 @@ class KeyedHostCache:
             nodes += list(self._reads)
             self._writers.clear()
             self._readers.clear()
+            self._done_unmatched.clear()
             self._reads.clear()
             self._abandoned.extend(nodes)
             return nodes
@@ -576,6 +604,8 @@ class KeyedHostCache:
                 assert c > 0 and count.get(id(n)) == c, f"reader count of {n} is off"
                 assert n.flags & ENGINE_READ and n.hprev is None, f"reader {n} misflagged"
             assert len(count) == len(self._reads)
+            for h, done in self._done_unmatched.items():
+                assert 0 < done < len(self._readers.get(h, ())), f"{h[:8].hex()}: {done} done"
             abandoned = {id(n) for n in self._abandoned}
             for n in self.m.cached_nodes():
                 if n.flags & ENGINE_READ:

@@ -237,6 +237,38 @@ def test_a_store_open_across_a_reset_never_gets_a_second_writer(
     cache.check_invariants()
 
 
+def test_a_load_open_across_a_reset_keeps_its_block_until_every_load_of_it_completed(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    """A load prepared before a kvtier reset is still copying when the engine stores and
+    loads the same blocks again. Completions name only hashes: the second load's completion
+    must not free the first load's (detached) blocks mid-copy, nor make the new blocks
+    evictable while the first completion may still be the second load's."""
+    stack, pool = keyed_stack
+    settle(stack)
+    cache = make_cache(stack)
+    m = stack.require_manager()
+    hashes = chain(4, 2)
+    store(cache, pool, hashes)
+    old = cache.prepare_load(hashes)  # L1: the engine copies from these blocks
+    stack.reset()  # kvtier's reset: the engine does not know, its copy goes on
+    store(cache, pool, hashes)
+    new = cache.prepare_load(hashes)  # L2, on the blocks stored since
+    assert not set(old) & set(new)
+    cache.complete_load(hashes)  # L1's or L2's: no way to tell
+    cache.check_invariants()
+    # neither copy may lose its blocks: none free, none taken by a store that must evict
+    assert not any(m.host_block_is_free(i) for i in old + new)
+    filler = cache.prepare_store(chain(5, HOST_BLOCKS))
+    if filler is not None:
+        assert not set(filler.host_ids) & set(old + new), "a block under a copy was taken"
+        cache.complete_store(filler.keys, ok=False)
+    cache.complete_load(hashes)  # both loads done: the old blocks go, the new are cached
+    cache.check_invariants()
+    assert all(m.host_block_is_free(i) for i in old)
+    assert cache.count_hits(hashes) == len(hashes)
+    cache.check_invariants()
+
+
 def test_a_new_cache_finds_blocks_in_storage(keyed_stack: tuple[Stack, HostPool]) -> None:
     stack, pool = keyed_stack
     cache = make_cache(stack)
