@@ -83,9 +83,18 @@ lint-vllm: install vllm-env
 #   test-live:    the docker-compose deployment on a real Docker engine
 #   test-all:     the three in that order (what .ci/run runs)
 PYTEST := $(VENV)/bin/pytest -q --durations=20
+# The fast tier on FAST_WORKERS pytest-xdist workers, one module per worker at a time
+# (--dist loadfile: a module's fixtures, its Redis and the path counters of its hypothesis
+# machines stay in one process); its tests mostly wait on processes they started, so two
+# workers on two cores take about half the time. The base temp folder is short because a
+# test's `kvtier serve` puts its node socket under it (a Unix socket path has at most 107
+# bytes); it is removed after a passing run and kept, for a look, after a failing one.
+FAST_WORKERS ?= 2
 
 test: install system-deps lint
-	$(PYTEST) -m fast
+	base=$$(mktemp -d /tmp/kvt.XXXXXX); \
+	$(PYTEST) -n $(FAST_WORKERS) --dist loadfile --basetemp=$$base/t -m fast; \
+	status=$$?; [ $$status -ne 0 ] || rm -rf $$base; exit $$status
 
 test-engines: install system-deps vllm-env lint-vllm consumers-env
 	$(PYTEST) -m engines

@@ -340,8 +340,10 @@ class OwnStream:
 
 
 def _own_settled(srv: NodeServer, pages: Path, streams: list[OwnStream], keys: list[int],
-                 what: str) -> dict[str, set[bytes]]:
-    """Wait (bounded) until every stream's sets equal what the service holds in NS_A."""
+                 what: str, stored: bool = False) -> dict[str, set[bytes]]:
+    """Wait (bounded) until every stream's sets equal what the service holds in NS_A (and,
+    with `stored`, until storage holds some of it: backups land after the stores return, and
+    two empty storage sets are equal too)."""
     last: list[Any] = []
 
     def same() -> bool:
@@ -350,7 +352,7 @@ def _own_settled(srv: NodeServer, pages: Path, streams: list[OwnStream], keys: l
         for s in streams:
             s.pull()
         last[:] = [want, [{t: len(v) for t, v in s.sets.items()} for s in streams]]
-        return all(s.sets == want for s in streams)
+        return all(s.sets == want for s in streams) and (not stored or bool(want[STORAGE]))
 
     try:
         wait_until(same, 10.0, what)
@@ -386,7 +388,7 @@ def test_an_attached_engines_own_events_are_its_namespaces_tiers(
             wait_until(lambda e=e, lo=lo, n=n: e.call(op="store", keys=list(range(lo, lo + n)))
                        ["stored"] is not None, 20.0, f"the first store of keys {lo}..")
         keys += range(6)
-        held = _own_settled(srv, pages, streams, keys, "after the first stores")
+        held = _own_settled(srv, pages, streams, keys, "after the first stores", stored=True)
         assert held[HOST] == {key(i) for i in range(6)} and held[STORAGE]
         assert not any(key(i) in watcher.sets[t] for i in range(100, 104) for t in (HOST,
                                                                                   STORAGE))
