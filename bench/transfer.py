@@ -94,11 +94,19 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
         host_bytes = host.data.view(-1)
         dev_bytes.fill_(0x5A)  # fault every page in before timing anything
         host_bytes.fill_(0xA5)
-        engine = CopyEngine(dev, host, strategy=args.strategy)
+        engine = CopyEngine(dev, host, strategy=args.strategy,
+                            fused_block_bytes=args.fused_block_bytes[0])
         cuda = dev.device.type == "cuda"
         # On CUDA the staged path (CPU gather into pinned buffers) runs beside the default
-        # zero-copy one, so the choice between them is measured in the same run.
+        # one, and so does the eager zero-copy path (PyTorch kernels through the mapped
+        # pool) when the default is the fused one (a Triton kernel), so the choice between
+        # them is measured in the same run, interleaved; further fused program sizes
+        # (`--fused-block-bytes`) too.
         staged = CopyEngine(dev, host, cuda_path="staged") if cuda else None
+        eager = (CopyEngine(dev, host, cuda_path="zero_copy")
+                 if engine.cuda_path == "fused" else None)
+        variants = {bb: CopyEngine(dev, host, cuda_path="fused", fused_block_bytes=bb)
+                    for bb in args.fused_block_bytes[1:]} if eager is not None else {}
         layer0: list[float] = []
         page = shape.page_bytes
         nbytes = n * page
@@ -184,6 +192,12 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
         if staged is not None:
             ops["d2h_staged"] = lambda: staged.d2h(*ids())
             ops["h2d_staged"] = lambda: staged.h2d(*reversed(ids()))
+        if eager is not None:
+            ops["d2h_eager"] = lambda: eager.d2h(*ids())
+            ops["h2d_eager"] = lambda: eager.h2d(*reversed(ids()))
+        for bb, other in variants.items():
+            ops[f"d2h_fused{bb}"] = lambda o=other: o.d2h(*ids())  # type: ignore[misc]
+            ops[f"h2d_fused{bb}"] = lambda o=other: o.h2d(*reversed(ids()))  # type: ignore[misc]
         times: dict[str, list[float]] = {k: [] for k in ops}
         for fn in ops.values():  # warm-up: staging buffers, thread pools, first-touch
             fn()
@@ -212,6 +226,13 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
             if staged is not None:
                 other = nbytes / statistics.median(times[direction + "_staged"]) / 1e9
                 row["staged_gbps"] = round(other, 2)
+            if eager is not None:
+                other = nbytes / statistics.median(times[direction + "_eager"]) / 1e9
+                row["eager_gbps"] = round(other, 2)
+                row["eager_ratio"] = round(other / base, 3)
+            for bb in variants:
+                other = nbytes / statistics.median(times[f"{direction}_fused{bb}"]) / 1e9
+                row[f"fused{bb}_ratio"] = round(other / base, 3)
             if direction == "h2d":
                 # layer 0 ready, in units of one layer's share of the whole load: 1.0 means
                 # layer 0 was usable after exactly its own copy time
@@ -248,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategy", choices=["auto", "runs", "gather"], default="auto")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fused-block-bytes", type=int, nargs="+", default=[0],
+                   help="bytes per program of the fused kernel (CUDA): the first is the "
+                   "measured engine's (0: the default), the others run beside it")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be at least 1")
@@ -281,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'layer0 (layer times)':>20}")
     for r in results:
         staged_col = f"{r['staged_gbps']:>11.2f}" if "staged_gbps" in r else f"{'-':>11}"
+        if "eager_gbps" in r:
+            staged_col += f" eager {r['eager_gbps']:.2f} ({r['eager_ratio']:.3f})"
         l0 = f"{r['layer0_in_layer_times']:>20.2f}" if "layer0_ms" in r else f"{'-':>20}"
         if "layer0_gpu_in_layer_times" in r:  # CUDA: the same on the GPU's clock, and overlap
             l0 += (f"  gpu {r['layer0_gpu_in_layer_times']:.2f}, compute waited on GPU: "

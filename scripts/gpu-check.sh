@@ -62,23 +62,25 @@ run_pytest() {  # name, then pytest arguments
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 
-# 1. every test marked cuda (pools, copy paths, rank placement, two ranks on one GPU)
+# 1. the transfer benchmark on the GPU against one pinned copy of the same bytes: the fused
+#    path (Triton), the eager zero-copy path and the staged one, interleaved in one run
+#    (first: its figures are what a short lease must bring back)
+log "bench/transfer.py on cuda"
+if ! "$PY" bench/transfer.py --device cuda --json --max-working-set-gib 12 --fused-block-bytes 0 4096 16384 \
+    >"$OUT_DIR/transfer.json" 2>"$OUT_DIR/transfer.log"; then
+  status=1; tail -n 20 "$OUT_DIR/transfer.log"
+fi
+
+# 2. every test marked cuda (pools, copy paths, rank placement, two ranks on one GPU)
 mapfile -t cuda_files < <(grep -l "mark.cuda" tests/test_*.py)
 run_pytest cuda -m cuda "${cuda_files[@]}"
-# 2. the worker-process tests with every device pool on the GPU: round trips device -> host
+# 3. the worker-process tests with every device pool on the GPU: round trips device -> host
 #    -> storage -> device byte for byte on every rank and layer, layer-by-layer loads, kill -9
 #    of a worker mid-load (the Redis cases run only where redis-server and redis-cli are)
 skip_redis=()
 { command -v redis-server && command -v redis-cli; } >/dev/null || skip_redis=(-k "not redis and not cluster and not share_pages")
 KVTIER_TEST_DEVICE=cuda run_pytest workers_on_cuda tests/test_worker_processes.py \
   tests/test_storage_tier.py "${skip_redis[@]}"
-# 3. the transfer benchmark on the GPU, against one pinned copy of the same bytes
-log "bench/transfer.py on cuda"
-if ! "$PY" bench/transfer.py --device cuda --json --max-working-set-gib 12 \
-    >"$OUT_DIR/transfer.json" 2>"$OUT_DIR/transfer.log"; then
-  status=1; tail -n 20 "$OUT_DIR/transfer.log"
-fi
-
 have_redis=0; { command -v redis-server && command -v redis-cli; } >/dev/null && have_redis=1
 "$PY" - "$OUT_DIR" "$status" "$have_redis" <<'EOF'
 import json, sys, xml.etree.ElementTree as ET
@@ -110,6 +112,16 @@ try:
 except (OSError, ValueError, KeyError) as e:
     summary["transfer"] = {"error": repr(e)}
 (out / "gpu-check.json").write_text(json.dumps(summary, indent=1))
+# The ratio table (stderr, before the JSON line): each path against one pinned
+# cudaMemcpyAsync of the same bytes, same run; layer 0 on the GPU's clock, in layer times.
+rows = summary["transfer"] if isinstance(summary["transfer"], list) else []
+print(f"{'block_kib':>9} {'blocks':>6} {'dir':>4} {'path':>9} {'ratio':>6} {'eager':>6} "
+      f"{'staged GB/s':>11} {'layer0 gpu':>10}", file=sys.stderr)
+for r in rows:
+    l0 = r.get("layer0_gpu_in_layer_times", "-")
+    print(f"{r['block_kib']:>9} {r['blocks']:>6} {r['direction']:>4} {r['path']:>9} "
+          f"{r['ratio_vs_contiguous']:>6} {r.get('eager_ratio', '-'):>6} "
+          f"{r.get('staged_gbps', '-'):>11} {l0:>10}", file=sys.stderr)
 print(json.dumps(summary))
 EOF
 exit "$status"

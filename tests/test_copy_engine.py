@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtier.worker import content
 from kvtier.worker.copy_engine import LAYER_DELAY_ENV, CopyEngine, plan_copy, wide_dtype
+from kvtier.worker.fused_copy import fused_unavailable
 from kvtier.worker.kv_pools import BlockIdError, DevicePool, HostPool, KVShape
 from support import examples, new_segment_name
 
@@ -67,18 +68,21 @@ class Rig:
         return as_bytes(self.host.kv[h])
 
 
-# Every rig test runs on the CPU, and on a GPU through both CUDA copy paths (zero-copy
-# through the mapped host pool, and staged through pinned buffers).
+# Every rig test runs on the CPU, and on a GPU through the three CUDA copy paths (fused:
+# Triton kernels through the mapped host pool; zero-copy: eager PyTorch kernels through it;
+# staged through pinned buffers).
 RIG_PARAMS = [
     *((name, "cpu", "auto") for name in sorted(SHAPES)),
     *(pytest.param((name, "cuda", path), marks=pytest.mark.cuda)
-      for name in sorted(SHAPES) for path in ("zero_copy", "staged")),
+      for name in sorted(SHAPES) for path in ("fused", "zero_copy", "staged")),
 ]
 
 
 @pytest.fixture(params=RIG_PARAMS, ids=lambda p: "-".join(p) if isinstance(p, tuple) else p)
 def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
     name, device, path = request.param
+    if path == "fused" and (why := fused_unavailable(torch.device(device))):
+        pytest.skip(f"fused copy path: {why}")
     r = Rig(SHAPES[name], device, **({"cuda_path": path} if device == "cuda" else {}))
     if device == "cuda":
         assert r.engine.cuda_path == path

@@ -32,6 +32,7 @@ from kvtier.worker import content, kvreg
 from kvtier.worker.copy_engine import CopyEngine
 from kvtier.worker.engine_kv import KVRegistration, LayerWaiter, shared_kv_tensor
 from kvtier.worker.engine_pool import EnginePool, check_record
+from kvtier.worker.fused_copy import fused_unavailable
 from kvtier.worker.kv_pools import DevicePool, HostPool, KVShape, PlanePool
 from kvtier.worker.kvreg import EngineKVError
 from kvtier.worker.spec import WorkerSpec
@@ -160,10 +161,14 @@ def test_copies_carry_every_extra_layer_and_scale_byte(host: HostPool, path: str
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["zero_copy", "staged", "planes"])
+@pytest.mark.parametrize("path", ["fused", "zero_copy", "staged", "planes_fused",
+                                  "planes_zero_copy"])
 def test_gpu_copies_carry_every_extra_layer_and_scale_byte(host: HostPool, path: str) -> None:
-    """The same on a CUDA device pool: the zero-copy path (kernels through the pinned host
-    pool mapped on the GPU), the staged one, and an engine's planes."""
+    """The same on a CUDA device pool: the fused path (Triton kernels through the pinned
+    host pool mapped on the GPU), the zero-copy one (eager kernels through it), the staged
+    one, and an engine's planes through the first two."""
+    if "fused" in path and (why := fused_unavailable(torch.device("cuda"))):
+        pytest.skip(f"fused copy path: {why}")
     dev = DevicePool(shape(), N, "cuda")
     assert dev.scales is not None
     for t, seed in ((dev.data, 1), (dev.scales, 2)):
@@ -171,9 +176,12 @@ def test_gpu_copies_carry_every_extra_layer_and_scale_byte(host: HostPool, path:
         randomize(cpu, seed)
         t.copy_(cpu)
     pool: DevicePool | PlanePool = dev
-    if path == "planes":
+    if path.startswith("planes_"):
         pool = PlanePool(dev.shape, dev.planes, scale_planes=dev.scale_planes)
-        engine = CopyEngine(pool, host)
+        engine = CopyEngine(pool, host, cuda_path=path.removeprefix("planes_"))  # type: ignore[arg-type]
+        assert engine.cuda_path == path.removeprefix("planes_")
+        assert engine._planes is not None
+        assert (engine._planes._fused("h2d") is not None) == (path == "planes_fused")
     else:
         engine = CopyEngine(pool, host, cuda_path=path)  # type: ignore[arg-type]
         assert engine.cuda_path == path

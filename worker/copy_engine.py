@@ -33,6 +33,13 @@ from typing import Literal
 
 import torch
 from kvtier.worker.delays import LAYER_DELAY_ENV, delay_from_env
+from kvtier.worker.fused_copy import (
+    IdRing,
+    Launch,
+    fused_unavailable,
+    plane_launches,
+    pool_launches,
+)
 from kvtier.worker.kv_pools import (
     BlockIdError,
     DeviceKV,
@@ -60,7 +67,7 @@ BACKUP_STEP_BYTES = 1 << 20
 # CUDA zero-copy path: device-side temporaries of one gather are bounded by this much (the
 # gather reads the pinned host pool over the bus; the scatter is a device-memory copy).
 ZERO_COPY_CHUNK_BYTES = 64 << 20
-CudaPath = Literal["auto", "zero_copy", "staged"]
+CudaPath = Literal["auto", "fused", "zero_copy", "staged"]
 
 _WIDE_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
     (16, torch.complex128),
@@ -224,6 +231,7 @@ class CopyEngine:
         h2d_min_run_bytes: int = H2D_MIN_RUN_BYTES,
         cuda_path: CudaPath = "auto",
         gate: LoadGate | None = None,
+        fused_block_bytes: int = 0,
     ) -> None:
         if device_pool.shape != host_pool.shape:
             raise ValueError(
@@ -273,9 +281,9 @@ class CopyEngine:
         # fallback when the pool cannot be aliased (not pinned).
         self._host_dev: torch.Tensor | None = None
         alias_pages: torch.Tensor | None = None  # the host pool's pages, aliased on the GPU
-        if cuda_path not in ("auto", "zero_copy", "staged"):
-            raise ValueError(
-                f"cuda_path: {cuda_path!r} is not one of 'auto', 'zero_copy', 'staged'")
+        if cuda_path not in ("auto", "fused", "zero_copy", "staged"):
+            raise ValueError(f"cuda_path: {cuda_path!r} is not one of 'auto', 'fused', "
+                             "'zero_copy', 'staged'")
         if self._cuda:
             self._d2h_stream = torch.cuda.Stream(device_pool.device)
             # A load is what a request waits on: its kernels are scheduled ahead of a
@@ -284,16 +292,29 @@ class CopyEngine:
             self._h2d_stream = torch.cuda.Stream(device_pool.device, priority=-1)
             if cuda_path != "staged":
                 alias = host_pool.device_view(device_pool.device)
-                if alias is None and cuda_path == "zero_copy":
+                if alias is None and cuda_path in ("zero_copy", "fused"):
                     raise ValueError(
-                        f"cuda_path 'zero_copy': host pool {host_pool.name} cannot be mapped "
+                        f"cuda_path {cuda_path!r}: host pool {host_pool.name} cannot be mapped "
                         f"into {device_pool.device} (pinned={host_pool.pinned})")
                 if alias is not None:
                     alias_pages = alias.view(host_pool.num_blocks, -1)
                     self._host_dev = page_kv_view(alias_pages, shape, self.wide)
         self._zc_layers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-        self.cuda_path: str = "zero_copy" if self._host_dev is not None else (
-            "staged" if self._cuda else "cpu")
+        # The fused path (`fused_copy.py`: one Triton kernel per layer of a load, one per
+        # backup, reading and writing rows where they are) whenever the host pool is aliased
+        # and Triton runs; `zero_copy` is the eager PyTorch path over the same alias.
+        self._fused = False
+        self.fused_block_bytes = fused_block_bytes  # 0: fused_copy.FUSED_BLOCK_BYTES
+        if self._host_dev is not None and cuda_path in ("auto", "fused"):
+            why = fused_unavailable(device_pool.device)
+            if why is None:
+                self._fused = True
+                self._rings = (IdRing(device_pool.device), IdRing(device_pool.device))
+            elif cuda_path == "fused":
+                raise ValueError(f"cuda_path 'fused': {why}")
+        self._launches: dict[str, list[Launch]] = {}
+        self.cuda_path: str = "fused" if self._fused else (
+            "zero_copy" if self._host_dev is not None else ("staged" if self._cuda else "cpu"))
         self.bytes_d2h = 0
         self.bytes_h2d = 0
         self._planes: _PlaneCopier | None = None
@@ -367,6 +388,10 @@ class CopyEngine:
     def _d2h_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if self._planes is not None:
             self._planes.d2h(src, dst)
+            self.bytes_d2h += int(src.numel()) * self.shape.page_bytes
+            return
+        if self._fused:
+            self._d2h_fused(src, dst)
             self.bytes_d2h += int(src.numel()) * self.shape.page_bytes
             return
         if self._host_dev is not None:
@@ -460,6 +485,10 @@ class CopyEngine:
              on_layer_enqueued: Callable[[int, torch.cuda.Stream], None] | None) -> None:
         if self._planes is not None:
             self._planes.h2d(src, dst, done, on_layer_enqueued)
+            self.bytes_h2d += int(src.numel()) * self.shape.page_bytes
+            return
+        if self._fused:
+            self._h2d_fused(src, dst, done, on_layer_enqueued)
             self.bytes_h2d += int(src.numel()) * self.shape.page_bytes
             return
         if self._host_dev is not None:
@@ -576,6 +605,49 @@ class CopyEngine:
                     time.sleep(self.layer_delay_s)
         layers.finish()
 
+    # ---------------------------------------------------------------- CUDA fused (Triton)
+
+    def _d2h_fused(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K and V rows of the blocks straight into the mapped pages: one
+        kernel launch for the whole backup, no device temporary."""
+        stream = self._d2h_stream
+        stream.wait_stream(torch.cuda.current_stream(self._dev_w.device))  # KV by compute
+        (launch,) = self._fused_launches("d2h")
+        with torch.cuda.stream(stream):
+            launch.run(self._rings[0].put(src, dst, stream), int(src.numel()))
+        stream.synchronize()
+
+    def _h2d_fused(
+        self, src: torch.Tensor, dst: torch.Tensor, done: Callable[[int], None],
+        enqueued: Callable[[int, torch.cuda.Stream], None] | None = None,
+    ) -> None:
+        """Per layer one kernel launch (the layer's K and V rows of every page, over the bus,
+        into the device pool) and its event; the ids go to the device once per load through
+        the pinned ring, before the first launch."""
+        stream = self._h2d_stream
+        launches = self._fused_launches("h2d")
+        layers = _LayerEvents(done, enqueued)
+        n = int(src.numel())
+        stream.wait_stream(torch.cuda.current_stream(self._dev_w.device))  # old readers
+        with torch.cuda.stream(stream):
+            ids = self._rings[1].put(src, dst, stream)
+            for layer, launch in enumerate(launches):
+                launch.run(ids, n)
+                layers.recorded(layer, stream)
+                if self.layer_delay_s:
+                    time.sleep(self.layer_delay_s)
+        layers.finish()
+
+    def _fused_launches(self, key: str) -> list[Launch]:
+        """The prepared launches of kvtier's own pool: `d2h` one over every plane, `h2d` one
+        per layer (made on first use; the geometry never changes)."""
+        if not self._launches:
+            assert self._host_dev is not None
+            d2h, h2d = pool_launches(self._dev_w, self._host_dev, self.shape.k_bytes,
+                                     self.fused_block_bytes)
+            self._launches = {"h2d": h2d, "d2h": [d2h]}
+        return self._launches[key]
+
     def _zero_copy_layers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-layer views of the device pool `[2, blocks, row]` and of the mapped host pool
         `[pages, 2, row]`, made on first use (views only: no memory)."""
@@ -601,6 +673,20 @@ class _PlaneCopier:
         self.e = engine
         self.planes = planes
         self.device = planes[0].device
+        self._launches: dict[str, list[Launch] | None] = {}
+
+    def _fused(self, key: str) -> list[Launch] | None:
+        """Per layer one prepared launch between the layer's K and V planes and the mapped
+        pages (`key` "h2d" or "d2h"), or None when the engine has no fused path or a layer's
+        K and V planes differ in block stride (then the eager path moves them)."""
+        e = self.e
+        if not e._fused:
+            return None
+        if key not in self._launches:
+            assert e._host_dev is not None
+            self._launches[key] = plane_launches(self.planes, e._host_dev, e.shape.k_bytes,
+                                                 key == "h2d", e.fused_block_bytes)
+        return self._launches[key]
 
     def d2h(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         e, planes = self.e, self.planes
@@ -648,11 +734,19 @@ class _PlaneCopier:
 
     def _d2h_cuda(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         e, planes, dev = self.e, self.planes, self.device
-        host = self._host()
-        host3 = host.view(host.shape[0], len(planes), e._row)
         stream = e._d2h_stream
         stream.wait_stream(torch.cuda.current_stream(dev))  # KV written by compute
         n = int(src.numel())
+        fused = self._fused("d2h")
+        if fused is not None:  # one launch per layer, rows straight into the mapped pages
+            with torch.cuda.stream(stream):
+                ids = e._rings[0].put(src, dst, stream)
+                for launch in fused:
+                    launch.run(ids, n)
+            stream.synchronize()
+            return
+        host = self._host()
+        host3 = host.view(host.shape[0], len(planes), e._row)
         c = max(1, ZERO_COPY_CHUNK_BYTES // e.shape.page_bytes)
         with torch.cuda.stream(stream):
             s_all, d_all = src.to(dev), dst.to(host.device)
@@ -676,6 +770,17 @@ class _PlaneCopier:
         c = max(1, ZERO_COPY_CHUNK_BYTES // e.shape.layer_bytes)
         layers = _LayerEvents(done, enqueued)
         stream.wait_stream(torch.cuda.current_stream(dev))  # readers of old content
+        fused = self._fused("h2d")
+        if fused is not None:  # per layer one launch from the mapped pages into K and V
+            with torch.cuda.stream(stream):
+                ids = e._rings[1].put(src, dst, stream)
+                for layer, launch in enumerate(fused):
+                    launch.run(ids, n)
+                    layers.recorded(layer, stream)
+                    if e.layer_delay_s:
+                        time.sleep(e.layer_delay_s)
+            layers.finish()
+            return
         with torch.cuda.stream(stream):
             s_all, d_all = src.to(host.device), dst.to(dev)
             for layer in range(e.shape.total_layers):

@@ -1,0 +1,274 @@
+"""One-launch gather-scatter of KV rows between a CUDA device tier and the pinned host pool.
+
+Why (README "Transfers", H200 and H100, torch 2.11): the eager zero-copy path moves a load
+with two PyTorch kernels per layer (an `index_select` into a device temporary, an
+`index_copy_` out of it) and a backup with one gather into a temporary plus one scatter over
+the bus. Small loads pay the launches and the temporaries (0.32-0.59 of one pinned
+`cudaMemcpyAsync` at 16 KiB blocks), large ones come within 0.86-0.91. Here one Triton
+kernel reads every row of the task where it is and writes it where it goes, in one pass over
+the bus, no temporary: per layer for a load (so each layer still gets its own event), one
+launch for every layer of a backup.
+
+The kernel's model (the one interface both sides are described through): a side is a base
+pointer and three strides in elements: `block` (between two block ids), `layer` (between two
+layers) and `kv` (from a layer's K row to its V row). Plane `p` of the launch is layer
+`p // 2`, half `p % 2`; pair `i` moves the row `src[ids[i]]` of every plane to
+`dst[ids[n + i]]`. kvtier's own device pool is `[layers, 2, blocks, row]` (uniform strides,
+a backup is one launch over `2 * layers` planes); a host page is `[layers, 2, row]` at the
+page's stride; an engine's planes (`PlanePool`) are separate tensors, described per layer
+with `kv` the distance from its K plane to its V plane (flat unified addresses, so the two
+may be separate allocations; they must be a whole number of elements apart).
+
+Vector width: rows are moved as the widest of int32 / int16 / uint8 that divides the row
+and every stride; Triton specialises pointers and integers that are multiples of 16, so an
+aligned row moves in 16-byte accesses; `BLOCK` elements per program (at most
+`FUSED_BLOCK_BYTES`, default 8 KiB: four 16-byte accesses in flight per thread of 4 warps)
+and a program per (pair, plane, chunk of the row).
+
+Triton is optional (it ships inside CUDA builds of torch, not the CPU one): without it, or
+without CUDA, `fused_unavailable()` says why and the copy engine keeps its PyTorch paths.
+`TRITON_INTERPRET=1` runs the same kernel on the CPU (tests/test_fused_copy.py checks its
+indexing against PyTorch there).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+try:  # optional: CUDA torch wheels bring Triton, the CPU build does not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+
+FUSED_ENV = "KVTIER_FUSED_COPY"
+"""`0` turns the fused path off (the copy engine then uses the eager zero-copy path)."""
+FUSED_BLOCK_BYTES = int(os.environ.get("KVTIER_FUSED_BLOCK_BYTES", 8 << 10))
+MAX_GRID_YZ = 65535  # CUDA's limit on the grid's 2nd and 3rd dimensions
+
+_ELEMENT_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
+    (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def fused_unavailable(device: torch.device) -> str | None:
+    """Why the fused path cannot run on `device`, or None when it can."""
+    if os.environ.get(FUSED_ENV, "1") == "0":
+        return f"{FUSED_ENV}=0"
+    if triton is None:
+        return "Triton is not installed"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None  # the interpreter runs on the CPU (tests)
+    if device.type != "cuda":
+        return f"device {device} is not CUDA"
+    return None
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["n"])  # type: ignore[untyped-decorator]
+    def _move_rows(src, dst, ids, n,  # type: ignore[no-untyped-def]
+                   s_block, s_layer, s_kv, d_block, d_layer, d_kv, row,
+                   BLOCK: tl.constexpr, EVEN: tl.constexpr):
+        pair = tl.program_id(0)
+        plane = tl.program_id(1)
+        chunk = tl.program_id(2)
+        s_id = tl.load(ids + pair).to(tl.int64)
+        d_id = tl.load(ids + n + pair).to(tl.int64)
+        kv = (plane % 2).to(tl.int64)
+        layer = (plane // 2).to(tl.int64)
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        s_ptr = src + (s_id * s_block + layer * s_layer + kv * s_kv) + offs
+        d_ptr = dst + (d_id * d_block + layer * d_layer + kv * d_kv) + offs
+        if EVEN:
+            tl.store(d_ptr, tl.load(s_ptr))
+        else:
+            mask = offs < row
+            tl.store(d_ptr, tl.load(s_ptr, mask=mask), mask=mask)
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a launch: `base` (a view whose first element is layer 0's K row of block
+    0 on that side) and its strides in BYTES (so two sides, or a K and a V plane in separate
+    allocations, need not share an element type)."""
+
+    base: torch.Tensor
+    block: int
+    layer: int
+    kv: int
+
+    @staticmethod
+    def of(base: torch.Tensor, block: int, layer: int, kv: int) -> Side:
+        """A side from strides in `base`'s elements."""
+        es = base.element_size()
+        return Side(base, block * es, layer * es, kv * es)
+
+
+def element_dtype(row_bytes: int, *byte_quantities: int) -> torch.dtype:
+    """The widest kernel element that divides the row and every byte offset or stride."""
+    for size, dtype in _ELEMENT_DTYPES:
+        if row_bytes % size == 0 and all(q % size == 0 for q in byte_quantities):
+            return dtype
+    raise AssertionError("unreachable: every size is a multiple of 1")
+
+
+def launch_shape(row: int, elem_bytes: int, block_bytes: int = 0) -> tuple[int, int, bool]:
+    """BLOCK (elements per program, a power of two), num_warps and whether the row is a
+    whole number of BLOCKs (no mask), for a row of `row` elements."""
+    cap = max(16, (block_bytes or FUSED_BLOCK_BYTES) // elem_bytes)
+    block = 1
+    while block < min(row, cap):
+        block *= 2
+    # 512 bytes per warp per access round (32 threads x 16 bytes); four rounds in flight
+    # per thread before adding a warp, up to 4 warps
+    warps = max(1, min(4, block * elem_bytes // 2048))
+    return block, warps, row % block == 0
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One prepared launch of `_move_rows` (everything but the ids): made once per geometry
+    and direction (or per layer), so a copy pays only the launch itself."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    strides: tuple[int, int, int, int, int, int]
+    row: int
+    planes: int
+    chunks: int
+    block: int
+    warps: int
+    even: bool
+
+    def run(self, ids: torch.Tensor, n: int) -> None:
+        """Copy the planes' rows of pairs `ids[i] -> ids[n + i]` (`ids`: int64, `2n` long,
+        on the device) on the current stream."""
+        if n:
+            _move_rows[(n, self.planes, self.chunks)](
+                self.src, self.dst, ids, n, *self.strides, self.row,
+                BLOCK=self.block, EVEN=self.even, num_warps=self.warps)
+
+
+def prepare(src: Side, dst: Side, row_bytes: int, planes: int, block_bytes: int = 0
+            ) -> Launch:
+    """A launch moving `planes` plane rows of `row_bytes` per pair from `src` to `dst`,
+    with the widest element that every address and stride allows."""
+    if triton is None:
+        raise RuntimeError("fused copy: Triton is not installed")
+    byte_strides = (src.block, src.layer, src.kv, dst.block, dst.layer, dst.kv)
+    dtype = element_dtype(row_bytes, src.base.data_ptr(), dst.base.data_ptr(), *byte_strides)
+    es = torch.empty((), dtype=dtype).element_size()
+    row = row_bytes // es
+    block, warps, even = launch_shape(row, es, block_bytes)
+    chunks = -(-row // block)
+    if planes > MAX_GRID_YZ or chunks > MAX_GRID_YZ:
+        raise ValueError(f"fused copy: {planes} planes x {chunks} chunks exceed the grid")
+    s = tuple(b // es for b in byte_strides)
+    return Launch(_as_elements(src.base, dtype), _as_elements(dst.base, dtype),
+                  (s[0], s[1], s[2], s[3], s[4], s[5]), row, planes, chunks, block, warps,
+                  even)
+
+
+def pool_launches(dev: torch.Tensor, pages: torch.Tensor, row_bytes: int,
+                  block_bytes: int = 0) -> tuple[Launch, list[Launch]]:
+    """kvtier's own pool `dev` `[layers, 2, blocks, row]` and host pages `pages` `[pages,
+    layers, 2, row]` (any strides; rows contiguous): the backup's one launch over every
+    plane, and a load's launch per layer."""
+    d2h = prepare(Side.of(dev, dev.stride(2), dev.stride(0), dev.stride(1)),
+                  Side.of(pages, pages.stride(0), pages.stride(1), pages.stride(2)),
+                  row_bytes, 2 * dev.shape[0], block_bytes)
+    h2d = [prepare(Side.of(pages[:, layer], pages.stride(0), 0, pages.stride(2)),
+                   Side.of(dev[layer], dev.stride(2), 0, dev.stride(1)), row_bytes, 2,
+                   block_bytes)
+           for layer in range(dev.shape[0])]
+    return d2h, h2d
+
+
+def plane_launches(planes: list[torch.Tensor], pages: torch.Tensor, row_bytes: int,
+                   to_device: bool, block_bytes: int = 0) -> list[Launch] | None:
+    """An engine's planes (layer 0 K, layer 0 V, ...: `[blocks, row]` each, anywhere) and
+    host pages `[pages, layers, 2, row]`: per layer one launch, towards the planes
+    (`to_device`, a load) or towards the pages; None when a layer's K and V planes differ
+    in block stride or a row is not contiguous (the kernel's model has one block stride)."""
+    out: list[Launch] = []
+    for layer in range(len(planes) // 2):
+        k, v = planes[2 * layer], planes[2 * layer + 1]
+        if k.stride(0) != v.stride(0) or k.stride(1) != 1 or v.stride(1) != 1:
+            return None
+        side = Side(k, k.stride(0) * k.element_size(), 0, v.data_ptr() - k.data_ptr())
+        host = Side.of(pages[:, layer], pages.stride(0), 0, pages.stride(2))
+        src, dst = (host, side) if to_device else (side, host)
+        out.append(prepare(src, dst, row_bytes, 2, block_bytes))
+    return out
+
+
+def _as_elements(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A flat view of `t`'s storage from `t`'s first element to the storage's end, as
+    `dtype` (the kernel needs only the base pointer and its element type; the caller checked
+    that the base is aligned to `dtype`)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    start = t.storage_offset() * t.element_size()
+    storage = t.untyped_storage()
+    numel = (storage.nbytes() - start) // size
+    return torch.empty(0, dtype=dtype, device=t.device).set_(
+        storage, start // size, (numel,), (1,))
+
+
+class IdRing:
+    """Block ids of one copy stream's tasks, moved to the device without a pageable copy or
+    an allocation per task: `slots` pinned host rows and as many device rows, `[2, cap]`
+    int64 each (sources then destinations), reused round-robin.
+
+    Invariants: a host row is rewritten only after the DMA that read it has completed (its
+    event); a device row is rewritten by a DMA on the same stream as every kernel that reads
+    it, so stream order keeps the readers ahead of the next write. A task with more ids than
+    `cap` grows the ring (after the stream drained, so no reader of the old rows is left)."""
+
+    def __init__(self, device: torch.device, slots: int = 8, cap: int = 1024) -> None:
+        self.device = device
+        self.slots = slots
+        self._lock = threading.Lock()
+        self._alloc(cap)
+
+    def _alloc(self, cap: int) -> None:
+        self.cap = cap
+        pin = self.device.type == "cuda"
+        self._host = torch.empty((self.slots, 2 * cap), dtype=torch.int64, pin_memory=pin)
+        self._dev = torch.empty((self.slots, 2 * cap), dtype=torch.int64, device=self.device)
+        self._events: list[torch.cuda.Event | None] = [None] * self.slots
+        self._next = 0
+
+    def put(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream | None
+            ) -> torch.Tensor:
+        """`[src..., dst...]` on the device, enqueued on `stream` (the current one when None)."""
+        n = int(src.numel())
+        with self._lock:
+            if n > self.cap:
+                if stream is not None:
+                    stream.synchronize()
+                cap = self.cap
+                while cap < n:
+                    cap *= 2
+                self._alloc(cap)
+            slot = self._next
+            self._next = (slot + 1) % self.slots
+            ev = self._events[slot]
+            if ev is not None:
+                ev.synchronize()  # the DMA that read this host row is done (rarely waits)
+            host = self._host[slot, : 2 * n]
+            host[:n].copy_(src)
+            host[n:].copy_(dst)
+            dev = self._dev[slot, : 2 * n]
+            if self.device.type != "cuda":
+                dev.copy_(host)
+                return dev
+            dev.copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+            self._events[slot] = done
+            return dev
