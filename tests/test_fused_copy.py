@@ -21,6 +21,7 @@ from kvtier.worker.fused_copy import (
     element_dtype,
     fused_unavailable,
     launch_shape,
+    layer_groups,
 )
 
 pytestmark = pytest.mark.fast
@@ -59,6 +60,17 @@ def test_unavailable_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     why = fused_unavailable(torch.device("cpu"))
     assert why in ("Triton is not installed", "device cpu is not CUDA")
+
+
+@pytest.mark.parametrize(("layers", "groups"), [
+    (1, [(0, 1)]),
+    (2, [(0, 1), (1, 2)]),
+    (5, [(0, 1), (1, 2), (2, 4), (4, 5)]),
+    (33, [(0, 1), (1, 2), (2, 4), (4, 8), (8, 16), (16, 32), (32, 33)]),
+])
+def test_load_groups_start_with_layer_zero_alone_and_double(
+        layers: int, groups: list[tuple[int, int]]) -> None:
+    assert layer_groups(layers) == groups
 
 
 def test_id_ring_reuses_rows_and_grows() -> None:
@@ -105,6 +117,7 @@ INTERPRETED = textwrap.dedent("""
         n = len(src)
         import kvtier.worker.fused_copy as fc
         fc.FUSED_BLOCK_BYTES = bb or fc.FUSED_BLOCK_BYTES
+        fc.MAX_GRID_YZ = 3 if bb else 65535  # the last case: 4 pairs in two launches
         d2h, h2d = pool_launches(dev, pages, row_bytes)
         # backup: device blocks src -> pages dst, every layer in one launch
         want = pages_raw.clone()
@@ -116,7 +129,7 @@ INTERPRETED = textwrap.dedent("""
         want_dev = dev.clone()
         want_dev[:, :, back] = pages[dst].permute(1, 2, 0, 3)
         ids = ring.put(dst, back, None)
-        for launch in h2d:
+        for _first, _end, launch in h2d:  # layer groups 1, 1, 2, ...
             launch.run(ids, n)
         assert torch.equal(dev, want_dev), ("h2d", shape)
         # an engine's planes: K planes in one allocation, V planes in another

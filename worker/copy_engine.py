@@ -313,6 +313,7 @@ class CopyEngine:
             elif cuda_path == "fused":
                 raise ValueError(f"cuda_path 'fused': {why}")
         self._launches: dict[str, list[Launch]] = {}
+        self._h2d_groups: list[tuple[int, int, Launch]] = []
         self.cuda_path: str = "fused" if self._fused else (
             "zero_copy" if self._host_dev is not None else ("staged" if self._cuda else "cpu"))
         self.bytes_d2h = 0
@@ -621,21 +622,27 @@ class CopyEngine:
         self, src: torch.Tensor, dst: torch.Tensor, done: Callable[[int], None],
         enqueued: Callable[[int, torch.cuda.Stream], None] | None = None,
     ) -> None:
-        """Per layer one kernel launch (the layer's K and V rows of every page, over the bus,
-        into the device pool) and its event; the ids go to the device once per load through
-        the pinned ring, before the first launch."""
+        """Per layer group (1, 1, 2, 4, ... layers: `fused_copy.layer_groups`) one kernel
+        launch (the group's K and V rows of every page, over the bus, into the device pool)
+        and one event that completes each of its layers; the ids go to the device once per
+        load through the pinned ring, before the first launch."""
         stream = self._h2d_stream
-        launches = self._fused_launches("h2d")
+        launches = self._fused_h2d_groups()
         layers = _LayerEvents(done, enqueued)
         n = int(src.numel())
         stream.wait_stream(torch.cuda.current_stream(self._dev_w.device))  # old readers
         with torch.cuda.stream(stream):
             ids = self._rings[1].put(src, dst, stream)
-            for layer, launch in enumerate(launches):
+            for first, end, launch in launches:
+                if self.layer_delay_s:  # the test hook slows every layer alike
+                    for layer in range(first, end):
+                        launch_one = self._fused_h2d_single(layer)
+                        launch_one.run(ids, n)
+                        layers.recorded(layer, stream)
+                        time.sleep(self.layer_delay_s)
+                    continue
                 launch.run(ids, n)
-                layers.recorded(layer, stream)
-                if self.layer_delay_s:
-                    time.sleep(self.layer_delay_s)
+                layers.recorded_range(first, end, stream)
         layers.finish()
 
     def _fused_launches(self, key: str) -> list[Launch]:
@@ -645,8 +652,24 @@ class CopyEngine:
             assert self._host_dev is not None
             d2h, h2d = pool_launches(self._dev_w, self._host_dev, self.shape.k_bytes,
                                      self.fused_block_bytes)
-            self._launches = {"h2d": h2d, "d2h": [d2h]}
+            self._launches = {"d2h": [d2h]}
+            self._h2d_groups = h2d
         return self._launches[key]
+
+    def _fused_h2d_groups(self) -> list[tuple[int, int, Launch]]:
+        self._fused_launches("d2h")
+        return self._h2d_groups
+
+    def _fused_h2d_single(self, layer: int) -> Launch:
+        """One layer's own launch (only the layer-delay test hook loads layer by layer)."""
+        got = self._launches.get(f"h2d{layer}")
+        if got is None:
+            assert self._host_dev is not None
+            _, h2d = pool_launches(self._dev_w[layer : layer + 1],
+                                   self._host_dev[:, layer : layer + 1], self.shape.k_bytes,
+                                   self.fused_block_bytes)
+            got = self._launches[f"h2d{layer}"] = [h2d[0][2]]
+        return got[0]
 
     def _zero_copy_layers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-layer views of the device pool `[2, blocks, row]` and of the mapped host pool
@@ -888,11 +911,16 @@ class _LayerEvents:
         self.pending: deque[tuple[int, torch.cuda.Event]] = deque()
 
     def recorded(self, layer: int, stream: torch.cuda.Stream) -> None:
+        self.recorded_range(layer, layer + 1, stream)
+
+    def recorded_range(self, first: int, end: int, stream: torch.cuda.Stream) -> None:
+        """Layers `first..end-1` were enqueued together: one event completes them all."""
         event = torch.cuda.Event()
         event.record(stream)
-        if self.enqueued is not None:  # the engine's inter-process event, no host sync
-            self.enqueued(layer, stream)
-        self.pending.append((layer, event))
+        for layer in range(first, end):
+            if self.enqueued is not None:  # the engine's inter-process event, no host sync
+                self.enqueued(layer, stream)
+            self.pending.append((layer, event))
         while self.pending and self.pending[0][1].query():
             self.done(self.pending.popleft()[0])
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from numbers import Integral
 from typing import Literal
 
+import numpy as np
 import posix_ipc
 import torch
 from kvtier.worker import numa
@@ -262,17 +263,22 @@ def as_block_ids(
             raise BlockIdError(f"{what}: block id out of the int64 range") from None
     if t.dim() != 1:
         raise BlockIdError(f"{what}: ids must be one-dimensional, got shape {tuple(t.shape)}")
+    t = t.contiguous()
     if t.numel():
-        lo, hi = int(t.min()), int(t.max())
+        # numpy over the same memory: a load's ids are checked before its first copy is
+        # enqueued, and torch ops on a 64-id tensor cost ~10 us of host time each (H100
+        # host: 109 us for a load's two checks, against about 20 with numpy)
+        a = t.numpy()
+        lo, hi = int(a.min()), int(a.max())
         if lo < 0 or hi >= num_blocks:
             bad = lo if lo < 0 else hi
             raise BlockIdError(f"{what}: block id {bad} out of range [0, {num_blocks})")
         if unique:
-            s = torch.sort(t).values
+            s = np.sort(a)
             dup = s[1:][s[1:] == s[:-1]]
-            if dup.numel():
+            if dup.size:
                 raise BlockIdError(f"{what}: block id {int(dup[0])} appears more than once")
-    return t.contiguous()
+    return t
 
 
 class DevicePool:
