@@ -117,7 +117,6 @@ INTERPRETED = textwrap.dedent("""
         n = len(src)
         import kvtier.worker.fused_copy as fc
         fc.FUSED_BLOCK_BYTES = bb or fc.FUSED_BLOCK_BYTES
-        fc.MAX_GRID_YZ = 3 if bb else 65535  # the last case: 4 pairs in two launches
         d2h, h2d = pool_launches(dev, pages, row_bytes)
         # backup: device blocks src -> pages dst, every layer in one launch
         want = pages_raw.clone()

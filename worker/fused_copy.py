@@ -70,16 +70,13 @@ def fused_unavailable(device: torch.device) -> str | None:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["n", "first"])  # type: ignore[untyped-decorator]
-    def _move_rows(src, dst, ids, n, first,  # type: ignore[no-untyped-def]
+    @triton.jit(do_not_specialize=["n"])  # type: ignore[untyped-decorator]
+    def _move_rows(src, dst, ids, n,  # type: ignore[no-untyped-def]
                    s_block, s_layer, s_kv, d_block, d_layer, d_kv, row,
-                   CHUNKS: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr):
-        # Programs of one page run next to each other (plane and chunk vary fastest): the
-        # host side of a pair is one contiguous page, read or written in order over the bus
-        # (pair-fastest order cost a 256 KiB x 512-block backup 0.85 of memcpy against 0.91).
-        plane = tl.program_id(0) // CHUNKS
-        chunk = tl.program_id(0) % CHUNKS
-        pair = tl.program_id(1) + first
+                   BLOCK: tl.constexpr, EVEN: tl.constexpr):
+        pair = tl.program_id(0)
+        plane = tl.program_id(1)
+        chunk = tl.program_id(2)
         s_id = tl.load(ids + pair).to(tl.int64)
         d_id = tl.load(ids + n + pair).to(tl.int64)
         kv = (plane % 2).to(tl.int64)
@@ -150,13 +147,12 @@ class Launch:
 
     def run(self, ids: torch.Tensor, n: int) -> None:
         """Copy the planes' rows of pairs `ids[i] -> ids[n + i]` (`ids`: int64, `2n` long,
-        on the device) on the current stream: one launch per 65,535 pairs (the grid's
-        second dimension)."""
-        for first in range(0, n, MAX_GRID_YZ):
-            pairs = min(MAX_GRID_YZ, n - first)
-            _move_rows[(self.planes * self.chunks, pairs)](
-                self.src, self.dst, ids, n, first, *self.strides, self.row,
-                CHUNKS=self.chunks, BLOCK=self.block, EVEN=self.even, num_warps=self.warps)
+        on the device) on the current stream, one launch: a program per (pair, plane,
+        chunk of the row), the pair on the grid's first dimension (up to 2**31 - 1)."""
+        if n:
+            _move_rows[(n, self.planes, self.chunks)](
+                self.src, self.dst, ids, n, *self.strides, self.row,
+                BLOCK=self.block, EVEN=self.even, num_warps=self.warps)
 
 
 def prepare(src: Side, dst: Side, row_bytes: int, planes: int, block_bytes: int = 0
@@ -171,6 +167,8 @@ def prepare(src: Side, dst: Side, row_bytes: int, planes: int, block_bytes: int 
     row = row_bytes // es
     block, warps, even = launch_shape(row, es, block_bytes)
     chunks = -(-row // block)
+    if planes > MAX_GRID_YZ or chunks > MAX_GRID_YZ:
+        raise ValueError(f"fused copy: {planes} planes x {chunks} chunks exceed the grid")
     s = tuple(b // es for b in byte_strides)
     return Launch(_as_elements(src.base, dtype), _as_elements(dst.base, dtype),
                   (s[0], s[1], s[2], s[3], s[4], s[5]), row, planes, chunks, block, warps,
