@@ -17,8 +17,16 @@ overhead once blocks are small. So every transfer is first *planned*:
 D2H (evict / backup) copies all layers at once. H2D (load) goes layer by layer and reports
 each finished layer through `on_layer_done(layer)`, so a model runner can start computing
 layer 0 while later layers are still loading. On CUDA each direction has its own stream, each
-H2D layer records an event and its callback fires once the event has completed; on CPU the
-copy is synchronous and the callback follows it.
+H2D layer (or layer group, on the fused path) records an event and its callback fires once the
+event has completed; on CPU the copy is synchronous and the callback follows it.
+
+CUDA paths (`cuda_path`), chosen once per engine:
+
+    auto --host pool mapped?--no--> staged (CPU gather into pinned buffers, one DMA)
+      |yes
+      +--Triton runs here?--yes--> fused (fused_copy.py: one kernel per backup, per load
+      |                                   layer group; the default)
+      +--no--> zero_copy (eager index_select / index_copy_ through the mapped pool)
 """
 
 from __future__ import annotations
