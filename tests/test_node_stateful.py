@@ -219,7 +219,7 @@ class NodeMachine(RuleBasedStateMachine):
         keyed = ns.keyed
         assert sum(map(len, keyed._readers.values())) == sum(
             len(e.open_loads) for e in self.live()), "a load pinned by no live engine"
-        assert sum(map(len, keyed._writers.values())) == sum(
+        assert len(keyed._writers) == sum(
             len(e.open_stores) for e in self.live()), "a store open for no live engine"
         # every block the service would serve holds its key's bytes (read through a mapping
         # of the test's own, so the check runs whether or not an engine is attached)

@@ -296,6 +296,14 @@ class CacheCore:
         started = storage.write_back(batch)
         return batch[started] if started < len(batch) else victim
 
+    def write_back_for_room(self) -> None:
+        """write_back: a store was refused for room (too few evictable host copies: the
+        oldest are unwritten). Send the oldest unwritten copies to storage (one batch, as
+        an eviction would) so that, once written, they can make room; nothing is evicted."""
+        storage = self.storage
+        if storage is not None and storage.write_policy.on_host_evict:
+            self._write_back_oldest(storage)
+
     def host_victims(self, n: int) -> list[int]:
         """The keys of the host copies the next `n` calls of `take_host_block` would evict
         (once the free list is empty), oldest first (read only; under write_back, with
