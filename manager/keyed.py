@@ -490,7 +490,9 @@ class KeyedHostCache:
             # the copies the loop below evicts (read before: evicted, they leave the tree),
             # all of them found before the first is evicted: too few, and nothing changes
             short = len(todo) - free_before
-            victims = m.host_victims(short) if short > 0 else []
+            # (an O(1) bound first: a store larger than the tier is refused at once)
+            victims = (m.host_victims(short) if 0 < short <= m.host_evictable
+                       else [])
             if len(victims) < short:
                 m.write_back_for_room()  # write_back: unwritten copies written, not evicted
                 m.flush()

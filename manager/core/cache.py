@@ -196,6 +196,12 @@ class CacheCore:
     def host_free(self) -> int:
         return self._host_pool.num_free
 
+    @property
+    def host_evictable(self) -> int:
+        """Host copies in the host LRU: at most this many can be evicted now (under
+        write_back the unwritten ones are written first: `host_victims` counts exactly)."""
+        return self._host_lru.size
+
     def host_block_is_free(self, host_id: int) -> bool:
         return self._host_pool.is_free(host_id)
 
