@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support import wait_until
 from test_node_service import NS_A, PAGE, Node
 
 pytestmark = pytest.mark.fast
@@ -44,19 +45,18 @@ def test_a_dead_engines_half_written_store_is_never_served_after_a_reset(node: N
     half = b.call(op="store", keys=keys, hang_after=2)  # B's own blocks: A's were written off
     assert half["prepared"] == 4 and half["written"] == 2, half
     b.kill()
-    wait = time.monotonic() + 10
-    while "open store(s) abandoned" not in node.log():
-        assert time.monotonic() < wait, "B's end not logged"
-        time.sleep(0.05)
+    wait_until(lambda: "open store(s) abandoned" in node.log(), 10, "B's end")
     assert a.call(op="complete", ok=True)["completed"] == 4
     c = node.engine()
     for who in (a, c):
         got = who.call(op="load", keys=keys)
         assert got["hits"] == 0, f"served B's half-written blocks: {got}"
-    time.sleep(0.7)  # past node.abandon_grace_s (0.5 s): B's blocks freed, still no hit
-    for who in (a, c):
-        got = who.call(op="load", keys=keys)
-        assert got["codes"] == ["miss"], got
+    # past node.abandon_grace_s (0.5 s): B's blocks freed, and still never a hit
+    time.sleep(0.5)
+    wait_until(lambda: c.call(op="load", keys=keys)["codes"] == ["miss"], 10,
+               "B's abandoned blocks freed after the grace")
+    got = a.call(op="load", keys=keys)
+    assert got["codes"] == ["miss"], got
     # the blocks are stored again, by anyone, and served byte for byte
     assert c.call(op="store", keys=keys)["stored"] == 4
     got = a.call(op="load", keys=keys)
