@@ -19,8 +19,8 @@ from kvtier.engine.cache_api import (
     StorePlan,
     TierEvent,
 )
-from kvtier.manager.core.nodes import Node
 from kvtier.manager.keyed import KeyedHostCache
+from kvtier.manager.sessions import EngineSession, Graves
 from kvtier.manager.stack import Stack
 from kvtier.worker.spec import host_segment_name
 
@@ -32,15 +32,18 @@ ABANDON_STEPS = 2
 class EmbeddedCache:
     """`EngineCache` over a running `Stack(cfg, keyed_namespace=...)` this object owns.
 
-    Data structures: `_abandoned`, [steps left, nodes] per engine reset (copies the engine
-    will never complete, held until no deferred copy can still touch them); `_pools`, the
-    segments read once per generation. Invariant: a node in `_abandoned` is never served
+    Data structures: `session`, the engine's one `EngineSession` (its open copies; the
+    cache's only owner here); `graves`, the copies an engine reset abandoned, held
+    `ABANDON_STEPS` steps, until no deferred copy can still touch them
+    (`kvtier.manager.sessions`: the node service's rule, counted in steps); `_pools`, the
+    segments read once per generation. Invariant: an abandoned copy is never served
     (`KeyedHostCache.release_abandoned` drops it)."""
 
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
         self.cache: KeyedHostCache = stack.require_keyed()
-        self._abandoned: list[tuple[list[int], list[Node]]] = []
+        self.session = EngineSession(self.cache)
+        self.graves = Graves()
         self._pools: HostPools | None = None
         self._nonce = os.urandom(8)
         self._lock = threading.Lock()
@@ -101,30 +104,23 @@ class EmbeddedCache:
     def prepare_load(self, hashes: Sequence[bytes],
                      count_tokens: Sequence[bool] | None = None,
                      from_storage: list[bool] | None = None) -> list[int]:
-        return self.cache.prepare_load(hashes, count_tokens, from_storage)
+        return self.session.prepare_load(hashes, count_tokens, from_storage)
 
     def complete_load(self, hashes: Sequence[bytes]) -> None:
-        self.cache.complete_load(hashes)
+        self.session.complete_load(hashes)
 
     def touch(self, hashes: Sequence[bytes]) -> None:
         self.cache.touch(hashes)
 
     def prepare_store(self, hashes: Sequence[bytes]) -> StorePlan | None:
-        return self.cache.prepare_store(hashes)
+        return self.session.prepare_store(hashes)
 
     def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
-        self.cache.complete_store(hashes, ok)
+        self.session.complete_store(hashes, ok)
 
     def end_step(self) -> None:
-        with self._lock:
-            keep: list[tuple[list[int], list[Node]]] = []
-            for left, nodes in self._abandoned:
-                left[0] -= 1
-                if left[0] <= 0:
-                    self.cache.release_abandoned(nodes)
-                else:
-                    keep.append((left, nodes))
-            self._abandoned = keep
+        if len(self.graves):
+            self.graves.step()
 
     def enable_events(self) -> bool:
         self.cache.enable_events()
@@ -138,7 +134,7 @@ class EmbeddedCache:
         emptied (storage kept). Raises KvtierError when in-flight transfers do not drain
         (the host tier then stays as it was)."""
         with self._lock:
-            self._abandoned.append(([ABANDON_STEPS], self.cache.abandon_engine_io()))
+            self.session.abandon(self.graves, steps=ABANDON_STEPS, unpin_loads=False)
         self.stack.reset()
 
     def close(self) -> None:

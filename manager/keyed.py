@@ -40,22 +40,30 @@ index (`StorageTier.holds`) is filled from the backend's own listing, refreshed 
     complete_load(keys)              the count drops; at 0 the copy is evictable again
 
 Data structures: the manager's flat map `key -> Node` (keys are the first 16 bytes of the
-engine's hash, an int like kvtier's own 128-bit keys); `_writers[key]` / `_readers[key]`: FIFO
-lists of the nodes an engine store / load of that key holds, so a completion always finds the
-node its preparation marked even after a reset replaced the tree (a writers list holds one
-node: a key has one open store at a time, see below; a readers list that holds two nodes
-after a reset is released whole, once every load in it completed: `_done_unmatched[key]`
-counts those completions); `_reads[node]`: loads in flight per node; `_abandoned`: nodes of
-copies the engine gave up on when it reset itself (still marked until released).
+engine's hash, an int like kvtier's own 128-bit keys). Every open copy is recorded with its
+*owner* (`Owner`: the engine that prepared it; None for the one engine of an embedded cache,
+a node-service session's id for an attached one): an engine's completions and abandonment
+only ever reach its own copies, never another engine's of the same hash (issue 34: one
+FIFO of nodes per hash, shared by every engine, let engine A's completion publish the
+half-written block of a dead engine B after a reset). `_writers[(owner, key)]`: the node of
+that owner's open store of that key, so a completion finds the node its preparation marked
+even after a reset replaced the tree; `_readers[(owner, key)]`: FIFO list of the nodes an
+owner's loads of that key hold (a list that holds two nodes after a reset is released
+whole, once every load in it completed: `_done_unmatched[(owner, key)]` counts those
+completions); `_reads[node]`: loads in flight per node, of every owner; `_abandoned`:
+nodes of copies an engine gave up on (it reset itself, or died), still marked until
+released.
 
-Invariants (checked by `check_invariants`, and by the manager's own check): a key has at most
-one open store (`prepare_store` leaves out a key whose store, detached by a reset, is still
-open: completions name only hashes, so two would be told apart by completion order, which an
-engine does not keep across stores); a node marked ENGINE_WRITE is in exactly one `_writers`
-list and never readable; a node marked ENGINE_READ has `_reads[node] > 0` and is in that many
-places of the `_readers` lists; neither is in the host LRU. A reset or a lost worker detaches
-such nodes (the manager writes them off); their host blocks return to the free list only when
-the engine's completion arrives.
+Invariants (checked by `check_invariants`, and by the manager's own check): an owner has at
+most one open store of a key (`prepare_store` leaves out a key whose store of the same
+owner, detached by a reset, is still open: completions name only hashes, so two would be
+told apart by completion order, which an engine does not keep across stores); a key has at
+most one open store in the tree (the others, of other owners, were detached by a reset); a
+node marked ENGINE_WRITE is in exactly one `_writers` entry and never readable; a node
+marked ENGINE_READ has `_reads[node] > 0` and is in that many places of the `_readers`
+lists; neither is in the host LRU. A reset or a lost worker detaches such nodes (the manager
+writes them off); their host blocks return to the free list only when the owner's completion
+arrives (or its copies are abandoned and released).
 """
 
 from __future__ import annotations
@@ -63,7 +71,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -82,6 +90,9 @@ from kvtier.manager.errors import InvalidRequestError, KvtierError
 from kvtier.manager.keyed_events import TierEvent, TierEventLog
 
 _monotonic = time.monotonic
+# Who prepared an open copy: None for the one engine of an embedded cache, a session id for
+# an engine attached to the node service (any hashable value: equal owners are one engine).
+Owner = Hashable | None
 # How long a lookup waits for a storage answer about a block storage's index does not list,
 # while that index is incomplete (see the module docstring).
 UNLISTED_WAIT_S = 0.25
@@ -164,10 +175,10 @@ class KeyedHostCache:
         self.namespace = namespace
         self.host_ready = host_ready
         self._lock: threading.RLock = manager.lock
-        self._writers: dict[bytes, list[Node]] = {}
-        self._readers: dict[bytes, list[Node]] = {}
-        # hash -> loads of it completed while its open loads read more than one node
-        self._done_unmatched: dict[bytes, int] = {}
+        self._writers: dict[tuple[Owner, bytes], Node] = {}
+        self._readers: dict[tuple[Owner, bytes], list[Node]] = {}
+        # (owner, hash) -> loads completed while its open loads read more than one node
+        self._done_unmatched: dict[tuple[Owner, bytes], int] = {}
         self._reads: dict[Node, int] = {}
         self._abandoned: list[Node] = []
         # request -> block hash -> (the latest query that covered it, its index there)
@@ -342,14 +353,15 @@ class KeyedHostCache:
 
     def prepare_load(self, hashes: Sequence[bytes],
                      count_tokens: Sequence[bool] | None = None,
-                     from_storage: list[bool] | None = None) -> list[int]:
+                     from_storage: list[bool] | None = None, *,
+                     owner: Owner = None) -> list[int]:
         """Host block ids of these blocks, protected from eviction until `complete_load`.
         Every block must be a HIT now; all or nothing. `count_tokens[i]` says whether block i
         adds its tokens to the hit counters (default: every block). An engine with several
         KV cache groups loads one block per group for the same tokens and counts one group.
         `from_storage`, when given, gets one flag per block: whether this load is its first
         hit since it came from storage (what the hit counters count it as; the flag on the
-        node is cleared here)."""
+        node is cleared here). The loads are `owner`'s: only its `complete_load` ends them."""
         if count_tokens is not None and len(count_tokens) != len(hashes):
             raise InvalidRequestError(
                 f"prepare_load: {len(count_tokens)} count_tokens flags for {len(hashes)} "
@@ -369,7 +381,7 @@ class KeyedHostCache:
             for j, (h, node) in enumerate(zip(hashes, nodes, strict=True)):
                 n = self._reads.get(node, 0)
                 self._reads[node] = n + 1
-                self._readers.setdefault(h, []).append(node)
+                self._readers.setdefault((owner, h), []).append(node)
                 tokens = self.block_size if count_tokens is None or count_tokens[j] else 0
                 stored = self.m.start_engine_read(node, not n, tokens, now)
                 if from_storage is not None:
@@ -381,35 +393,37 @@ class KeyedHostCache:
                 self.m.flush()
             return ids
 
-    def complete_load(self, hashes: Sequence[bytes]) -> None:
-        """The engine finished copying these blocks (prepared by `prepare_load`).
+    def complete_load(self, hashes: Sequence[bytes], *, owner: Owner = None) -> None:
+        """The engine `owner` finished copying these blocks (prepared by its `prepare_load`;
+        another owner's loads of the same hashes are not touched).
 
-        A completion names a hash, not a load. While every open load of the hash reads one
-        node, which load finished does not matter. After a kvtier reset the open loads of a
-        hash may read two nodes (the detached one of a load prepared before the reset, and
-        the node stored since): then no completion can be told apart, and releasing either
-        node early would free or make evictable a block a copy still reads. So all of them
-        are held until every open load of that hash has completed (`_done_unmatched`), then
-        released together; a hash loaded without pause after such a reset keeps its old
-        block until the loads pause (a held block, never a wrong one)."""
+        A completion names a hash, not a load. While every open load of the hash (of this
+        owner) reads one node, which load finished does not matter. After a kvtier reset the
+        open loads of a hash may read two nodes (the detached one of a load prepared before
+        the reset, and the node stored since): then no completion can be told apart, and
+        releasing either node early would free or make evictable a block a copy still reads.
+        So all of them are held until every open load of that hash has completed
+        (`_done_unmatched`), then released together; a hash loaded without pause after such
+        a reset keeps its old block until the loads pause (a held block, never a wrong one)."""
         with self._lock:
             for h in hashes:
-                fifo = self._readers.get(h)
+                rk = (owner, h)
+                fifo = self._readers.get(rk)
                 if not fifo:
-                    continue  # not ours (prepared before a reset of the engine)
+                    continue  # not ours (another engine's, or prepared before our reset)
                 first = fifo[0]
-                if all(n is first for n in fifo) and h not in self._done_unmatched:
-                    self._finish_read(h, fifo, 1)
+                if all(n is first for n in fifo) and rk not in self._done_unmatched:
+                    self._finish_read(rk, fifo, 1)
                     continue
-                done = self._done_unmatched.get(h, 0) + 1
+                done = self._done_unmatched.get(rk, 0) + 1
                 if done < len(fifo):
-                    self._done_unmatched[h] = done
+                    self._done_unmatched[rk] = done
                     continue
-                self._done_unmatched.pop(h, None)
-                self._finish_read(h, fifo, len(fifo))
+                self._done_unmatched.pop(rk, None)
+                self._finish_read(rk, fifo, len(fifo))
 
-    def _finish_read(self, h: bytes, fifo: list[Node], k: int) -> None:
-        """Take the first `k` loads of hash `h` off its readers list; a node none of them
+    def _finish_read(self, rk: tuple[Owner, bytes], fifo: list[Node], k: int) -> None:
+        """Take the first `k` loads of `rk` (owner, hash) off its readers list; a node none of them
         reads any more is readable and evictable again (the core's transition)."""
         for node in fifo[:k]:
             n = self._reads[node] - 1
@@ -421,7 +435,7 @@ class KeyedHostCache:
             self.counters["loads_completed"] += 1
         del fifo[:k]
         if not fifo:
-            del self._readers[h]
+            del self._readers[rk]
 
     def touch(self, hashes: Sequence[bytes]) -> None:
         """Mark these blocks recently used (the engine hit them in its own device cache)."""
@@ -434,10 +448,20 @@ class KeyedHostCache:
 
     # ------------------------------------------------------------------ stores
 
-    def prepare_store(self, hashes: Sequence[bytes]) -> StorePlan | None:
+    def prepare_store(self, hashes: Sequence[bytes], *,
+                      owner: Owner = None) -> StorePlan | None:
         """Host blocks for the blocks not cached yet, taken from the free list or by evicting
-        the least recently used host copies. None (nothing changed) when the host tier cannot
-        take them all now, or the host pools are not up."""
+        the least recently used host copies; the open stores are `owner`'s (only its
+        `complete_store` / `abandon_stores` end them).
+
+        Atomic: None is returned, and then nothing changed (no copy evicted, no block
+        taken, nothing marked), when the host tier cannot take them all now (fewer free
+        blocks plus evictable host copies than blocks to store: copies being copied,
+        loaded, backed up or prefetched are not evictable) or the host pools are not up.
+        Capacity is counted before anything is evicted (issue 34: a store of quota + 1
+        blocks, refused, had evicted the namespace's copies as it went). Under the
+        write_back policy a refusal may start writing the oldest unwritten copies to storage
+        (they stay cached and servable; written, they can make room for a later store)."""
         with self._lock:
             if not self.host_ready():
                 self.counters["stores_refused"] += 1
@@ -448,27 +472,39 @@ class KeyedHostCache:
             writers = self._writers
             for h in hashes:
                 _check_hash(h)
-                # Left out too: a key whose store, prepared before a reset detached its node,
-                # is still open. Completions name only hashes and an engine may complete its
-                # stores in any order, so a second open store of the key would let one
-                # store's outcome land on the other's node (a failure freeing a block still
-                # being copied, a success publishing the failed copy's bytes).
-                if h in seen or h in writers or m.lookup(engine_key(h)) is not None:
+                # Left out too: a key whose store by this owner, prepared before a reset
+                # detached its node, is still open. Completions name only hashes and an
+                # engine may complete its stores in any order, so a second open store of the
+                # key would let one store's outcome land on the other's node (a failure
+                # freeing a block still being copied, a success publishing the failed copy's
+                # bytes). Another owner's detached store does not stand in the way: its
+                # completions are told apart by owner.
+                if (h in seen or (owner, h) in writers
+                        or m.lookup(engine_key(h)) is not None):
                     continue
                 seen.add(h)
                 todo.append(h)
             if not todo:
                 return StorePlan([], [], 0)
             free_before = m.host_free
-            # the copies the loop below evicts (read before: evicted, they leave the tree)
-            victims = ([] if self.events is None
-                       else m.host_victims(len(todo) - free_before))
-            stored = [k for k in victims
-                      for n in (m.lookup(k),) if n is not None and n.flags & STORED]
+            # the copies the loop below evicts (read before: evicted, they leave the tree),
+            # all of them found before the first is evicted: too few, and nothing changes
+            short = len(todo) - free_before
+            # (an O(1) bound first: a store larger than the tier is refused at once)
+            victims = (m.host_victims(short) if 0 < short <= m.host_evictable
+                       else [])
+            if len(victims) < short:
+                m.write_back_for_room()  # write_back: unwritten copies written, not evicted
+                m.flush()
+                self.counters["stores_refused"] += 1
+                return None
+            stored = ([] if self.events is None else
+                      [k for k in victims
+                       for n in (m.lookup(k),) if n is not None and n.flags & STORED])
             taken: list[int] = []
             for _ in todo:
                 hb = m.take_host_block()
-                if hb is None:
+                if hb is None:  # not reached: host_victims counted every block taken
                     m.give_host_blocks(taken)
                     self.counters["stores_refused"] += 1
                     return None
@@ -482,24 +518,25 @@ class KeyedHostCache:
                 key = engine_key(h)
                 node = m.start_engine_write(
                     key, hb, None if storage is None else self.storage_key(h), now)
-                self._writers.setdefault(h, []).append(node)
+                writers[(owner, h)] = node
                 if events is not None:
                     events.name(key, h)
             self.counters["stores_prepared"] += len(todo)
             return StorePlan(todo, taken, evicted, evicted_hashes)
 
-    def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
-        """The engine finished (ok) or gave up copying these blocks into the host blocks that
-        `prepare_store` gave. Ready blocks are backed up to storage when one is configured."""
+    def complete_store(self, hashes: Sequence[bytes], ok: bool = True, *,
+                       owner: Owner = None) -> None:
+        """The engine `owner` finished (ok) or gave up copying these blocks into the host
+        blocks that its `prepare_store` gave. A hash with no open store of `owner`'s is
+        ignored (already complete, abandoned, or another engine's store: never ended by
+        this one). Ready blocks are backed up to storage when one is configured."""
         with self._lock:
             landed: list[Node] = []
+            writers = self._writers
             for h in hashes:
-                fifo = self._writers.get(h)
-                if not fifo:
-                    continue  # already complete, or never prepared here
-                node = fifo.pop(0)
-                if not fifo:
-                    del self._writers[h]
+                node = writers.pop((owner, h), None)
+                if node is None:
+                    continue
                 if self.m.finish_engine_write(node, ok):
                     landed.append(node)
                     self.counters["stores_completed"] += 1
@@ -545,43 +582,53 @@ class KeyedHostCache:
 
     # ------------------------------------------------------------------ engine resets
 
-    def abandon_engine_io(self) -> list[Node]:
-        """The engine reset its own bookkeeping and will never complete the copies it has
-        prepared (vLLM's `reset_prefix_cache`). Their records are dropped; the nodes stay
-        marked (their host blocks stay out of the free list: a deferred copy may still run)
-        until `release_abandoned` is given them, once the engine can no longer run one."""
+    def abandon_engine_io(self, owner: Owner = None) -> list[Node]:
+        """The engine `owner` reset its own bookkeeping and will never complete the copies
+        it has prepared (vLLM's `reset_prefix_cache`). Their records are dropped (another
+        owner's are kept); the nodes stay marked (their host blocks stay out of the free
+        list: a deferred copy may still run) until `release_abandoned` is given them, once
+        the engine can no longer run one. A node another owner still reads stays marked
+        read for it and is not returned."""
         with self._lock:
-            nodes = [n for fifo in self._writers.values() for n in fifo]
-            nodes += list(self._reads)
-            self._writers.clear()
-            self._readers.clear()
-            self._done_unmatched.clear()
-            self._reads.clear()
+            writers = self._writers
+            nodes = [writers.pop(wk) for wk in [wk for wk in writers if wk[0] == owner]]
+            for rk in [rk for rk in self._readers if rk[0] == owner]:
+                self._done_unmatched.pop(rk, None)
+                for node in self._readers.pop(rk):
+                    n = self._reads[node] - 1
+                    if n:
+                        self._reads[node] = n
+                    else:
+                        del self._reads[node]
+                        nodes.append(node)
             self._abandoned.extend(nodes)
             return nodes
 
-    def abandon_stores(self, hashes: Sequence[bytes]) -> list[Node]:
-        """One engine of several died with these stores prepared and not completed (one hash
-        per prepared store): like `abandon_engine_io`, for those copies only. The nodes stay
-        marked (never served) until `release_abandoned`."""
+    def abandon_stores(self, hashes: Sequence[bytes], *, owner: Owner = None) -> list[Node]:
+        """The engine `owner` died with these stores prepared and not completed: like
+        `abandon_engine_io`, for those copies only (a hash with no open store of `owner`'s
+        is left alone: another engine's store of it goes on). The nodes stay marked (never
+        served) until `release_abandoned`."""
         with self._lock:
             nodes: list[Node] = []
+            writers = self._writers
             for h in hashes:
-                fifo = self._writers.get(h)
-                if not fifo:
-                    continue
-                nodes.append(fifo.pop(0))
-                if not fifo:
-                    del self._writers[h]
+                node = writers.pop((owner, h), None)
+                if node is not None:
+                    nodes.append(node)
             self._abandoned.extend(nodes)
             return nodes
 
     def release_abandoned(self, nodes: list[Node]) -> None:
         """Give back the host blocks of nodes `abandon_engine_io` returned (never served:
-        a store that was abandoned is dropped, not made readable)."""
+        a store that was abandoned is dropped, not made readable). A node an abandoned load
+        read that another engine's load reads now (or read and ended since) is that load's:
+        left as it is."""
         with self._lock:
             for node in nodes:
                 self._abandoned.remove(node)
+                if node in self._reads or not node.flags & (ENGINE_READ | ENGINE_WRITE):
+                    continue
                 self.m.drop_engine_io(node)
 
     # ------------------------------------------------------------------ checks
@@ -590,10 +637,8 @@ class KeyedHostCache:
         """Assert this surface's invariants (tests call it after every step), then the
         manager's."""
         with self._lock:
-            writing = [n for fifo in self._writers.values() for n in fifo]
+            writing = list(self._writers.values())
             assert len(writing) == len({id(n) for n in writing}), "a node written twice"
-            assert all(len(fifo) == 1 for fifo in self._writers.values()), (
-                "a key with two open stores")
             for n in writing:
                 assert n.flags & ENGINE_WRITE and n.hprev is None, f"writer {n} misflagged"
             count: dict[int, int] = {}
@@ -604,8 +649,9 @@ class KeyedHostCache:
                 assert c > 0 and count.get(id(n)) == c, f"reader count of {n} is off"
                 assert n.flags & ENGINE_READ and n.hprev is None, f"reader {n} misflagged"
             assert len(count) == len(self._reads)
-            for h, done in self._done_unmatched.items():
-                assert 0 < done < len(self._readers.get(h, ())), f"{h[:8].hex()}: {done} done"
+            for rk, done in self._done_unmatched.items():
+                assert 0 < done < len(self._readers.get(rk, ())), (
+                    f"{rk[1][:8].hex()}: {done} done")
             abandoned = {id(n) for n in self._abandoned}
             for n in self.m.cached_nodes():
                 if n.flags & ENGINE_READ:

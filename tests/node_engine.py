@@ -6,7 +6,10 @@ Run as `python node_engine.py SOCKET NAMESPACE [GEOMETRY_JSON]`; it attaches, pr
     {"op": "store", "keys": [i, ...], "hang_after": n}
         prepare_store the keys' blocks, write each block's content (`content(key)`) into the
         host pool, complete the store. With `hang_after`: write only the first n blocks,
-        say so, and never complete (the test kills the process).
+        say so, and never complete (the test kills the process). With `"hold": true`:
+        write every block, complete nothing until a `complete` command.
+    {"op": "complete", "ok": true}
+        complete the stores held so far (ok or failed).
     {"op": "load", "keys": [i, ...]}
         look the keys up as an engine does (the first key with the rest as following), load
         the leading hits from the host pool, compare each block byte for byte with its
@@ -59,6 +62,7 @@ class Engine:
                           block_size, shape["dtype"])
         self.pool: HostPool | None = None
         self.pool_gen = -1
+        self.held: list[bytes] = []  # keys of stores written and not completed yet
 
     def host(self) -> HostPool | None:
         pools = self.client.host_pools()
@@ -76,7 +80,8 @@ class Engine:
             self.pool, self.pool_gen = pool, pools.generation
         return self.pool
 
-    def store(self, keys: list[bytes], hang_after: int | None = None) -> dict[str, Any]:
+    def store(self, keys: list[bytes], hang_after: int | None = None,
+              hold: bool = False) -> dict[str, Any]:
         plan = self.client.prepare_store(keys)
         if plan is None:
             return {"stored": None}
@@ -89,9 +94,18 @@ class Engine:
             if hang_after is not None and n == hang_after:
                 return {"prepared": len(plan.keys), "written": n}
             pool.data[hid].copy_(_tensor(content(k, nbytes)))
+        if hold:
+            self.held += plan.keys
+            return {"prepared": len(plan.keys), "written": len(plan.keys)}
         self.client.complete_store(plan.keys)
         self.client.end_step()
         return {"stored": len(plan.keys), "evicted": plan.evicted}
+
+    def complete(self, ok: bool) -> dict[str, Any]:
+        keys, self.held = self.held, []
+        self.client.complete_store(keys, ok=ok)
+        self.client.end_step()
+        return {"completed": len(keys)}
 
     def load(self, keys: list[bytes], rid: str = "r") -> dict[str, Any]:
         codes = []
@@ -146,7 +160,9 @@ def main() -> int:
         keys = [key(i) for i in cmd.get("keys", [])]
         t0 = time.perf_counter()
         if cmd["op"] == "store":
-            out = engine.store(keys, cmd.get("hang_after"))
+            out = engine.store(keys, cmd.get("hang_after"), bool(cmd.get("hold")))
+        elif cmd["op"] == "complete":
+            out = engine.complete(bool(cmd.get("ok", True)))
         elif cmd["op"] == "load":
             out = engine.load(keys)
         else:

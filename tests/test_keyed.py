@@ -90,6 +90,13 @@ def settle(stack: Stack, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
+def evictable(stack: Stack) -> int:
+    """How many host copies an eviction could take now (read under the manager's lock)."""
+    m = stack.require_manager()
+    with m.lock:
+        return len(m.host_victims(m.host_capacity))
+
+
 def leading_hits(cache: KeyedHostCache, hashes: list[bytes], rid: str = "",
                  wait_s: float = 0.0) -> int:
     """How many leading blocks are HITs, asking again while storage answers RETRY/PENDING
@@ -557,6 +564,116 @@ def test_copies_an_engine_abandons_are_held_then_freed_never_served(
     cache.check_invariants()
 
 
+def test_a_dead_engines_half_written_store_is_never_served_after_a_reset(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    """Issue 34, defect 0, its exact sequence: engine A stores h and writes it; kvtier
+    resets (A's node written off); engine B stores h (a node of its own), writes half of it
+    and dies (its open store abandoned); A completes. A's completion must end A's store,
+    never B's: the lookup misses, and B's half-written block is never served."""
+    stack, pool = keyed_stack
+    settle(stack)
+    cache = make_cache(stack)
+    page = pool.shape.page_bytes
+    m = stack.require_manager()
+    h = chain(40, 1)
+    a = cache.prepare_store(h, owner="A")
+    assert a is not None and a.keys == h
+    pool.data[a.host_ids[0]].copy_(content(h[0], page))
+    stack.reset()
+    b = cache.prepare_store(h, owner="B")  # A's store, detached, does not stand in B's way
+    assert b is not None and b.keys == h and b.host_ids != a.host_ids
+    half = content(h[0], page)
+    half[page // 2:] = 0xEE
+    pool.data[b.host_ids[0]].copy_(half)  # B is killed half way
+    dead = cache.abandon_stores(h, owner="B")
+    cache.complete_store(h, ok=True, owner="A")
+    cache.check_invariants()
+    assert cache.lookup(h[0]) is not Lookup.HIT, "B's half-written block is served"
+    assert cache.count_hits(h) == 0
+    assert m.host_block_is_free(a.host_ids[0])  # A's copy, written off, given back
+    assert not m.host_block_is_free(b.host_ids[0])  # B's may still be written: held
+    cache.release_abandoned(dead)
+    assert m.host_block_is_free(b.host_ids[0])
+    assert cache.lookup(h[0]) is Lookup.MISS
+    cache.check_invariants()
+
+
+def test_an_engines_completions_end_only_its_own_copies(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    """Completions and abandonment name hashes; they reach only the copies their engine
+    prepared: B completing (or abandoning, or resetting over) A's open store of h leaves it
+    open, and B's end of a load never unpins A's."""
+    stack, pool = keyed_stack
+    settle(stack)
+    cache = make_cache(stack)
+    page = pool.shape.page_bytes
+    h = chain(41, 2)
+    a = cache.prepare_store(h, owner="A")
+    assert a is not None and a.keys == h
+    for hid in a.host_ids:
+        pool.data[hid].fill_(0xEE)  # A has not copied yet
+    b = cache.prepare_store(h, owner="B")
+    assert b is not None and b.keys == []  # being stored (by A)
+    cache.complete_store(h, ok=True, owner="B")
+    assert cache.abandon_stores(h, owner="B") == []
+    assert cache.abandon_engine_io("B") == []
+    assert [cache.lookup(x) for x in h] == [Lookup.PENDING] * 2  # still A's, unserved
+    for x, hid in zip(h, a.host_ids, strict=True):
+        pool.data[hid].copy_(content(x, page))
+    cache.complete_store(h, ok=True, owner="A")
+    assert cache.count_hits(h) == 2
+    ids = cache.prepare_load(h, owner="A")
+    cache.prepare_load(h, owner="B")
+    cache.complete_load(h, owner="B")
+    cache.complete_load(h, owner="B")  # a second end of B's load: nothing of A's
+    n = stack.require_manager().lookup(engine_key(h[0]))
+    assert n is not None and n.flags & ENGINE_READ, "A's load was unpinned by B"
+    for x, hid in zip(h, ids, strict=True):
+        assert torch.equal(pool.data[hid], content(x, page))
+    cache.check_invariants()
+    cache.complete_load(h, owner="A")
+    assert not n.flags & ENGINE_READ
+    cache.check_invariants()
+
+
+def _servable(cache: KeyedHostCache, hashes: list[bytes]) -> list[bytes]:
+    return [x for x in hashes if cache.count_hits([x]) == 1]
+
+
+def test_a_store_refused_for_size_changes_nothing(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    """Issue 34, defect 1: `prepare_store` is atomic. A store of more blocks than the host
+    tier holds (quota + 1), or than it could free now (the rest are being loaded), is
+    refused with every cached block still cached: nothing evicted, no block taken."""
+    stack, pool = keyed_stack
+    settle(stack)
+    cache = make_cache(stack)
+    m = stack.require_manager()
+    cached = chain(42, HOST_BLOCKS)
+    store(cache, pool, cached)
+    settle(stack)
+    # every cached copy evictable (a backup's completion applied), so the refusals below
+    # are for size alone
+    wait_until(lambda: evictable(stack) == HOST_BLOCKS, 20, "every host copy evictable")
+    assert _servable(cache, cached) == cached
+    refused = cache.counters["stores_refused"]
+    assert cache.prepare_store(chain(43, HOST_BLOCKS + 1)) is None
+    assert cache.counters["stores_refused"] == refused + 1
+    assert _servable(cache, cached) == cached, "a refused store evicted cached blocks"
+    assert m.host_free == 0
+    # room for 2 only (10 of the 12 are being loaded): a store of 3 changes nothing either
+    loading = cached[:HOST_BLOCKS - 2]
+    cache.prepare_load(loading)
+    assert cache.prepare_store(chain(44, 3)) is None
+    assert _servable(cache, cached) == cached, "a refused store evicted cached blocks"
+    plan = cache.prepare_store(chain(44, 2))  # what fits is taken, from the unloaded two
+    assert plan is not None and plan.evicted == 2
+    assert _servable(cache, cached) == loading
+    cache.complete_store(plan.keys, ok=False)
+    cache.complete_load(loading)
+    cache.check_invariants()
+
+
 class KeyedMachine(RuleBasedStateMachine):
     """Random engine traffic against one keyed cache (see the module docstring)."""
 
@@ -576,9 +693,12 @@ class KeyedMachine(RuleBasedStateMachine):
     @rule(prompt=st.integers(0, PROMPTS - 1), n=st.integers(1, PROMPT_BLOCKS),
           ok=st.booleans(), finish=st.booleans())
     def store(self, prompt: int, n: int, ok: bool, finish: bool) -> None:
-        plan = self.cache.prepare_store(chain(prompt, n))
-        if plan is None:
-            return
+        with self.cache.m.lock:  # nothing lands or is evicted meanwhile
+            before = self.servable()
+            plan = self.cache.prepare_store(chain(prompt, n))
+            if plan is None:  # atomic: a refused store changes nothing (issue 34)
+                assert self.servable() == before, "a refused store changed what is served"
+                return
         for h, hid in zip(plan.keys, plan.host_ids, strict=True):
             if ok:
                 self.pool.data[hid].copy_(content(h, self.page))
@@ -588,6 +708,10 @@ class KeyedMachine(RuleBasedStateMachine):
             self.cache.complete_store(plan.keys, ok=ok)
         else:
             self.in_flight_stores.append((plan.keys, ok))
+
+    def servable(self) -> set[bytes]:
+        return {h for p in range(PROMPTS) for h in chain(p, PROMPT_BLOCKS)
+                if self.cache.count_hits([h])}
 
     # No preconditions on what is in flight: whether a store or a load got blocks depends on
     # the worker's timing (backups hold host copies, storage answers arrive), and a rule
@@ -690,7 +814,8 @@ class KeyedWritePolicyMachine(KeyedMachine):
     """The same traffic under another storage write policy, checked where it acts (the core
     calls `track` through the instance): every BACKUP as it is made writes only copies whose
     blocks were loaded `storage.write_threshold` times (write_through_selective), or is made
-    while the host tier is full, i.e. evicting (write_back)."""
+    while the host tier is full, i.e. evicting, or while a store wants more blocks than are
+    free (write_back: a store refused for room writes the oldest copies, evicting none)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -706,12 +831,25 @@ class KeyedWritePolicyMachine(KeyedMachine):
                     low = [n for n in nodes if n.hits < policy.hit_threshold]
                     assert not low, f"wrote {low} below the threshold"
                 if policy.on_host_evict:
-                    assert m.host_free == 0, "write_back wrote while the host tier had room"
+                    assert m.host_free == 0 or self.short, (
+                        "write_back wrote while the host tier had room")
                 KEYED_WRITES[policy.name] = KEYED_WRITES.get(policy.name, 0) + len(nodes)
             track(task, nodes, on_done)
 
         m.track = tracked  # type: ignore[method-assign]
         self._untrack = lambda: setattr(m, "track", track)
+        self.short = False  # a store wants more host blocks than are free
+        prepare = self.cache.prepare_store
+
+        def prepare_store(hashes, **kw):  # type: ignore[no-untyped-def]
+            need = sum(m.lookup(engine_key(h)) is None for h in dict.fromkeys(hashes))
+            self.short = need > m.host_free
+            try:
+                return prepare(hashes, **kw)
+            finally:
+                self.short = False
+
+        self.cache.prepare_store = prepare_store  # type: ignore[method-assign]
 
     @rule(prompt=st.integers(0, PROMPTS - 1), n=st.integers(1, PROMPT_BLOCKS))
     def store_then_load(self, prompt: int, n: int) -> None:
@@ -760,6 +898,9 @@ def test_evicted_keys_are_the_announced_copies_made_room_for(
     events = cache.take_events()
     assert [(e.tier, e.removed, set(e.hashes)) for e in events] == [
         ("host", False, set(first)), ("storage", False, set(first))]
+    # the backups' completions applied: the oldest copies evictable again (a loaded
+    # machine can see the tasks answered a moment before that)
+    wait_until(lambda: evictable(stack) >= 3, 20, "three host copies evictable")
     plan = cache.prepare_store(chain(1, 3))
     assert plan is not None and plan.evicted == 3
     assert plan.evicted_hashes == first[:3]

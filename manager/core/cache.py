@@ -196,6 +196,12 @@ class CacheCore:
     def host_free(self) -> int:
         return self._host_pool.num_free
 
+    @property
+    def host_evictable(self) -> int:
+        """Host copies in the host LRU: at most this many can be evicted now (under
+        write_back the unwritten ones are written first: `host_victims` counts exactly)."""
+        return self._host_lru.size
+
     def host_block_is_free(self, host_id: int) -> bool:
         return self._host_pool.is_free(host_id)
 
@@ -295,6 +301,14 @@ class CacheCore:
             batch.append(node)
         started = storage.write_back(batch)
         return batch[started] if started < len(batch) else victim
+
+    def write_back_for_room(self) -> None:
+        """write_back: a store was refused for room (too few evictable host copies: the
+        oldest are unwritten). Send the oldest unwritten copies to storage (one batch, as
+        an eviction would) so that, once written, they can make room; nothing is evicted."""
+        storage = self.storage
+        if storage is not None and storage.write_policy.on_host_evict:
+            self._write_back_oldest(storage)
 
     def host_victims(self, n: int) -> list[int]:
         """The keys of the host copies the next `n` calls of `take_host_block` would evict

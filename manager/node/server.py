@@ -446,14 +446,14 @@ class NodeServer:
             if op is wire.Op.COMPLETE_STORE:
                 mine = _take(s.stores, r.keys)
                 if mine:
-                    cache.complete_store(mine, ok=bool(r.flag))
+                    cache.complete_store(mine, ok=bool(r.flag), owner=s.sid)
                     f["stores" if r.flag else "stores_failed"] += len(mine)
                     if r.flag:
                         ns.blocks["stored"] += len(mine)
             elif op is wire.Op.COMPLETE_LOAD:
                 mine = _take(s.loads, r.keys)
                 if mine:
-                    cache.complete_load(mine)
+                    cache.complete_load(mine, owner=s.sid)
             elif op is wire.Op.TOUCH:
                 cache.touch(r.keys)
             elif op is wire.Op.COUNT_ASKED:
@@ -507,7 +507,7 @@ class NodeServer:
 
     def _prepare_store(self, s: Session, ns: Namespace, r: wire.OpRecord) -> wire.Reply:
         cache = ns.keyed
-        plan = cache.prepare_store(r.keys)
+        plan = cache.prepare_store(r.keys, owner=s.sid)
         if plan is None:
             return wire.Reply(wire.Op.PREPARE_STORE, False, cache.generation,
                               error="the host tier cannot take them now")
@@ -526,7 +526,7 @@ class NodeServer:
         counted = list(map(bool, r.extra)) if r.flag else None
         from_storage: list[bool] = []
         try:
-            ids = cache.prepare_load(r.keys, counted, from_storage)
+            ids = cache.prepare_load(r.keys, counted, from_storage, owner=s.sid)
         except InvalidRequestError as e:
             return wire.Reply(wire.Op.PREPARE_LOAD, False, cache.generation, error=str(e))
         for k in r.keys:
@@ -551,9 +551,9 @@ class NodeServer:
         s.loads.clear()
         s.stores.clear()
         if loads:
-            cache.complete_load(loads)
+            cache.complete_load(loads, owner=s.sid)
         if stores:
-            nodes = cache.abandon_stores(stores)
+            nodes = cache.abandon_stores(stores, owner=s.sid)
             with self._lock:
                 self._graves.append(
                     (time.monotonic() + self.cfg.node.abandon_grace_s, ns, nodes))
