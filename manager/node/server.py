@@ -658,10 +658,10 @@ class NodeServer:
         stores = [k for k, n in s.stores.items() for _ in range(n)]
         s.loads.clear()
         s.stores.clear()
-        if loads:
-            cache.complete_load(loads)
+        for part in _slices(loads):
+            cache.complete_load(part)
         if stores:
-            nodes = cache.abandon_stores(stores)
+            nodes = [n for part in _slices(stores) for n in cache.abandon_stores(part)]
             with self._lock:
                 self._graves.append(
                     (time.monotonic() + self.cfg.node.abandon_grace_s, ns, nodes))
