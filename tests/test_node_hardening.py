@@ -271,9 +271,10 @@ def test_a_frame_over_the_key_cap_is_refused_at_once_and_others_go_on(
           f"{len(during_cap)} other lookups, median {median_cap * 1000:.1f} ms, at most "
           f"{worst_cap * 1000:.1f} ms")
     assert refused_s < 2.0, refused_s
-    # not one hold of the whole frame (0.4-0.7 s here): slices, a GC pause at worst
-    assert len(during_cap) >= 5 and worst_big < 0.25 and worst_cap < 0.25, (
-        len(during_cap), worst_big, worst_cap)
+    # not one hold of the whole frame (0.4-0.9 s on a loaded 2-core box): slices, and no
+    # other lookup waits for half the frame's work (a GC pause or a busy box at worst)
+    assert len(during_cap) >= 5 and worst_big < 0.4 and worst_cap < min(0.4, at_cap_s / 2), (
+        len(during_cap), worst_big, worst_cap, at_cap_s)
     assert "Traceback" not in fast_node.log()
 
 
