@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import select
 import socket
 import struct
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from kvtier.manager.node import wire
+from kvtier.manager.node.namespaces import namespace_deployment_id
 from node_engine import hello, key
 from support import wait_until
 from test_node_service import NS_A, NS_B, Node, _raw, _read_error
@@ -302,3 +304,43 @@ def test_a_reattach_never_waits_for_another_namespaces_start(fast_node: Node) ->
     assert ftype is wire.FrameType.WELCOME and ftype_b is wire.FrameType.WELCOME
     print(f"reattach to A: {reattach_s:.3f} s while B's stack started in {start_b_s:.3f} s")
     assert reattach_s < 0.5 and reattach_s < start_b_s / 2, (reattach_s, start_b_s)
+
+
+# ------------------------------------------------------------------------------ 7: node only
+
+
+def _shm_bytes(deployment_id: str) -> dict[str, int]:
+    prefix = f"kvtier_{deployment_id}_"
+    return {n: os.stat(f"/dev/shm/{n}").st_size for n in os.listdir("/dev/shm")
+            if n.startswith(prefix)}
+
+
+def test_a_node_only_serve_allocates_nothing_it_does_not_use(tmp_path: Path) -> None:
+    """Issue 34, 7: `kvtier serve` with only a `[node]` section built its own scheduler-API
+    stack on default pools (4.1 GiB in /dev/shm that attached engines never use). Now it
+    runs the node service alone: /dev/shm holds only the namespaces engines attach."""
+    n = Node(tmp_path)
+    n.toml.write_text(f'deployment_id = "{n.did}"\n[admin]\nhost = "127.0.0.1"\nport = 0\n'
+                      f'[node]\nsocket = "{n.sock}"\nabandon_grace_s = 0.5\n')
+    try:
+        n.start()
+        assert "node service only" in n.log(), _shm_bytes(n.did)
+        assert _shm_bytes(n.did) == {}, _shm_bytes(n.did)
+        assert n.serve is not None
+        with n.serve.client() as http:
+            assert http.get("/readyz").status_code == 200
+            assert http.get("/healthz").status_code == 200
+        st = n.status()
+        assert st["node_only"] is True and st["node"]["engines"] == []
+        e = n.engine()
+        assert e.call(op="store", keys=list(range(4)))["stored"] == 4
+        got = e.call(op="load", keys=list(range(4)))
+        assert got["hits"] == 4 and got["identical"] is True
+        assert _shm_bytes(n.did) == {}  # the namespace's segments only, under its own id
+        assert _shm_bytes(namespace_deployment_id(n.did, NS_A))
+        with n.serve.client(n.serve.token()) as http:
+            r = http.post("/reset")
+        assert r.status_code == 200 and NS_A in r.json()["namespaces"], r.text
+        assert e.call(op="load", keys=list(range(4)))["hits"] == 0
+    finally:
+        n.close()
