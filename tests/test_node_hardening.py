@@ -15,8 +15,11 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,9 +28,10 @@ from pathlib import Path
 import pytest
 from kvtier.manager.node import wire
 from kvtier.manager.node.namespaces import namespace_deployment_id
+from kvtier.worker.spec import host_segment_name
 from node_engine import hello, key
 from support import wait_until
-from test_node_service import NS_A, NS_B, Node, _raw, _read_error
+from test_node_service import NS_A, NS_B, Node, _raw, _read_error, load_once_stored
 
 pytestmark = pytest.mark.fast
 
@@ -342,5 +346,43 @@ def test_a_node_only_serve_allocates_nothing_it_does_not_use(tmp_path: Path) -> 
             r = http.post("/reset")
         assert r.status_code == 200 and NS_A in r.json()["namespaces"], r.text
         assert e.call(op="load", keys=list(range(4)))["hits"] == 0
+    finally:
+        n.close()
+
+
+# ------------------------------------------------------------------------------ 6: allowed_gid
+
+
+def test_an_engine_of_the_allowed_group_uses_its_pools(tmp_path: Path) -> None:
+    """Issue 34, 6: with node.allowed_gid an engine of that group attached, then could not
+    open its namespace's host pool (always created 0600): every store and load failed. The
+    pools of a service with allowed_gid are group-accessible (0660, that group), and still
+    closed to everyone else."""
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv to run an engine as another user")
+    n = Node(tmp_path, node_toml="allowed_gid = 65534\n")
+    try:
+        n.start()
+        os.chmod(n.dir, 0o755)  # the test's temp folder; the service's own is 0710 + group
+        a = n.engine()
+        assert a.call(op="store", keys=list(range(4)))["stored"] == 4
+        g = n.engine(user=[setpriv, "--reuid", "65534", "--regid", "65534",
+                           "--clear-groups"])
+        assert g.first["attached"], g.first
+        got = g.call(op="load", keys=list(range(4)))
+        assert got["hits"] == 4 and got["identical"] is True, got
+        assert g.call(op="store", keys=list(range(10, 14)))["stored"] == 4
+        got = load_once_stored(a, list(range(10, 14)))
+        assert got["hits"] == 4 and got["identical"] is True, got
+        seg = "/dev/shm" + host_segment_name(namespace_deployment_id(n.did, NS_A), 0)
+        st = os.stat(seg)
+        assert st.st_mode & 0o777 == 0o660 and st.st_gid == 65534, oct(st.st_mode)
+        # anyone else (another uid, another group) still cannot open it
+        code = "import os, sys; os.open(sys.argv[1], os.O_RDONLY)"
+        other = subprocess.run([setpriv, "--reuid", "65533", "--regid", "65533",
+                                "--clear-groups", sys.executable, "-c", code, seg],
+                               capture_output=True, text=True, timeout=30)
+        assert other.returncode != 0 and "PermissionError" in other.stderr, other.stderr
     finally:
         n.close()

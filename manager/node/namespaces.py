@@ -57,6 +57,25 @@ def namespace_deployment_id(base: str, namespace: str) -> str:
     return f"{base[:19].rstrip('-')}-n{digest}"
 
 
+def _share_with_group(path: str, gid: int) -> int:
+    """Make a host pool segment this service created usable by the engines of
+    `node.allowed_gid` (group `gid`, mode 0660; still no access for anyone else); its
+    inode. The worker creates it 0600, and creates it again when it is replaced, so this is
+    done on every attach (idempotent)."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise PermissionError(13, "not this user's segment")
+        if st.st_gid != gid:
+            os.fchown(fd, -1, gid)
+        if st.st_mode & 0o777 != 0o660:
+            os.fchmod(fd, 0o660)
+        return st.st_ino
+    finally:
+        os.close(fd)
+
+
 class Namespace:
     """One namespace's stack and who uses it.
 
@@ -107,10 +126,14 @@ class Namespace:
         """The host pool of every rank, with its inode now (KvtierError while a rank's
         worker is being replaced)."""
         out = []
+        gid = self.cfg.node.allowed_gid
         for r in range(self.ranks):
             name = host_segment_name(self.cfg.deployment_id, r)
             try:
-                inode = os.stat("/dev/shm" + name).st_ino
+                if gid < 0:
+                    inode = os.stat("/dev/shm" + name).st_ino
+                else:
+                    inode = _share_with_group("/dev/shm" + name, gid)
             except OSError as e:
                 raise KvtierError(f"namespace {self.name!r}: host pool of rank {r} is not "
                                   f"there now ({e.strerror})") from None

@@ -8,11 +8,20 @@ life, makes a second service on the same path fail at start; the socket a dead s
 is removed and bound again.
 
 One session per connection, each on a thread of its own, so a slow engine only ever waits
-for itself::
+for itself. Bounds (issue 34): deadlines, not idle timeouts (a byte now and then extends
+nothing); connections that have not said HELLO are a pool of their own (`_connecting`, at
+most node.max_connecting, the oldest dropped for a new one: a real engine says HELLO at
+once, so a flood only pushes out the flood) and never count against node.max_engines; the
+listen backlog is LISTEN_BACKLOG and the accept loop only accepts and hands off; an OPS frame
+holds at most wire.MAX_FRAME_KEYS keys and is worked in slices of wire.SLICE_KEYS keys, one
+keyed-cache call (one hold of the namespace's lock) each::
 
     connected    peer credentials checked (refused: ERROR frame, closed, one log line)
-      -> HELLO within HELLO_TIMEOUT_S   namespace attached (`namespaces.Namespaces.attach`,
-                                     its stack started on the first attach)  -> WELCOME
+      -> HELLO, whole within node.hello_deadline_s of the accept (at most MAX_HELLO bytes of
+         JSON nested at most MAX_JSON_DEPTH deep)
+                                     counted against node.max_engines from here; namespace
+                                     attached (`namespaces.Namespaces.attach`, its stack
+                                     started on the first attach)  -> WELCOME
       -> OPS frames                  one-way ops applied in order; the asking op answered
                                      with one REPLY. Completions count only for keys this
                                      session prepared (another engine's copies are not its to
@@ -20,7 +29,7 @@ for itself::
                                      namespace's tier events this session has not had (its
                                      reader of `Namespace.fanout`)
       -> closed / killed / bad frame / reply not read within node.send_timeout_s
-         (SO_SNDTIMEO) / a frame begun and not finished within FRAME_TIMEOUT_S
+         (SO_SNDTIMEO) / a frame not whole within node.frame_deadline_s of its first byte
                                      session ends: its open loads unpinned at once, its open
                                      stores abandoned (never served) and their host blocks
                                      freed after node.abandon_grace_s (a copy the engine had
