@@ -386,3 +386,24 @@ def test_an_engine_of_the_allowed_group_uses_its_pools(tmp_path: Path) -> None:
         assert other.returncode != 0 and "PermissionError" in other.stderr, other.stderr
     finally:
         n.close()
+
+
+def test_the_client_never_sends_a_frame_over_the_key_cap() -> None:
+    """The engine side of MAX_FRAME_KEYS: queued one-way records are cut into frames under
+    the cap (a record bigger than it into several of its op); an asking op over it is the
+    caller's to shorten (`NodeClient` truncates a lookup's following blocks, plans a store's
+    leading blocks, refuses such a load)."""
+    cap = wire.MAX_FRAME_KEYS
+    keys = [key(i) for i in range(cap + 10)]
+    batches = wire.frame_batches([
+        wire.OpRecord(wire.Op.COMPLETE_STORE, keys, flag=1),
+        wire.OpRecord(wire.Op.TOUCH, keys[:20]),
+        wire.OpRecord(wire.Op.LOOKUP, keys[:cap - 5], "r"),
+    ])
+    assert [sum(len(r.keys) for r in b) for b in batches] == [cap, 30, cap - 5]
+    assert [[r.op for r in b] for b in batches] == [
+        [wire.Op.COMPLETE_STORE], [wire.Op.COMPLETE_STORE, wire.Op.TOUCH], [wire.Op.LOOKUP]]
+    for b in batches:  # every frame decodes on the service's side
+        assert len(wire.decode_ops(wire.encode_ops(b, 1)[4 + wire.HEAD_BYTES:])) == len(b)
+    with pytest.raises(wire.WireError, match="MAX_FRAME_KEYS"):
+        wire.frame_batches([wire.OpRecord(wire.Op.PREPARE_STORE, keys)])
