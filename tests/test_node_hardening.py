@@ -30,7 +30,7 @@ from kvtier.manager.node import wire
 from kvtier.manager.node.namespaces import namespace_deployment_id
 from kvtier.worker.spec import host_segment_name
 from node_engine import hello, key
-from support import wait_until
+from support import kvtier_script, wait_until
 from test_node_service import NS_A, NS_B, Node, _raw, _read_error, load_once_stored
 
 pytestmark = pytest.mark.fast
@@ -336,6 +336,9 @@ def test_a_node_only_serve_allocates_nothing_it_does_not_use(tmp_path: Path) -> 
             assert http.get("/healthz").status_code == 200
         st = n.status()
         assert st["node_only"] is True and st["node"]["engines"] == []
+        out = subprocess.run([str(kvtier_script()), "status", "--url", n.serve.url],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
         e = n.engine()
         assert e.call(op="store", keys=list(range(4)))["stored"] == 4
         got = e.call(op="load", keys=list(range(4)))
