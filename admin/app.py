@@ -470,9 +470,13 @@ def _typed(handler: Callable[..., Any], **annotations: Any) -> Callable[..., Any
 
 
 def create_app(stack: Stack, *, token: str | None = None,
-               node: NodeServer | None = None) -> FastAPI:
+               node: NodeServer | None = None, node_only: bool = False) -> FastAPI:
     """The admin app of `stack` (and of the node service `node`: its attached engines and
     namespaces in /status and /metrics, its namespaces emptied by /reset).
+
+    `node_only` (`kvtier serve` with a `[node]` section alone): `stack` is never started;
+    the probes follow the node service, /status and /reset are the node's, and the
+    scheduler-API operations answer 503 (no stack runs).
 
     `token`: the bearer token every POST must carry. None: as configured, that is no token at
     all with `admin.auth = "none"`, `admin.token` when set, else a random token made now (read
@@ -493,6 +497,7 @@ def create_app(stack: Stack, *, token: str | None = None,
     else:
         token_or_none = token
     state = AdminState(stack, token_or_none, node)
+    alone = node_only and node is not None
     app = FastAPI(
         title="kvtier admin",
         version="0.1.0",
@@ -538,7 +543,7 @@ def create_app(stack: Stack, *, token: str | None = None,
              responses={503: {"model": Health, "description": "a manager thread stopped"}})
     def healthz() -> JSONResponse:
         """200 while the manager's threads run (liveness); 503 with the reason otherwise."""
-        ok, reason = stack.alive()
+        ok, reason = (True, "node service only") if alone else stack.alive()
         return JSONResponse({"alive": ok, "reason": reason}, status_code=200 if ok else 503)
 
     @app.get("/readyz", tags=["probes"], response_model=Readiness,
@@ -549,7 +554,7 @@ def create_app(stack: Stack, *, token: str | None = None,
         a rank dead or restarting, shutting down)."""
         if not state.accepting:
             return JSONResponse({"ready": False, "reason": state.refusal}, status_code=503)
-        ok, reason = stack.ready()
+        ok, reason = (True, "node service only") if alone else stack.ready()
         return JSONResponse({"ready": ok, "reason": reason}, status_code=200 if ok else 503)
 
     # ------------------------------------------------------------------ reads
@@ -560,8 +565,12 @@ def create_app(stack: Stack, *, token: str | None = None,
         """Tiers (capacity, free, cached, in use; blocks and bytes), workers (rank, pid, state,
         heartbeat age, tasks in flight), hit rates per tier, paused flag, storage counters and
         the configuration summary (no secrets)."""
-        out = stack.status()
-        ready, why = stack.ready()
+        if alone:
+            out: dict[str, Any] = {"node_only": True, "deployment_id": stack.cfg.deployment_id}
+            ready, why = True, "node service only"
+        else:
+            out = stack.status()
+            ready, why = stack.ready()
         out["ready"] = {"ready": ready and state.accepting,
                         "reason": why if state.accepting else state.refusal}
         out["uptime_s"] = round(time.monotonic() - state.started_at, 3)
@@ -606,6 +615,13 @@ def create_app(stack: Stack, *, token: str | None = None,
             return JSONResponse(
                 {"detail": "storage=true but storage.backend = 'none': there is no storage "
                  "tier to clear; nothing was cleared"}, status_code=409)
+        if alone and node is not None:  # no stack of its own: every namespace's host tier
+            if storage:
+                return JSONResponse(
+                    {"detail": "storage=true: a node-only service clears no storage; "
+                     "nothing was cleared"}, status_code=409)
+            return JSONResponse({"cleared": {}, "storage": False, "storage_clear": None,
+                                 "namespaces": node.reset()})
         stack.require_manager()  # 503 when the stack is not running
         try:
             cleared = stack.reset(storage=storage, timeout=timeout,

@@ -53,6 +53,7 @@ from kvtier.manager.config import (
     device_pool_bytes,
     host_pool_bytes,
     load_config,
+    node_only,
     page_bytes,
     redact_url,
     resolve_device,
@@ -141,7 +142,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) -> int:
     try:
-        cfg = load_config(args.config)
+        # a `[node]`-only configuration: the node service alone, no stack of its own, so
+        # its default pools are neither checked against this machine nor allocated
+        alone = node_only(args.config)
+        cfg = load_config(args.config, check_resources=not alone)
+        alone = alone and cfg.node.enabled
         check_storage_reachable(cfg)
     except ConfigError as e:
         return _fail("serve", e, EXIT_USAGE)
@@ -176,7 +181,8 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
             sock.close()
             return _fail("serve", e, EXIT_USAGE)
     stack = Stack(cfg)
-    server = AdminServer(app := create_app(stack, token=token, node=node), cfg.admin.host,
+    server = AdminServer(app := create_app(stack, token=token, node=node, node_only=alone),
+                         cfg.admin.host,
                          sock=sock, limits=cfg.admin)
     code = EXIT_OK
     written = False  # whether this serve wrote the token file (and so removes it)
@@ -185,7 +191,11 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
             return EXIT_OK
         try:
             phase[0] = "starting"
-            stack.start()
+            if alone:
+                log.info("node service only ([node] without [model], [cache] or "
+                         "[workers]): no scheduler-API stack, no pools of its own")
+            else:
+                stack.start()
             phase[0] = "running"
         except _StopDuringStart:
             log.info("stopped while starting; every worker, segment and queue removed")

@@ -49,11 +49,13 @@ class KVGeometry:
 
 def engine_config(geometry: KVGeometry, deployment_id: str,
                   settings: Mapping[str, object],
-                  config_path: str | None = None) -> KvtierConfig:
+                  config_path: str | None = None, *, attached: bool = False) -> KvtierConfig:
     """kvtier's configuration for an engine of this geometry: the TOML file (if given) and
     `KVTIER_*` variables as for `kvtier serve`, `settings` (keys of `SETTINGS`) over them, and
     the geometry, rank count and deployment id over everything. Raises ConfigError naming the
-    setting at fault."""
+    setting at fault. `attached` (the engine uses a node's `kvtier serve`): the host tier is
+    the service's, sized by its namespace quota, so this engine's pools (`cache.host_blocks`
+    and its default) are not checked against this machine's memory: it creates none."""
     g = geometry
     env = {k: v for k, v in os.environ.items() if k.startswith("KVTIER_")}
     env.update({
@@ -77,7 +79,7 @@ def engine_config(geometry: KVGeometry, deployment_id: str,
     for key, var in SETTINGS.items():
         if key in settings:
             env[var] = str(settings[key])
-    return load_config(config_path, env)
+    return load_config(config_path, env, check_resources=not attached)
 
 
 def kv_shape(cfg: KvtierConfig) -> KVShape:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import logging
 import os
 import select
@@ -269,11 +270,13 @@ class NodeClient:
         sock = self._sock
         if sock is None:
             raise NodeUnavailable("not attached")
-        self._seq = (self._seq + 1) & 0xFFFFFFFF
         try:
-            sock.sendall(wire.encode_ops(records, self._seq))
-        except OSError as e:
-            self._drop(f"send failed: {e.strerror or e}")
+            # at most wire.MAX_FRAME_KEYS keys a frame (the service drops a bigger one)
+            for batch in wire.frame_batches(records):
+                self._seq = (self._seq + 1) & 0xFFFFFFFF
+                sock.sendall(wire.encode_ops(batch, self._seq))
+        except (OSError, wire.WireError) as e:
+            self._drop(f"send failed: {getattr(e, 'strerror', None) or e}")
             raise NodeUnavailable(self.last_error) from None
         return self._seq
 
@@ -365,7 +368,9 @@ class NodeClient:
                 found = known.pop(block_hash, None)
                 if found is not None:
                     return found
-            keys = [block_hash, *following]
+            # the following blocks past one frame's keys are left out (a storage query
+            # counts leading blocks: a later lookup asks about the rest)
+            keys = [block_hash, *itertools.islice(following, wire.MAX_FRAME_KEYS - 1)]
             try:
                 reply = self._ask(wire.OpRecord(
                     wire.Op.LOOKUP, keys, request_id,
@@ -416,6 +421,9 @@ class NodeClient:
             raise InvalidRequestError(
                 f"prepare_load: {len(count_tokens)} count_tokens flags for {len(hashes)} "
                 "blocks")
+        if len(hashes) > wire.MAX_FRAME_KEYS:
+            raise InvalidRequestError(f"prepare_load: {len(hashes)} blocks at once, the node "
+                                      f"service takes at most {wire.MAX_FRAME_KEYS}")
         record = wire.OpRecord(wire.Op.PREPARE_LOAD, list(hashes),
                                flag=0 if count_tokens is None else 1,
                                extra=b"" if count_tokens is None else bytes(
@@ -445,8 +453,10 @@ class NodeClient:
     def prepare_store(self, hashes: Sequence[bytes]) -> StorePlan | None:
         if not hashes:
             return StorePlan([], [], 0)
+        # one frame's keys at most: a plan for the leading blocks (a plan may cover a part)
+        hashes = list(hashes[:wire.MAX_FRAME_KEYS])
         try:
-            reply = self._ask(wire.OpRecord(wire.Op.PREPARE_STORE, list(hashes)))
+            reply = self._ask(wire.OpRecord(wire.Op.PREPARE_STORE, hashes))
         except NodeUnavailable:
             return None
         if not reply.ok or len(reply.flags) != len(hashes):

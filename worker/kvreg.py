@@ -515,7 +515,22 @@ def read_record(deployment_id: str, rank: int) -> Record | None:
     if rec.deployment_id != deployment_id or rec.rank != rank:
         raise EngineKVError(
             f"{name}: the record is for deployment {rec.deployment_id!r} rank {rec.rank}")
+    owner_uid = _process_uid(rec.owner_pid)
+    if owner_uid is not None and owner_uid != os.geteuid():
+        raise EngineKVError(
+            f"{name}: names model runner pid {rec.owner_pid}, a process of uid {owner_uid}, "
+            f"not of this user (uid {os.geteuid()}): refusing it")
     return rec
+
+
+def _process_uid(pid: int) -> int | None:
+    """The real uid of process `pid`, None when there is no such process."""
+    if pid <= 0:
+        return None
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
 
 
 def segment_header(owner_pid: int, data_bytes: int) -> bytes:
@@ -602,9 +617,11 @@ def remove_dead_registrations(deployment_id: str) -> list[str]:
         try:
             rec = read_record(deployment_id, int(rank_text))
         except EngineKVError:
-            rec = None
-            if unlink(name):  # unreadable: no worker can use it either
-                removed.append(name)
+            # refused (malformed, another user's, a mode others may use, another user's
+            # pid): left where it is, so that the worker's start names it and why, at once
+            # (removed here, the start waited engine_kv_timeout_s and said none was
+            # registered); the next runner replaces it
+            continue
         if rec is not None and not rec.owner_alive():
             removed += remove_registration(rec)
     for name in deployment_entries(deployment_id, "kvmem"):

@@ -240,8 +240,10 @@ def kvtier_config(offloading: OffloadingConfig, extra: Mapping[str, Any],
     geometry = KVGeometry(layers=layers, kv_heads=heads, head_dim=dim, dtype=dtype,
                           block_size=block, ranks=offloading.parallel.world_size)
     path = extra.get("kvtier_config")
+    # attached (kvtier_serve): the host tier is the service's; nothing of the embedded one
+    # is checked against this machine (issue 34, 8)
     return engine_config(geometry, _deployment_id(offloading, extra), extra,
-                         str(path) if path else None)
+                         str(path) if path else None, attached=bool(extra.get("kvtier_serve")))
 
 
 def storage_namespace(offloading: OffloadingConfig,

@@ -58,6 +58,7 @@ from kvtier.manager.config.loading import (
     EnvironmentSource,
     TomlFileSource,
     load_config,
+    node_only,
     with_pool_sizes,
     with_sections,
 )
@@ -119,6 +120,7 @@ __all__ = [
     "load_config",
     "local_endpoint_problem",
     "mem_available_bytes",
+    "node_only",
     "page_bytes",
     "path_problem",
     "rank_device",

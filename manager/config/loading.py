@@ -284,6 +284,29 @@ def with_pool_sizes(cfg: KvtierConfig, device_blocks: int, host_blocks: int) -> 
 # --------------------------------------------------------------------------------------------
 
 
+# The sections a scheduler-API stack of `kvtier serve` needs (its model, pools, workers)
+SCHEDULER_SECTIONS = frozenset({"model", "cache", "workers"})
+
+
+def given_sections(path: str | os.PathLike[str] | None,
+                   env: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The top-level names the TOML file and the environment set (sections such as "node",
+    or "deployment_id"): what the operator wrote, before defaults. ConfigError as
+    `load_config`."""
+    environ = os.environ if env is None else env
+    file_values = TomlFileSource(KvtierConfig, path)()
+    return frozenset(file_values) | frozenset(EnvironmentSource(KvtierConfig, environ)())
+
+
+def node_only(path: str | os.PathLike[str] | None,
+              env: Mapping[str, str] | None = None) -> bool:
+    """Whether `kvtier serve` runs the node service alone: a `[node]` section given and none
+    of the scheduler API's (`SCHEDULER_SECTIONS`), so no stack of its own (no pools, no
+    workers: only the attached engines' namespaces)."""
+    given = given_sections(path, env)
+    return "node" in given and not given & SCHEDULER_SECTIONS
+
+
 def load_config(
     path: str | os.PathLike[str] | None,
     env: Mapping[str, str] | None = None,

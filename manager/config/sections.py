@@ -465,6 +465,21 @@ class NodeConfig(BaseModel):
         2.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
         description="an engine that does not read its replies for this long is dropped",
     )
+    hello_deadline_s: float = Field(
+        5.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
+        description="a connection's whole HELLO must arrive within this of its accept, "
+        "else it is dropped (a deadline: bytes trickled in do not extend it)",
+    )
+    frame_deadline_s: float = Field(
+        5.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
+        description="a frame must arrive whole within this of its first byte, else the "
+        "engine is dropped",
+    )
+    max_connecting: int = Field(
+        256, ge=1, le=65536,
+        description="connections that have not said HELLO yet, held apart from max_engines; "
+        "one more drops the oldest of them",
+    )
     abandon_grace_s: float = Field(
         5.0, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
         description="host blocks of stores a dead engine left open stay out of use this long "

@@ -19,9 +19,10 @@ block, a new namespace beyond `node.host_budget_bytes`, a stack that does not st
 
 Data structures: `Namespaces._by_name`: namespace -> `Namespace` (its config, stack, keyed
 surface, geometry, the sessions attached). Invariant: the sum of every namespace's host bytes
-stays within `node.host_budget_bytes` when that is set. A namespace's stack is started under
-the registry lock (an attach of another new namespace waits for it; engines already attached
-never take this lock).
+stays within `node.host_budget_bytes` when that is set (a namespace whose stack is starting
+counts, `_starting`). A namespace's stack is started outside the registry lock: an attach of
+an existing namespace, or of another new one, never waits for it; a second attach of the
+namespace being started waits for that start (and is refused with it if it fails).
 """
 
 from __future__ import annotations
@@ -54,6 +55,25 @@ def namespace_deployment_id(base: str, namespace: str) -> str:
     most 32 characters."""
     digest = hashlib.sha256(f"{base}\0{namespace}".encode()).hexdigest()[:10]
     return f"{base[:19].rstrip('-')}-n{digest}"
+
+
+def _share_with_group(path: str, gid: int) -> int:
+    """Make a host pool segment this service created usable by the engines of
+    `node.allowed_gid` (group `gid`, mode 0660; still no access for anyone else); its
+    inode. The worker creates it 0600, and creates it again when it is replaced, so this is
+    done on every attach (idempotent)."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise PermissionError(13, "not this user's segment")
+        if st.st_gid != gid:
+            os.fchown(fd, -1, gid)
+        if st.st_mode & 0o777 != 0o660:
+            os.fchmod(fd, 0o660)
+        return st.st_ino
+    finally:
+        os.close(fd)
 
 
 class Namespace:
@@ -106,10 +126,14 @@ class Namespace:
         """The host pool of every rank, with its inode now (KvtierError while a rank's
         worker is being replaced)."""
         out = []
+        gid = self.cfg.node.allowed_gid
         for r in range(self.ranks):
             name = host_segment_name(self.cfg.deployment_id, r)
             try:
-                inode = os.stat("/dev/shm" + name).st_ino
+                if gid < 0:
+                    inode = os.stat("/dev/shm" + name).st_ino
+                else:
+                    inode = _share_with_group("/dev/shm" + name, gid)
             except OSError as e:
                 raise KvtierError(f"namespace {self.name!r}: host pool of rank {r} is not "
                                   f"there now ({e.strerror})") from None
@@ -133,12 +157,23 @@ class Namespace:
                 "counters": dict(self.keyed.counters)}
 
 
+class _Starting:
+    """A namespace whose stack one attach is starting: its host bytes (held against the
+    budget) and the outcome the others wait for."""
+
+    def __init__(self, host_bytes: int) -> None:
+        self.host_bytes = host_bytes
+        self.done = threading.Event()
+        self.error: str | None = None
+
+
 class Namespaces:
     """Every namespace of the node (see the module docstring)."""
 
     def __init__(self, base: KvtierConfig) -> None:
         self.base = base
         self._by_name: dict[str, Namespace] = {}
+        self._starting: dict[str, _Starting] = {}  # namespaces whose stack is starting
         self._lock = threading.Lock()
         self._closed = False
 
@@ -177,32 +212,74 @@ class Namespaces:
     def attach(self, hello: Hello, session: int) -> Namespace:
         """The namespace of this engine, started on its first attach. NamespaceRefused."""
         geometry = hello.geometry()
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise NamespaceRefused("the node service is stopping")
+                ns = self._by_name.get(hello.namespace)
+                starting = self._starting.get(hello.namespace)
+                if ns is None and starting is None:
+                    cfg, quota, host = self._reserve(hello)
+                    starting = self._starting[hello.namespace] = _Starting(host)
+                    break
+                if ns is not None:
+                    return self._join(ns, hello, geometry, session)
+            assert starting is not None
+            starting.done.wait()  # another engine is starting it: its outcome, then again
+            if starting.error is not None:
+                raise NamespaceRefused(starting.error)
+        try:
+            ns = self._start(hello, geometry, cfg, quota)
+        except BaseException as e:
+            with self._lock:
+                del self._starting[hello.namespace]
+            starting.error = (str(e) if isinstance(e, NamespaceRefused) else
+                              f"namespace {hello.namespace!r}: its stack did not start")
+            starting.done.set()
+            raise
         with self._lock:
-            if self._closed:
-                raise NamespaceRefused("the node service is stopping")
-            ns = self._by_name.get(hello.namespace)
-            if ns is None:
-                ns = self._start(hello, geometry)
-            elif ns.geometry != geometry:
-                diff = sorted(k for k in geometry if geometry[k] != ns.geometry.get(k))
-                raise NamespaceRefused(
-                    f"namespace {hello.namespace!r} is attached with another geometry "
-                    f"({', '.join(diff)} differ: {[ns.geometry[k] for k in diff]} there, "
-                    f"{[geometry[k] for k in diff]} here)")
-            ns.sessions.add(session)
-            ns.engines_seen += 1
-            return ns
+            del self._starting[hello.namespace]
+            closed = self._closed
+            if not closed:
+                self._by_name[hello.namespace] = ns
+        starting.done.set()
+        if closed:  # the service stopped while it started
+            ns.stack.close()
+            raise NamespaceRefused("the node service is stopping")
+        with self._lock:
+            return self._join(ns, hello, geometry, session)
 
-    def _start(self, hello: Hello, geometry: dict[str, Any]) -> Namespace:
+    def _join(self, ns: Namespace, hello: Hello, geometry: dict[str, Any],
+              session: int) -> Namespace:
+        """The engine joins a started namespace (under the lock)."""
+        if ns.geometry != geometry:
+            diff = sorted(k for k in geometry if geometry[k] != ns.geometry.get(k))
+            raise NamespaceRefused(
+                f"namespace {hello.namespace!r} is attached with another geometry "
+                f"({', '.join(diff)} differ: {[ns.geometry[k] for k in diff]} there, "
+                f"{[geometry[k] for k in diff]} here)")
+        ns.sessions.add(session)
+        ns.engines_seen += 1
+        return ns
+
+    def _reserve(self, hello: Hello) -> tuple[KvtierConfig, int, int]:
+        """A new namespace's config, quota and host bytes, held to the node's budget (under
+        the lock: the namespaces started and starting count)."""
         cfg, quota = self.namespace_config(hello)
         budget = self.base.node.host_budget_bytes
         host = cfg.cache.host_blocks * page_bytes(cfg) * cfg.workers.count
-        used = sum(n.host_bytes for n in self._by_name.values())
+        used = (sum(n.host_bytes for n in self._by_name.values())
+                + sum(s.host_bytes for s in self._starting.values()))
         if budget and used + host > budget:
             raise NamespaceRefused(
                 f"namespace {hello.namespace!r}: {host} more host bytes would exceed "
                 f"node.host_budget_bytes = {budget} ({used} held by "
-                f"{len(self._by_name)} namespace(s))")
+                f"{len(self._by_name) + len(self._starting)} namespace(s))")
+        return cfg, quota, host
+
+    def _start(self, hello: Hello, geometry: dict[str, Any], cfg: KvtierConfig,
+               quota: int) -> Namespace:
+        """Its stack started (outside the registry lock)."""
         log.info("namespace %r: starting its stack %s (%d host blocks of %d bytes x %d "
                  "rank(s), quota %d bytes)", hello.namespace, cfg.deployment_id,
                  cfg.cache.host_blocks, page_bytes(cfg), cfg.workers.count, quota)
@@ -216,7 +293,6 @@ class Namespaces:
         if self.base.node.events:
             # from its first block on (the publisher's next tick reports it)
             ns.keyed.enable_events()
-        self._by_name[hello.namespace] = ns
         return ns
 
     def detach(self, ns: Namespace, session: int) -> None:

@@ -8,11 +8,20 @@ life, makes a second service on the same path fail at start; the socket a dead s
 is removed and bound again.
 
 One session per connection, each on a thread of its own, so a slow engine only ever waits
-for itself::
+for itself. Bounds (issue 34): deadlines, not idle timeouts (a byte now and then extends
+nothing); connections that have not said HELLO are a pool of their own (`_connecting`, at
+most node.max_connecting, the oldest dropped for a new one: a real engine says HELLO at
+once, so a flood only pushes out the flood) and never count against node.max_engines; the
+listen backlog is LISTEN_BACKLOG and the accept loop only accepts and hands off; an OPS frame
+holds at most wire.MAX_FRAME_KEYS keys and is worked in slices of wire.SLICE_KEYS keys, one
+keyed-cache call (one hold of the namespace's lock) each::
 
     connected    peer credentials checked (refused: ERROR frame, closed, one log line)
-      -> HELLO within HELLO_TIMEOUT_S   namespace attached (`namespaces.Namespaces.attach`,
-                                     its stack started on the first attach)  -> WELCOME
+      -> HELLO, whole within node.hello_deadline_s of the accept (at most MAX_HELLO bytes of
+         JSON nested at most MAX_JSON_DEPTH deep)
+                                     counted against node.max_engines from here; namespace
+                                     attached (`namespaces.Namespaces.attach`, its stack
+                                     started on the first attach)  -> WELCOME
       -> OPS frames                  one-way ops applied in order; the asking op answered
                                      with one REPLY. Completions count only for keys this
                                      session prepared (another engine's copies are not its to
@@ -20,7 +29,7 @@ for itself::
                                      namespace's tier events this session has not had (its
                                      reader of `Namespace.fanout`)
       -> closed / killed / bad frame / reply not read within node.send_timeout_s
-         (SO_SNDTIMEO) / a frame begun and not finished within FRAME_TIMEOUT_S
+         (SO_SNDTIMEO) / a frame not whole within node.frame_deadline_s of its first byte
                                      session ends: its open loads unpinned at once, its open
                                      stores abandoned (never served) and their host blocks
                                      freed after node.abandon_grace_s (a copy the engine had
@@ -62,8 +71,7 @@ from kvtier.manager.node.namespaces import Namespace, NamespaceRefused, Namespac
 
 log = logging.getLogger("kvtier.node")
 
-HELLO_TIMEOUT_S = 10.0  # a connection that says nothing is dropped after this
-FRAME_TIMEOUT_S = 5.0  # a frame begun must be complete within this
+LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 SOCKET_NAME = "node.sock"
 LOCK_NAME = "node.lock"
 _UCRED = struct.Struct("3i")
@@ -155,6 +163,16 @@ def _take(held: dict[bytes, int], keys: Sequence[bytes]) -> list[bytes]:
     return out
 
 
+def _slices(keys: Sequence[bytes]) -> Iterator[Sequence[bytes]]:
+    """`keys` in slices of wire.SLICE_KEYS: one call, so one hold of the namespace's lock,
+    per slice, and the GIL offered between them (another engine's call gets the lock)."""
+    step = wire.SLICE_KEYS
+    for i in range(0, len(keys), step):
+        if i:
+            time.sleep(0)
+        yield keys[i:i + step]
+
+
 class NodeServer:
     """The engine endpoint of one `kvtier serve` (see the module docstring)."""
 
@@ -164,7 +182,11 @@ class NodeServer:
         self.path = socket_path(cfg, env)
         self.namespaces = namespaces or Namespaces(cfg)
         self.nonce = os.urandom(16).hex()
-        self._sessions: dict[int, Session] = {}
+        self._sessions: dict[int, Session] = {}  # attached (said HELLO)
+        # connection id -> socket of the connections that have not said HELLO yet, oldest
+        # first (`node.max_connecting`; never counted against node.max_engines)
+        self._connecting: dict[int, socket.socket] = {}
+        self._evicted, self._evicted_logged = 0, 0.0
         self._ids = itertools.count(1)
         self._graves: list[tuple[float, Namespace, list[Node]]] = []
         self._lock = threading.Lock()
@@ -216,7 +238,7 @@ class NodeServer:
             os.chmod(self.path, 0o600 if self.cfg.node.allowed_gid < 0 else 0o660)
             if self.cfg.node.allowed_gid >= 0:
                 os.chown(self.path, -1, self.cfg.node.allowed_gid)
-            lst.listen(64)
+            lst.listen(LISTEN_BACKLOG)
             lst.settimeout(0.2)
         except OSError as e:
             self._release_lock()
@@ -257,10 +279,10 @@ class NodeServer:
             with contextlib.suppress(OSError):
                 self.path.unlink()
         with self._lock:
-            sessions = list(self._sessions.values())
-        for s in sessions:
+            socks = [s.sock for s in self._sessions.values()] + list(self._connecting.values())
+        for sock in socks:
             with contextlib.suppress(OSError):
-                s.sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)
         deadline = time.monotonic() + 5.0
         while self._sessions and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -302,9 +324,34 @@ class NodeServer:
                 time.sleep(0.1)
                 continue
             conn.settimeout(None)
-            t = threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
-                                 name="kvtier-node-session")
+            cid = next(self._ids)
+            with self._lock:
+                # the pre-HELLO pool: full, its oldest connection makes room (a real engine
+                # says HELLO at once, so a flood only ever pushes out the flood)
+                evict = []
+                while len(self._connecting) >= self.cfg.node.max_connecting:
+                    old = next(iter(self._connecting))
+                    evict.append(self._connecting.pop(old))
+                self._connecting[cid] = conn
+            for old_conn in evict:
+                self.dropped += 1
+                with contextlib.suppress(OSError):
+                    old_conn.shutdown(socket.SHUT_RDWR)
+            if evict:
+                self._log_evictions(len(evict))
+            t = threading.Thread(target=self._serve_conn, args=(conn, cid, time.monotonic()),
+                                 daemon=True, name="kvtier-node-session")
             t.start()
+
+    def _log_evictions(self, n: int) -> None:
+        """One line per second at most while a flood of silent connections goes on."""
+        self._evicted += n
+        now = time.monotonic()
+        if now - self._evicted_logged >= 1.0:
+            log.warning("node socket: %d connection(s) that had not said HELLO dropped to "
+                        "make room (node.max_connecting = %d)", self._evicted,
+                        self.cfg.node.max_connecting)
+            self._evicted, self._evicted_logged = 0, now
 
     def _refuse(self, conn: socket.socket, why: str) -> None:
         self.dropped += 1
@@ -314,7 +361,14 @@ class NodeServer:
             conn.sendall(wire.encode_error(why))
         conn.close()
 
-    def _serve_conn(self, conn: socket.socket) -> None:
+    def _serve_conn(self, conn: socket.socket, cid: int, accepted: float) -> None:
+        try:
+            self._serve_conn_checked(conn, cid, accepted)
+        finally:
+            with self._lock:
+                self._connecting.pop(cid, None)
+
+    def _serve_conn_checked(self, conn: socket.socket, cid: int, accepted: float) -> None:
         try:
             pid, uid, gid = _UCRED.unpack(
                 conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
@@ -327,24 +381,14 @@ class NodeServer:
                          f"{os.getuid()}" + (f" or gid {allowed}" if allowed >= 0 else "")
                          + " may attach)")
             return
-        with self._lock:
-            if len(self._sessions) >= self.cfg.node.max_engines:
-                full = True
-            else:
-                full = False
-                s = Session(next(self._ids), conn, pid, uid)
-                self._sessions[s.sid] = s
-        if full:
-            self._refuse(conn, f"engine pid {pid}: refused, node.max_engines = "
-                         f"{self.cfg.node.max_engines} engines are attached")
-            return
+        s = Session(cid, conn, pid, uid)
         # a reply the engine does not read within send_timeout_s fails the send: dropped
         t = self.cfg.node.send_timeout_s
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                         struct.pack("ll", int(t), int((t % 1) * 1e6)))
         why = "closed the connection"
         try:
-            why = self._session(s)
+            why = self._session(s, accepted)
         except wire.WireError as e:
             why = f"sent a bad frame: {e}"
             with contextlib.suppress(OSError):
@@ -366,46 +410,77 @@ class NodeServer:
             conn.close()
             self._end(s, why)
 
-    def _recv_exact(self, sock: socket.socket, n: int, *, first: bool) -> bytes | None:
-        """n bytes, or None on a clean close before the first byte of a frame."""
+    def _recv_exact(self, sock: socket.socket, n: int, deadline: float | None,
+                    what: str) -> bytes:
+        """n bytes, all of them before `deadline` (monotonic; None: no deadline). WireError
+        when the peer closes first or the deadline passes: a deadline for the whole read,
+        not an idle timeout a byte now and then would restart."""
         buf = bytearray()
         while len(buf) < n:
-            chunk = sock.recv(n - len(buf))
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise wire.WireError(f"{what}: {len(buf)} of {n} bytes within the deadline")
+                sock.settimeout(left)
+            try:
+                chunk = sock.recv(min(n - len(buf), 1 << 20))
+            except TimeoutError:
+                raise wire.WireError(f"{what}: {len(buf)} of {n} bytes within the deadline"
+                                ) from None
             if not chunk:
-                if first and not buf:
-                    return None
-                raise wire.WireError(f"frame: connection closed {len(buf)} bytes into "
-                                     f"{n} (truncated)")
-            if first and not buf:
-                sock.settimeout(FRAME_TIMEOUT_S)  # the rest of a begun frame is bounded
+                raise wire.WireError(f"{what}: connection closed {len(buf)} bytes into {n} "
+                                "(truncated)")
             buf += chunk
         return bytes(buf)
 
-    def _read_frame(self, sock: socket.socket,
-                    timeout: float | None = None) -> tuple[wire.FrameType, int, bytes] | None:
-        sock.settimeout(timeout)
+    def _read_hello(self, sock: socket.socket,
+                    accepted: float) -> tuple[wire.FrameType, int, bytes] | None:
+        """The first frame, whole within node.hello_deadline_s of the accept (at most
+        MAX_HELLO bytes of JSON); None when the peer closed before its first byte."""
+        limit = self.cfg.node.hello_deadline_s
+        deadline = accepted + limit
+        what = f"HELLO: not complete within {limit:g} s (node.hello_deadline_s)"
+        sock.settimeout(max(0.0, deadline - time.monotonic()))
         try:
-            prefix = self._recv_exact(sock, wire.LEN_BYTES, first=True)
-            if prefix is None:
-                return None
-            n = wire.frame_length(prefix)
-            body = self._recv_exact(sock, n, first=False)
+            first = sock.recv(wire.LEN_BYTES)
         except TimeoutError:
-            raise wire.WireError(
-                f"frame: not complete within {FRAME_TIMEOUT_S:g} s (a stalled or truncated "
-                "frame)") from None
+            raise wire.WireError(f"{what}: nothing sent") from None
         finally:
             sock.settimeout(None)
-        assert body is not None
+        if not first:
+            return None
+        try:
+            prefix = first + self._recv_exact(sock, wire.LEN_BYTES - len(first), deadline,
+                                              what)
+            n = wire.frame_length(prefix)
+            if n > wire.HEAD_BYTES + wire.MAX_HELLO:
+                raise wire.WireError(f"frame: {n} bytes announced before HELLO, a HELLO has at "
+                                f"most {wire.HEAD_BYTES + wire.MAX_HELLO}")
+            body = self._recv_exact(sock, n, deadline, what)
+        finally:
+            sock.settimeout(None)
         return wire.decode_head(body)
 
-    def _session(self, s: Session) -> str:
+    def _read_frame(self, sock: socket.socket) -> tuple[wire.FrameType, int, bytes] | None:
+        """The next frame: waited for as long as the engine likes, then whole within
+        node.frame_deadline_s of its first byte. None on a clean close between frames."""
+        sock.settimeout(None)
+        first = sock.recv(wire.LEN_BYTES)
+        if not first:
+            return None
+        limit = self.cfg.node.frame_deadline_s
+        deadline = time.monotonic() + limit
+        what = f"frame: not complete within {limit:g} s (node.frame_deadline_s)"
         try:
-            got = self._read_frame(s.sock, HELLO_TIMEOUT_S)
-        except wire.WireError as e:
-            if "not complete" in str(e):
-                raise wire.WireError(f"HELLO: none within {HELLO_TIMEOUT_S:g} s") from None
-            raise
+            prefix = first + self._recv_exact(sock, wire.LEN_BYTES - len(first), deadline,
+                                              what)
+            body = self._recv_exact(sock, wire.frame_length(prefix), deadline, what)
+        finally:
+            sock.settimeout(None)
+        return wire.decode_head(body)
+
+    def _session(self, s: Session, accepted: float) -> str:
+        got = self._read_hello(s.sock, accepted)
         if got is None:
             return "closed before HELLO"
         ftype, seq, body = got
@@ -413,6 +488,13 @@ class NodeServer:
             raise wire.WireError(f"{ftype.name}: the first frame must be HELLO")
         hello = wire.decode_hello(body)
         s.pid = hello.pid
+        with self._lock:
+            if self._connecting.pop(s.sid, None) is None:
+                return "dropped before HELLO (node.max_connecting)"
+            if len(self._sessions) >= self.cfg.node.max_engines:
+                raise NamespaceRefused(f"engine pid {s.pid}: refused, node.max_engines = "
+                                       f"{self.cfg.node.max_engines} engines are attached")
+            self._sessions[s.sid] = s
         ns = self.namespaces.attach(hello, s.sid)
         s.ns = ns
         try:
@@ -445,17 +527,17 @@ class NodeServer:
             op = r.op
             if op is wire.Op.COMPLETE_STORE:
                 mine = _take(s.stores, r.keys)
-                if mine:
-                    cache.complete_store(mine, ok=bool(r.flag), owner=s.sid)
-                    f["stores" if r.flag else "stores_failed"] += len(mine)
-                    if r.flag:
-                        ns.blocks["stored"] += len(mine)
+                for part in _slices(mine):
+                    cache.complete_store(part, ok=bool(r.flag), owner=s.sid)
+                f["stores" if r.flag else "stores_failed"] += len(mine)
+                if r.flag:
+                    ns.blocks["stored"] += len(mine)
             elif op is wire.Op.COMPLETE_LOAD:
-                mine = _take(s.loads, r.keys)
-                if mine:
-                    cache.complete_load(mine, owner=s.sid)
+                for part in _slices(_take(s.loads, r.keys)):
+                    cache.complete_load(part, owner=s.sid)
             elif op is wire.Op.TOUCH:
-                cache.touch(r.keys)
+                for part in _slices(r.keys):
+                    cache.touch(part)
             elif op is wire.Op.COUNT_ASKED:
                 rid = f"{s.sid}:{r.request_id}"
                 s.requests.add(rid)
@@ -494,7 +576,12 @@ class NodeServer:
             s.requests.add(rid)
         # the leading ready blocks in one native call; the first other block asked as the
         # engine would ask it (a storage query from it covers the rest)
-        n = cache.count_hits(keys) if keys else 0
+        n = 0
+        for part in _slices(keys):
+            hits = cache.count_hits(part)
+            n += hits
+            if hits < len(part):
+                break
         codes = bytes([wire.LookupCode.HIT]) * n
         if n < len(keys):
             found = cache.lookup(keys[n], rid, _Tail(keys, n + 1),
@@ -506,12 +593,32 @@ class NodeServer:
         return wire.Reply(wire.Op.LOOKUP, True, cache.generation, flags=codes)
 
     def _prepare_store(self, s: Session, ns: Namespace, r: wire.OpRecord) -> wire.Reply:
+        """Planned a slice at a time (each slice one `prepare_store`, all or nothing): a
+        slice the host tier cannot take ends the plan there, the slices before it stand
+        (the reply's mask says which keys to copy). More keys than the namespace has host
+        blocks are refused before any slice, so nothing is evicted for a store that
+        cannot fit."""
         cache = ns.keyed
-        plan = cache.prepare_store(r.keys, owner=s.sid)
-        if plan is None:
+        capacity = cache.m.host_capacity
+        if len(r.keys) > capacity:
+            return wire.Reply(wire.Op.PREPARE_STORE, False, cache.generation,
+                              error=f"{len(r.keys)} blocks, the namespace holds {capacity}")
+        keys: list[bytes] = []
+        ids: list[int] = []
+        evicted = 0
+        refused = False
+        for part in _slices(r.keys):
+            plan = cache.prepare_store(part, owner=s.sid)
+            if plan is None:
+                refused = True
+                break
+            keys += plan.keys
+            ids += plan.host_ids
+            evicted += plan.evicted
+        if refused and not keys:
             return wire.Reply(wire.Op.PREPARE_STORE, False, cache.generation,
                               error="the host tier cannot take them now")
-        todo = set(plan.keys)
+        todo = set(keys)
         mask = bytearray(len(r.keys))
         for i, k in enumerate(r.keys):
             if k in todo:
@@ -519,16 +626,26 @@ class NodeServer:
                 todo.discard(k)
                 s.stores[k] = s.stores.get(k, 0) + 1
         return wire.Reply(wire.Op.PREPARE_STORE, True, cache.generation,
-                          evicted=plan.evicted, ids=plan.host_ids, flags=bytes(mask))
+                          evicted=evicted, ids=ids, flags=bytes(mask))
 
     def _prepare_load(self, s: Session, ns: Namespace, r: wire.OpRecord) -> wire.Reply:
         cache = ns.keyed
         counted = list(map(bool, r.extra)) if r.flag else None
         from_storage: list[bool] = []
-        try:
-            ids = cache.prepare_load(r.keys, counted, from_storage, owner=s.sid)
-        except InvalidRequestError as e:
-            return wire.Reply(wire.Op.PREPARE_LOAD, False, cache.generation, error=str(e))
+        ids: list[int] = []
+        for i in range(0, len(r.keys), wire.SLICE_KEYS):  # all or nothing, a slice at a time
+            if i:
+                time.sleep(0)
+            end = i + wire.SLICE_KEYS
+            try:
+                ids += cache.prepare_load(r.keys[i:end],
+                                          None if counted is None else counted[i:end],
+                                          from_storage, owner=s.sid)
+            except InvalidRequestError as e:
+                for part in _slices(r.keys[:i]):  # the slices pinned before: unpinned
+                    cache.complete_load(part, owner=s.sid)
+                return wire.Reply(wire.Op.PREPARE_LOAD, False, cache.generation,
+                                  error=f"{e} (from block {i} of {len(r.keys)})")
         for k in r.keys:
             s.loads[k] = s.loads.get(k, 0) + 1
         stored = sum(from_storage)
@@ -550,10 +667,11 @@ class NodeServer:
         stores = [k for k, n in s.stores.items() for _ in range(n)]
         s.loads.clear()
         s.stores.clear()
-        if loads:
-            cache.complete_load(loads, owner=s.sid)
+        for part in _slices(loads):
+            cache.complete_load(part, owner=s.sid)
         if stores:
-            nodes = cache.abandon_stores(stores, owner=s.sid)
+            nodes = [n for part in _slices(stores)
+                     for n in cache.abandon_stores(part, owner=s.sid)]
             with self._lock:
                 self._graves.append(
                     (time.monotonic() + self.cfg.node.abandon_grace_s, ns, nodes))
@@ -574,7 +692,9 @@ class NodeServer:
                      open_stores, open_loads)
         else:
             self.dropped += 1
-            log.warning("engine pid %d (session %d) %s", s.pid, s.sid, why)
+            # a connection that left without a word is not news (a flood would fill the log)
+            (log.debug if why == "closed before HELLO" else log.warning)(
+                "engine pid %d (session %d) %s", s.pid, s.sid, why)
         with self._lock:
             self._sessions.pop(s.sid, None)
 

@@ -11,7 +11,8 @@ Frame types, client -> service:
     HELLO    the head, then a UTF-8 JSON object (at most MAX_HELLO bytes): who the engine is
              (`Hello`: namespace, KV geometry, block size, hash algorithm and seed, ranks,
              pid). First frame of a connection, and only there.
-    OPS      the head, then `count:u32`, then `count` op records. Ops other than the asking
+    OPS      the head, then `count:u32`, then `count` op records (at most MAX_FRAME_KEYS
+             keys over all of them). Ops other than the asking
              ones (LOOKUP, PREPARE_STORE, PREPARE_LOAD, PENDING) are one-way; a frame holds at
              most one asking op, as its last record, and the service answers the frame (same
              seq) with one REPLY. So a scheduler step's completions travel with its next
@@ -73,6 +74,7 @@ record and the field. Integers are little-endian.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -84,6 +86,14 @@ from kvtier.manager.keyed_events import HOST, STORAGE, TierEvent
 WIRE_VERSION = 2  # 2: EVENTS, tier events on REPLY, WELCOME's storage
 MAX_FRAME = 8 << 20  # 8 MiB: a 1M-token prompt's 65,536 32-byte hashes is 2 MiB
 MAX_HELLO = 64 << 10
+MAX_JSON_DEPTH = 8  # HELLO / WELCOME nest 3 deep (object, shape or segments, a segment)
+# Keys over every record of one OPS frame (issue 34): a 1M-token prompt at 16 tokens a block
+# is 65,536 hashes. Measured on a 2-core box, one PREPARE_STORE of 2.8 M keys held its
+# namespace for 8.6 s (~3 us a key); the service works a frame in slices of `SLICE_KEYS`
+# keys, taking the namespace's lock once per slice, so a frame at this cap holds it a few
+# milliseconds at a time and the frame as a whole takes about 0.2 s.
+MAX_FRAME_KEYS = 65_536
+SLICE_KEYS = 512
 MAX_KEY_BYTES = 1024
 MAX_REQUEST_ID = 1024
 MAX_ERROR_TEXT = 4096
@@ -233,12 +243,38 @@ def _field(obj: dict[str, Any], frame: str, name: str, kind: type) -> Any:
     return value
 
 
+_JSON_TOKEN = re.compile(rb'\\.|["\[\]{}]')  # an escape pair, a quote, a bracket
+
+
+def json_depth(body: bytes) -> int:
+    """How deep the arrays and objects of a JSON text nest (brackets in strings skipped),
+    without parsing it, in one linear pass: a bound checked before `json.loads`, whose
+    recursion a deep text exhausts."""
+    depth = deepest = 0
+    in_string = False
+    for m in _JSON_TOKEN.finditer(body):
+        t = m.group()
+        if t == b'"':
+            in_string = not in_string
+        elif in_string or len(t) == 2:
+            continue
+        elif t in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
 def _json_body(body: bytes, frame: str) -> dict[str, Any]:
     if len(body) > MAX_HELLO:
         raise WireError(f"{frame}: {len(body)} bytes of JSON, at most {MAX_HELLO}")
+    depth = json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        raise WireError(f"{frame}: JSON nested {depth} deep, at most {MAX_JSON_DEPTH}")
     try:
         obj = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise WireError(f"{frame}: not a UTF-8 JSON object ({e.__class__.__name__})") from None
     if not isinstance(obj, dict):
         raise WireError(f"{frame}: not a JSON object")
@@ -393,6 +429,32 @@ def encode_ops(records: list[OpRecord], seq: int) -> bytes:
     return _frame(FrameType.OPS, seq, b"".join(parts))
 
 
+def frame_batches(records: list[OpRecord]) -> list[list[OpRecord]]:
+    """`records` in order, cut into OPS frames of at most MAX_FRAME_KEYS keys each; a one-way
+    record with more keys is cut into several records of its op. An asking op must fit in
+    one frame (WireError)."""
+    out: list[list[OpRecord]] = []
+    cur: list[OpRecord] = []
+    n = 0
+    for r in records:
+        pieces = [r]
+        if len(r.keys) > MAX_FRAME_KEYS:
+            if r.op in ASKING:
+                raise WireError(f"OPS {r.op.name}: {len(r.keys)} keys, at most "
+                                f"{MAX_FRAME_KEYS} (MAX_FRAME_KEYS)")
+            pieces = [OpRecord(r.op, r.keys[i:i + MAX_FRAME_KEYS], r.request_id, r.flag,
+                               r.value) for i in range(0, len(r.keys), MAX_FRAME_KEYS)]
+        for p in pieces:
+            if cur and n + len(p.keys) > MAX_FRAME_KEYS:
+                out.append(cur)
+                cur, n = [], 0
+            cur.append(p)
+            n += len(p.keys)
+    if cur:
+        out.append(cur)
+    return out
+
+
 def decode_ops(body: bytes) -> list[OpRecord]:
     """The op records of an OPS frame body (after the head). At most one asking op, last."""
     if len(body) < _COUNT.size:
@@ -404,6 +466,7 @@ def decode_ops(body: bytes) -> list[OpRecord]:
                         f"{(len(body) - at) // _REC.size}")
     out: list[OpRecord] = []
     mv = memoryview(body)
+    total_keys = 0
     for i in range(count):
         where = f"OPS record {i}"
         if at + _REC.size > len(body):
@@ -424,6 +487,10 @@ def decode_ops(body: bytes) -> list[OpRecord]:
             raise WireError(f"{where}: field flag = {flag} (1: on, 0: off)")
         if width > MAX_KEY_BYTES:
             raise WireError(f"{where}: field key_width = {width}, at most {MAX_KEY_BYTES}")
+        total_keys += n_keys
+        if total_keys > MAX_FRAME_KEYS:  # refused before a key is built
+            raise WireError(f"{where}: {total_keys} keys in the frame so far, at most "
+                            f"{MAX_FRAME_KEYS} (MAX_FRAME_KEYS)")
         if at + rid_len > len(body):
             raise WireError(f"{where}: truncated request id ({rid_len} bytes announced)")
         try:
