@@ -201,7 +201,10 @@ def test_silent_connections_never_lock_an_engine_out(fast_node: Node) -> None:
         e.close()
         print(f"attached in {attach_s:.3f} s behind 300 silent connections (the first "
               f"attach, starting the namespace: {quiet_s:.3f} s)")
-        assert attach_s < 1.0, attach_s  # within one deadline, with room
+        # 0.17-0.20 s on a quiet machine; the bound leaves room for a loaded CI box (two
+        # xdist workers on 2 cores: one run took over 1 s). The defect itself shows as a
+        # refusal ("node.max_engines"), not as slowness, so the bound need not be tight.
+        assert attach_s < 3.0, attach_s
         st = fast_node.status()["node"]
         assert len(st["engines"]) <= 4
     finally:
