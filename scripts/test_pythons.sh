@@ -65,10 +65,10 @@ EOF
     mkdir -p "$dir/src" "$dir/dist"
     cp -r setup.py pyproject.toml README.md manager worker admin engine integrations "$dir/src/"
     find "$dir/src" \( -name '*.so' -o -name __pycache__ \) -prune -exec rm -rf {} +
-    CFLAGS="-Werror" "$venv/bin/pip" wheel -q --no-deps --no-build-isolation \
+    CFLAGS="-Werror" "$venv/bin/pip" wheel -v --no-deps --no-build-isolation \
         -w "$dir/dist" "$dir/src" > "$dir/build.log" 2>&1 || { cat "$dir/build.log"; return 1; }
     # setup.py's extension is optional: a failed compile still makes a wheel, without the .so
-    grep -E "error:|warning:|building '.*' failed" "$dir/build.log" | head -n 20
+    grep -E "error:|warning:" "$dir/build.log" | grep -v "byte-compiling is disabled" | head -n 20
     "$venv/bin/pip" install -q --no-deps --force-reinstall "$dir"/dist/kvtier-*.whl || return 1
     (cd "$dir" && KVTIER_NATIVE=1 venv/bin/python -W error -c '
 import sys

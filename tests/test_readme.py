@@ -7,6 +7,7 @@ import json
 import re
 import shlex
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -30,16 +31,49 @@ def test_readme_opens_with_the_run_and_test_commands() -> None:
 
 def test_ci_runs_the_readme_test_command() -> None:
     """.ci/run runs `make test-all`, whose first tier is the README's `make test`, then the
-    engine and live tiers: every tier's marker has a target and test-all runs them all."""
+    other Pythons' check, the engine and live tiers: every tier's marker has a target and
+    test-all runs them all."""
     ci = (REPO / ".ci" / "run").read_text()
     assert re.search(r"^make test-all( |\|\||$)", ci, re.M), ci
     makefile = (REPO / "Makefile").read_text()
     test_all = re.search(r"^test-all: (.*)$", makefile, re.M)
-    assert test_all and test_all.group(1).split() == ["test", "test-engines", "test-live"]
+    assert test_all and test_all.group(1).split() == [
+        "test", "test-pythons", "test-engines", "test-live"]
     for target, tier in (("test", "fast"), ("test-engines", "engines"), ("test-live", "live")):
         recipe = re.search(rf"^{target}: .*\n((?:\t.*\n)+)", makefile, re.M)
         assert recipe and re.search(rf"\$\(PYTEST\) .*-m {tier}(;|$)", recipe.group(1),
                                     re.M), (target, recipe)
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def test_python_versions_are_claimed_tested_and_tabled_alike() -> None:
+    """pyproject.toml's `requires-python` and classifiers, the versions `make test-pythons`
+    checks (every admitted one but the main venv's 3.11, which `make test` runs whole) and the
+    README's table of versions name the same CPython versions."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    low, high = re.fullmatch(r">=(3\.\d+),<(3\.\d+)", project["requires-python"]).groups()
+    admitted = [f"3.{m}" for m in range(_minor(low)[1], _minor(high)[1])]
+    classified = [c.rsplit(" :: ", 1)[1] for c in project["classifiers"]
+                  if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
+    assert classified == admitted, (classified, admitted)
+    script = (REPO / "scripts" / "test_pythons.sh").read_text()
+    checked = re.search(r'^VERSIONS=\$\{KVTIER_PYTHONS:-"(.*)"\}$', script, re.M)
+    assert checked and checked.group(1).split() == admitted[1:], checked
+    assert admitted[0] == "3.11" and "Python 3.11" in (REPO / "Makefile").read_text()
+    makefile = (REPO / "Makefile").read_text()
+    recipe = re.search(r"^test-pythons:.*\n\t(.+)$", makefile, re.M)
+    assert recipe and recipe.group(1) == "bash scripts/test_pythons.sh", recipe
+    section = README[README.index("## Python versions"):]
+    section = section[:section.index("\n## ", 1)]
+    tabled = re.findall(r"^\| (3\.\d+) \|", section, re.M)
+    assert tabled == admitted, tabled
+    for test in re.search(r"^TESTS=\((.*?)\)", script, re.M | re.S).group(1).split():
+        assert (REPO / test).is_file(), test
+        assert f"`{Path(test).name}`" in section, f"the README's table omits {test}"
 
 
 def test_every_configuration_key_is_documented() -> None:
