@@ -7,10 +7,12 @@ import json
 import re
 import shlex
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 from kvtier.manager.config import KvtierConfig
 from support import clean_env, kvtier_script, leftovers, new_deployment_id
 
@@ -43,6 +45,38 @@ def test_ci_runs_the_readme_test_command() -> None:
         recipe = re.search(rf"^{target}: .*\n((?:\t.*\n)+)", makefile, re.M)
         assert recipe and re.search(rf"\$\(PYTEST\) .*-m {tier}(;|$)", recipe.group(1),
                                     re.M), (target, recipe)
+
+
+def test_first_screen_node_commands_are_the_compose_deployments() -> None:
+    """The README's three node-deployment commands on its first screen are the ones the
+    compose deployment runs (`make test-live`): compose.yaml's `kvtier serve`, the
+    `--kv-transfer-config` docker/vllm-entrypoint.sh builds for an attached vLLM, and the
+    `kvtier status` tests/test_compose_live.py runs in the kvtier container."""
+    start = README.index("**With vLLM.**")
+    assert start < README.index("kvtier is a hierarchical"), "not on the first screen"
+    block = re.search(r"```bash\n(.*?)```", README[start:], re.S)
+    assert block
+    serve, vllm, status = (shlex.split(line, comments=True)
+                           for line in block.group(1).splitlines())
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
+    assert serve == ["kvtier", *compose["kvtier"]["command"]], serve
+    socket = compose["kvtier"]["environment"]["KVTIER_NODE__SOCKET"]
+    attached = [name for name, svc in compose.items()
+                if svc.get("environment", {}).get("KVTIER_SERVE") == socket]
+    assert attached, "no vLLM service of compose.yaml attaches to kvtier serve's socket"
+    entrypoint = (REPO / "docker" / "vllm-entrypoint.sh").read_text()
+    code = re.search(r'KV_TRANSFER_CONFIG=\$\(python3 -c "(.*?)" "\$CONFIG" "\$SERVE"\)',
+                     entrypoint, re.S)
+    assert code, "docker/vllm-entrypoint.sh no longer builds the config as this test reads it"
+    built = subprocess.run([sys.executable, "-c", code.group(1), "", socket],
+                           capture_output=True, text=True, check=True).stdout
+    assert vllm[:3] == ["vllm", "serve", "MODEL"] and vllm[3] == "--kv-transfer-config"
+    assert json.loads(vllm[4]) == json.loads(built) and len(vllm) == 5, vllm
+    assert re.search(r"^exec vllm serve .*--kv-transfer-config \"\$KV_TRANSFER_CONFIG\"",
+                     entrypoint, re.M | re.S)
+    live = (REPO / "tests" / "test_compose_live.py").read_text()
+    assert status == ["kvtier", "status"]
+    assert 'exec("kvtier", "kvtier", "status"' in live
 
 
 def _minor(version: str) -> tuple[int, int]:
