@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
 .PHONY: run test test-engines test-live test-all test-report install system-deps lint lint-vllm \
-	bench clean vllm-env vllm-example consumers-env
+	bench clean vllm-env vllm-example consumers-env test-pythons
 
 $(VENV)/.installed: pyproject.toml setup.py manager/_native.c
 	python3 -m venv $(VENV)
@@ -81,7 +81,9 @@ lint-vllm: install vllm-env
 #   test-engines: vLLM (`LLM`, `vllm serve`), Dynamo's indexer, vllm-router, the HF model;
 #                 the vLLM adapter type-checked against vLLM's own classes first
 #   test-live:    the docker-compose deployment on a real Docker engine
-#   test-all:     the three in that order (what .ci/run runs)
+#   test-pythons: the compiled core and the tests that need no torch on CPython 3.12 and 3.13,
+#                 each in a venv of its own (scripts/test_pythons.sh; README: Python versions)
+#   test-all:     test, test-pythons, then the two slower tiers (what .ci/run runs)
 PYTEST := $(VENV)/bin/pytest -q --durations=20
 # The fast tier on FAST_WORKERS pytest-xdist workers, one module per worker at a time
 # (--dist loadfile: a module's fixtures, its Redis and the path counters of its hypothesis
@@ -102,7 +104,12 @@ test-engines: install system-deps vllm-env lint-vllm consumers-env
 test-live: install system-deps
 	$(PYTEST) -m live
 
-test-all: test test-engines test-live
+# Each of 3.12 and 3.13 found (pyenv's builds or on PATH) in parallel: a wheel built with
+# -Werror, the compiled core checked in use, the torch-free tests; not found fails under CI=true.
+test-pythons:
+	bash scripts/test_pythons.sh
+
+test-all: test test-pythons test-engines test-live
 
 # Each tier's wall time and the 20 slowest tests, from the last run of each tier.
 test-report: install

@@ -7,9 +7,12 @@ import json
 import re
 import shlex
 import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 from kvtier.manager.config import KvtierConfig
 from support import clean_env, kvtier_script, leftovers, new_deployment_id
 
@@ -30,16 +33,81 @@ def test_readme_opens_with_the_run_and_test_commands() -> None:
 
 def test_ci_runs_the_readme_test_command() -> None:
     """.ci/run runs `make test-all`, whose first tier is the README's `make test`, then the
-    engine and live tiers: every tier's marker has a target and test-all runs them all."""
+    other Pythons' check, the engine and live tiers: every tier's marker has a target and
+    test-all runs them all."""
     ci = (REPO / ".ci" / "run").read_text()
     assert re.search(r"^make test-all( |\|\||$)", ci, re.M), ci
     makefile = (REPO / "Makefile").read_text()
     test_all = re.search(r"^test-all: (.*)$", makefile, re.M)
-    assert test_all and test_all.group(1).split() == ["test", "test-engines", "test-live"]
+    assert test_all and test_all.group(1).split() == [
+        "test", "test-pythons", "test-engines", "test-live"]
     for target, tier in (("test", "fast"), ("test-engines", "engines"), ("test-live", "live")):
         recipe = re.search(rf"^{target}: .*\n((?:\t.*\n)+)", makefile, re.M)
         assert recipe and re.search(rf"\$\(PYTEST\) .*-m {tier}(;|$)", recipe.group(1),
                                     re.M), (target, recipe)
+
+
+def test_first_screen_node_commands_are_the_compose_deployments() -> None:
+    """The README's three node-deployment commands on its first screen are the ones the
+    compose deployment runs (`make test-live`): compose.yaml's `kvtier serve`, the
+    `--kv-transfer-config` docker/vllm-entrypoint.sh builds for an attached vLLM, and the
+    `kvtier status` tests/test_compose_live.py runs in the kvtier container."""
+    start = README.index("**With vLLM.**")
+    assert start < README.index("kvtier is a hierarchical"), "not on the first screen"
+    block = re.search(r"```bash\n(.*?)```", README[start:], re.S)
+    assert block
+    serve, vllm, status = (shlex.split(line, comments=True)
+                           for line in block.group(1).splitlines())
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
+    assert serve == ["kvtier", *compose["kvtier"]["command"]], serve
+    socket = compose["kvtier"]["environment"]["KVTIER_NODE__SOCKET"]
+    attached = [name for name, svc in compose.items()
+                if svc.get("environment", {}).get("KVTIER_SERVE") == socket]
+    assert attached, "no vLLM service of compose.yaml attaches to kvtier serve's socket"
+    entrypoint = (REPO / "docker" / "vllm-entrypoint.sh").read_text()
+    code = re.search(r'KV_TRANSFER_CONFIG=\$\(python3 -c "(.*?)" "\$CONFIG" "\$SERVE"\)',
+                     entrypoint, re.S)
+    assert code, "docker/vllm-entrypoint.sh no longer builds the config as this test reads it"
+    built = subprocess.run([sys.executable, "-c", code.group(1), "", socket],
+                           capture_output=True, text=True, check=True).stdout
+    assert vllm[:3] == ["vllm", "serve", "MODEL"] and vllm[3] == "--kv-transfer-config"
+    assert json.loads(vllm[4]) == json.loads(built) and len(vllm) == 5, vllm
+    assert re.search(r"^exec vllm serve .*--kv-transfer-config \"\$KV_TRANSFER_CONFIG\"",
+                     entrypoint, re.M | re.S)
+    live = (REPO / "tests" / "test_compose_live.py").read_text()
+    assert status == ["kvtier", "status"]
+    assert 'exec("kvtier", "kvtier", "status"' in live
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def test_python_versions_are_claimed_tested_and_tabled_alike() -> None:
+    """pyproject.toml's `requires-python` and classifiers, the versions `make test-pythons`
+    checks (every admitted one but the main venv's 3.11, which `make test` runs whole) and the
+    README's table of versions name the same CPython versions."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    low, high = re.fullmatch(r">=(3\.\d+),<(3\.\d+)", project["requires-python"]).groups()
+    admitted = [f"3.{m}" for m in range(_minor(low)[1], _minor(high)[1])]
+    classified = [c.rsplit(" :: ", 1)[1] for c in project["classifiers"]
+                  if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
+    assert classified == admitted, (classified, admitted)
+    script = (REPO / "scripts" / "test_pythons.sh").read_text()
+    checked = re.search(r'^VERSIONS=\$\{KVTIER_PYTHONS:-"(.*)"\}$', script, re.M)
+    assert checked and checked.group(1).split() == admitted[1:], checked
+    assert admitted[0] == "3.11" and "Python 3.11" in (REPO / "Makefile").read_text()
+    makefile = (REPO / "Makefile").read_text()
+    recipe = re.search(r"^test-pythons:.*\n\t(.+)$", makefile, re.M)
+    assert recipe and recipe.group(1) == "bash scripts/test_pythons.sh", recipe
+    section = README[README.index("## Python versions"):]
+    section = section[:section.index("\n## ", 1)]
+    tabled = re.findall(r"^\| (3\.\d+) \|", section, re.M)
+    assert tabled == admitted, tabled
+    for test in re.search(r"^TESTS=\((.*?)\)", script, re.M | re.S).group(1).split():
+        assert (REPO / test).is_file(), test
+        assert f"`{Path(test).name}`" in section, f"the README's table omits {test}"
 
 
 def test_every_configuration_key_is_documented() -> None:
