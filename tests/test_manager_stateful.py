@@ -30,7 +30,7 @@ from hypothesis.stateful import (
     rule,
 )
 from kvtier.manager.config import KvtierConfig
-from kvtier.manager.core.nodes import EVICTING, LOADING, PREFETCHING, SAVING
+from kvtier.manager.core.nodes import EVICTING, LOADING, PREFETCHING, SAVING, STORED
 from kvtier.manager.errors import (
     AsleepError,
     OutOfBlocksError,
@@ -38,6 +38,7 @@ from kvtier.manager.errors import (
     ResetBusyError,
     TransferFailedError,
 )
+from kvtier.manager.keys import chain_keys
 from kvtier.manager.scheduler import TREE_CLEARING, KVCacheManager
 from kvtier.manager.storage_tier import StorageTier
 from kvtier.manager.transfers import ManualDispatcher
@@ -638,6 +639,79 @@ def test_storage_write_policies_reached_every_path() -> None:
     host copy storage lacked (the counted path)."""
     missing = [k for k, v in WRITE_REACHED.items() if v == 0]
     assert not missing, f"never reached: {missing} ({WRITE_REACHED})"
+
+
+def _check_all(state: ManagerMachine) -> None:
+    """Every invariant of the machine, as hypothesis checks them after each step."""
+    for name in dir(type(state)):
+        method = getattr(type(state), name)
+        if getattr(method, "hypothesis_stateful_invariant", None) is not None:
+            method(state)
+
+
+def test_a_load_failing_under_a_storage_backup_loses_no_block() -> None:
+    """The sequence behind a rare TestWithStorage failure ("device: 7 free + 0 tree + 0 owned
+    != capacity 10" after the release, then "BACKUP host blocks changed while being
+    written"): host copies being written to storage (BACKING) are hit by a match and their
+    load fails while the request holds them. The failed load moved each host copy to a
+    fresh node but left BACKING, and the BACKUP task, on the detached node: its device block
+    came back neither at the release (a transfer in flight) nor as a written-off node's, and
+    the fresh node's host copy could be evicted, and its block reused, mid-write. The fresh
+    node now carries the backup; the detached node's block goes back with the release."""
+    state = StorageMachine()
+    tasks = state.dispatcher.tasks
+
+    def complete(kind: TaskKind, ok: bool) -> None:
+        for seq in sorted(s for s, t in tasks.items() if t.kind == kind):
+            task = tasks[seq]
+            result = (state.model.leading_stored(list(task.keys)) if kind == TaskKind.QUERY
+                      else len(task.keys))
+            state.dispatcher.complete(seq, ok, result)
+        _check_all(state)
+
+    tokens = PREFIXES[0] + (0, 1, 2, 0, 1)  # 3 full blocks (13 tokens)
+    state.match(tokens)
+    complete(TaskKind.QUERY, True)  # storage holds nothing
+    state.m.allocate("r0", len(tokens), reserve_blocks=0)
+    state.reqs["r0"]["alloc"] = True
+    state.commit_rid("r0", 1.0)  # 3 blocks join the tree, their device->host copies start
+    complete(TaskKind.D2H, True)  # the host copies land; their BACKUP starts (BACKING)
+    assert [t.kind for t in tasks.values()] == [TaskKind.BACKUP]
+    state.release_rid("r0")
+    _check_all(state)
+    big = PREFIXES[1] + (0,) * 32  # all 10 device blocks: the 3 device copies are evicted
+    state.match(big)
+    state.m.allocate("r1", len(big), reserve_blocks=0)
+    state.release_rid("r1")
+    _check_all(state)
+    complete(TaskKind.QUERY, True)
+    state.match(tokens)  # r2: 3 host hits, still BACKING; one H2D loads them
+    assert state.reqs["r2"]["hit"] == 3 * BS
+    complete(TaskKind.QUERY, True)
+    complete(TaskKind.H2D, False)  # the load fails: r2 keeps the blocks to recompute
+    state.release_rid("r2")
+    _check_all(state)  # failed here: the 3 device blocks were lost to every tier
+    stats = state.m.stats()
+    assert stats["device"]["free"] == 10 and stats["host"]["cached"] == 3, stats
+    # The host copies stay cached, and out of the host LRU while the BACKUP reads them:
+    # requests whose backups want every host block cannot evict them (it evicted them, and
+    # their blocks were overwritten before the BACKUP answered).
+    state.whole_request(PREFIXES[2] + (0,) * 20, None)  # 7 blocks, backed up: 7 host blocks
+    complete(TaskKind.QUERY, True)
+    complete(TaskKind.D2H, True)  # their BACKUPs start: every host block is busy
+    state.whole_request(PREFIXES[1] + (1,) * 20, None)  # 7 more want host blocks: none free
+    complete(TaskKind.QUERY, True)
+    complete(TaskKind.D2H, True)
+    complete(TaskKind.BACKUP, True)  # the pages written are the copies' own
+    for key in chain_keys(list(tokens), BS):
+        node = state.m.lookup(key)
+        assert node is not None and node.host is not None and node.flags & STORED, node
+    state.match(tokens)  # host hits again, their content checked by the invariants
+    rid = f"r{state.next_id - 1}"
+    assert state.reqs[rid]["hit"] == 3 * BS
+    complete(TaskKind.H2D, True)
+    state.read_rid(rid)
+    state.teardown()
 
 
 def test_storage_runs_reached_every_path() -> None:

@@ -609,7 +609,15 @@ class CacheCore:
                     fresh.hits = node.hits
                     # the host copy keeps its storage name and copy (else never written)
                     fresh.skey = node.skey
-                    fresh.flags = node.flags & STORED
+                    fresh.flags = node.flags & (STORED | BACKING)
+                    if node.flags & BACKING:
+                        # A storage backup still reads the host copy: it goes on under the
+                        # fresh node, which keeps the copy (BACKING) and is the node the task
+                        # names. Left on the detached node, the flag kept its device block
+                        # from the requests' release (lost to every tier) while the fresh
+                        # node's copy was evictable mid-write.
+                        node.flags &= ~BACKING
+                        self.ledger.hand_over(node, fresh)
                     self._map[node.key] = fresh
                     if node in self._pins:
                         self._pins[fresh] = self._pins.pop(node)

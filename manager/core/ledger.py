@@ -76,9 +76,22 @@ class TaskLedger:
         return seq
 
     def track(self, task: Task, nodes: list[Node], on_done: OnDone | None = None) -> None:
-        """Queue a task built by a client (storage tier, diagnostics)."""
+        """Queue a task built by a client (storage tier, diagnostics). The record keeps
+        `nodes` itself, not a copy (`hand_over` changes it in place)."""
         self.inflight[task.seq] = Inflight(task, nodes, on_done=on_done)
         self.outbox.append(task)
+
+    def hand_over(self, old: Node, fresh: Node) -> None:
+        """`old`'s host copy, which tasks in flight still use (a storage backup reading it),
+        moved to `fresh` (a failed load detached `old`): those tasks name `fresh` from now on.
+        Each record's node list is changed in place, so a client's `on_done` that holds the
+        list it gave `track` (the storage tier's BACKUP batches) sees `fresh` too. A scan of
+        the tasks in flight: only on a failed load."""
+        for rec in self.inflight.values():
+            nodes = rec.nodes
+            for i, node in enumerate(nodes):
+                if node is old:
+                    nodes[i] = fresh
 
     def loading_seq(self, node: Node) -> int | None:
         """The seq of the H2D task filling `node`'s device block, if one is in flight."""

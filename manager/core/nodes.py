@@ -28,8 +28,9 @@ arrow names the core transition that takes it::
     ON_BOTH   --take_host_block (LRU host eviction)--> ON_DEVICE
     ON_HOST   --hit_host_copy + load_host_copies, or pin_node: device block, H2D
                   (LOADING)--> ON_BOTH* --finish_load--> ok: ON_BOTH (exclusive policy:
-                  ON_DEVICE) | fail: ON_HOST (a fresh node; the failed one stays with its
-                  requests, detached)
+                  ON_DEVICE) | fail: ON_HOST (a fresh node, with the storage backup that
+                  reads its host copy, if any; the failed one stays with its requests,
+                  detached)
     ON_HOST (hit, LOADING, no H2D sent) --unhit / unhit_match (a match cut short: a sleep or
                   timeout while it waited)--> ON_HOST (a detached one settles: blocks freed)
     ON_HOST   --attach_device_copy (commit of a host-only block)--> ON_BOTH (exclusive
