@@ -82,6 +82,12 @@ class EmbeddedDeployment:
         if url_file:  # for scripts and tests that start the engine with admin.port = 0
             Path(url_file).write_text(self.admin_url + "\n")
 
+    def register_metrics(self, collector: Any) -> None:
+        """Add a Prometheus collector (the engine integration's own figures, such as the
+        audit's) to the admin's /metrics; nothing without an admin."""
+        if self.admin is not None:
+            self.admin.app.state.admin.registry.register(collector)
+
     @property
     def page_bytes(self) -> int:
         """Bytes of one block on one rank."""

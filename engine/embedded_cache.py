@@ -20,7 +20,7 @@ from kvtier.engine.cache_api import (
     TierEvent,
 )
 from kvtier.manager.core.nodes import Node
-from kvtier.manager.keyed import KeyedHostCache
+from kvtier.manager.keyed import KeyedHostCache, engine_key
 from kvtier.manager.stack import Stack
 from kvtier.worker.spec import host_segment_name
 
@@ -114,6 +114,23 @@ class EmbeddedCache:
 
     def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
         self.cache.complete_store(hashes, ok)
+
+    def evict(self, hashes: Sequence[bytes]) -> int:
+        """Take these blocks out of this node's tiers now (the sampled audit found a host copy
+        that differs from the engine's recomputation): each host copy leaves the tree at once
+        and its block is freed when no copy in flight reads it any more. Storage pages are not
+        deleted (kvtier's storage writes run in its workers; a page left there is read back
+        only into a new host copy, which the next audit compares again). Returns how many
+        blocks were held."""
+        keyed = self.cache
+        with keyed.m.lock:
+            held = 0
+            for h in hashes:
+                node = keyed.m.lookup(engine_key(h))
+                if node is not None:
+                    keyed.m._write_off(node)
+                    held += 1
+            return held
 
     def end_step(self) -> None:
         with self._lock:

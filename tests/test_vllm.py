@@ -182,6 +182,35 @@ def test_negative_control_overwritten_host_pages_change_the_output(my_runs: Call
         f"comparison cannot tell served KV from recomputed KV: {r}")
 
 
+@runs("test_audit_recomputes_each_hit_and_catches_overwritten_host_pages")
+def _audit(models: Models, tmp: Path) -> dict[str, Any]:
+    return run_example(models("llama"), "--audit", "1", "--corrupt-host")
+
+
+def test_audit_recomputes_each_hit_and_catches_overwritten_host_pages(
+        my_runs: Callable[[], Any]) -> None:
+    """kvtier's sampled recompute audit at 1 in 1 (examples/vllm_offload.py --audit 1): A's
+    hits are recomputed by vLLM and compared with kvtier's copies, all alike, and the output is
+    vLLM's alone; after kvtier's host pages are overwritten (the control above shows that this
+    changes the output when the pages are served), the audited run finds every block of A
+    mismatched and evicts it, its output is still vLLM's alone, and A after it, with the audit
+    off, is recomputed (nothing left to load) and exact."""
+    r = my_runs()
+    blocks = PREFIX_TOKENS // 32
+    clean = r["audit_clean"]
+    assert clean["identical"] is True and clean["vllm_num_cached_tokens"] == 0, r
+    assert clean["blocks"]["mismatch"] == 0, r
+    assert clean["blocks"]["equal"] + clean["blocks"]["within_tolerance"] == blocks, r
+    warm = r["audit_warm"]
+    assert r["corrupted_bytes"] > 0 and warm["blocks"]["mismatch"] == blocks, r
+    assert r["identical"] is True and r["tokens_loaded_from_kvtier"] == 0, r
+    after = r["audit_after"]
+    assert after["identical"] is True and after["tokens_loaded_from_kvtier"] == 0, r
+    assert sum(after["audit_blocks"].values()) == 0, r  # the audit off: nothing audited
+    assert f'kvtier_audit_blocks_total{{result="mismatch",tier="host"}} {blocks}.0' in r[
+        "metrics_lines"], r
+
+
 @runs("test_a_new_vllm_process_finds_the_prefix_in_file_storage")
 def _file_storage(models: Models, tmp: Path) -> list[dict[str, Any]]:
     args = ("--storage", "file", "--storage-path", str(tmp / "storage"),

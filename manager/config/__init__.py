@@ -72,6 +72,7 @@ from kvtier.manager.config.render import (
 )
 from kvtier.manager.config.sections import (
     AdminConfig,
+    AuditConfig,
     CacheConfig,
     ModelConfig,
     NodeConfig,
@@ -80,6 +81,7 @@ from kvtier.manager.config.sections import (
 )
 from kvtier.manager.config.values import (
     local_endpoint_problem,
+    parse_sample,
     path_problem,
     redact_url,
     redis_url_problem,
@@ -101,6 +103,7 @@ __all__ = [
     "SHM_DIR",
     "TOKEN_ENV_ALIAS",
     "AdminConfig",
+    "AuditConfig",
     "CacheConfig",
     "ConfigError",
     "EnvironmentSource",
@@ -120,6 +123,7 @@ __all__ = [
     "local_endpoint_problem",
     "mem_available_bytes",
     "page_bytes",
+    "parse_sample",
     "path_problem",
     "rank_device",
     "redact_url",
