@@ -204,6 +204,31 @@ def audit_figures(llm: Any) -> dict[str, Any]:
             "max_abs_diff": figures.max_abs, "max_rel_diff": figures.max_rel}
 
 
+def spy_vllm_stats(llm: Any) -> dict[str, float]:
+    """The audit's series in what kvtier hands vLLM's metrics (its connector stats, taken by
+    vLLM's scheduler every step), added up here as vLLM's Prometheus logger would:
+    "result/tier" -> blocks, and the largest-difference gauges' last values."""
+    from kvtier.integrations.vllm import adapter
+
+    manager = kvtier_manager(llm)
+    seen: dict[str, float] = {}
+    get_stats = manager.get_stats
+
+    def spy() -> Any:
+        stats = get_stats()
+        values = stats._values if stats is not None else {}
+        for labels, n in values.get(adapter.METRIC_AUDIT, {}).items():
+            key = "/".join(labels)
+            seen[key] = seen.get(key, 0) + n
+        for name in (adapter.METRIC_AUDIT_MAX_ABS, adapter.METRIC_AUDIT_MAX_REL):
+            for v in values.get(name, {}).values():
+                seen[name.rsplit("_audit_", 1)[1]] = v
+        return stats
+
+    manager.get_stats = spy
+    return seen
+
+
 def audit_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
     return {r: after["counts"][r] - before["counts"][r] for r in after["counts"]}
 
@@ -310,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        args.drop_group_pages)
         fresh = iter([[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(8)])
         if args.audit:
+            vllm_audit = spy_vllm_stats(llm)
             # A with every hit audited: recomputed, compared with kvtier's copies
             a0 = audit_figures(llm)
             clean = generate(llm, prompt_a)
@@ -384,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_loaded_from_kvtier": int(sum(h1.get(t, 0.0) - h0.get(t, 0.0)
                                                      for t in ("host", "storage"))),
                 "audit_blocks": audit_delta(a2, audit_figures(llm))}
+            report["vllm_audit_metrics"] = vllm_audit
         metrics = admin_get(url, "/metrics")
         report["metrics_lines"] = [ln for ln in metrics.splitlines()
                                    if ln.startswith(("kvtier_hit_tokens_total",

@@ -209,6 +209,9 @@ def test_audit_recomputes_each_hit_and_catches_overwritten_host_pages(
     assert sum(after["audit_blocks"].values()) == 0, r  # the audit off: nothing audited
     assert f'kvtier_audit_blocks_total{{result="mismatch",tier="host"}} {blocks}.0' in r[
         "metrics_lines"], r
+    vllm = r["vllm_audit_metrics"]  # the same figures in what kvtier hands vLLM's metrics
+    assert vllm.get("mismatch/host") == blocks and vllm["max_rel_diff"] > 0, r
+    assert vllm.get("equal/host", 0) + vllm.get("within_tolerance/host", 0) == blocks, r
 
 
 @runs("test_a_new_vllm_process_finds_the_prefix_in_file_storage")
