@@ -166,6 +166,8 @@ def test_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(my_runs: Call
     assert r["tokens_by_tier"] == {"host": PREFIX_TOKENS, "storage": 0}, r
     assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
     assert any('tier="host"' in ln and not ln.endswith(" 0.0") for ln in r["metrics_lines"])
+    audit = [ln for ln in r["metrics_lines"] if ln.startswith("kvtier_audit_")]
+    assert audit and all(ln.endswith(" 0.0") for ln in audit), r  # audit off: nothing audited
 
 
 @runs("test_negative_control_overwritten_host_pages_change_the_output")
@@ -391,6 +393,26 @@ def test_hybrid_negative_control_overwritten_host_pages_change_the_output(
     assert r["corrupted_bytes"] > 0 and r["tokens_loaded_from_kvtier"] == PREFIX_TOKENS, r
     assert r["identical"] is False, (
         f"kvtier's host pages were overwritten, yet the hybrid model's output did not change: {r}")
+
+
+@runs("test_hybrid_audit_compares_both_groups_and_catches_overwritten_host_pages")
+def _hybrid_audit(models: Models, tmp: Path) -> dict[str, Any]:
+    return hybrid(models("hybrid"), "--audit", "1", "--corrupt-host")
+
+
+def test_hybrid_audit_compares_both_groups_and_catches_overwritten_host_pages(
+        my_runs: Callable[[], Any]) -> None:
+    """The audit on the Gemma 3 hybrid (a full-attention and a sliding-window KV cache group,
+    a host page of each group's own layers): every block kvtier holds of A, in both groups, is
+    recomputed and compared, all alike; after the overwrite every one mismatches and is
+    evicted; the outputs are vLLM's alone throughout."""
+    r = my_runs()
+    clean, warm, after = r["audit_clean"], r["audit_warm"], r["audit_after"]
+    held = clean["blocks"]["equal"] + clean["blocks"]["within_tolerance"]
+    assert clean["identical"] is True and clean["blocks"]["mismatch"] == 0, r
+    assert held > PREFIX_TOKENS // 32, r  # the full group's six blocks and the window's
+    assert warm["blocks"]["mismatch"] == held and r["identical"] is True, r
+    assert after["identical"] is True and after["tokens_loaded_from_kvtier"] == 0, r
 
 
 def _file_args(tmp: Path) -> tuple[str, ...]:
