@@ -30,6 +30,14 @@ then), so vLLM (with `kv_load_failure_policy="recompute"`) recomputes instead of
 garbage. Models with several KV cache groups (hybrid attention) are described in
 `kv_groups.py`.
 
+The sampled recompute audit (embedded, `audit.sample` in kvtier's config; README "Auditing
+kvtier's hits on live traffic"): a drawn request's kvtier hits are answered as misses, so vLLM
+recomputes them with its bookkeeping exact (nothing was promised, nothing fails); when vLLM
+offers the recomputed blocks for storing, each block kvtier holds goes to a scratch host page
+instead (its held copy kept from eviction by a load that counts no hit), and at the store's
+completion the two pages are compared (`kvtier.engine.audit`), the scratch page dropped, and
+a mismatch evicted and logged once.
+
 Why an offloading spec and not a whole `KVConnectorBase_V1`: vLLM's offloading connector
 already does the scheduler bookkeeping (which blocks to store after each step, deferred
 lookups, preemption fences, load/store job ids); a spec plugs into it with a small surface, and
