@@ -719,28 +719,37 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         `evicted`). Returns hash -> scratch host block."""
         audit = self.audit
         assert audit is not None
-        out: dict[bytes, int] = {}
+        # first every held copy kept from eviction (so that a scratch page never evicts a
+        # block audited next), then the scratch pages, all or none
+        held: dict[bytes, tuple[OffloadKey, int, str]] = {}
         for k, h in zip(keys, hashes, strict=True):
-            if h in new or h in audit.pending or h in out:
+            if h in new or h in audit.pending or h in held:
                 continue
             tier = "storage" if self.cache.from_storage(h) else "host"
             try:
-                held = self.cache.prepare_load([h], [False])[0]
+                held[h] = (k, self.cache.prepare_load([h], [False])[0], tier)
             except InvalidRequestError:
                 continue  # not on the host and ready (evicted, being written): not audited
-            scratch_key = kv_audit.scratch_key(h)
-            scratch = self.cache.prepare_store([scratch_key])
-            if scratch is None or scratch.keys != [scratch_key]:
-                self.cache.complete_load([h])
-                audit.skipped += 1
-                continue
-            self._add(METRIC_EVICTIONS, scratch.evicted)
-            evicted += scratch.evicted_hashes
+        if not held:
+            return {}
+        scratch_keys = [kv_audit.scratch_key(h) for h in held]
+        scratch = self.cache.prepare_store(scratch_keys)
+        if scratch is None or scratch.keys != scratch_keys:
+            if scratch is not None:
+                self.cache.complete_store(scratch.keys, ok=False)
+            self.cache.complete_load(list(held))
+            audit.skipped += len(held)
+            return {}
+        self._add(METRIC_EVICTIONS, scratch.evicted)
+        evicted += scratch.evicted_hashes
+        out: dict[bytes, int] = {}
+        generation = self.cache.generation
+        for (h, (k, at, tier)), skey, sid in zip(held.items(), scratch_keys, scratch.host_ids,
+                                                 strict=True):
             group = self._groups.get(get_offload_group_idx(k))
-            audit.pending[h] = _Pending(scratch_key, held, scratch.host_ids[0], tier,
-                                        len(group.layer_names) if group else None,
-                                        self.cache.generation)
-            out[h] = scratch.host_ids[0]
+            audit.pending[h] = _Pending(skey, at, sid, tier,
+                                        len(group.layer_names) if group else None, generation)
+            out[h] = sid
         return out
 
     def _finish_audit(self, h: bytes, *, compare: bool) -> None:
