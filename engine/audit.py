@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -160,6 +161,15 @@ class AuditFigures:
     def total(self, result: str) -> int:
         with self._lock:
             return sum(n for (r, _), n in self.counts.items() if r == result)
+
+    def status(self) -> dict[str, Any]:
+        """The figures for kvtier's /status (`audit`): blocks by result and tier, the largest
+        differences."""
+        with self._lock:
+            counts = dict(self.counts)
+            return {"blocks": {r: {t: counts.get((r, t), 0) for t in ("host", "storage")}
+                               for r in RESULTS},
+                    "max_abs_diff": self.max_abs, "max_rel_diff": self.max_rel}
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:

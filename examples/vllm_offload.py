@@ -411,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      for t in ("host", "storage"))),
                 "audit_blocks": audit_delta(a2, audit_figures(llm))}
             report["vllm_audit_metrics"] = vllm_audit
+            report["status_audit"] = json.loads(admin_get(url, "/status")).get("audit")
         metrics = admin_get(url, "/metrics")
         report["metrics_lines"] = [ln for ln in metrics.splitlines()
                                    if ln.startswith(("kvtier_hit_tokens_total",

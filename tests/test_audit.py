@@ -171,3 +171,12 @@ def test_figures_in_prometheus() -> None:
     assert 'kvtier_audit_blocks_total{result="mismatch",tier="storage"} 1.0' in text
     assert 'kvtier_audit_blocks_total{result="within_tolerance",tier="host"} 0.0' in text
     assert f.total(MISMATCH) == 1 and f.max_abs > 0 and "kvtier_audit_max_rel_diff" in text
+
+
+def test_figures_in_status() -> None:
+    f = AuditFigures()
+    held = torch.randn(64, dtype=torch.float32).to(torch.bfloat16)
+    f.record(compare_pages(_page(-held), _page(held), "bfloat16"), "host")
+    st = f.status()
+    assert st["blocks"]["mismatch"] == {"host": 1, "storage": 0}
+    assert st["blocks"]["equal"] == {"host": 0, "storage": 0} and st["max_rel_diff"] > 0

@@ -211,6 +211,10 @@ def test_audit_recomputes_each_hit_and_catches_overwritten_host_pages(
     assert sum(after["audit_blocks"].values()) == 0, r  # the audit off: nothing audited
     assert f'kvtier_audit_blocks_total{{result="mismatch",tier="host"}} {blocks}.0' in r[
         "metrics_lines"], r
+    status = r["status_audit"]  # kvtier's /status
+    assert status["blocks"]["mismatch"]["host"] == blocks, r
+    assert status["sample"] == 0.0, r  # turned off for A's last run
+    assert status["requests_drawn"] >= 2 and status["max_rel_diff"] > 0, r
     vllm = r["vllm_audit_metrics"]  # the same figures in what kvtier hands vLLM's metrics
     assert vllm.get("mismatch/host") == blocks and vllm["max_rel_diff"] > 0, r
     assert vllm.get("equal/host", 0) + vllm.get("within_tolerance/host", 0) == blocks, r

@@ -489,7 +489,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self.audit: _Audit | None = None
         if self.node is not None:
             self.audit = _Audit(self.cfg)
-            self.node.register_metrics(self.audit.figures)  # kvtier's /metrics
+            # kvtier's /metrics and /status
+            self.node.register_metrics(self.audit.figures, self._audit_status, "audit")
             if self.audit.sampler.rate > 0:
                 log.info("kvtier: auditing %s of the requests that hit kvtier (at most %s "
                          "blocks/s): their hits are recomputed and compared%s",
@@ -570,6 +571,15 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             return LookupResult.RETRY
         self._add(METRIC_MISSES)
         return LookupResult.MISS
+
+    def _audit_status(self) -> dict[str, Any]:
+        """The audit in kvtier's /status: its settings, requests drawn and capped, and its
+        figures."""
+        audit = self.audit
+        assert audit is not None
+        return {"sample": audit.sampler.rate, "max_blocks_per_s": audit.sampler.max_blocks_per_s,
+                "requests_drawn": audit.sampler.drawn, "requests_capped": audit.sampler.capped,
+                "blocks_skipped": audit.skipped, **audit.figures.status()}
 
     def _audited(self, key: OffloadKey, req_context: ReqContext) -> bool:
         """Whether this request's hits are audited (drawn at its first hit, then kept)."""
