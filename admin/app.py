@@ -94,6 +94,8 @@ class AdminState:
         self.node = node
         self.token = None if token is None else token.encode()
         self.registry = build_registry(stack, node)
+        # name -> a section of /status an engine integration adds (the audit's figures)
+        self.status_sections: dict[str, Callable[[], Any]] = {}
         self.started_at = time.monotonic()
         self._lock = threading.Lock()
         self.accepting = True
@@ -576,6 +578,8 @@ def create_app(stack: Stack, *, token: str | None = None,
         out["uptime_s"] = round(time.monotonic() - state.started_at, 3)
         if node is not None:
             out["node"] = node.status()
+        for name, section in list(state.status_sections.items()):
+            out[name] = section()
         return out
 
     @app.get("/metrics", tags=["reads"], response_class=Response, responses={200: {

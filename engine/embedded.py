@@ -17,6 +17,7 @@ import logging
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,17 @@ class EmbeddedDeployment:
         self.admin_url = self.admin.url
         if url_file:  # for scripts and tests that start the engine with admin.port = 0
             Path(url_file).write_text(self.admin_url + "\n")
+
+    def register_metrics(self, collector: Any, status: Callable[[], Any] | None = None,
+                         name: str = "") -> None:
+        """Add a Prometheus collector (the engine integration's own figures, such as the
+        audit's) to the admin's /metrics, and `status()` as section `name` of its /status;
+        nothing without an admin."""
+        if self.admin is not None:
+            admin = self.admin.app.state.admin
+            admin.registry.register(collector)
+            if status is not None and name:
+                admin.status_sections[name] = status
 
     @property
     def page_bytes(self) -> int:

@@ -12,6 +12,12 @@ cache after a few other prompts; A again is then served from kvtier:
   then report `identical: false`, or the check could not fail).
 * `--reference FILE`: write (or, when it exists, compare against) A's cold output, so a second
   process with the same storage (file or Redis) is compared with the first one's cold run.
+* `--audit SAMPLE` (e.g. `1` or `1/1000`: kvtier's `audit.sample`): kvtier's sampled recompute
+  audit. At `1`, A comes back once more before the checks above with every hit audited (vLLM
+  recomputes A's blocks, kvtier compares them with its copies: `audit_clean`), then A's warm
+  run is audited too; with `--corrupt-host` that run must find a `mismatch` for each of A's
+  blocks and still be identical (it was recomputed), and A after it, with the audit off, is
+  recomputed (the mismatched copies were evicted) and identical (`audit_after`).
 * `--reset-storage`: `POST /reset?storage=true` on kvtier's admin before A comes again: A is
   recomputed (0 tokens from kvtier) and still exact.
 * `--kill-worker`: kill -9 kvtier's worker process before A comes again: vLLM goes on serving
@@ -190,6 +196,43 @@ def corrupt_host_pool(url: str) -> int:
     return size
 
 
+def audit_figures(llm: Any) -> dict[str, Any]:
+    """kvtier's audit counts so far (result -> blocks, all tiers) and its largest
+    differences."""
+    figures = kvtier_manager(llm).audit.figures
+    return {"counts": {r: figures.total(r) for r in ("equal", "within_tolerance", "mismatch")},
+            "max_abs_diff": figures.max_abs, "max_rel_diff": figures.max_rel}
+
+
+def spy_vllm_stats(llm: Any) -> dict[str, float]:
+    """The audit's series in what kvtier hands vLLM's metrics (its connector stats, taken by
+    vLLM's scheduler every step), added up here as vLLM's Prometheus logger would:
+    "result/tier" -> blocks, and the largest-difference gauges' last values."""
+    from kvtier.integrations.vllm import adapter
+
+    manager = kvtier_manager(llm)
+    seen: dict[str, float] = {}
+    get_stats = manager.get_stats
+
+    def spy() -> Any:
+        stats = get_stats()
+        values = stats._values if stats is not None else {}
+        for labels, n in values.get(adapter.METRIC_AUDIT, {}).items():
+            key = "/".join(labels)
+            seen[key] = seen.get(key, 0) + n
+        for name in (adapter.METRIC_AUDIT_MAX_ABS, adapter.METRIC_AUDIT_MAX_REL):
+            for v in values.get(name, {}).values():
+                seen[name.rsplit("_audit_", 1)[1]] = v
+        return stats
+
+    manager.get_stats = spy
+    return seen
+
+
+def audit_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    return {r: after["counts"][r] - before["counts"][r] for r in after["counts"]}
+
+
 def compare(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool, float]:
     """Exact equality of tokens and logprobs; also the largest logprob difference seen."""
     diff = 0.0
@@ -218,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                     "when missing, compared against when present (A is then not run cold)")
     ap.add_argument("--corrupt-host", action="store_true",
                     help="negative control: overwrite kvtier's host pool before A again")
+    ap.add_argument("--audit", default="", metavar="SAMPLE",
+                    help="kvtier's audit.sample (1, 1/1000, 0.01): audited hits are "
+                    "recomputed by vLLM and compared with kvtier's copies")
     ap.add_argument("--reset-storage", action="store_true",
                     help="POST /reset?storage=true before A again (A is recomputed)")
     ap.add_argument("--kill-worker", action="store_true",
@@ -246,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.storage == "redis":
             extra["storage_url"] = args.redis_url
         t0 = time.monotonic()
+        if args.audit:
+            os.environ["KVTIER_AUDIT__SAMPLE"] = args.audit
+            os.environ["KVTIER_AUDIT__MAX_BLOCKS_PER_S"] = "0"  # no cap: every draw audited
         llm = make_llm(model, extra, args.model)
         url = url_file.read_text().strip()
         rng = random.Random(args.seed)
@@ -284,6 +333,22 @@ def main(argv: list[str] | None = None) -> int:
                 ap.error("--drop-group-pages needs --storage file")
             report["dropped_pages"] = drop_group_pages(llm, extra["storage_path"], prompt_a,
                                                        args.drop_group_pages)
+        fresh = iter([[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(8)])
+        if args.audit:
+            vllm_audit = spy_vllm_stats(llm)
+            # A with every hit audited: recomputed, compared with kvtier's copies
+            a0 = audit_figures(llm)
+            clean = generate(llm, prompt_a)
+            a1 = audit_figures(llm)
+            report["audit_clean"] = {"blocks": audit_delta(a0, a1),
+                                     "identical": compare(cold, clean)[0],
+                                     "vllm_num_cached_tokens": clean["num_cached_tokens"],
+                                     "max_abs_diff": a1["max_abs_diff"],
+                                     "max_rel_diff": a1["max_rel_diff"]}
+            for _ in range(4):  # A out of vLLM's device pool again
+                generate(llm, next(fresh))
+            before = hit_tokens(url)
+            audit_before = a1
         if args.corrupt_host:
             report["corrupted_bytes"] = corrupt_host_pool(url)
         if args.reset_storage:
@@ -328,9 +393,29 @@ def main(argv: list[str] | None = None) -> int:
             "admin_url": url,
             "seconds": round(time.monotonic() - t0, 2),
         })
+        if args.audit:
+            a2 = audit_figures(llm)
+            report["audit_warm"] = {"blocks": audit_delta(audit_before, a2),
+                                    "max_abs_diff": a2["max_abs_diff"],
+                                    "max_rel_diff": a2["max_rel_diff"]}
+            # the audit off: A again, from kvtier where its copies are still held
+            kvtier_manager(llm).audit.sampler.rate = 0.0
+            for _ in range(4):
+                generate(llm, next(fresh))
+            h0 = hit_tokens(url)
+            again = generate(llm, prompt_a)
+            h1 = hit_tokens(url)
+            report["audit_after"] = {
+                "identical": compare(cold, again)[0],
+                "tokens_loaded_from_kvtier": int(sum(h1.get(t, 0.0) - h0.get(t, 0.0)
+                                                     for t in ("host", "storage"))),
+                "audit_blocks": audit_delta(a2, audit_figures(llm))}
+            report["vllm_audit_metrics"] = vllm_audit
+            report["status_audit"] = json.loads(admin_get(url, "/status")).get("audit")
         metrics = admin_get(url, "/metrics")
         report["metrics_lines"] = [ln for ln in metrics.splitlines()
-                                   if ln.startswith("kvtier_hit_tokens_total")]
+                                   if ln.startswith(("kvtier_hit_tokens_total",
+                                                     "kvtier_audit_"))]
         del llm
     first = {k: report.pop(k) for k in ("tokens_loaded_from_kvtier", "identical")}
     report = {**first, **report}

@@ -188,7 +188,7 @@ class KeyedHostCache:
         self.counters = dict.fromkeys((
             "stores_prepared", "stores_completed", "stores_failed",
             "stores_refused", "loads_prepared", "loads_completed", "storage_queries",
-            "storage_index_misses"), 0)
+            "storage_index_misses", "evicted_by_engine"), 0)
         # tier events for routers (`enable_events`): None while nobody takes them
         self.events: TierEventLog | None = None
 
@@ -579,6 +579,22 @@ class KeyedHostCache:
             if not state:
                 return taken, None
             return taken, (list(events.host.values()), list(events.storage.values()))
+
+    def evict(self, hashes: Sequence[bytes]) -> int:
+        """Take these blocks' copies out of the tree now (the engine found a host copy that
+        differs from its own recomputation: `kvtier.engine.audit`): a later lookup misses and
+        the engine recomputes. A copy a transfer or an engine copy still uses keeps its block
+        until that ends (the core's write-off). Returns how many of the blocks were cached."""
+        with self._lock:
+            held = 0
+            for h in hashes:
+                _check_hash(h)
+                node = self.m.lookup(engine_key(h))
+                if node is not None:
+                    self.m.write_off(node)
+                    held += 1
+            self.counters["evicted_by_engine"] += held
+            return held
 
     # ------------------------------------------------------------------ engine resets
 

@@ -93,6 +93,7 @@ BRIEF_DEFAULTS = {
              "events": False, "events_endpoint": "", "events_replay_endpoint": "",
              "events_topic_prefix": "kvtier", "events_buffer_batches": 10000,
              "events_interval_s": 0.05},
+    "audit": {"sample": "0", "max_blocks_per_s": 100.0},
 }
 
 

@@ -166,6 +166,8 @@ def test_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(my_runs: Call
     assert r["tokens_by_tier"] == {"host": PREFIX_TOKENS, "storage": 0}, r
     assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
     assert any('tier="host"' in ln and not ln.endswith(" 0.0") for ln in r["metrics_lines"])
+    audit = [ln for ln in r["metrics_lines"] if ln.startswith("kvtier_audit_")]
+    assert audit and all(ln.endswith(" 0.0") for ln in audit), r  # audit off: nothing audited
 
 
 @runs("test_negative_control_overwritten_host_pages_change_the_output")
@@ -180,6 +182,42 @@ def test_negative_control_overwritten_host_pages_change_the_output(my_runs: Call
     assert r["identical"] is False, (
         "kvtier's host pages were overwritten, yet vLLM's output did not change: the "
         f"comparison cannot tell served KV from recomputed KV: {r}")
+
+
+@runs("test_audit_recomputes_each_hit_and_catches_overwritten_host_pages")
+def _audit(models: Models, tmp: Path) -> dict[str, Any]:
+    return run_example(models("llama"), "--audit", "1", "--corrupt-host")
+
+
+def test_audit_recomputes_each_hit_and_catches_overwritten_host_pages(
+        my_runs: Callable[[], Any]) -> None:
+    """kvtier's sampled recompute audit at 1 in 1 (examples/vllm_offload.py --audit 1): A's
+    hits are recomputed by vLLM and compared with kvtier's copies, all alike, and the output is
+    vLLM's alone; after kvtier's host pages are overwritten (the control above shows that this
+    changes the output when the pages are served), the audited run finds every block of A
+    mismatched and evicts it, its output is still vLLM's alone, and A after it, with the audit
+    off, is recomputed (nothing left to load) and exact."""
+    r = my_runs()
+    blocks = PREFIX_TOKENS // 32
+    clean = r["audit_clean"]
+    assert clean["identical"] is True and clean["vllm_num_cached_tokens"] == 0, r
+    assert clean["blocks"]["mismatch"] == 0, r
+    assert clean["blocks"]["equal"] + clean["blocks"]["within_tolerance"] == blocks, r
+    warm = r["audit_warm"]
+    assert r["corrupted_bytes"] > 0 and warm["blocks"]["mismatch"] == blocks, r
+    assert r["identical"] is True and r["tokens_loaded_from_kvtier"] == 0, r
+    after = r["audit_after"]
+    assert after["identical"] is True and after["tokens_loaded_from_kvtier"] == 0, r
+    assert sum(after["audit_blocks"].values()) == 0, r  # the audit off: nothing audited
+    assert f'kvtier_audit_blocks_total{{result="mismatch",tier="host"}} {blocks}.0' in r[
+        "metrics_lines"], r
+    status = r["status_audit"]  # kvtier's /status
+    assert status["blocks"]["mismatch"]["host"] == blocks, r
+    assert status["sample"] == 0.0, r  # turned off for A's last run
+    assert status["requests_drawn"] >= 2 and status["max_rel_diff"] > 0, r
+    vllm = r["vllm_audit_metrics"]  # the same figures in what kvtier hands vLLM's metrics
+    assert vllm.get("mismatch/host") == blocks and vllm["max_rel_diff"] > 0, r
+    assert vllm.get("equal/host", 0) + vllm.get("within_tolerance/host", 0) == blocks, r
 
 
 @runs("test_a_new_vllm_process_finds_the_prefix_in_file_storage")
@@ -359,6 +397,26 @@ def test_hybrid_negative_control_overwritten_host_pages_change_the_output(
     assert r["corrupted_bytes"] > 0 and r["tokens_loaded_from_kvtier"] == PREFIX_TOKENS, r
     assert r["identical"] is False, (
         f"kvtier's host pages were overwritten, yet the hybrid model's output did not change: {r}")
+
+
+@runs("test_hybrid_audit_compares_both_groups_and_catches_overwritten_host_pages")
+def _hybrid_audit(models: Models, tmp: Path) -> dict[str, Any]:
+    return hybrid(models("hybrid"), "--audit", "1", "--corrupt-host")
+
+
+def test_hybrid_audit_compares_both_groups_and_catches_overwritten_host_pages(
+        my_runs: Callable[[], Any]) -> None:
+    """The audit on the Gemma 3 hybrid (a full-attention and a sliding-window KV cache group,
+    a host page of each group's own layers): every block kvtier holds of A, in both groups, is
+    recomputed and compared, all alike; after the overwrite every one mismatches and is
+    evicted; the outputs are vLLM's alone throughout."""
+    r = my_runs()
+    clean, warm, after = r["audit_clean"], r["audit_warm"], r["audit_after"]
+    held = clean["blocks"]["equal"] + clean["blocks"]["within_tolerance"]
+    assert clean["identical"] is True and clean["blocks"]["mismatch"] == 0, r
+    assert held > PREFIX_TOKENS // 32, r  # the full group's six blocks and the window's
+    assert warm["blocks"]["mismatch"] == held and r["identical"] is True, r
+    assert after["identical"] is True and after["tokens_loaded_from_kvtier"] == 0, r
 
 
 def _file_args(tmp: Path) -> tuple[str, ...]:

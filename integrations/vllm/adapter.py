@@ -30,6 +30,14 @@ then), so vLLM (with `kv_load_failure_policy="recompute"`) recomputes instead of
 garbage. Models with several KV cache groups (hybrid attention) are described in
 `kv_groups.py`.
 
+The sampled recompute audit (embedded, `audit.sample` in kvtier's config; README "Auditing
+kvtier's hits on live traffic"): a drawn request's kvtier hits are answered as misses, so vLLM
+recomputes them with its bookkeeping exact (nothing was promised, nothing fails); when vLLM
+offers the recomputed blocks for storing, each block kvtier holds goes to a scratch host page
+instead (its held copy kept from eviction by a load that counts no hit), and at the store's
+completion the two pages are compared (`kvtier.engine.audit`), the scratch page dropped, and
+a mismatch evicted and logged once.
+
 Why an offloading spec and not a whole `KVConnectorBase_V1`: vLLM's offloading connector
 already does the scheduler bookkeeping (which blocks to store after each step, deferred
 lookups, preemption fences, load/store job ids); a spec plugs into it with a small surface, and
@@ -60,6 +68,7 @@ from typing import Any, overload
 
 import numpy as np
 import torch
+from kvtier.engine import audit as kv_audit
 from kvtier.engine.attached import attach
 from kvtier.engine.cache_api import EngineCache, InvalidRequestError, Lookup
 from kvtier.engine.defaults import apply_defaults
@@ -126,6 +135,9 @@ METRIC_HITS = "vllm:kv_offload_kvtier_hits"
 METRIC_MISSES = "vllm:kv_offload_kvtier_misses"
 METRIC_EVICTIONS = "vllm:kv_offload_kvtier_evictions"
 METRIC_HOST_USAGE = "vllm:kv_offload_kvtier_host_usage_perc"
+METRIC_AUDIT = "vllm:kv_offload_kvtier_audit_blocks"
+METRIC_AUDIT_MAX_ABS = "vllm:kv_offload_kvtier_audit_max_abs_diff"
+METRIC_AUDIT_MAX_REL = "vllm:kv_offload_kvtier_audit_max_rel_diff"
 METRICS: dict[str, OffloadingMetricMetadata] = {
     METRIC_LOOKUPS: OffloadingCounterMetadata(
         documentation="Blocks vLLM looked up in kvtier (answered hit or miss)."),
@@ -139,6 +151,16 @@ METRICS: dict[str, OffloadingMetricMetadata] = {
         documentation="Host copies kvtier evicted to make room for vLLM's stores."),
     METRIC_HOST_USAGE: OffloadingGaugeMetadata(
         documentation="Fraction of kvtier's host blocks in use (embedded instances)."),
+    METRIC_AUDIT: OffloadingCounterMetadata(
+        documentation="Blocks of kvtier's sampled recompute audit, by result (equal, "
+                      "within_tolerance, mismatch) and the tier the held copy was served from.",
+        labelnames=("result", "tier")),
+    METRIC_AUDIT_MAX_ABS: OffloadingGaugeMetadata(
+        documentation="Largest absolute element difference the audit has seen between a "
+                      "recomputed block and kvtier's copy (0: every audited block equal)."),
+    METRIC_AUDIT_MAX_REL: OffloadingGaugeMetadata(
+        documentation="Largest relative element difference the audit has seen, "
+                      "|a - b| / (|b| + mean|b|) (kvtier.engine.audit)."),
 }
 
 
@@ -329,6 +351,51 @@ class _LazyKeys(Sequence[bytes]):
         return iter(self._get())
 
 
+class _Pending:
+    """One open audit: the scratch page's key and host block, the held copy's host block
+    (held from eviction by a load), the tier it was served from, the layers its group uses
+    (None: all) and the pools' generation when planned."""
+
+    __slots__ = ("generation", "held", "layers", "scratch", "scratch_key", "tier")
+
+    def __init__(self, scratch_key: bytes, held: int, scratch: int, tier: str,
+                 layers: int | None, generation: int) -> None:
+        self.scratch_key, self.held, self.scratch = scratch_key, held, scratch
+        self.tier, self.layers, self.generation = tier, layers, generation
+
+
+class _Audit:
+    """The audit's state on the scheduler side: `sampler`; `requests`, req id -> drawn or
+    not (decided at its first hit, forgotten when it finishes); `pending`, hash -> its open
+    audit; `figures`, blocks by result and tier and the largest differences; `logged`, blocks
+    whose mismatch was logged (once per block)."""
+
+    def __init__(self, cfg: KvtierConfig) -> None:
+        self.sampler = kv_audit.AuditSampler(cfg.audit.rate, cfg.audit.max_blocks_per_s)
+        self.dtype = cfg.model.dtype
+        self.reader = kv_audit.PageReader(kv_shape(cfg))
+        self.requests: dict[str, bool] = {}
+        self.pending: dict[bytes, _Pending] = {}
+        self.figures = kv_audit.AuditFigures()
+        self.skipped = 0  # drawn blocks not audited (no scratch page free)
+        self.logged: set[bytes] = set()
+        self.last_digests = ("", "")
+
+    def compare(self, segments: tuple[tuple[str, int], ...], p: _Pending) -> kv_audit.Verdict:
+        """Both copies compared on every rank; the worst rank's verdict."""
+        worst: kv_audit.Verdict | None = None
+        for rank, (name, inode) in enumerate(segments):
+            held = self.reader.page(rank, name, inode, p.held, p.layers)
+            fresh = self.reader.page(rank, name, inode, p.scratch, p.layers)
+            v = kv_audit.compare_pages(fresh, held, self.dtype)
+            if worst is None or (kv_audit.RESULTS.index(v.result), v.max_rel) > (
+                    kv_audit.RESULTS.index(worst.result), worst.max_rel):
+                worst = v
+                self.last_digests = (kv_audit.digest(held), kv_audit.digest(fresh))
+        assert worst is not None
+        return worst
+
+
 class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
     """vLLM's scheduler-side offloading manager over kvtier's `EngineCache`, in one of two
     modes chosen by `kvtier_serve` in kv_connector_extra_config:
@@ -420,6 +487,20 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             elif self.cache.enable_events():
                 self._events = EventRelay(self._storage_locality(),
                                           spec.kv_events_config.self_describing_kv_events)
+        # the sampled recompute audit (embedded; `audit` in kvtier's config)
+        self.audit: _Audit | None = None
+        if self.node is not None:
+            self.audit = _Audit(self.cfg)
+            # kvtier's /metrics and /status
+            self.node.register_metrics(self.audit.figures, self._audit_status, "audit")
+            if self.audit.sampler.rate > 0:
+                log.info("kvtier: auditing %s of the requests that hit kvtier (at most %s "
+                         "blocks/s): their hits are recomputed and compared%s",
+                         self.cfg.audit.sample, self.cfg.audit.max_blocks_per_s or "any",
+                         " (off while KV events are on)" if self._events is not None else "")
+        elif self.cfg.audit.rate > 0:
+            log.warning("kvtier: audit.sample is set, but the audit runs in embedded mode only "
+                        "(this instance is attached to kvtier serve): no audit")
         atexit.register(self.shutdown)
 
     # -- keys
@@ -480,6 +561,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                                   threshold_tokens=threshold)
         if found is Lookup.HIT or found is Lookup.MISS:
             self._add(METRIC_LOOKUPS)
+        if found is Lookup.HIT and self._audited(key, req_context):
+            return LookupResult.MISS  # recomputed, then compared (prepare_store)
         if found is Lookup.HIT:
             if self._events is not None:  # vLLM snapshots the block's tokens on a HIT
                 self._events.described(key, stored=False)
@@ -490,6 +573,27 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             return LookupResult.RETRY
         self._add(METRIC_MISSES)
         return LookupResult.MISS
+
+    def _audit_status(self) -> dict[str, Any]:
+        """The audit in kvtier's /status: its settings, requests drawn and capped, and its
+        figures."""
+        audit = self.audit
+        assert audit is not None
+        return {"sample": audit.sampler.rate, "max_blocks_per_s": audit.sampler.max_blocks_per_s,
+                "requests_drawn": audit.sampler.drawn, "requests_capped": audit.sampler.capped,
+                "blocks_skipped": audit.skipped, **audit.figures.status()}
+
+    def _audited(self, key: OffloadKey, req_context: ReqContext) -> bool:
+        """Whether this request's hits are audited (drawn at its first hit, then kept)."""
+        audit = self.audit
+        if audit is None or audit.sampler.rate <= 0 or self._events is not None:
+            return False
+        rid = req_context.req_id
+        drawn = audit.requests.get(rid)
+        if drawn is None:
+            drawn = audit.requests[rid] = audit.sampler.draw(
+                self._asked_blocks(key, req_context))
+        return drawn
 
     def _asked_blocks(self, key: OffloadKey, req_context: ReqContext) -> int:
         """How many blocks of the request vLLM asks kvtier about, from `key` on (those past its
@@ -587,12 +691,27 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         plan = self.cache.prepare_store(hashes)
         if plan is None:
             return None
-        segments = self._segments(generation) if plan.keys else ()
+        # an audited request's blocks kvtier holds: copied into scratch pages, compared
+        evicted = list(plan.evicted_hashes)
+        audits = (self._prepare_audits(keys, hashes, set(plan.keys), evicted)
+                  if self.audit is not None and self.audit.requests.get(req_context.req_id)
+                  else {})
+        segments = self._segments(generation) if plan.keys or audits else ()
         if segments is None:  # the pools changed under the plan: nothing is stored
             self.cache.complete_store(plan.keys, ok=False)
+            for h in audits:
+                self._finish_audit(h, compare=False)
             return None
-        # kvtier's keys back to vLLM's (a group's key is not vLLM's block hash)
+        # kvtier's keys back to vLLM's (a group's key is not vLLM's block hash), in vLLM's
+        # order: the keys to store and the audited ones, each with its host block
         offload_key = dict(zip(hashes, keys, strict=True))
+        new = dict(zip(plan.keys, plan.host_ids, strict=True))
+        targets: dict[bytes, int] = {}
+        for h in hashes:
+            if h in new:
+                targets[h] = new[h]
+            elif h in audits:
+                targets[h] = audits[h]
         stored = [offload_key[h] for h in plan.keys]
         self._count(stored, "stored")
         if self._events is not None:  # vLLM snapshots the tokens of each key it stores
@@ -600,13 +719,92 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 self._events.described(k, stored=True)
         self._add(METRIC_EVICTIONS, plan.evicted)
         return PrepareStoreOutput(
-            keys_to_store=stored,
-            store_spec=KvtierLoadStoreSpec(plan.host_ids, segments),
-            evicted_keys=[self._offload_key(h) for h in plan.evicted_hashes])
+            keys_to_store=[offload_key[h] for h in targets],
+            store_spec=KvtierLoadStoreSpec(list(targets.values()), segments),
+            evicted_keys=[self._offload_key(h) for h in evicted])
+
+    def _prepare_audits(self, keys: list[OffloadKey], hashes: list[bytes], new: set[bytes],
+                        evicted: list[bytes]) -> dict[bytes, int]:
+        """For each block of an audited request that kvtier holds on the host and that no
+        other audit has open: its host copy held from eviction (a load that counts no hit) and
+        a scratch host page for vLLM's recomputed copy (the copies evicted for it are added to
+        `evicted`). Returns hash -> scratch host block."""
+        audit = self.audit
+        assert audit is not None
+        # first every held copy kept from eviction (so that a scratch page never evicts a
+        # block audited next), then the scratch pages, all or none
+        held: dict[bytes, tuple[OffloadKey, int, str]] = {}
+        for k, h in zip(keys, hashes, strict=True):
+            if h in new or h in audit.pending or h in held:
+                continue
+            tier = "storage" if self.cache.from_storage(h) else "host"
+            try:
+                held[h] = (k, self.cache.prepare_load([h], [False])[0], tier)
+            except InvalidRequestError:
+                continue  # not on the host and ready (evicted, being written): not audited
+        if not held:
+            return {}
+        scratch_keys = [kv_audit.scratch_key(h) for h in held]
+        scratch = self.cache.prepare_store(scratch_keys)
+        if scratch is None or scratch.keys != scratch_keys:
+            if scratch is not None:
+                self.cache.complete_store(scratch.keys, ok=False)
+            self.cache.complete_load(list(held))
+            audit.skipped += len(held)
+            return {}
+        self._add(METRIC_EVICTIONS, scratch.evicted)
+        evicted += scratch.evicted_hashes
+        out: dict[bytes, int] = {}
+        generation = self.cache.generation
+        for (h, (k, at, tier)), skey, sid in zip(held.items(), scratch_keys, scratch.host_ids,
+                                                 strict=True):
+            group = self._groups.get(get_offload_group_idx(k))
+            audit.pending[h] = _Pending(skey, at, sid, tier,
+                                        len(group.layer_names) if group else None, generation)
+            out[h] = sid
+        return out
+
+    def _finish_audit(self, h: bytes, *, compare: bool) -> None:
+        """Compare the recomputed copy of `h` with kvtier's (when `compare`), give the scratch
+        page and the hold back, count the result; a mismatch evicts the block."""
+        audit = self.audit
+        assert audit is not None
+        p = audit.pending.pop(h)
+        verdict: kv_audit.Verdict | None = None
+        try:
+            segments = self._segments(p.generation) if compare else None
+            if segments is not None:
+                verdict = audit.compare(segments, p)
+        except Exception as e:  # an unreadable page proves nothing: not counted
+            log.warning("kvtier: audit of block %s… could not compare: %s", h[:8].hex(), e)
+        finally:
+            self.cache.complete_store([p.scratch_key], ok=False)
+            self.cache.complete_load([h])
+        if verdict is None:
+            return
+        self._add(METRIC_AUDIT, 1, (verdict.result, p.tier))
+        audit.figures.record(verdict, p.tier)
+        if verdict.result == kv_audit.MISMATCH:
+            evicted = self.node.cache.evict([h]) if self.node is not None else 0
+            if h not in audit.logged:
+                audit.logged.add(h)
+                log.error("kvtier audit: block %s (tier %s, namespace %s) differs from vLLM's "
+                          "recomputation beyond tolerance: max abs %.6g, max rel %.6g; "
+                          "digests held %s, recomputed %s; %s", h.hex(), p.tier,
+                          self.cfg.model.name, verdict.max_abs, verdict.max_rel,
+                          audit.last_digests[0], audit.last_digests[1],
+                          "evicted from the host tier" if evicted else "no longer held")
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
-        self.cache.complete_store(self._hashes(keys), ok=success)
+        hashes = self._hashes(keys)
+        audit = self.audit
+        if audit is not None and audit.pending:
+            audited = {h for h in hashes if h in audit.pending}
+            for h in audited:
+                self._finish_audit(h, compare=success)
+            hashes = [h for h in hashes if h not in audited]
+        self.cache.complete_store(hashes, ok=success)
 
     def _add(self, name: str, n: int = 1, labels: tuple[str, ...] = ()) -> None:
         if n:
@@ -622,6 +820,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             stats.increase_counter(name, n, labels)
         for name in (METRIC_LOOKUPS, METRIC_MISSES, METRIC_EVICTIONS):
             stats.increase_counter(name, 0)  # present from the first scrape
+        if self.audit is not None and self.audit.sampler.rate > 0:
+            stats.set_gauge(METRIC_AUDIT_MAX_ABS, self.audit.figures.max_abs)
+            stats.set_gauge(METRIC_AUDIT_MAX_REL, self.audit.figures.max_rel)
         if self.node is not None:
             m = self.node.stack.manager
             if m is not None and m.host_capacity:
@@ -655,6 +856,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.cache.forget_request(req_context.req_id)
         self._sources.pop(req_context.req_id, None)
+        if self.audit is not None:
+            self.audit.requests.pop(req_context.req_id, None)
 
     def has_pending_work(self) -> bool:
         return self.cache.pending_work()
@@ -668,6 +871,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         them)."""
         if self._events is not None:  # vLLM's tracker forgets every block's tokens now
             self._events.reset()
+        if self.audit is not None:  # their copies are abandoned below, never completed
+            self.audit.pending.clear()
         try:
             self.cache.reset()
         except KvtierError as e:  # transfers did not drain: the host tier stays as it was
@@ -680,6 +885,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         if self._closed:
             return
         self._closed = True
+        if self.audit is not None:
+            self.audit.reader.close()
         if self.node is not None:
             self.node.close()
         else:

@@ -73,6 +73,7 @@ from kvtier.manager.config.render import (
 )
 from kvtier.manager.config.sections import (
     AdminConfig,
+    AuditConfig,
     CacheConfig,
     ModelConfig,
     NodeConfig,
@@ -81,6 +82,7 @@ from kvtier.manager.config.sections import (
 )
 from kvtier.manager.config.values import (
     local_endpoint_problem,
+    parse_sample,
     path_problem,
     redact_url,
     redis_url_problem,
@@ -102,6 +104,7 @@ __all__ = [
     "SHM_DIR",
     "TOKEN_ENV_ALIAS",
     "AdminConfig",
+    "AuditConfig",
     "CacheConfig",
     "ConfigError",
     "EnvironmentSource",
@@ -122,6 +125,7 @@ __all__ = [
     "mem_available_bytes",
     "node_only",
     "page_bytes",
+    "parse_sample",
     "path_problem",
     "rank_device",
     "redact_url",

@@ -15,6 +15,7 @@ from kvtier.manager.config.base import (
 )
 from kvtier.manager.config.sections import (
     AdminConfig,
+    AuditConfig,
     CacheConfig,
     ModelConfig,
     NodeConfig,
@@ -74,6 +75,10 @@ class KvtierConfig(BaseSettings):
         default_factory=NodeConfig,
         description="The node service: engines attach over a Unix socket and share the host "
         "tier by namespace.",
+    )
+    audit: AuditConfig = Field(
+        default_factory=AuditConfig,
+        description="The sampled recompute audit of an engine's kvtier hits (vLLM, embedded).",
     )
 
     @classmethod

@@ -8,7 +8,12 @@ from __future__ import annotations
 from typing import Literal
 
 from kvtier.manager.config.base import MAX_BLOCKS, MAX_TIMEOUT_S, MAX_TTL_S
-from kvtier.manager.config.values import local_endpoint_problem, path_problem, redis_url_problem
+from kvtier.manager.config.values import (
+    local_endpoint_problem,
+    parse_sample,
+    path_problem,
+    redis_url_problem,
+)
 from kvtier.manager.private_state import MIN_SECRET_BYTES
 from kvtier.worker import numa
 from kvtier.worker.ipc import MAX_RANKS
@@ -543,3 +548,33 @@ class NodeConfig(BaseModel):
     def quota(self, namespace: str) -> int:
         """Host bytes namespace `namespace` may hold, over all its ranks."""
         return self.quotas.get(namespace, self.namespace_quota_bytes)
+
+
+class AuditConfig(BaseModel):
+    """The sampled recompute audit of an engine's kvtier hits (the vLLM integration,
+    embedded): an audited hit is recomputed by the engine instead of loaded, and the
+    recomputed block compared with the copy kvtier holds (`kvtier.engine.audit`)."""
+
+    model_config = _SECTION
+
+    sample: str | float = Field(
+        "0",
+        description="share of requests hitting kvtier that are audited: a probability in "
+        "[0, 1] or 'k/N' (\"1/1000\"); 0: off (nothing changes)",
+    )
+    max_blocks_per_s: float = Field(
+        100.0, ge=0, le=1e9, allow_inf_nan=False,
+        description="audited blocks per second at most, on average (each one is recomputed "
+        "instead of loaded); 0: no cap",
+    )
+
+    @field_validator("sample")
+    @classmethod
+    def _a_probability(cls, value: str | float) -> str | float:
+        parse_sample(value)
+        return value
+
+    @property
+    def rate(self) -> float:
+        """`sample` as a probability."""
+        return parse_sample(self.sample)

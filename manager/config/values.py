@@ -4,6 +4,7 @@ and how a value is shown in a message (a Redis password redacted, a long value c
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -142,3 +143,26 @@ def _short_repr(value: Any, limit: int = 120) -> str:
         return text
     size = f" ({len(value)} characters)" if isinstance(value, str) else ""
     return f"{text[:limit // 2]}...{text[-limit // 4:]}{size}"
+
+
+def parse_sample(value: str | float) -> float:
+    """`audit.sample` as a probability: a number in [0, 1], or "k/N" (0 <= k <= N, N >= 1).
+    Raises ValueError with a one-line reason."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a probability in [0, 1] or '1/N', got {value!r}")
+    text = str(value).strip()
+    try:
+        if "/" in text:
+            num, _, den = text.partition("/")
+            k, n = int(num), int(den)
+            if n < 1 or not 0 <= k <= n:
+                raise ValueError
+            rate = k / n
+        else:
+            rate = float(text)
+    except ValueError:
+        raise ValueError(f"expected a probability in [0, 1] or 'k/N' (0 <= k <= N, N >= 1), "
+                         f"got {value!r}") from None
+    if not 0.0 <= rate <= 1.0 or math.isnan(rate):
+        raise ValueError(f"expected a probability in [0, 1] or 'k/N', got {value!r}")
+    return rate

@@ -1010,6 +1010,15 @@ class CacheCore:
         self._unconfirmed.clear()  # their nodes went with the tree
         self._dev_in_tree = self._host_in_tree = 0
 
+    def write_off(self, node: Node) -> None:
+        """A client decided this cached node's copies must not be served again (an engine's
+        audit found its host copy wrong): out of the tree now, its blocks back once nothing
+        in flight uses them."""
+        with self.lock:
+            if node.key is None or self._map.get(node.key) is not node:
+                return  # already written off or replaced
+            self._write_off(node)
+
     def _write_off(self, node: Node) -> None:
         """Take an attached node out of the tree now. Blocks a transfer in flight uses come
         back when it is answered (`_written_off`, `_settle`); a device block requests hold
