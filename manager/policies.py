@@ -159,6 +159,11 @@ class EvictionStrategy:
         """The next `n` victims, in order, without evicting them (state unchanged)."""
         raise NotImplementedError
 
+    def forget(self, key: int) -> None:
+        """The copy of `key` left the tier by another way than eviction (a host copy freed
+        after a load, dropped): its entry dies, its class is no longer counted."""
+        raise NotImplementedError
+
     def compact(self, evictable: Iterable[EvictableNode], size: int,
                 alive: Callable[[int], bool]) -> None:
         raise NotImplementedError
@@ -278,6 +283,9 @@ class HeapEviction(EvictionStrategy):
             self.on_evict(prio)
             return node
         return None
+
+    def forget(self, key: int) -> None:
+        self._meta.pop(key, None)
 
     def upcoming(self, n: int) -> list[Any]:
         heap = self._heap
@@ -502,6 +510,11 @@ class SplitEviction(EvictionStrategy):
             if len(ghost) > self.capacity:
                 ghost.popitem(last=False)
         return node
+
+    def forget(self, key: int) -> None:
+        m = self._meta.pop(key, None)
+        if m is not None:
+            self.sizes[m[3]] -= 1
 
     def victim(self) -> Any:
         cls = self._choose()

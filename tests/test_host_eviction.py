@@ -119,3 +119,35 @@ def test_unknown_or_write_back_is_one_line(tmp_path: Path) -> None:
     ok = tmp_path / "ok.toml"
     ok.write_text('[cache]\nhost_eviction_policy = "s3fifo"\n')
     assert load_config(ok, {}, check_resources=False).cache.host_eviction_policy == "s3fifo"
+
+
+def test_scheduler_api_host_tier_under_each_policy() -> None:
+    """The scheduler API's host tier (write_through: every committed block backed up, the
+    host tier evicting as it fills): random conversations under each policy keep the core's
+    invariants after every request, never fall back to the list's oldest, and the policies
+    change the host hits (so the strategy, not the list, chose)."""
+    host_hits = {}
+    for policy in EVICTION_POLICIES:
+        m = KVCacheManager(block_size=4, device_blocks=24, host_blocks=40,
+                           write_policy="write_through", host_eviction_policy=policy)
+        rng = random.Random(7)
+        convs: list[list[int]] = []
+        for i in range(400):
+            if convs and rng.random() < 0.7:
+                j = rng.randrange(len(convs))
+                convs[j] = convs[j] + [rng.randrange(50) for _ in range(rng.randint(1, 8))]
+                prompt = convs[j][:80]
+            else:
+                prompt = [rng.randrange(50) for _ in range(rng.randint(4, 24))]
+                convs.append(prompt)
+            rid = f"r{i}"
+            mr = m.match(rid, prompt)
+            m.allocate(rid, len(prompt) - mr.num_tokens, reserve_blocks=0)
+            m.commit(rid, prompt, len(prompt))
+            m.release(rid)
+            m.check_invariants()
+        assert m.counters.eviction_policy_fallbacks == 0, policy
+        assert m.counters.evicted_host_drop > 0, policy
+        host_hits[policy] = m.counters.hit_host_tokens
+    assert all(h > 0 for h in host_hits.values()), host_hits
+    assert len(set(host_hits.values())) > 1, host_hits

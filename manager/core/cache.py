@@ -380,6 +380,8 @@ class CacheCore:
         self._host_pool.free_one(node.host)  # type: ignore[arg-type]
         node.host = None
         self._host_in_tree -= node.key is not None
+        if self._host_evict is not None and node.key is not None:
+            self._host_evict.forget(node.key)
 
     def _drop_host_copy(self, node: Node) -> None:
         if node.hprev is not None:
@@ -387,6 +389,8 @@ class CacheCore:
         self._host_pool.free_one(node.host)  # type: ignore[arg-type]
         node.host = None
         self._host_in_tree -= 1
+        if self._host_evict is not None and node.key is not None:
+            self._host_evict.forget(node.key)
 
     # ------------------------------------------------------------------ LRU membership
 
