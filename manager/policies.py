@@ -499,12 +499,12 @@ class SplitEviction(EvictionStrategy):
             return 0
         return 1 if (t1[0], t1[1]) < (t0[0], t0[1]) else 0  # the leaves-first guard
 
-    def _evict(self, cls: int) -> Any:
+    def _evict(self, cls: int, ghost_too: bool = True) -> Any:
         node = heapq.heappop(self._heaps[cls])[3]
         key = node.key
         del self._meta[key]
         self.sizes[cls] -= 1
-        if self.keeps_ghost(cls):
+        if ghost_too and self.keeps_ghost(cls):
             ghost = self.ghosts[cls]
             ghost[key] = None
             if len(ghost) > self.capacity:
@@ -521,11 +521,10 @@ class SplitEviction(EvictionStrategy):
         return None if cls < 0 else self._evict(cls)
 
     def upcoming(self, n: int) -> list[Any]:
-        """The next `n` victims without evicting them: evicted for real, then every trace
-        of it undone (entries pushed back with their seqs, sizes and ghosts restored)."""
+        """The next `n` victims without evicting them: taken off the heaps as eviction
+        would (the ghosts untouched: they decide nothing about the next victim), then put
+        back with their seqs and the sizes restored. O(n log n)."""
         saved_sizes = list(self.sizes)
-        saved_ghosts = tuple(OrderedDict(g) for g in self.ghosts)
-        saved_state = self._save()
         out: list[tuple[int, tuple[float, int, int, Any], tuple[int, float, int, int]]] = []
         while len(out) < n:
             cls = self._choose()
@@ -533,21 +532,13 @@ class SplitEviction(EvictionStrategy):
                 break
             entry = self._heaps[cls][0]
             meta = self._meta[entry[3].key]
-            self._evict(cls)
+            self._evict(cls, ghost_too=False)
             out.append((cls, entry, meta))
         for cls, entry, meta in out:
             heapq.heappush(self._heaps[cls], entry)
             self._meta[entry[3].key] = meta
         self.sizes = saved_sizes
-        self.ghosts = saved_ghosts  # type: ignore[assignment]
-        self._restore(saved_state)
         return [e[3] for _, e, _ in out]
-
-    def _save(self) -> Any:
-        return None
-
-    def _restore(self, state: Any) -> None:
-        pass
 
     def compact(self, evictable: Iterable[EvictableNode], size: int,
                 alive: Callable[[int], bool]) -> None:
@@ -588,12 +579,6 @@ class ArcEviction(SplitEviction):
             self.p = min(float(self.capacity), self.p + max(1.0, b2 / b1))
         else:
             self.p = max(0.0, self.p - max(1.0, b1 / b2))
-
-    def _save(self) -> Any:
-        return self.p
-
-    def _restore(self, state: Any) -> None:
-        self.p = state
 
 
 class S3FifoEviction(SplitEviction):
