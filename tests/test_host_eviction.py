@@ -151,3 +151,21 @@ def test_scheduler_api_host_tier_under_each_policy() -> None:
         host_hits[policy] = m.counters.hit_host_tokens
     assert all(h > 0 for h in host_hits.values()), host_hits
     assert len(set(host_hits.values())) > 1, host_hits
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_config_reaches_the_keyed_surface(tmp_path: Path, policy: str) -> None:
+    """`assemble` (every home: `Stack`, the node's namespaces, the vLLM adapter) hands the
+    key to the core under a keyed surface: its host tier runs the configured strategy."""
+    from kvtier.manager.stack import assemble
+    from kvtier.manager.transfers import ImmediateDispatcher
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[cache]\nhost_eviction_policy = "{policy}"\nhost_blocks = 4\n'
+                   '[storage]\nbackend = "none"\n')
+    parts = assemble(load_config(cfg, {}, check_resources=False), ImmediateDispatcher(),
+                     keyed_namespace=b"i38b")
+    assert parts.keyed is not None
+    strategy = parts.manager._host_evict
+    assert (strategy is None) if policy == "lru" else (strategy.name == policy
+                                                       and strategy.tier == "host")
