@@ -178,7 +178,8 @@ class HeapEviction(EvictionStrategy):
 
     Data structures: `_heap`, a binary min-heap of entries (priority, -depth, seq, node) with
     lazy deletion; `_meta`, tree key -> (depth, stamp, seq) of the node's newest entry. An
-    entry is live when its node is still in the device LRU list (the core's set of evictable
+    entry is live when its node is still in its tier's LRU list (device, or host for
+    `cache.host_eviction_policy`) (the core's set of evictable
     nodes: no reference, no pin, no transfer) and its seq is the newest; anything else is
     skipped when it surfaces. `push` is O(log n), `victim` amortized O(log n), and the heap is
     rebuilt from the evictable nodes when dead entries outnumber live ones (`compact`).
