@@ -1065,6 +1065,9 @@ class CacheCore:
             self._host_in_tree -= 1
         if node.key is not None and self._map.get(node.key) is node:
             del self._map[node.key]
+            for strategy in (self._evict, self._host_evict):  # its entries die with it
+                if strategy is not None:
+                    strategy.forget(node.key)
         self._pins.pop(node, None)
         node.key = None
         node.flags &= ~PINNED
