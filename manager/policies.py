@@ -4,8 +4,9 @@ Each policy is a small strategy object the manager consults at three moments: a 
 committed, a block is hit, a block is evicted from the device. The device eviction order
 (`cache.eviction_policy`, at the end of this module) is LRU over the intrusive lists in
 `kvtier.manager.core.nodes` by default (O(1) per block, compiled, no strategy object); `lfuda`
-and `hitboost` are `HeapEviction` strategies over the same list's evictable nodes (O(log n)).
-The host tier's order is LRU only.
+and `hitboost` are `HeapEviction` strategies over the same list's evictable nodes, `arc` and
+`s3fifo` `SplitEviction` ones (O(log n)). The host tier's order (`cache.host_eviction_policy`)
+is the same choice over the host LRU list's nodes.
 
 | policy                  | on commit | on hit                | device eviction   | after a load |
 |-------------------------|-----------|-----------------------|-------------------|--------------|
@@ -37,8 +38,10 @@ evicted unwritten and counted (`evicted_host_unstored`). Every decision is O(1) 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Protocol
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -111,12 +114,13 @@ def make_storage_write_policy(name: str, write_threshold: int = 1) -> StorageWri
                      f"{', '.join(STORAGE_WRITE_POLICIES)}")
 
 
-# ------------------------------------------------------------------ device eviction order
+# ------------------------------------------------------------------ eviction order
 
-EVICTION_POLICIES = ("lru", "lfuda", "hitboost")
-"""`cache.eviction_policy` values. `lru` is the compiled intrusive list of
-`kvtier.manager.core.nodes` (no strategy object: the hot path stays as it was); the others
-are `HeapEviction` strategies."""
+EVICTION_POLICIES = ("lru", "lfuda", "hitboost", "arc", "s3fifo")
+"""`cache.eviction_policy` and `cache.host_eviction_policy` values. `lru` is the compiled
+intrusive list of `kvtier.manager.core.nodes` (no strategy object: the hot path stays as it
+was); `lfuda` / `hitboost` are `HeapEviction` strategies, `arc` / `s3fifo` `SplitEviction`
+ones."""
 
 
 class EvictableNode(Protocol):
@@ -127,13 +131,55 @@ class EvictableNode(Protocol):
     dprev: Any
 
 
-class HeapEviction:
+class EvictionStrategy:
+    """What the core asks of an eviction order, on the device tier (`tier="device"`: fed by
+    `released` and `listed`, live while in the device LRU list, `dprev` set) or the host
+    tier (`tier="host"`: fed by `touched` each time a host copy joins the host LRU list or
+    is used, live while in that list, `hprev` set)."""
+
+    name = "strategy"
+
+    def __init__(self, tier: str = "device") -> None:
+        self.tier = tier
+        self._link = attrgetter("dprev" if tier == "device" else "hprev")
+
+    def released(self, nodes: Sequence[EvictableNode | None]) -> None:
+        raise NotImplementedError
+
+    def listed(self, node: EvictableNode) -> None:
+        raise NotImplementedError
+
+    def touched(self, node: EvictableNode) -> None:
+        raise NotImplementedError
+
+    def victim(self) -> Any:
+        raise NotImplementedError
+
+    def upcoming(self, n: int) -> list[Any]:
+        """The next `n` victims, in order, without evicting them (state unchanged)."""
+        raise NotImplementedError
+
+    def forget(self, key: int) -> None:
+        """The copy of `key` left the tier by another way than eviction (a host copy freed
+        after a load, dropped): its entry dies, its class is no longer counted."""
+        raise NotImplementedError
+
+    def compact(self, evictable: Iterable[EvictableNode], size: int,
+                alive: Callable[[int], bool]) -> None:
+        raise NotImplementedError
+
+    def clear(self) -> None:
+        raise NotImplementedError
+
+
+class HeapEviction(EvictionStrategy):
     """An eviction order given by a priority, the lowest evicted first: the base of every
     device eviction policy but `lru`.
 
     Data structures: `_heap`, a binary min-heap of entries (priority, -depth, seq, node) with
     lazy deletion; `_meta`, tree key -> (depth, stamp, seq) of the node's newest entry. An
-    entry is live when its node is still in the device LRU list (the core's set of evictable
+    entry is live when its node is still in its tier's LRU list (device, or host for
+    `cache.host_eviction_policy`) (the core's set of evictable
     nodes: no reference, no pin, no transfer) and its seq is the newest; anything else is
     skipped when it surfaces. `push` is O(log n), `victim` amortized O(log n), and the heap is
     rebuilt from the evictable nodes when dead entries outnumber live ones (`compact`).
@@ -150,7 +196,8 @@ class HeapEviction:
 
     name = "heap"
 
-    def __init__(self) -> None:
+    def __init__(self, tier: str = "device") -> None:
+        super().__init__(tier)
         self._heap: list[tuple[float, int, int, Any]] = []
         self._meta: dict[int, tuple[int, float, int, float]] = {}
         self._seq = 0
@@ -180,10 +227,11 @@ class HeapEviction:
         stamp = self.clock
         bonus = self.request_bonus(nodes)
         meta = self._meta
+        live = self._link
         for depth, node in enumerate(nodes):
             if node is None or node.key is None:
                 continue
-            if node.dprev is not None:
+            if live(node) is not None:
                 self._push(node, node.key, depth, stamp, bonus)
             else:
                 # Still held (pinned, another request, a transfer): not evictable now, but
@@ -203,6 +251,15 @@ class HeapEviction:
         else:
             self._push(node, key, meta[0], meta[1], meta[3])
 
+    def touched(self, node: EvictableNode) -> None:
+        """Host tier: `node`'s copy joined the host LRU list or was used: one more step of
+        the clock, and the node ranks as of now."""
+        key = node.key
+        if key is None:
+            return
+        self.on_release(1)
+        self._push(node, key, 0, self.clock, 0.0)
+
     def _push(self, node: EvictableNode, key: int, depth: int, stamp: float,
               bonus: float) -> None:
         self._seq = seq = self._seq + 1
@@ -214,10 +271,11 @@ class HeapEviction:
         entry is left; the caller unlinks and evicts it)."""
         heap = self._heap
         meta = self._meta
+        live = self._link
         while heap:
             prio, _, seq, node = heapq.heappop(heap)
             key = node.key
-            if key is None or node.dprev is None:
+            if key is None or live(node) is None:
                 continue
             m = meta.get(key)
             if m is None or m[2] != seq:
@@ -226,6 +284,28 @@ class HeapEviction:
             self.on_evict(prio)
             return node
         return None
+
+    def forget(self, key: int) -> None:
+        self._meta.pop(key, None)
+
+    def upcoming(self, n: int) -> list[Any]:
+        heap = self._heap
+        meta = self._meta
+        live = self._link
+        taken: list[tuple[float, int, int, Any]] = []
+        while heap and len(taken) < n:
+            entry = heapq.heappop(heap)
+            node = entry[3]
+            key = node.key
+            if key is None or live(node) is None:
+                continue
+            m = meta.get(key)
+            if m is None or m[2] != entry[2]:
+                continue
+            taken.append(entry)
+        for entry in taken:  # same seqs: live again, in the same order
+            heapq.heappush(heap, entry)
+        return [e[3] for e in taken]
 
     def compact(self, evictable: Iterable[EvictableNode], size: int,
                 alive: Callable[[int], bool]) -> None:
@@ -276,8 +356,8 @@ class HitBoostEviction(HeapEviction):
 
     name = "hitboost"
 
-    def __init__(self, capacity: int, boost: float = 1.0) -> None:
-        super().__init__()
+    def __init__(self, capacity: int, boost: float = 1.0, tier: str = "device") -> None:
+        super().__init__(tier)
         self.window = boost * capacity
 
     def on_release(self, blocks: int) -> None:
@@ -287,14 +367,250 @@ class HitBoostEviction(HeapEviction):
         return stamp + (self.window if hits else 0.0)
 
 
-def make_eviction_policy(name: str, capacity: int) -> HeapEviction | None:
-    """The strategy for `cache.eviction_policy = name` on a tier of `capacity` blocks; None
-    for `lru` (the core's compiled list order)."""
+class SplitEviction(EvictionStrategy):
+    """Two queues, a probation one (class 0: blocks never hit) and a protected one (class 1:
+    hit at least once, or readmitted from a ghost list), each ordered by (stamp, -depth,
+    seq), the stamp being the clock of the node's last release (device: one step per
+    released request; host: one per touch). Each policy decides which queue loses a block
+    (`evict_probation`) and what a ghost hit teaches it (`ghost_hit`); the mechanism keeps
+    the rest.
+
+    Data: `_heaps`, two binary min-heaps with lazy deletion, as `HeapEviction`'s; `_meta`,
+    key -> (depth, stamp, seq, class); `sizes`, the cached keys of each class (held ones
+    included, as ARC counts them); `ghosts`, the keys evicted from each class, oldest first,
+    each bounded by the tier's capacity (`OrderedDict`: O(1) insert, hit, trim). Every
+    operation O(log n) amortized.
+
+    Leaves first, without child links: a class never decreases while a node is cached, a
+    node counts as hit when any deeper node of the same release is (a release runs from the
+    tail up, carrying the class), and a parent is released whenever its child is, so a
+    parent's class is >= its child's and its (stamp, -depth) > its child's. Within a queue
+    the lowest entry is thus no parent of a queued node of that queue; across queues a
+    protected block leaves only when its (stamp, -depth) is below the probation queue's
+    lowest one, which no ancestor of a probation block can be. When the policy wants the
+    protected queue and this guard refuses, the probation queue's lowest goes instead (the
+    one place the policies differ from their papers: a guard, not a change of what a queue
+    holds)."""
+
+    name = "split"
+
+    def __init__(self, capacity: int, tier: str = "device") -> None:
+        super().__init__(tier)
+        self.capacity = max(1, capacity)
+        self._heaps: tuple[list[tuple[float, int, int, Any]], ...] = ([], [])
+        self._meta: dict[int, tuple[int, float, int, int]] = {}
+        self.sizes = [0, 0]
+        self.ghosts: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (
+            OrderedDict(), OrderedDict())
+        self._seq = 0
+        self.clock = 0.0
+
+    # What each policy defines.
+    def evict_probation(self) -> bool:
+        raise NotImplementedError
+
+    def ghost_hit(self, cls: int) -> None:
+        """A block evicted from class `cls` came back (it joins the protected class)."""
+
+    def keeps_ghost(self, cls: int) -> bool:
+        return True
+
+    # The mechanism.
+    def _class(self, node: EvictableNode, key: int) -> int:
+        m = self._meta.get(key)
+        if m is not None and m[3]:
+            return 1
+        if node.hits:
+            return 1
+        if m is None:
+            for cls, ghost in enumerate(self.ghosts):
+                if key in ghost:
+                    del ghost[key]
+                    self.ghost_hit(cls)
+                    return 1
+        return 0
+
+    def _set(self, key: int, depth: int, stamp: float, seq: int, cls: int) -> None:
+        old = self._meta.get(key)
+        if old is not None:
+            self.sizes[old[3]] -= 1
+        self._meta[key] = (depth, stamp, seq, cls)
+        self.sizes[cls] += 1
+
+    def _push(self, node: EvictableNode, key: int, depth: int, stamp: float, cls: int) -> None:
+        self._seq = seq = self._seq + 1
+        self._set(key, depth, stamp, seq, cls)
+        heapq.heappush(self._heaps[cls], (stamp, -depth, seq, node))
+
+    def released(self, nodes: Sequence[EvictableNode | None]) -> None:
+        self.clock += 1
+        stamp = self.clock
+        live = self._link
+        up = 0
+        for depth in range(len(nodes) - 1, -1, -1):  # tail first: the class carried up
+            node = nodes[depth]
+            if node is None or node.key is None:
+                continue
+            key = node.key
+            cls = max(up, self._class(node, key))
+            up = cls
+            if live(node) is not None:
+                self._push(node, key, depth, stamp, cls)
+            else:  # held: its depth, stamp and class kept for `listed`
+                self._set(key, depth, stamp, -1, cls)
+
+    def listed(self, node: EvictableNode) -> None:
+        key = node.key
+        if key is None:
+            return
+        m = self._meta.get(key)
+        if m is None:
+            self._push(node, key, 0, self.clock, self._class(node, key))
+        else:
+            self._push(node, key, m[0], m[1], m[3])
+
+    def touched(self, node: EvictableNode) -> None:
+        key = node.key
+        if key is None:
+            return
+        self.clock += 1
+        self._push(node, key, 0, self.clock, self._class(node, key))
+
+    def _top(self, cls: int) -> tuple[float, int, int, Any] | None:
+        heap = self._heaps[cls]
+        meta = self._meta
+        live = self._link
+        while heap:
+            entry = heap[0]
+            node = entry[3]
+            key = node.key
+            if key is not None and live(node) is not None:
+                m = meta.get(key)
+                if m is not None and m[2] == entry[2]:
+                    return entry
+            heapq.heappop(heap)
+        return None
+
+    def _choose(self) -> int:
+        """The class that loses its lowest entry next (-1: none evictable)."""
+        t0, t1 = self._top(0), self._top(1)
+        if t0 is None:
+            return -1 if t1 is None else 1
+        if t1 is None or self.evict_probation():
+            return 0
+        return 1 if (t1[0], t1[1]) < (t0[0], t0[1]) else 0  # the leaves-first guard
+
+    def _evict(self, cls: int, ghost_too: bool = True) -> Any:
+        node = heapq.heappop(self._heaps[cls])[3]
+        key = node.key
+        del self._meta[key]
+        self.sizes[cls] -= 1
+        if ghost_too and self.keeps_ghost(cls):
+            ghost = self.ghosts[cls]
+            ghost[key] = None
+            if len(ghost) > self.capacity:
+                ghost.popitem(last=False)
+        return node
+
+    def forget(self, key: int) -> None:
+        m = self._meta.pop(key, None)
+        if m is not None:
+            self.sizes[m[3]] -= 1
+
+    def victim(self) -> Any:
+        cls = self._choose()
+        return None if cls < 0 else self._evict(cls)
+
+    def upcoming(self, n: int) -> list[Any]:
+        """The next `n` victims without evicting them: taken off the heaps as eviction
+        would (the ghosts untouched: they decide nothing about the next victim), then put
+        back with their seqs and the sizes restored. O(n log n)."""
+        saved_sizes = list(self.sizes)
+        out: list[tuple[int, tuple[float, int, int, Any], tuple[int, float, int, int]]] = []
+        while len(out) < n:
+            cls = self._choose()
+            if cls < 0:
+                break
+            entry = self._heaps[cls][0]
+            meta = self._meta[entry[3].key]
+            self._evict(cls, ghost_too=False)
+            out.append((cls, entry, meta))
+        for cls, entry, meta in out:
+            heapq.heappush(self._heaps[cls], entry)
+            self._meta[entry[3].key] = meta
+        self.sizes = saved_sizes
+        return [e[3] for _, e, _ in out]
+
+    def compact(self, evictable: Iterable[EvictableNode], size: int,
+                alive: Callable[[int], bool]) -> None:
+        if len(self._heaps[0]) + len(self._heaps[1]) <= 2 * size + 4096:
+            return
+        self._meta = {k: m for k, m in self._meta.items() if alive(k)}
+        self.sizes = [0, 0]
+        for m in self._meta.values():
+            self.sizes[m[3]] += 1
+        self._heaps = ([], [])
+        for node in evictable:
+            self.listed(node)
+
+    def clear(self) -> None:
+        self._heaps = ([], [])
+        self._meta = {}
+        self.sizes = [0, 0]
+
+
+class ArcEviction(SplitEviction):
+    """ARC (Megiddo and Modha, 2003) over a prefix tree: T1 = the probation queue (cached,
+    never hit), T2 = the protected one, B1 / B2 = the ghosts of each; the target `p` for
+    T1's size grows on a B1 hit by max(1, |B2| / |B1|) and shrinks on a B2 hit by max(1,
+    |B1| / |B2|), within [0, capacity]; T1 loses a block while it holds more than `p`."""
+
+    name = "arc"
+
+    def __init__(self, capacity: int, tier: str = "device") -> None:
+        super().__init__(capacity, tier)
+        self.p = 0.0
+
+    def evict_probation(self) -> bool:
+        return self.sizes[0] > self.p
+
+    def ghost_hit(self, cls: int) -> None:
+        b1, b2 = len(self.ghosts[0]) + (cls == 0), len(self.ghosts[1]) + (cls == 1)
+        if cls == 0:
+            self.p = min(float(self.capacity), self.p + max(1.0, b2 / b1))
+        else:
+            self.p = max(0.0, self.p - max(1.0, b1 / b2))
+
+
+class S3FifoEviction(SplitEviction):
+    """S3-FIFO (Yang et al., 2023) over a prefix tree: S = the probation queue (a tenth of
+    the capacity: new blocks, FIFO by insertion since a never-hit block is released once),
+    M = the protected one (hit blocks, by last release: the paper's FIFO with reinsertion
+    approximates it), G = the ghost of S only; S loses a block while it holds a tenth of the
+    capacity or more, a block back from G joins M."""
+
+    name = "s3fifo"
+    small = 0.1
+
+    def evict_probation(self) -> bool:
+        return self.sizes[0] >= self.small * self.capacity
+
+    def keeps_ghost(self, cls: int) -> bool:
+        return cls == 0
+
+
+def make_eviction_policy(name: str, capacity: int, tier: str = "device",
+                         key: str = "cache.eviction_policy") -> EvictionStrategy | None:
+    """The strategy for `key = name` on a tier of `capacity` blocks; None for `lru` (the
+    core's compiled list order)."""
     if name == "lru":
         return None
     if name == "lfuda":
-        return LfudaEviction()
+        return LfudaEviction(tier)
     if name == "hitboost":
-        return HitBoostEviction(capacity)
-    raise ValueError(f"cache.eviction_policy = {name!r}: expected one of "
-                     f"{', '.join(EVICTION_POLICIES)}")
+        return HitBoostEviction(capacity, tier=tier)
+    if name == "arc":
+        return ArcEviction(capacity, tier)
+    if name == "s3fifo":
+        return S3FifoEviction(capacity, tier)
+    raise ValueError(f"{key} = {name!r}: expected one of {', '.join(EVICTION_POLICIES)}")

@@ -128,6 +128,7 @@ class KVCacheManager(CacheCore):
         storage: Callable[[CacheCore], StorageHooks] | None = None,
         track_device_copies: bool = False,
         eviction_policy: str = "lru",
+        host_eviction_policy: str = "lru",
     ) -> None:
         """`storage`: builds the storage tier over this manager's core (called once, here);
         `track_device_copies`: engine KV, host copies read from a model runner's memory wait
@@ -147,7 +148,8 @@ class KVCacheManager(CacheCore):
             policy=(write_policy if isinstance(write_policy, WritePolicy)
                     else make_write_policy(write_policy, hit_threshold)),
             dispatcher=dispatcher, page_bytes=page_bytes,
-            transfer_timeout_s=transfer_timeout_s, eviction_policy=eviction_policy)
+            transfer_timeout_s=transfer_timeout_s, eviction_policy=eviction_policy,
+            host_eviction_policy=host_eviction_policy)
         self.num_layers = num_layers
         self.decode_reserve_blocks = decode_reserve_blocks
         self._requests: dict[str, RequestState] = {}

@@ -120,6 +120,7 @@ def assemble(cfg: KvtierConfig, dispatcher: Dispatcher, *, transfer_timeout_s: f
         block_size=c.cache.block_size, device_blocks=c.cache.device_blocks,
         host_blocks=c.cache.host_blocks, write_policy=c.cache.write_policy,
         hit_threshold=c.cache.hit_threshold, eviction_policy=c.cache.eviction_policy,
+        host_eviction_policy=c.cache.host_eviction_policy,
         decode_reserve_blocks=c.cache.decode_reserve_blocks, dispatcher=dispatcher,
         page_bytes=page_bytes(c), num_layers=c.model.num_layers + c.model.num_extra_layers,
         transfer_timeout_s=transfer_timeout_s,

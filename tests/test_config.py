@@ -54,6 +54,7 @@ BRIEF_DEFAULTS = {
         "write_policy": "write_through_selective",
         "hit_threshold": 2,
         "eviction_policy": "lru",
+        "host_eviction_policy": "lru",
         "decode_reserve_blocks": 1,
     },
     "storage": {

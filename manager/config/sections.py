@@ -97,12 +97,20 @@ class CacheConfig(BaseModel):
     hit_threshold: int = Field(
         2, ge=1, description="hits before write_through_selective backs a block up to host"
     )
-    eviction_policy: Literal["lru", "lfuda", "hitboost"] = Field(
+    eviction_policy: Literal["lru", "lfuda", "hitboost", "arc", "s3fifo"] = Field(
         "lru",
         description="which evictable device block leaves first: lru (least recently used, the "
-        "compiled list), lfuda (LFU with dynamic aging) or hitboost (LRU in which a block "
-        "that was ever hit counts as one cache size more recent); leaves always first, "
-        "pinned blocks never",
+        "compiled list), lfuda (LFU with dynamic aging), hitboost (LRU in which a block "
+        "that was ever hit counts as one cache size more recent), arc (adaptive replacement: "
+        "never-hit and hit blocks in two queues, their split learned from ghost hits) or "
+        "s3fifo (a small FIFO of new blocks in front of a main queue of hit ones); leaves "
+        "always first, pinned blocks never",
+    )
+    host_eviction_policy: Literal["lru", "lfuda", "hitboost", "arc", "s3fifo"] = Field(
+        "lru",
+        description="which evictable host copy leaves first, the same choices as "
+        "eviction_policy (lru: the host list's order, as before); not with "
+        "storage.write_policy = write_back, whose batches follow the host list",
     )
     decode_reserve_blocks: int = Field(
         1, ge=0, description="extra device blocks allocate() reserves per request for decoding"

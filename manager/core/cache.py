@@ -56,7 +56,7 @@ from kvtier.manager.core.nodes import (
 from kvtier.manager.errors import OutOfBlocksError, RequestCancelledError, TransferTimeoutError
 from kvtier.manager.policies import (
     WRITE_BACK_BATCH,
-    HeapEviction,
+    EvictionStrategy,
     WritePolicy,
     make_eviction_policy,
 )
@@ -117,13 +117,20 @@ class CacheCore:
 
     def __init__(self, *, block_size: int, device_blocks: int, host_blocks: int,
                  policy: WritePolicy, dispatcher: Dispatcher | None, page_bytes: int,
-                 transfer_timeout_s: float, eviction_policy: str = "lru") -> None:
+                 transfer_timeout_s: float, eviction_policy: str = "lru",
+                 host_eviction_policy: str = "lru") -> None:
         self.block_size = block_size  # tokens per block
         # Device eviction order: None is LRU, the intrusive list's own order (compiled);
         # otherwise a strategy (manager.policies) that picks victims among that list's nodes.
         self.eviction_policy = eviction_policy
-        self._evict: HeapEviction | None = make_eviction_policy(eviction_policy,
-                                                                device_blocks)
+        self._evict: EvictionStrategy | None = make_eviction_policy(eviction_policy,
+                                                                    device_blocks)
+        # Host eviction order: None is LRU (the host list's own order), else a strategy over
+        # that list's nodes (not consulted under storage write_back: its batches follow the
+        # list; the configuration refuses the pair).
+        self.host_eviction_policy = host_eviction_policy
+        self._host_evict: EvictionStrategy | None = make_eviction_policy(
+            host_eviction_policy, host_blocks, "host", "cache.host_eviction_policy")
         self.page_bytes = page_bytes  # bytes of one block on one rank
         self.transfer_timeout_s = transfer_timeout_s
         self.policy = policy
@@ -264,17 +271,29 @@ class CacheCore:
         pool = self._host_pool
         if pool.num_free:
             return pool.allocate_one()
-        victim = self._host_lru.oldest()
-        if victim is None:
-            return None
-        if victim.skey is not None and not victim.flags & STORED:
-            storage = self.storage
-            if storage is not None and storage.write_policy.on_host_evict:
-                victim = self._write_back_oldest(storage)
+        strategy = self._host_evict
+        victim: Node | None
+        if strategy is not None and self._host_strategy_acts():
+            victim = strategy.victim()
+            if victim is None:  # not reached while every listing reaches the strategy
+                victim = self._host_lru.oldest()
                 if victim is None:
                     return None
+                self.counters.eviction_policy_fallbacks += 1
             if victim.skey is not None and not victim.flags & STORED:
                 self.counters.evicted_host_unstored += 1
+        else:
+            victim = self._host_lru.oldest()
+            if victim is None:
+                return None
+            if victim.skey is not None and not victim.flags & STORED:
+                storage = self.storage
+                if storage is not None and storage.write_policy.on_host_evict:
+                    victim = self._write_back_oldest(storage)
+                    if victim is None:
+                        return None
+                if victim.skey is not None and not victim.flags & STORED:
+                    self.counters.evicted_host_unstored += 1
         self._host_lru.unlink(victim)
         hb = victim.host
         victim.host = None
@@ -284,6 +303,21 @@ class CacheCore:
             self._forget(victim)
         return hb  # handed over without passing through the free list
 
+
+    def _host_strategy_acts(self) -> bool:
+        """Whether `cache.host_eviction_policy` picks host victims: always but under
+        storage write_back (its batches follow the host list's order)."""
+        storage = self.storage
+        return storage is None or not storage.write_policy.on_host_evict
+
+    def _host_touched(self, node: Node) -> None:
+        strategy = self._host_evict
+        if strategy is not None:
+            strategy.touched(node)
+            lru = self._host_lru
+            strategy.compact(iter(lru), lru.size,
+                             lambda k: (nd := self._map.get(k)) is not None
+                             and nd.host is not None)
 
     def _write_back_oldest(self, storage: StorageHooks) -> Node | None:
         """write_back: the oldest host copy is one storage lacks. Send the oldest unwritten
@@ -318,6 +352,9 @@ class CacheCore:
         keys: list[int] = []
         if n <= 0:
             return keys
+        strategy = self._host_evict
+        if strategy is not None and self._host_strategy_acts():
+            return [k for node in strategy.upcoming(n) if (k := node.key) is not None]
         storage = self.storage
         write_back = storage is not None and storage.write_policy.on_host_evict
         passed = 0
@@ -343,6 +380,8 @@ class CacheCore:
         self._host_pool.free_one(node.host)  # type: ignore[arg-type]
         node.host = None
         self._host_in_tree -= node.key is not None
+        if self._host_evict is not None and node.key is not None:
+            self._host_evict.forget(node.key)
 
     def _drop_host_copy(self, node: Node) -> None:
         if node.hprev is not None:
@@ -350,6 +389,8 @@ class CacheCore:
         self._host_pool.free_one(node.host)  # type: ignore[arg-type]
         node.host = None
         self._host_in_tree -= 1
+        if self._host_evict is not None and node.key is not None:
+            self._host_evict.forget(node.key)
 
     # ------------------------------------------------------------------ LRU membership
 
@@ -370,6 +411,8 @@ class CacheCore:
         if want_host != (node.hprev is not None):
             if want_host:
                 self._host_lru.append(node)
+                if self._host_evict is not None:
+                    self._host_touched(node)
             else:
                 self._host_lru.unlink(node)
 
@@ -379,6 +422,8 @@ class CacheCore:
         if node.hprev is not None:
             self._host_lru.unlink(node)
             self._host_lru.append(node)
+            if self._host_evict is not None:
+                self._host_touched(node)
 
     def after_transfer(self, node: Node) -> None:
         """A transfer touching `node` was answered and its flags updated: relist it, drop it
@@ -927,7 +972,7 @@ class CacheCore:
 
     # ------------------------------------------------------------------ whole-tree transitions
 
-    def _policy_victims(self, strategy: HeapEviction, n: int) -> list[Node]:
+    def _policy_victims(self, strategy: EvictionStrategy, n: int) -> list[Node]:
         """Up to `n` victims in the strategy's order, unlinked from the device LRU list (its
         oldest when the strategy has no live entry left: cannot happen while every listing
         goes through `relist` or `release`, kept so eviction never stalls)."""
@@ -969,6 +1014,8 @@ class CacheCore:
         self._host_lru.clear()
         if self._evict is not None:
             self._evict.clear()
+        if self._host_evict is not None:
+            self._host_evict.clear()
         # Nodes with no transfer in flight in one call (compiled or not, see manager.core.native).
         dev_freed, host_freed, detached, busy = self._loops.clear_walk(
             list(self._map.values()), dev_ids, host_ids, IN_FLIGHT)
@@ -1003,6 +1050,8 @@ class CacheCore:
         self._dev_lru = DeviceLRU(loops.node_class)
         self._host_lru = HostLRU(loops.node_class)
         self._evict = make_eviction_policy(self.eviction_policy, device_blocks)
+        self._host_evict = make_eviction_policy(self.host_eviction_policy, host_blocks, "host",
+                                                "cache.host_eviction_policy")
         self._node_cls = loops.node_class if host_blocks else loops.device_node_class
         self._map.clear()
         self._pins.clear()
@@ -1033,6 +1082,9 @@ class CacheCore:
             self._host_in_tree -= 1
         if node.key is not None and self._map.get(node.key) is node:
             del self._map[node.key]
+            for strategy in (self._evict, self._host_evict):  # its entries die with it
+                if strategy is not None:
+                    strategy.forget(node.key)
         self._pins.pop(node, None)
         node.key = None
         node.flags &= ~PINNED
