@@ -881,6 +881,20 @@ def test_randomized_engine_traffic_per_storage_write_policy(tmp_path: Path,
         run.settings = settings(max_examples=15, stateful_step_count=30, deadline=None,
                                 suppress_health_check=list(HealthCheck))
         run().runTest()
+        # Then a fixed sequence that must make the policy act whatever the drawn traffic did
+        # (the CI profile's derandomized draws stopped reaching a full host tier once the
+        # machine's rules changed): three prompts stored whole and reused, 18 blocks for a
+        # 12-block host tier, so the third is short of room (write_back writes the oldest
+        # copies) after two loads of each (write_through_selective writes reused copies).
+        fixed = KeyedWritePolicyMachine()
+        try:
+            for p in range(3):
+                fixed.store_then_load(p, PROMPT_BLOCKS)
+                fixed.store_then_load(p, PROMPT_BLOCKS)
+            wait_until(lambda: KEYED_WRITES.get(write_policy, 0) > 0, 10,
+                       f"{write_policy} writing a page")
+        finally:
+            fixed.teardown()
     assert KEYED_WRITES.get(write_policy, 0) > 0, f"{write_policy} never wrote a page"
 
 
