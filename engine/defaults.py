@@ -16,7 +16,6 @@ A value set anywhere (the TOML file, a `KVTIER_*` variable, the adapter's settin
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 from kvtier.engine.errors import EngineSetupError
@@ -37,9 +36,11 @@ HOST_MEMORY_FRACTION = 0.1
 HOST_SHM_FRACTION = 0.5
 
 
-def _explicit(cfg_fields: set[str], field: str, env_var: str, setting: str,
+def _explicit(cfg_fields: set[str], field: str, setting: str,
               settings: Mapping[str, object]) -> bool:
-    return field in cfg_fields or env_var in os.environ or setting in settings
+    """Set by someone: the file, a variable or an adapter's setting (each puts the key in
+    the section's fields set, `geometry.engine_config`), or `setting` given here."""
+    return field in cfg_fields or setting in settings
 
 
 def default_host_blocks(cfg: KvtierConfig) -> tuple[int, str]:
@@ -74,8 +75,7 @@ def apply_defaults(cfg: KvtierConfig,
     the start line)."""
     notes: list[str] = []
     cache = cfg.cache
-    if not _explicit(cache.model_fields_set, "host_blocks", "KVTIER_CACHE__HOST_BLOCKS",
-                     "host_blocks", settings):
+    if not _explicit(cache.model_fields_set, "host_blocks", "host_blocks", settings):
         blocks, why = default_host_blocks(cfg)
         cache = cache.model_copy(update={"host_blocks": blocks})
         notes.append(f"host tier {blocks} blocks per rank ({why})")
@@ -85,7 +85,6 @@ def apply_defaults(cfg: KvtierConfig,
         storage = storage.model_copy(update={"path": path})
         notes.append(f"file storage {path}")
     admin = cfg.admin
-    if not _explicit(admin.model_fields_set, "port", "KVTIER_ADMIN__PORT", "admin_port",
-                     settings):
+    if not _explicit(admin.model_fields_set, "port", "admin_port", settings):
         admin = admin.model_copy(update={"port": 0})
     return cfg.model_copy(update={"cache": cache, "storage": storage, "admin": admin}), notes

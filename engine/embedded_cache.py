@@ -22,7 +22,7 @@ from kvtier.engine.cache_api import (
 from kvtier.manager.keyed import KeyedHostCache
 from kvtier.manager.sessions import EngineSession, Graves
 from kvtier.manager.stack import Stack
-from kvtier.worker.spec import host_segment_name
+from kvtier.worker.spec import host_segments
 
 # vLLM may still run a store it deferred for a step after its prefix-cache reset: copies it
 # abandoned keep their host blocks this many scheduler steps before they are given back
@@ -68,9 +68,8 @@ class EmbeddedCache:
         cfg = self.stack.cfg
         try:
             segments = tuple(
-                PoolSegment(r, name, os.stat("/dev/shm" + name).st_ino, cfg.cache.host_blocks)
-                for r in range(cfg.workers.count)
-                for name in (host_segment_name(cfg.deployment_id, r),))
+                PoolSegment(r, name, inode, cfg.cache.host_blocks)
+                for r, name, inode in host_segments(cfg.deployment_id, cfg.workers.count))
         except OSError:
             return None  # a worker is being replaced: no pool to copy into now
         self._pools = HostPools(gen, self._nonce, segments)

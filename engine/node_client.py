@@ -44,10 +44,8 @@ connection's place); after a reattach the namespace's state is announced again.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import logging
-import os
 import select
 import socket
 import threading
@@ -66,7 +64,9 @@ from kvtier.engine.cache_api import (
     TierEvent,
 )
 from kvtier.manager.keyed_events import HOST, STORAGE
+from kvtier.manager.keys import keyed_storage_key
 from kvtier.manager.node import wire
+from kvtier.worker.spec import segment_inode
 
 log = logging.getLogger("kvtier.engine")
 
@@ -194,8 +194,8 @@ class NodeClient:
 
     def _read_pools(self, welcomed: bool) -> None:
         try:
-            segs = tuple(PoolSegment(s.rank, s.name, os.stat("/dev/shm" + s.name).st_ino,
-                                     s.num_blocks) for s in self._segments)
+            segs = tuple(PoolSegment(s.rank, s.name, segment_inode(s.name), s.num_blocks)
+                         for s in self._segments)
         except OSError:
             self._reread = not welcomed
             return
@@ -355,7 +355,7 @@ class NodeClient:
         return self._storage_backend
 
     def storage_key(self, block_hash: bytes) -> bytes:
-        return hashlib.sha256(self._namespace + block_hash).digest()
+        return keyed_storage_key(self._namespace, block_hash)
 
     def lookup(self, block_hash: bytes, request_id: str = "",
                following: Sequence[bytes] = (), *,

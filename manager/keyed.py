@@ -88,6 +88,7 @@ from kvtier.manager.core.nodes import (
 )
 from kvtier.manager.errors import InvalidRequestError, KvtierError
 from kvtier.manager.keyed_events import TierEvent, TierEventLog
+from kvtier.manager.keys import keyed_storage_key
 
 _monotonic = time.monotonic
 # Who prepared an open copy: None for the one engine of an embedded cache, a session id for
@@ -195,8 +196,8 @@ class KeyedHostCache:
     # ------------------------------------------------------------------ keys
 
     def storage_key(self, block_hash: bytes) -> bytes:
-        """The page name of a block in storage: SHA-256 over the namespace and the hash."""
-        return hashlib.sha256(self.namespace + block_hash).digest()
+        """The page name of a block in storage (`keys.keyed_storage_key`)."""
+        return keyed_storage_key(self.namespace, block_hash)
 
     @property
     def generation(self) -> int:

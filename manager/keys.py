@@ -201,6 +201,14 @@ def chain_keys(
             for a in range(start_block * step, end * step, step)]
 
 
+def keyed_storage_key(namespace: bytes, block_hash: bytes) -> bytes:
+    """The page name in storage of an engine's block `block_hash` (the key-addressed surface,
+    `kvtier.manager.keyed`): SHA-256 over the namespace and the hash. The one formula: the
+    keyed cache names its pages with it, and an attached engine's client answers
+    `storage_key` with it (the same pages, whichever home asks)."""
+    return hashlib.sha256(namespace + block_hash).digest()
+
+
 def storage_keys(
     token_ids: Sequence[int],
     block_size: int,

@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvtier.manager.core.nodes import Node
+from kvtier.manager.errors import KvtierError
 from kvtier.manager.keyed import KeyedHostCache, Owner, StorePlan
 
 
@@ -115,10 +116,19 @@ class Graves:
 
     @staticmethod
     def _release(due: list[_Grave]) -> int:
+        """Every batch of `due` released, even when one raises (the first error is raised
+        after the others were released: a batch is out of `_held` once it is due)."""
         n = 0
+        err: KvtierError | None = None
         for g in due:
-            g.cache.release_abandoned(g.nodes)
+            try:
+                g.cache.release_abandoned(g.nodes)
+            except KvtierError as e:
+                err = err or e
+                continue
             n += len(g.nodes)
+        if err is not None:
+            raise err
         return n
 
 
@@ -175,24 +185,53 @@ class EngineSession:
         return sum(self.stores.values()), sum(self.loads.values())
 
     def abandon(self, graves: Graves, *, steps: int | None = None,
-                seconds: float | None = None, unpin_loads: bool) -> tuple[int, int]:
+                seconds: float | None = None, unpin_loads: bool,
+                slice_keys: int = 0) -> tuple[int, int]:
         """The engine completes none of its open copies any more: its stores are abandoned
         (never served) and held in `graves` for `steps` engine steps or `seconds`; its loads
         are unpinned now (`unpin_loads`: it died, nothing reads them) or held with the stores
         (it reset itself and may still run a copy it deferred). Returns (stores, loads) it
-        had open; its records are empty after."""
+        had open; its records are empty after.
+
+        `slice_keys` (with `unpin_loads`): the loads unpinned and the stores abandoned that
+        many keys per hold of the cache's lock, the GIL offered between holds (the node
+        service: one engine's end never holds a namespace for long). The records are taken
+        out first, so the caller must not use this session from another thread meanwhile
+        (the node service ends a session on its own thread)."""
         cache = self.cache
-        with self._lock:
-            opened = self.open_copies()
-            if unpin_loads:
+        owner = self.owner
+        nodes: list[Node] = []
+        if unpin_loads:
+            with self._lock:
+                opened = self.open_copies()
                 loads = [k for k, n in self.loads.items() for _ in range(n)]
                 stores = [k for k, n in self.stores.items() for _ in range(n)]
-                if loads:
-                    cache.complete_load(loads, owner=self.owner)
-                nodes = cache.abandon_stores(stores, owner=self.owner) if stores else []
-            else:
-                nodes = cache.abandon_engine_io(self.owner)
-            self.stores.clear()
-            self.loads.clear()
+                self.stores.clear()
+                self.loads.clear()
+                if not slice_keys:
+                    if loads:
+                        cache.complete_load(loads, owner=owner)
+                    if stores:
+                        nodes = cache.abandon_stores(stores, owner=owner)
+            if slice_keys:
+                for part in _slices(loads, slice_keys):
+                    cache.complete_load(part, owner=owner)
+                nodes = [n for part in _slices(stores, slice_keys)
+                         for n in cache.abandon_stores(part, owner=owner)]
+        else:
+            with self._lock:
+                opened = self.open_copies()
+                nodes = cache.abandon_engine_io(owner)
+                self.stores.clear()
+                self.loads.clear()
         graves.hold(cache, nodes, steps=steps, seconds=seconds)
         return opened
+
+
+def _slices(keys: list[bytes], step: int) -> Iterator[list[bytes]]:
+    """`keys` in slices of `step`, the GIL offered between them (another thread's call gets
+    the lock)."""
+    for i in range(0, len(keys), step):
+        if i:
+            time.sleep(0)
+        yield keys[i:i + step]

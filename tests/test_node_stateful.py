@@ -302,7 +302,7 @@ class NodeMachine(RuleBasedStateMachine):
             e.sync()
         wait_until(lambda: not (self.dead_sessions & set(self.srv._sessions)), 10,
                    "dead engines' sessions ended")
-        wait_until(lambda: not self.srv._graves, 10, "abandoned stores released")
+        wait_until(lambda: not self.srv.graves, 10, "abandoned stores released")
 
     @invariant()
     def service_agrees(self) -> None:
@@ -313,7 +313,8 @@ class NodeMachine(RuleBasedStateMachine):
         ns.keyed.check_invariants()
         sessions = dict(self.srv._sessions)
         for e in self.live():
-            s = sessions[e.client.session]
+            s = sessions[e.client.session].engine
+            assert s is not None, "an attached session has no EngineSession"
             assert s.stores == dict.fromkeys(e.open_stores, 1), "open stores differ"
             want: dict[bytes, int] = {}
             for k in e.open_loads:
@@ -347,7 +348,7 @@ class NodeMachine(RuleBasedStateMachine):
             with contextlib.suppress(Exception):
                 e.die()
         # the next example starts from a service that has ended every session of this one
-        wait_until(lambda: not self.srv._sessions and not self.srv._graves, 10,
+        wait_until(lambda: not self.srv._sessions and not self.srv.graves, 10,
                    "every session of the example ended")
         self.srv.reset()  # and from an empty host tier (the examples replay alike)
         if self.pool is not None:

@@ -123,3 +123,56 @@ def test_graves_want_one_deadline(cache: KeyedHostCache) -> None:
     g.hold(cache, nodes, seconds=3600.0)
     assert g.bury() == 0 and g.bury(all_=True) == 1
     assert cache.m.host_block_is_free(plan.host_ids[0])
+
+
+def test_a_sliced_abandon_ends_what_an_unsliced_one_does(cache: KeyedHostCache) -> None:
+    """The node service ends a session a slice of keys per hold of the lock (`slice_keys`):
+    the same loads unpinned, the same stores abandoned and held, the records empty."""
+    m = cache.m
+    s, other = EngineSession(cache, 1), EngineSession(cache, 2)
+    graves = Graves()
+    loaded = keys("sliced-loaded", 3)
+    assert other.prepare_store(loaded) is not None
+    other.complete_store(loaded)
+    s.prepare_load(loaded + loaded[:1])  # one key loaded twice: two pins
+    plan = s.prepare_store(keys("sliced", 5))
+    assert plan is not None
+    assert s.abandon(graves, seconds=0.0, unpin_loads=True, slice_keys=2) == (5, 4)
+    assert s.stores == {} and s.loads == {} and len(graves) == 1
+    for k in loaded:
+        node = m.lookup(engine_key(k))
+        assert node is not None and not node.flags & ENGINE_READ
+    assert not any(m.host_block_is_free(i) for i in plan.host_ids)
+    cache.check_invariants()
+    assert graves.bury() == 5
+    assert all(m.host_block_is_free(i) for i in plan.host_ids)
+    cache.check_invariants()
+
+
+def test_graves_release_every_due_batch_when_one_fails(
+        cache: KeyedHostCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.manager.errors import KvtierError
+    g = Graves()
+    plans = []
+    for tag in ("fail-a", "fail-b"):
+        plan = EngineSession(cache, tag).prepare_store(keys(tag, 1))
+        assert plan is not None
+        plans.append(plan)
+        g.hold(cache, cache.abandon_stores(plan.keys, owner=tag), seconds=0.0)
+    real = cache.release_abandoned
+    calls = []
+
+    def first_fails(nodes: list) -> None:  # type: ignore[type-arg]
+        calls.append(nodes)
+        if len(calls) == 1:
+            raise KvtierError("planted")
+        real(nodes)
+
+    monkeypatch.setattr(cache, "release_abandoned", first_fails)
+    with pytest.raises(KvtierError, match="planted"):
+        g.bury()
+    assert len(calls) == 2 and len(g) == 0  # the second batch was released all the same
+    monkeypatch.undo()
+    cache.release_abandoned(calls[0])  # the planted failure's batch, by hand
+    assert all(cache.m.host_block_is_free(p.host_ids[0]) for p in plans)
+    cache.check_invariants()

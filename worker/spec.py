@@ -6,6 +6,7 @@ Kept free of torch so the manager can describe its workers without importing it.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,9 +23,47 @@ if TYPE_CHECKING:
     from kvtier.worker.kv_pools import KVShape
 
 
+SHM_DIR = "/dev/shm"  # where POSIX shared-memory segments live (name "/x" is SHM_DIR/x)
+
+
 def host_segment_name(deployment_id: str, rank: int) -> str:
     """The host pool's shared-memory name (the launcher unlinks it after a crash)."""
     return f"/kvtier_{deployment_id}_host_r{rank}"
+
+
+def segment_inode(name: str, share_gid: int = -1) -> int:
+    """The inode of shared-memory segment `name` now: the one place a host pool segment's
+    identity is read (a segment created again under the same name is another inode, and a
+    plan made against the old one must not copy into it). OSError when it is not there.
+
+    `share_gid` >= 0 (the node service's `node.allowed_gid`): the segment, which must be
+    this user's, is first made usable by that group (mode 0660, still no access for anyone
+    else). The worker creates it 0600, and again when it is replaced, so the service does
+    this on every attach (idempotent)."""
+    path = SHM_DIR + name
+    if share_gid < 0:
+        return os.stat(path).st_ino
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise PermissionError(13, "not this user's segment")
+        if st.st_gid != share_gid:
+            os.fchown(fd, -1, share_gid)
+        if st.st_mode & 0o777 != 0o660:
+            os.fchmod(fd, 0o660)
+        return st.st_ino
+    finally:
+        os.close(fd)
+
+
+def host_segments(deployment_id: str, ranks: int,
+                  share_gid: int = -1) -> list[tuple[int, str, int]]:
+    """(rank, name, inode) of every rank's host pool segment of deployment `deployment_id`
+    now (`segment_inode`; OSError while a rank's segment is not there, e.g. its worker is
+    being replaced)."""
+    return [(r, name, segment_inode(name, share_gid))
+            for r in range(ranks) for name in (host_segment_name(deployment_id, r),)]
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ from kvtier.manager.config.checks import (
 from kvtier.manager.config.loading import (
     NON_CONFIG_ENV,
     EnvironmentSource,
+    Override,
     TomlFileSource,
     load_config,
     node_only,
@@ -111,6 +112,7 @@ __all__ = [
     "KvtierConfig",
     "ModelConfig",
     "NodeConfig",
+    "Override",
     "StorageConfig",
     "TomlFileSource",
     "WorkersConfig",

@@ -10,7 +10,8 @@ import re
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -188,6 +189,51 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+@dataclass(frozen=True, slots=True)
+class Override:
+    """One value a caller sets over the file and the environment, typed (no `KVTIER_*`
+    string in between): an engine's KV geometry, an adapter's setting. `path` is the key
+    (("cache", "host_blocks"), or ("deployment_id",)); `value` is validated as the file's
+    would be (a str for a key that is not one is read as a variable's would be: "8192" for
+    an integer); `origin` is named in an error ("the engine's setting 'host_blocks'")."""
+
+    path: tuple[str, ...]
+    value: object
+    origin: str
+
+
+def _override_values(overrides: Sequence[Override]
+                     ) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
+    """The overrides as nested values, with each key's origin. ConfigError naming every
+    unknown key and unreadable value (with its origin)."""
+    values: dict[str, Any] = {}
+    origins: dict[tuple[str, ...], str] = {}
+    errors: list[str] = []
+    for o in overrides:
+        path, dotted = o.path, ".".join(o.path)
+        info = _field(path)
+        if info is None:
+            errors.append(_unknown_key(dotted, o.origin))
+            continue
+        value = o.value
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if isinstance(value, str):
+            try:
+                value = _convert_env(value, _scalar_type(info.annotation))
+            except ValueError as exc:
+                errors.append(f"{dotted} = {_shown(path, value)}: {exc} (from {o.origin})")
+                continue
+        origins[path] = o.origin
+        target = values
+        for part in path[:-1]:
+            target = target.setdefault(part, {})
+        target[path[-1]] = value
+    if errors:
+        raise ConfigError("; ".join(errors))
+    return values, origins
+
+
 # --------------------------------------------------------------------------------------------
 # Turning validation errors into one line each
 # --------------------------------------------------------------------------------------------
@@ -311,10 +357,12 @@ def load_config(
     path: str | os.PathLike[str] | None,
     env: Mapping[str, str] | None = None,
     *,
+    overrides: Sequence[Override] = (),
     check_resources: bool = True,
 ) -> KvtierConfig:
     """Read the TOML file (if any), apply `KVTIER_*` variables from `env` (default: the process
-    environment) over it, validate everything and check the pools fit this machine.
+    environment) over it and `overrides` over both, validate everything and check the pools
+    fit this machine.
 
     `check_resources=False` skips the machine checks (memory, /dev/shm, CUDA): for validating a
     file meant for another machine or container. Raises ConfigError: one line, every problem
@@ -324,7 +372,9 @@ def load_config(
     file_values = TomlFileSource(KvtierConfig, path)()
     env_source = EnvironmentSource(KvtierConfig, environ)
     env_values = env_source()
-    cfg = _validate(_merge(file_values, env_values), env_source.origins)
+    set_values, set_origins = _override_values(overrides)
+    cfg = _validate(_merge(_merge(file_values, env_values), set_values),
+                    {**env_source.origins, **set_origins})
     if check_resources:
         check_memory(cfg)
     return cfg

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -40,7 +39,7 @@ from kvtier.manager.keyed import KeyedHostCache
 from kvtier.manager.node.fanout import EventFanout
 from kvtier.manager.node.wire import Hello, Segment
 from kvtier.manager.stack import Stack
-from kvtier.worker.spec import host_segment_name
+from kvtier.worker.spec import host_segments
 
 log = logging.getLogger("kvtier.node")
 
@@ -55,25 +54,6 @@ def namespace_deployment_id(base: str, namespace: str) -> str:
     most 32 characters."""
     digest = hashlib.sha256(f"{base}\0{namespace}".encode()).hexdigest()[:10]
     return f"{base[:19].rstrip('-')}-n{digest}"
-
-
-def _share_with_group(path: str, gid: int) -> int:
-    """Make a host pool segment this service created usable by the engines of
-    `node.allowed_gid` (group `gid`, mode 0660; still no access for anyone else); its
-    inode. The worker creates it 0600, and creates it again when it is replaced, so this is
-    done on every attach (idempotent)."""
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise PermissionError(13, "not this user's segment")
-        if st.st_gid != gid:
-            os.fchown(fd, -1, gid)
-        if st.st_mode & 0o777 != 0o660:
-            os.fchmod(fd, 0o660)
-        return st.st_ino
-    finally:
-        os.close(fd)
 
 
 class Namespace:
@@ -125,20 +105,13 @@ class Namespace:
     def segments(self) -> tuple[Segment, ...]:
         """The host pool of every rank, with its inode now (KvtierError while a rank's
         worker is being replaced)."""
-        out = []
-        gid = self.cfg.node.allowed_gid
-        for r in range(self.ranks):
-            name = host_segment_name(self.cfg.deployment_id, r)
-            try:
-                if gid < 0:
-                    inode = os.stat("/dev/shm" + name).st_ino
-                else:
-                    inode = _share_with_group("/dev/shm" + name, gid)
-            except OSError as e:
-                raise KvtierError(f"namespace {self.name!r}: host pool of rank {r} is not "
-                                  f"there now ({e.strerror})") from None
-            out.append(Segment(r, name, inode, self.host_blocks))
-        return tuple(out)
+        try:
+            found = host_segments(self.cfg.deployment_id, self.ranks,
+                                  self.cfg.node.allowed_gid)
+        except OSError as e:
+            raise KvtierError(f"namespace {self.name!r}: a rank's host pool is not there "
+                              f"now ({e.filename}: {e.strerror})") from None
+        return tuple(Segment(r, name, inode, self.host_blocks) for r, name, inode in found)
 
     def used_bytes(self) -> int:
         m = self.keyed.m

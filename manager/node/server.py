@@ -39,10 +39,12 @@ keyed-cache call (one hold of the namespace's lock) each::
 Request ids are the engine's; they are kept apart per session (`<session>:<id>`), so two
 engines using the same ids never share a storage query.
 
-Data structures: `NodeServer._sessions`: session id -> `Session`; `_graves`: (deadline,
-namespace, nodes) of abandoned stores waiting for their grace to end. Invariant: a session's
-`stores` / `loads` count, per key, the copies it prepared and has not completed; they are
-exactly what its end gives back.
+Data structures: `NodeServer._sessions`: session id -> `Session`; a session's open copies are
+its `engine`, a `kvtier.manager.sessions.EngineSession` over its namespace's cache with the
+session id as owner (the embedded home's room too); `graves`: the one `Graves` of every
+namespace, the abandoned stores held `node.abandon_grace_s` seconds, then released.
+Invariant: a session's `engine.stores` / `engine.loads` count, per key, the copies it
+prepared and has not completed; they are exactly what its end gives back.
 """
 
 from __future__ import annotations
@@ -62,12 +64,12 @@ from pathlib import Path
 from typing import Any, overload
 
 from kvtier.manager.config import KvtierConfig
-from kvtier.manager.core.nodes import Node
 from kvtier.manager.errors import InvalidRequestError, KvtierError
 from kvtier.manager.keyed import Lookup
 from kvtier.manager.node import wire
 from kvtier.manager.node.events import EventPublisher
 from kvtier.manager.node.namespaces import Namespace, NamespaceRefused, Namespaces
+from kvtier.manager.sessions import EngineSession, Graves
 
 log = logging.getLogger("kvtier.node")
 
@@ -122,7 +124,7 @@ class _Tail(Sequence[bytes]):
 class Session:
     """One engine connection (see the module docstring).
 
-    Data structures: `stores` / `loads`: key -> copies prepared and not completed;
+    Data structures: `engine`: its open copies (`EngineSession`, from HELLO on);
     `requests`: the engine's request ids with a storage query record; figures for /status."""
 
     def __init__(self, sid: int, sock: socket.socket, pid: int, uid: int) -> None:
@@ -132,9 +134,8 @@ class Session:
         self.uid = uid
         self.pid = pid  # the engine's own word (HELLO) replaces it
         self.ns: Namespace | None = None
+        self.engine: EngineSession | None = None  # over ns.keyed, owner sid (attached)
         self.connected = time.time()
-        self.stores: dict[bytes, int] = {}
-        self.loads: dict[bytes, int] = {}
         self.requests: set[str] = set()
         self.events: int | None = None  # its reader of the namespace's events (EVENTS on)
         self.figures = dict.fromkeys(("lookups", "lookup_blocks", "hit_host_blocks",
@@ -142,25 +143,11 @@ class Session:
                                       "loads"), 0)
 
     def status(self) -> dict[str, Any]:
+        stores, loads = (0, 0) if self.engine is None else self.engine.open_copies()
         return {"session": self.sid, "pid": self.pid,
                 "namespace": self.ns.name if self.ns else None,
                 "connected_since": self.connected, **self.figures,
-                "stores_open": sum(self.stores.values()),
-                "loads_open": sum(self.loads.values())}
-
-
-def _take(held: dict[bytes, int], keys: Sequence[bytes]) -> list[bytes]:
-    """The keys of `keys` that `held` counts (each taken once), counts decremented."""
-    out = []
-    for k in keys:
-        n = held.get(k)
-        if n:
-            out.append(k)
-            if n == 1:
-                del held[k]
-            else:
-                held[k] = n - 1
-    return out
+                "stores_open": stores, "loads_open": loads}
 
 
 def _slices(keys: Sequence[bytes]) -> Iterator[Sequence[bytes]]:
@@ -188,7 +175,7 @@ class NodeServer:
         self._connecting: dict[int, socket.socket] = {}
         self._evicted, self._evicted_logged = 0, 0.0
         self._ids = itertools.count(1)
-        self._graves: list[tuple[float, Namespace, list[Node]]] = []
+        self.graves = Graves()  # abandoned stores, held node.abandon_grace_s seconds
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
@@ -497,6 +484,7 @@ class NodeServer:
             self._sessions[s.sid] = s
         ns = self.namespaces.attach(hello, s.sid)
         s.ns = ns
+        s.engine = EngineSession(ns.keyed, s.sid)
         try:
             segments = ns.segments()
         except KvtierError as e:
@@ -521,20 +509,21 @@ class NodeServer:
 
     def _apply(self, s: Session, ns: Namespace, ops: list[wire.OpRecord]) -> wire.Reply | None:
         cache = ns.keyed
+        engine = s.engine
+        assert engine is not None  # attached
         f = s.figures
         reply: wire.Reply | None = None
         for r in ops:
             op = r.op
             if op is wire.Op.COMPLETE_STORE:
-                mine = _take(s.stores, r.keys)
-                for part in _slices(mine):
-                    cache.complete_store(part, ok=bool(r.flag), owner=s.sid)
-                f["stores" if r.flag else "stores_failed"] += len(mine)
+                done = sum(len(engine.complete_store(part, bool(r.flag)))
+                           for part in _slices(r.keys))
+                f["stores" if r.flag else "stores_failed"] += done
                 if r.flag:
-                    ns.blocks["stored"] += len(mine)
+                    ns.blocks["stored"] += done
             elif op is wire.Op.COMPLETE_LOAD:
-                for part in _slices(_take(s.loads, r.keys)):
-                    cache.complete_load(part, owner=s.sid)
+                for part in _slices(r.keys):
+                    engine.complete_load(part)
             elif op is wire.Op.TOUCH:
                 for part in _slices(r.keys):
                     cache.touch(part)
@@ -547,7 +536,7 @@ class NodeServer:
                 s.requests.discard(rid)
                 cache.forget_request(rid)
             elif op is wire.Op.RESET:
-                self._give_back(s, ns)
+                self._give_back(engine)
             elif op is wire.Op.EVENTS:
                 if r.flag and s.events is None:
                     s.events = ns.subscribe_events()
@@ -557,9 +546,9 @@ class NodeServer:
             elif op is wire.Op.LOOKUP:
                 reply = self._lookup(s, ns, r)
             elif op is wire.Op.PREPARE_STORE:
-                reply = self._prepare_store(s, ns, r)
+                reply = self._prepare_store(engine, r)
             elif op is wire.Op.PREPARE_LOAD:
-                reply = self._prepare_load(s, ns, r)
+                reply = self._prepare_load(s, engine, ns, r)
             else:  # PENDING
                 reply = wire.Reply(op, True, cache.generation)
         if reply is not None:
@@ -592,13 +581,13 @@ class NodeServer:
         ns.blocks["looked_up"] += len(codes)
         return wire.Reply(wire.Op.LOOKUP, True, cache.generation, flags=codes)
 
-    def _prepare_store(self, s: Session, ns: Namespace, r: wire.OpRecord) -> wire.Reply:
+    def _prepare_store(self, engine: EngineSession, r: wire.OpRecord) -> wire.Reply:
         """Planned a slice at a time (each slice one `prepare_store`, all or nothing): a
         slice the host tier cannot take ends the plan there, the slices before it stand
         (the reply's mask says which keys to copy). More keys than the namespace has host
         blocks are refused before any slice, so nothing is evicted for a store that
         cannot fit."""
-        cache = ns.keyed
+        cache = engine.cache
         capacity = cache.m.host_capacity
         if len(r.keys) > capacity:
             return wire.Reply(wire.Op.PREPARE_STORE, False, cache.generation,
@@ -608,7 +597,7 @@ class NodeServer:
         evicted = 0
         refused = False
         for part in _slices(r.keys):
-            plan = cache.prepare_store(part, owner=s.sid)
+            plan = engine.prepare_store(part)
             if plan is None:
                 refused = True
                 break
@@ -624,11 +613,11 @@ class NodeServer:
             if k in todo:
                 mask[i] = 1
                 todo.discard(k)
-                s.stores[k] = s.stores.get(k, 0) + 1
         return wire.Reply(wire.Op.PREPARE_STORE, True, cache.generation,
                           evicted=evicted, ids=ids, flags=bytes(mask))
 
-    def _prepare_load(self, s: Session, ns: Namespace, r: wire.OpRecord) -> wire.Reply:
+    def _prepare_load(self, s: Session, engine: EngineSession, ns: Namespace,
+                      r: wire.OpRecord) -> wire.Reply:
         cache = ns.keyed
         counted = list(map(bool, r.extra)) if r.flag else None
         from_storage: list[bool] = []
@@ -638,16 +627,14 @@ class NodeServer:
                 time.sleep(0)
             end = i + wire.SLICE_KEYS
             try:
-                ids += cache.prepare_load(r.keys[i:end],
-                                          None if counted is None else counted[i:end],
-                                          from_storage, owner=s.sid)
+                ids += engine.prepare_load(r.keys[i:end],
+                                           None if counted is None else counted[i:end],
+                                           from_storage)
             except InvalidRequestError as e:
                 for part in _slices(r.keys[:i]):  # the slices pinned before: unpinned
-                    cache.complete_load(part, owner=s.sid)
+                    engine.complete_load(part)
                 return wire.Reply(wire.Op.PREPARE_LOAD, False, cache.generation,
                                   error=f"{e} (from block {i} of {len(r.keys)})")
-        for k in r.keys:
-            s.loads[k] = s.loads.get(k, 0) + 1
         stored = sum(from_storage)
         s.figures["loads"] += len(ids)
         s.figures["hit_storage_blocks"] += stored
@@ -659,28 +646,17 @@ class NodeServer:
 
     # ------------------------------------------------------------------ session ends
 
-    def _give_back(self, s: Session, ns: Namespace) -> None:
+    def _give_back(self, engine: EngineSession) -> tuple[int, int]:
         """Unpin the session's open loads now; abandon its open stores (freed after the
-        grace, never served)."""
-        cache = ns.keyed
-        loads = [k for k, n in s.loads.items() for _ in range(n)]
-        stores = [k for k, n in s.stores.items() for _ in range(n)]
-        s.loads.clear()
-        s.stores.clear()
-        for part in _slices(loads):
-            cache.complete_load(part, owner=s.sid)
-        if stores:
-            nodes = [n for part in _slices(stores)
-                     for n in cache.abandon_stores(part, owner=s.sid)]
-            with self._lock:
-                self._graves.append(
-                    (time.monotonic() + self.cfg.node.abandon_grace_s, ns, nodes))
+        grace, never served), a slice of wire.SLICE_KEYS keys per hold of the namespace's
+        lock. Returns (stores, loads) it had open."""
+        return engine.abandon(self.graves, seconds=self.cfg.node.abandon_grace_s,
+                              unpin_loads=True, slice_keys=wire.SLICE_KEYS)
 
     def _end(self, s: Session, why: str) -> None:
         ns = s.ns
         if ns is not None:
-            open_stores, open_loads = sum(s.stores.values()), sum(s.loads.values())
-            self._give_back(s, ns)
+            open_stores, open_loads = (0, 0) if s.engine is None else self._give_back(s.engine)
             if s.events is not None:
                 ns.fanout.unsubscribe(s.events)
                 s.events = None
@@ -699,13 +675,8 @@ class NodeServer:
             self._sessions.pop(s.sid, None)
 
     def _bury(self, all_: bool = False) -> None:
-        now = time.monotonic()
-        with self._lock:
-            due = [g for g in self._graves if all_ or g[0] <= now]
-            self._graves = [g for g in self._graves if not (all_ or g[0] <= now)]
-        for _, ns, nodes in due:
-            with contextlib.suppress(KvtierError):
-                ns.keyed.release_abandoned(nodes)
+        with contextlib.suppress(KvtierError):
+            self.graves.bury(all_=all_)
 
     def _grave_loop(self) -> None:
         # also the one drain of every namespace's tier events (`fanout`), each
