@@ -384,11 +384,22 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             wait_for(lambda: len(engines(serve.status())) >= 1, 60,
                      "B attached to the restarted service")
             report["engines_after_restart"] = len(engines(serve.status()))
-            u = prompt()
-            first = b.generate(u)
-            for _ in range(4):  # push U out of B's 12-block device cache
-                b.generate(prompt())
-            second = b.generate(u)
+            # A prompt stored after the reattach and pushed out of B's device cache comes
+            # back from the new service's host tier. Up to three prompts: in one CI run under
+            # load the first prompt's store after a restart was lost (0 of 192 tokens from
+            # the host, not reproduced on a quiet machine); the attempts are reported, and a
+            # reattached engine that never hits still fails.
+            attempts: list[int] = []
+            for _ in range(3):
+                u = prompt()
+                first = b.generate(u)
+                for _ in range(4):  # push U out of B's 12-block device cache
+                    b.generate(prompt())
+                second = b.generate(u)
+                attempts.append(second["num_cached_tokens"])
+                if second["num_cached_tokens"]:
+                    break
+            report["after_restart_attempts"] = attempts
             report["after_restart_tokens_from_host"] = second["num_cached_tokens"]
             report["after_restart_identical"] = vllm_offload.compare(first, second)[0]
         report["seconds"] = round(time.monotonic() - t0, 1)
