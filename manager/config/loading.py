@@ -164,10 +164,7 @@ class EnvironmentSource(PydanticBaseSettingsSource):
                 errors.append(f"{'.'.join(path)} = {_shown(path, raw)}: {exc} (from {name})")
                 continue
             self.origins[path] = name
-            target = values
-            for part in path[:-1]:
-                target = target.setdefault(part, {})
-            target[path[-1]] = value
+            _set_path(values, path, value)
         if errors:
             raise ConfigError("; ".join(errors))
         return values
@@ -225,10 +222,7 @@ def _override_values(overrides: Sequence[Override]
                 errors.append(f"{dotted} = {_shown(path, value)}: {exc} (from {o.origin})")
                 continue
         origins[path] = o.origin
-        target = values
-        for part in path[:-1]:
-            target = target.setdefault(part, {})
-        target[path[-1]] = value
+        _set_path(values, path, value)
     if errors:
         raise ConfigError("; ".join(errors))
     return values, origins
@@ -378,3 +372,11 @@ def load_config(
     if check_resources:
         check_memory(cfg)
     return cfg
+
+
+def _set_path(values: dict[str, Any], path: tuple[str, ...], value: object) -> None:
+    """`values[path[0]][path[1]]... = value`, making the nested sections on the way."""
+    target = values
+    for part in path[:-1]:
+        target = target.setdefault(part, {})
+    target[path[-1]] = value
