@@ -105,8 +105,20 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
         staged = CopyEngine(dev, host, cuda_path="staged") if cuda else None
         eager = (CopyEngine(dev, host, cuda_path="zero_copy")
                  if engine.cuda_path == "fused" else None)
-        variants = {bb: CopyEngine(dev, host, cuda_path="fused", fused_block_bytes=bb)
+        # the other fused variants, by name: program sizes and grid orders
+        variants = {f"fused{bb}": CopyEngine(dev, host, cuda_path="fused", fused_block_bytes=bb)
                     for bb in args.fused_block_bytes[1:]} if eager is not None else {}
+        if eager is not None:
+            for order in args.fused_orders:
+                variants[f"fused_{order}"] = CopyEngine(
+                    dev, host, cuda_path="fused", fused_block_bytes=args.fused_block_bytes[0],
+                    fused_order=order)
+            if args.fused_jit:  # every launch through Triton's JIT dispatch
+                jit = variants["fused_jit"] = CopyEngine(
+                    dev, host, cuda_path="fused", fused_block_bytes=args.fused_block_bytes[0])
+                for launch in [*jit._fused_launches("d2h"),
+                               *(g[2] for g in jit._fused_h2d_groups())]:
+                    launch.direct = False
         layer0: list[float] = []
         page = shape.page_bytes
         nbytes = n * page
@@ -195,9 +207,9 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
         if eager is not None:
             ops["d2h_eager"] = lambda: eager.d2h(*ids())
             ops["h2d_eager"] = lambda: eager.h2d(*reversed(ids()))
-        for bb, other in variants.items():
-            ops[f"d2h_fused{bb}"] = lambda o=other: o.d2h(*ids())  # type: ignore[misc]
-            ops[f"h2d_fused{bb}"] = lambda o=other: o.h2d(*reversed(ids()))  # type: ignore[misc]
+        for name, other in variants.items():
+            ops[f"d2h_{name}"] = lambda o=other: o.d2h(*ids())  # type: ignore[misc]
+            ops[f"h2d_{name}"] = lambda o=other: o.h2d(*reversed(ids()))  # type: ignore[misc]
         times: dict[str, list[float]] = {k: [] for k in ops}
         for fn in ops.values():  # warm-up: staging buffers, thread pools, first-touch
             fn()
@@ -230,9 +242,9 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
                 other = nbytes / statistics.median(times[direction + "_eager"]) / 1e9
                 row["eager_gbps"] = round(other, 2)
                 row["eager_ratio"] = round(other / base, 3)
-            for bb in variants:
-                other = nbytes / statistics.median(times[f"{direction}_fused{bb}"]) / 1e9
-                row[f"fused{bb}_ratio"] = round(other / base, 3)
+            for name in variants:
+                other = nbytes / statistics.median(times[f"{direction}_{name}"]) / 1e9
+                row[f"{name}_ratio"] = round(other / base, 3)
             if direction == "h2d":
                 # layer 0 ready, in units of one layer's share of the whole load: 1.0 means
                 # layer 0 was usable after exactly its own copy time
@@ -272,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-block-bytes", type=int, nargs="+", default=[0],
                    help="bytes per program of the fused kernel (CUDA): the first is the "
                    "measured engine's (0: the default), the others run beside it")
+    p.add_argument("--fused-orders", nargs="*", default=[], choices=["pair", "page"],
+                   help="grid orders of the fused kernel (CUDA) measured beside the engine's "
+                   "(KVTIER_FUSED_ORDER, default pair), with the first program size")
+    p.add_argument("--fused-jit", action="store_true",
+                   help="also the fused path with every launch through Triton's JIT dispatch")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be at least 1")

@@ -104,7 +104,11 @@ INTERPRETED = textwrap.dedent("""
         (2, 1, 3, 1, "float16", 1, True, 0),     # 6-byte rows, masked, a scale trailer
         (2, 2, 8, 8, "float32", 1, True, 256),   # 512-byte rows in two programs each
     ]
-    for layers, heads, hd, bs, dtype, extra, scales, bb in cases:
+    import kvtier.worker.fused_copy as fc
+    # every case in both grid orders (KVTIER_FUSED_ORDER: pair-major and page-major)
+    for order, (layers, heads, hd, bs, dtype, extra, scales, bb) in [
+            (o, c) for o in fc.FUSED_ORDERS for c in cases]:
+        fc.FUSED_ORDER = order
         shape = KVShape(layers, heads, hd, bs, dtype, num_extra_layers=extra,
                         kv_scales=scales)
         L, row_bytes = shape.total_layers, shape.k_bytes
@@ -115,14 +119,13 @@ INTERPRETED = textwrap.dedent("""
         assert pages.shape == (npages, L, 2, row_bytes)
         src, dst = torch.tensor([4, 0, 8, 2]), torch.tensor([10, 3, 0, 7])
         n = len(src)
-        import kvtier.worker.fused_copy as fc
         fc.FUSED_BLOCK_BYTES = bb or fc.FUSED_BLOCK_BYTES
         d2h, h2d = pool_launches(dev, pages, row_bytes)
         # backup: device blocks src -> pages dst, every layer in one launch
         want = pages_raw.clone()
         page_kv_view(want, shape, torch.uint8)[dst] = dev[:, :, src].permute(2, 0, 1, 3)
         d2h.run(ring.put(src, dst, None), n)
-        assert torch.equal(pages_raw, want), ("d2h", shape)
+        assert torch.equal(pages_raw, want), ("d2h", order, shape)
         # load: pages dst -> device blocks (a permutation), layer by layer
         back = torch.tensor([5, 1, 6, 3])
         want_dev = dev.clone()
@@ -162,7 +165,8 @@ INTERPRETED = textwrap.dedent("""
                     "bring it); the interpreter check runs where it is")
 def test_kernel_indexing_matches_torch_under_the_interpreter() -> None:
     """Break check: swap `s_kv` and `d_kv` in `_move_rows` (the V row read from the K row's
-    offset) and this fails at the first case's backup."""
+    offset) and this fails at the first case's backup; swap `plane` and `chunk` in the
+    page order's decode and it fails at the first page-order case with two programs a row."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True,
                          text=True, timeout=600)

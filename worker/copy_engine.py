@@ -42,6 +42,7 @@ from typing import Literal
 import torch
 from kvtier.worker.delays import LAYER_DELAY_ENV, delay_from_env
 from kvtier.worker.fused_copy import (
+    FUSED_ORDERS,
     IdRing,
     Launch,
     fused_unavailable,
@@ -240,6 +241,7 @@ class CopyEngine:
         cuda_path: CudaPath = "auto",
         gate: LoadGate | None = None,
         fused_block_bytes: int = 0,
+        fused_order: str = "",
     ) -> None:
         if device_pool.shape != host_pool.shape:
             raise ValueError(
@@ -313,6 +315,10 @@ class CopyEngine:
         # and Triton runs; `zero_copy` is the eager PyTorch path over the same alias.
         self._fused = False
         self.fused_block_bytes = fused_block_bytes  # 0: fused_copy.FUSED_BLOCK_BYTES
+        if fused_order and fused_order not in FUSED_ORDERS:
+            raise ValueError(f"fused_order: {fused_order!r} is not one of "
+                             f"{', '.join(FUSED_ORDERS)}")
+        self.fused_order = fused_order  # "": fused_copy.FUSED_ORDER
         if self._host_dev is not None and cuda_path in ("auto", "fused"):
             why = fused_unavailable(device_pool.device)
             if why is None:
@@ -659,7 +665,7 @@ class CopyEngine:
         if not self._launches:
             assert self._host_dev is not None
             d2h, h2d = pool_launches(self._dev_w, self._host_dev, self.shape.k_bytes,
-                                     self.fused_block_bytes)
+                                     self.fused_block_bytes, self.fused_order)
             self._launches = {"d2h": [d2h]}
             self._h2d_groups = h2d
         return self._launches[key]
@@ -675,7 +681,7 @@ class CopyEngine:
             assert self._host_dev is not None
             _, h2d = pool_launches(self._dev_w[layer : layer + 1],
                                    self._host_dev[:, layer : layer + 1], self.shape.k_bytes,
-                                   self.fused_block_bytes)
+                                   self.fused_block_bytes, self.fused_order)
             got = self._launches[f"h2d{layer}"] = [h2d[0][2]]
         return got[0]
 
@@ -716,7 +722,8 @@ class _PlaneCopier:
         if key not in self._launches:
             assert e._host_dev is not None
             self._launches[key] = plane_launches(self.planes, e._host_dev, e.shape.k_bytes,
-                                                 key == "h2d", e.fused_block_bytes)
+                                                 key == "h2d", e.fused_block_bytes,
+                                                 e.fused_order)
         return self._launches[key]
 
     def d2h(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -33,9 +33,11 @@ indexing against PyTorch there).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,9 +48,20 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
 
+_log = logging.getLogger(__name__)
+
 FUSED_ENV = "KVTIER_FUSED_COPY"
 """`0` turns the fused path off (the copy engine then uses the eager zero-copy path)."""
 FUSED_BLOCK_BYTES = int(os.environ.get("KVTIER_FUSED_BLOCK_BYTES", 8 << 10))
+FUSED_ORDERS = ("pair", "page")
+FUSED_ORDER = os.environ.get("KVTIER_FUSED_ORDER", "pair")
+"""The grid's order (`KVTIER_FUSED_ORDER`): `pair` puts the pairs on the grid's fastest axis
+(neighbouring programs move the same row of different blocks), `page` sweeps one block's
+rows in address order, chunk fastest then plane, blocks on the second axis (neighbouring
+programs write one host page front to back). See `Launch.run`."""
+FUSED_DIRECT = os.environ.get("KVTIER_FUSED_DIRECT", "1") != "0"
+"""`0`: every launch goes through Triton's JIT dispatch. Else a prepared launch calls the
+compiled kernel's launcher itself after its first run (see `Launch.run`)."""
 MAX_GRID_YZ = 65535  # CUDA's limit on the grid's 2nd and 3rd dimensions
 
 _ELEMENT_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
@@ -72,11 +85,17 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n"])  # type: ignore[untyped-decorator]
     def _move_rows(src, dst, ids, n,  # type: ignore[no-untyped-def]
-                   s_block, s_layer, s_kv, d_block, d_layer, d_kv, row,
-                   BLOCK: tl.constexpr, EVEN: tl.constexpr):
-        pair = tl.program_id(0)
-        plane = tl.program_id(1)
-        chunk = tl.program_id(2)
+                   s_block, s_layer, s_kv, d_block, d_layer, d_kv, row, chunks,
+                   BLOCK: tl.constexpr, EVEN: tl.constexpr, PAGE_ORDER: tl.constexpr):
+        if PAGE_ORDER:  # grid (chunks * planes, pairs): one block's rows in address order
+            pair = tl.program_id(1)
+            flat = tl.program_id(0)
+            plane = flat // chunks
+            chunk = flat % chunks
+        else:  # grid (pairs, planes, chunks)
+            pair = tl.program_id(0)
+            plane = tl.program_id(1)
+            chunk = tl.program_id(2)
         s_id = tl.load(ids + pair).to(tl.int64)
         d_id = tl.load(ids + n + pair).to(tl.int64)
         kv = (plane % 2).to(tl.int64)
@@ -130,10 +149,17 @@ def launch_shape(row: int, elem_bytes: int, block_bytes: int = 0) -> tuple[int, 
     return block, warps, row % block == 0
 
 
-@dataclass(frozen=True)
+@dataclass
 class Launch:
     """One prepared launch of `_move_rows` (everything but the ids): made once per geometry
-    and direction (or per layer), so a copy pays only the launch itself."""
+    and direction (or per layer), so a copy pays only the launch itself.
+
+    `_compiled`: after the first JIT dispatch, the compiled kernel of each grid order, whose
+    launcher later runs are handed straight to (Triton's dispatch binds and hashes every
+    argument again on each call: on the H100 a launch cost the host about 40-60 us, and a
+    small load is six launches). Sound because nothing the kernel was specialised on changes
+    between runs of one Launch: the pool bases and strides are fixed at `prepare`, `n` is
+    not specialised, and the ids come from an `IdRing` row (16-byte aligned; checked)."""
 
     src: torch.Tensor
     dst: torch.Tensor
@@ -144,21 +170,58 @@ class Launch:
     block: int
     warps: int
     even: bool
+    order: str = "pair"
+    direct: bool = field(default_factory=lambda: FUSED_DIRECT)
+    _compiled: dict[bool, object] = field(default_factory=dict, repr=False, compare=False)
 
     def run(self, ids: torch.Tensor, n: int) -> None:
         """Copy the planes' rows of pairs `ids[i] -> ids[n + i]` (`ids`: int64, `2n` long,
         on the device) on the current stream, one launch: a program per (pair, plane,
-        chunk of the row), the pair on the grid's first dimension (up to 2**31 - 1)."""
-        if n:
-            _move_rows[(n, self.planes, self.chunks)](
-                self.src, self.dst, ids, n, *self.strides, self.row,
-                BLOCK=self.block, EVEN=self.even, num_warps=self.warps)
+        chunk of the row). Order `pair`: the pair on the grid's first dimension (up to
+        2**31 - 1); `page` (up to 65,535 pairs, else `pair`): a block's chunks and planes
+        flattened on the first."""
+        if not n:
+            return
+        page = self.order == "page" and n <= MAX_GRID_YZ
+        grid = (self.chunks * self.planes, n, 1) if page else (n, self.planes, self.chunks)
+        args = (self.src, self.dst, ids, n, *self.strides, self.row, self.chunks,
+                self.block, self.even, page)
+        compiled = self._compiled.get(page)
+        if compiled is not None and ids.data_ptr() % 16 == 0 and not _launch_hooked():
+            k: Any = compiled
+            try:
+                k.run(grid[0], grid[1], grid[2],
+                      torch.cuda.current_stream(ids.device).cuda_stream,
+                      k.function, k.packed_metadata, None, None, None, *args)
+                return
+            except (TypeError, ValueError) as e:  # a Triton whose launcher differs: the
+                # arguments are refused before anything is enqueued; dispatch from now on
+                _log.warning("fused copy: direct launch refused (%s); using Triton's "
+                             "dispatch", e)
+                self.direct = False
+                self._compiled.clear()
+        kernel = _move_rows[grid](*args[:-3], BLOCK=self.block, EVEN=self.even,
+                                  PAGE_ORDER=page, num_warps=self.warps)
+        if (self.direct and ids.device.type == "cuda" and ids.data_ptr() % 16 == 0
+                and hasattr(kernel, "packed_metadata")):
+            self._compiled[page] = kernel
 
 
-def prepare(src: Side, dst: Side, row_bytes: int, planes: int, block_bytes: int = 0
-            ) -> Launch:
+def _launch_hooked() -> bool:
+    """Whether a profiler hooked Triton's launches (or the Triton is older than its `knobs`):
+    then every launch goes through the JIT dispatch, which calls the hooks."""
+    knobs = getattr(triton, "knobs", None)
+    return knobs is None or knobs.runtime.launch_enter_hook is not None
+
+
+def prepare(src: Side, dst: Side, row_bytes: int, planes: int, block_bytes: int = 0,
+            order: str = "") -> Launch:
     """A launch moving `planes` plane rows of `row_bytes` per pair from `src` to `dst`,
-    with the widest element that every address and stride allows."""
+    with the widest element that every address and stride allows; `order`: one of
+    `FUSED_ORDERS` ("": `FUSED_ORDER`)."""
+    order = order or FUSED_ORDER
+    if order not in FUSED_ORDERS:
+        raise ValueError(f"fused copy order: {order!r} is not one of {', '.join(FUSED_ORDERS)}")
     if triton is None:
         raise RuntimeError("fused copy: Triton is not installed")
     byte_strides = (src.block, src.layer, src.kv, dst.block, dst.layer, dst.kv)
@@ -172,7 +235,7 @@ def prepare(src: Side, dst: Side, row_bytes: int, planes: int, block_bytes: int 
     s = tuple(b // es for b in byte_strides)
     return Launch(_as_elements(src.base, dtype), _as_elements(dst.base, dtype),
                   (s[0], s[1], s[2], s[3], s[4], s[5]), row, planes, chunks, block, warps,
-                  even)
+                  even, order)
 
 
 def layer_groups(layers: int) -> list[tuple[int, int]]:
@@ -192,24 +255,26 @@ def layer_groups(layers: int) -> list[tuple[int, int]]:
 
 
 def pool_launches(dev: torch.Tensor, pages: torch.Tensor, row_bytes: int,
-                  block_bytes: int = 0) -> tuple[Launch, list[tuple[int, int, Launch]]]:
+                  block_bytes: int = 0, order: str = ""
+                  ) -> tuple[Launch, list[tuple[int, int, Launch]]]:
     """kvtier's own pool `dev` `[layers, 2, blocks, row]` and host pages `pages` `[pages,
     layers, 2, row]` (any strides; rows contiguous): the backup's one launch over every
     plane, and a load's launches, one per layer group (`layer_groups`) as `(first, end,
     launch)`."""
     d2h = prepare(Side.of(dev, dev.stride(2), dev.stride(0), dev.stride(1)),
                   Side.of(pages, pages.stride(0), pages.stride(1), pages.stride(2)),
-                  row_bytes, 2 * dev.shape[0], block_bytes)
+                  row_bytes, 2 * dev.shape[0], block_bytes, order)
     h2d = [(a, b, prepare(Side.of(pages[:, a], pages.stride(0), pages.stride(1),
                                   pages.stride(2)),
                           Side.of(dev[a], dev.stride(2), dev.stride(0), dev.stride(1)),
-                          row_bytes, 2 * (b - a), block_bytes))
+                          row_bytes, 2 * (b - a), block_bytes, order))
            for a, b in layer_groups(dev.shape[0])]
     return d2h, h2d
 
 
 def plane_launches(planes: list[torch.Tensor], pages: torch.Tensor, row_bytes: int,
-                   to_device: bool, block_bytes: int = 0) -> list[Launch] | None:
+                   to_device: bool, block_bytes: int = 0, order: str = ""
+                   ) -> list[Launch] | None:
     """An engine's planes (layer 0 K, layer 0 V, ...: `[blocks, row]` each, anywhere) and
     host pages `[pages, layers, 2, row]`: per layer one launch, towards the planes
     (`to_device`, a load) or towards the pages; None when a layer's K and V planes differ
@@ -222,7 +287,7 @@ def plane_launches(planes: list[torch.Tensor], pages: torch.Tensor, row_bytes: i
         side = Side(k, k.stride(0) * k.element_size(), 0, v.data_ptr() - k.data_ptr())
         host = Side.of(pages[:, layer], pages.stride(0), 0, pages.stride(2))
         src, dst = (host, side) if to_device else (side, host)
-        out.append(prepare(src, dst, row_bytes, 2, block_bytes))
+        out.append(prepare(src, dst, row_bytes, 2, block_bytes, order))
     return out
 
 
