@@ -324,6 +324,11 @@ class CopyEngine:
             if why is None:
                 self._fused = True
                 self._rings = (IdRing(device_pool.device), IdRing(device_pool.device))
+                # one reusable event per copy stream for "after compute's work so far"
+                # (`wait_stream` creates an event per call: ~40 us of an H100 host's time)
+                self._compute_marks = {id(s): torch.cuda.Event() for s in
+                                       (self._d2h_stream, self._h2d_stream)}
+                self._marks_lock = threading.Lock()
             elif cuda_path == "fused":
                 raise ValueError(f"cuda_path 'fused': {why}")
         self._launches: dict[str, list[Launch]] = {}
@@ -626,10 +631,13 @@ class CopyEngine:
         """Every layer's K and V rows of the blocks straight into the mapped pages: one
         kernel launch for the whole backup, no device temporary."""
         stream = self._d2h_stream
-        stream.wait_stream(torch.cuda.current_stream(self._dev_w.device))  # KV by compute
+        self._after_compute(stream)  # KV written by compute
         (launch,) = self._fused_launches("d2h")
+        ring = self._rings[0]
         with torch.cuda.stream(stream):
-            launch.run(self._rings[0].put(src, dst, stream), int(src.numel()))
+            ids = ring.put(src, dst, stream)
+            launch.run(ids, int(src.numel()))
+            ring.done(ids, stream)
         stream.synchronize()
 
     def _h2d_fused(
@@ -644,9 +652,10 @@ class CopyEngine:
         launches = self._fused_h2d_groups()
         layers = _LayerEvents(done, enqueued)
         n = int(src.numel())
-        stream.wait_stream(torch.cuda.current_stream(self._dev_w.device))  # old readers
+        self._after_compute(stream)  # readers of the old content
+        ring = self._rings[1]
         with torch.cuda.stream(stream):
-            ids = self._rings[1].put(src, dst, stream)
+            ids = ring.put(src, dst, stream)
             for first, end, launch in launches:
                 if self.layer_delay_s:  # the test hook slows every layer alike
                     for layer in range(first, end):
@@ -657,7 +666,16 @@ class CopyEngine:
                     continue
                 launch.run(ids, n)
                 layers.recorded_range(first, end, stream)
+            ring.done(ids, stream)
         layers.finish()
+
+    def _after_compute(self, stream: torch.cuda.Stream) -> None:
+        """`stream` waits (on the GPU) for the work enqueued so far on this thread's current
+        stream, through the stream's reusable event (a wait binds the record it follows)."""
+        mark = self._compute_marks[id(stream)]
+        with self._marks_lock:  # a record and its wait stay a pair across threads
+            mark.record(torch.cuda.current_stream(self.device_pool.device))
+            stream.wait_event(mark)
 
     def _fused_launches(self, key: str) -> list[Launch]:
         """The prepared launches of kvtier's own pool: `d2h` one over every plane, `h2d` one
@@ -773,14 +791,18 @@ class _PlaneCopier:
     def _d2h_cuda(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         e, planes, dev = self.e, self.planes, self.device
         stream = e._d2h_stream
-        stream.wait_stream(torch.cuda.current_stream(dev))  # KV written by compute
-        n = int(src.numel())
         fused = self._fused("d2h")
+        if fused is not None:
+            e._after_compute(stream)  # KV written by compute
+        else:
+            stream.wait_stream(torch.cuda.current_stream(dev))
+        n = int(src.numel())
         if fused is not None:  # one launch per layer, rows straight into the mapped pages
             with torch.cuda.stream(stream):
                 ids = e._rings[0].put(src, dst, stream)
                 for launch in fused:
                     launch.run(ids, n)
+                e._rings[0].done(ids, stream)
             stream.synchronize()
             return
         host = self._host()
@@ -807,8 +829,11 @@ class _PlaneCopier:
         n = int(src.numel())
         c = max(1, ZERO_COPY_CHUNK_BYTES // e.shape.layer_bytes)
         layers = _LayerEvents(done, enqueued)
-        stream.wait_stream(torch.cuda.current_stream(dev))  # readers of old content
         fused = self._fused("h2d")
+        if fused is not None:
+            e._after_compute(stream)  # readers of the old content
+        else:
+            stream.wait_stream(torch.cuda.current_stream(dev))
         if fused is not None:  # per layer one launch from the mapped pages into K and V
             with torch.cuda.stream(stream):
                 ids = e._rings[1].put(src, dst, stream)
@@ -817,6 +842,7 @@ class _PlaneCopier:
                     layers.recorded(layer, stream)
                     if e.layer_delay_s:
                         time.sleep(e.layer_delay_s)
+                e._rings[1].done(ids, stream)
             layers.finish()
             return
         with torch.cuda.stream(stream):

@@ -33,11 +33,9 @@ indexing against PyTorch there).
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -48,20 +46,21 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
 
-_log = logging.getLogger(__name__)
-
 FUSED_ENV = "KVTIER_FUSED_COPY"
 """`0` turns the fused path off (the copy engine then uses the eager zero-copy path)."""
 FUSED_BLOCK_BYTES = int(os.environ.get("KVTIER_FUSED_BLOCK_BYTES", 8 << 10))
-FUSED_ORDERS = ("pair", "page")
-FUSED_ORDER = os.environ.get("KVTIER_FUSED_ORDER", "pair")
+FUSED_ORDERS = ("auto", "pair", "page")
+FUSED_ORDER = os.environ.get("KVTIER_FUSED_ORDER", "auto")
 """The grid's order (`KVTIER_FUSED_ORDER`): `pair` puts the pairs on the grid's fastest axis
 (neighbouring programs move the same row of different blocks), `page` sweeps one block's
 rows in address order, chunk fastest then plane, blocks on the second axis (neighbouring
-programs write one host page front to back). See `Launch.run`."""
-FUSED_DIRECT = os.environ.get("KVTIER_FUSED_DIRECT", "1") != "0"
-"""`0`: every launch goes through Triton's JIT dispatch. Else a prepared launch calls the
-compiled kernel's launcher itself after its first run (see `Launch.run`)."""
+programs read or write one host page front to back). `auto`: `page` for rows of at least
+`PAGE_ORDER_MIN_ROW` bytes, else `pair`. See `Launch.run`."""
+PAGE_ORDER_MIN_ROW = 32 << 10
+"""Measured on an H100 (bench/transfer.py --fused-orders, two runs, ratios to one pinned
+copy): page order took the 256 KiB x 512-block backup from 0.83-0.86 to 0.95-0.96 and the
+64 KiB x 512 one from 0.86-0.91 to 0.94; at 16 KiB blocks (8 KiB rows) it was 0.01-0.03
+below pair order in every backup measured. Rows are half a block (K or V)."""
 MAX_GRID_YZ = 65535  # CUDA's limit on the grid's 2nd and 3rd dimensions
 
 _ELEMENT_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
@@ -149,17 +148,14 @@ def launch_shape(row: int, elem_bytes: int, block_bytes: int = 0) -> tuple[int, 
     return block, warps, row % block == 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class Launch:
     """One prepared launch of `_move_rows` (everything but the ids): made once per geometry
     and direction (or per layer), so a copy pays only the launch itself.
 
-    `_compiled`: after the first JIT dispatch, the compiled kernel of each grid order, whose
-    launcher later runs are handed straight to (Triton's dispatch binds and hashes every
-    argument again on each call: on the H100 a launch cost the host about 40-60 us, and a
-    small load is six launches). Sound because nothing the kernel was specialised on changes
-    between runs of one Launch: the pool bases and strides are fixed at `prepare`, `n` is
-    not specialised, and the ids come from an `IdRing` row (16-byte aligned; checked)."""
+    Triton's own dispatch is used for every launch: calling the compiled kernel's launcher
+    directly after the first dispatch was measured on the H100 (Triton 3.6) and was not
+    faster (16 KiB x 64-block backups 0.64-0.70 of a pinned copy against 0.73-0.74)."""
 
     src: torch.Tensor
     dst: torch.Tensor
@@ -171,8 +167,6 @@ class Launch:
     warps: int
     even: bool
     order: str = "pair"
-    direct: bool = field(default_factory=lambda: FUSED_DIRECT)
-    _compiled: dict[bool, object] = field(default_factory=dict, repr=False, compare=False)
 
     def run(self, ids: torch.Tensor, n: int) -> None:
         """Copy the planes' rows of pairs `ids[i] -> ids[n + i]` (`ids`: int64, `2n` long,
@@ -184,34 +178,9 @@ class Launch:
             return
         page = self.order == "page" and n <= MAX_GRID_YZ
         grid = (self.chunks * self.planes, n, 1) if page else (n, self.planes, self.chunks)
-        args = (self.src, self.dst, ids, n, *self.strides, self.row, self.chunks,
-                self.block, self.even, page)
-        compiled = self._compiled.get(page)
-        if compiled is not None and ids.data_ptr() % 16 == 0 and not _launch_hooked():
-            k: Any = compiled
-            try:
-                k.run(grid[0], grid[1], grid[2],
-                      torch.cuda.current_stream(ids.device).cuda_stream,
-                      k.function, k.packed_metadata, None, None, None, *args)
-                return
-            except (TypeError, ValueError) as e:  # a Triton whose launcher differs: the
-                # arguments are refused before anything is enqueued; dispatch from now on
-                _log.warning("fused copy: direct launch refused (%s); using Triton's "
-                             "dispatch", e)
-                self.direct = False
-                self._compiled.clear()
-        kernel = _move_rows[grid](*args[:-3], BLOCK=self.block, EVEN=self.even,
-                                  PAGE_ORDER=page, num_warps=self.warps)
-        if (self.direct and ids.device.type == "cuda" and ids.data_ptr() % 16 == 0
-                and hasattr(kernel, "packed_metadata")):
-            self._compiled[page] = kernel
-
-
-def _launch_hooked() -> bool:
-    """Whether a profiler hooked Triton's launches (or the Triton is older than its `knobs`):
-    then every launch goes through the JIT dispatch, which calls the hooks."""
-    knobs = getattr(triton, "knobs", None)
-    return knobs is None or knobs.runtime.launch_enter_hook is not None
+        _move_rows[grid](self.src, self.dst, ids, n, *self.strides, self.row, self.chunks,
+                         BLOCK=self.block, EVEN=self.even, PAGE_ORDER=page,
+                         num_warps=self.warps)
 
 
 def prepare(src: Side, dst: Side, row_bytes: int, planes: int, block_bytes: int = 0,
@@ -232,6 +201,8 @@ def prepare(src: Side, dst: Side, row_bytes: int, planes: int, block_bytes: int 
     chunks = -(-row // block)
     if planes > MAX_GRID_YZ or chunks > MAX_GRID_YZ:
         raise ValueError(f"fused copy: {planes} planes x {chunks} chunks exceed the grid")
+    if order == "auto":
+        order = "page" if row_bytes >= PAGE_ORDER_MIN_ROW else "pair"
     s = tuple(b // es for b in byte_strides)
     return Launch(_as_elements(src.base, dtype), _as_elements(dst.base, dtype),
                   (s[0], s[1], s[2], s[3], s[4], s[5]), row, planes, chunks, block, warps,
@@ -303,19 +274,35 @@ def _as_elements(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         storage, start // size, (numel,), (1,))
 
 
+IDS_ENV = "KVTIER_FUSED_IDS"
+"""`dma` copies each task's ids to device rows (one DMA and an event per task); else
+(`mapped`, the default) the kernels read them from the pinned host row itself."""
+
+
 class IdRing:
-    """Block ids of one copy stream's tasks, moved to the device without a pageable copy or
-    an allocation per task: `slots` pinned host rows and as many device rows, `[2, cap]`
-    int64 each (sources then destinations), reused round-robin.
+    """Block ids of one copy stream's tasks, handed to the kernels without a pageable copy
+    or an allocation per task: `slots` pinned host rows `[2, cap]` int64 (sources then
+    destinations), reused round-robin.
 
-    Invariants: a host row is rewritten only after the DMA that read it has completed (its
-    event); a device row is rewritten by a DMA on the same stream as every kernel that reads
-    it, so stream order keeps the readers ahead of the next write. A task with more ids than
-    `cap` grows the ring (after the stream drained, so no reader of the old rows is left)."""
+    Two modes. `mapped` (CUDA, where the pinned rows alias into the device's address space
+    like the host pool does): the kernels read a row where it is, so a task costs no DMA and
+    no event before its first launch; measured on an H100 host, the DMA, its event and the
+    row slices took about 108 us of a 16 KiB x 64-block backup whose kernel runs 671 us.
+    `dma` (and any device that refuses the alias): device rows, one DMA per task.
 
-    def __init__(self, device: torch.device, slots: int = 8, cap: int = 1024) -> None:
+    Invariants: a host row is rewritten only after everything that reads it has completed:
+    in `dma` mode the DMA (its event, recorded by `put`), in `mapped` mode the task's kernels
+    (the event `done` records after them; a slot reused with no `done` seen waits for the
+    whole device). A device row (`dma`) is rewritten by a DMA on the same stream as every
+    kernel that reads it, so stream order keeps the readers ahead of the next write. A task
+    with more ids than `cap` grows the ring after the stream drained."""
+
+    def __init__(self, device: torch.device, slots: int = 8, cap: int = 1024,
+                 mapped: bool | None = None) -> None:
         self.device = device
         self.slots = slots
+        self._want_mapped = (os.environ.get(IDS_ENV, "mapped") != "dma"
+                             if mapped is None else mapped)
         self._lock = threading.Lock()
         self._alloc(cap)
 
@@ -323,15 +310,23 @@ class IdRing:
         self.cap = cap
         pin = self.device.type == "cuda"
         self._host = torch.empty((self.slots, 2 * cap), dtype=torch.int64, pin_memory=pin)
-        self._dev = torch.empty((self.slots, 2 * cap), dtype=torch.int64, device=self.device)
         self._host_np = self._host.numpy()
+        self._alias: torch.Tensor | None = None
+        if pin and self._want_mapped:
+            self._alias = _device_alias(self._host, self.device)
+        self.mapped = self._alias is not None
+        self._dev = (self._alias if self._alias is not None else
+                     torch.empty((self.slots, 2 * cap), dtype=torch.int64, device=self.device))
+        self._row_bytes = 2 * cap * 8
         self._events: list[torch.cuda.Event | None] = [None] * self.slots
+        self._in_use = [False] * self.slots
         self._event_pool = [torch.cuda.Event() for _ in range(self.slots)] if pin else []
         self._next = 0
 
     def put(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream | None
             ) -> torch.Tensor:
-        """`[src..., dst...]` on the device, enqueued on `stream` (the current one when None)."""
+        """`[src..., dst...]` where `stream`'s kernels read it (the current stream when
+        None). In `mapped` mode call `done` after the task's launches."""
         n = int(src.numel())
         with self._lock:
             if n > self.cap:
@@ -345,14 +340,20 @@ class IdRing:
             self._next = (slot + 1) % self.slots
             ev = self._events[slot]
             if ev is not None:
-                ev.synchronize()  # the DMA that read this host row is done (rarely waits)
+                ev.synchronize()  # its last reader is done (rarely waits: 8 slots)
+            elif self._in_use[slot]:  # put without done: wait for every reader there is
+                torch.cuda.synchronize(self.device)
             # numpy for the two small fills: a torch op on a 64-id tensor costs ~5-10 us of
             # host time each, which a small load pays before its first launch
             row = self._host_np[slot]
             row[:n] = src.numpy()
             row[n : 2 * n] = dst.numpy()
-            host = self._host[slot, : 2 * n]
             dev = self._dev[slot, : 2 * n]
+            if self.mapped:
+                self._events[slot] = None
+                self._in_use[slot] = True
+                return dev
+            host = self._host[slot, : 2 * n]
             if self.device.type != "cuda":
                 dev.copy_(host)
                 return dev
@@ -361,3 +362,40 @@ class IdRing:
             done.record(stream if stream is not None else torch.cuda.current_stream(self.device))
             self._events[slot] = done
             return dev
+
+    def done(self, ids: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """The task whose ids `put` returned has enqueued its last kernel on `stream`: its
+        row may be rewritten once they completed (`mapped`; a no-op otherwise)."""
+        if not self.mapped:
+            return
+        with self._lock:
+            if self._alias is None:
+                return
+            slot = (ids.data_ptr() - self._alias.data_ptr()) // self._row_bytes
+            if not 0 <= slot < self.slots or not self._in_use[slot]:
+                return  # a row of a ring grown since: the growth drained its readers
+            ev = self._event_pool[slot]
+            ev.record(stream)
+            self._events[slot] = ev
+
+
+def _device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """`host` (pinned) as a tensor on `device` over the same memory (unified addressing), or
+    None when the runtime refuses."""
+    holder = _PinnedInterface(host)
+    try:
+        return torch.as_tensor(holder, device=device).view(host.shape)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
+class _PinnedInterface:
+    """`__cuda_array_interface__` over a pinned int64 tensor; `owner` keeps it alive while
+    an alias made from it exists."""
+
+    def __init__(self, owner: torch.Tensor) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": (owner.numel(),), "typestr": "<i8", "data": (owner.data_ptr(), False),
+            "version": 3, "strides": None,
+        }
