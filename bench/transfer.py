@@ -39,7 +39,6 @@ from dataclasses import dataclass
 
 import torch
 from kvtier.worker.copy_engine import CopyEngine
-from kvtier.worker.fused_copy import IDS_ENV
 from kvtier.worker.kv_pools import DevicePool, HostPool, KVShape
 
 KV_HEADS, HEAD_DIM, DTYPE = 8, 128, "float16"
@@ -118,14 +117,6 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
                 variants[f"fused_{order}"] = CopyEngine(
                     dev, host, cuda_path="fused", fused_block_bytes=args.fused_block_bytes[0],
                     fused_order=order)
-            if args.fused_ids_dma:  # ids to the device by one DMA per task (KVTIER_FUSED_IDS)
-                os.environ[IDS_ENV] = "dma"
-                try:
-                    variants["fused_dma"] = CopyEngine(
-                        dev, host, cuda_path="fused",
-                        fused_block_bytes=args.fused_block_bytes[0])
-                finally:
-                    del os.environ[IDS_ENV]
         layer0: list[float] = []
         page = shape.page_bytes
         nbytes = n * page
@@ -300,9 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-orders", nargs="*", default=[], choices=["pair", "page"],
                    help="grid orders of the fused kernel (CUDA) measured beside the engine's "
                    "(KVTIER_FUSED_ORDER, default auto), with the first program size")
-    p.add_argument("--fused-ids-dma", action="store_true",
-                   help="also the fused path with its block ids copied to the device per task "
-                   "(KVTIER_FUSED_IDS=dma) rather than read from the pinned ring")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be at least 1")

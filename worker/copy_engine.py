@@ -633,11 +633,8 @@ class CopyEngine:
         stream = self._d2h_stream
         self._after_compute(stream)  # KV written by compute
         (launch,) = self._fused_launches("d2h")
-        ring = self._rings[0]
         with torch.cuda.stream(stream):
-            ids = ring.put(src, dst, stream)
-            launch.run(ids, int(src.numel()))
-            ring.done(ids, stream)
+            launch.run(self._rings[0].put(src, dst, stream), int(src.numel()))
         stream.synchronize()
 
     def _h2d_fused(
@@ -653,9 +650,8 @@ class CopyEngine:
         layers = _LayerEvents(done, enqueued)
         n = int(src.numel())
         self._after_compute(stream)  # readers of the old content
-        ring = self._rings[1]
         with torch.cuda.stream(stream):
-            ids = ring.put(src, dst, stream)
+            ids = self._rings[1].put(src, dst, stream)
             for first, end, launch in launches:
                 if self.layer_delay_s:  # the test hook slows every layer alike
                     for layer in range(first, end):
@@ -666,7 +662,6 @@ class CopyEngine:
                     continue
                 launch.run(ids, n)
                 layers.recorded_range(first, end, stream)
-            ring.done(ids, stream)
         layers.finish()
 
     def _after_compute(self, stream: torch.cuda.Stream) -> None:
@@ -802,7 +797,6 @@ class _PlaneCopier:
                 ids = e._rings[0].put(src, dst, stream)
                 for launch in fused:
                     launch.run(ids, n)
-                e._rings[0].done(ids, stream)
             stream.synchronize()
             return
         host = self._host()
@@ -842,7 +836,6 @@ class _PlaneCopier:
                     layers.recorded(layer, stream)
                     if e.layer_delay_s:
                         time.sleep(e.layer_delay_s)
-                e._rings[1].done(ids, stream)
             layers.finish()
             return
         with torch.cuda.stream(stream):

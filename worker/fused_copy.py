@@ -274,35 +274,24 @@ def _as_elements(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         storage, start // size, (numel,), (1,))
 
 
-IDS_ENV = "KVTIER_FUSED_IDS"
-"""`dma` copies each task's ids to device rows (one DMA and an event per task); else
-(`mapped`, the default) the kernels read them from the pinned host row itself."""
-
-
 class IdRing:
-    """Block ids of one copy stream's tasks, handed to the kernels without a pageable copy
-    or an allocation per task: `slots` pinned host rows `[2, cap]` int64 (sources then
-    destinations), reused round-robin.
+    """Block ids of one copy stream's tasks, moved to the device without a pageable copy or
+    an allocation per task: `slots` pinned host rows and as many device rows, `[2, cap]`
+    int64 each (sources then destinations), reused round-robin.
 
-    Two modes. `mapped` (CUDA, where the pinned rows alias into the device's address space
-    like the host pool does): the kernels read a row where it is, so a task costs no DMA and
-    no event before its first launch; measured on an H100 host, the DMA, its event and the
-    row slices took about 108 us of a 16 KiB x 64-block backup whose kernel runs 671 us.
-    `dma` (and any device that refuses the alias): device rows, one DMA per task.
+    (Kernels reading the ids from the pinned row in place, with no DMA, were measured on an
+    H100: host time before the first launch fell from about 108 to 68 us, but every program
+    then reads its two ids over the bus, and the 256 KiB x 512-block copies lost 0.02-0.05
+    of a pinned copy's rate; the DMA stayed.)
 
-    Invariants: a host row is rewritten only after everything that reads it has completed:
-    in `dma` mode the DMA (its event, recorded by `put`), in `mapped` mode the task's kernels
-    (the event `done` records after them; a slot reused with no `done` seen waits for the
-    whole device). A device row (`dma`) is rewritten by a DMA on the same stream as every
-    kernel that reads it, so stream order keeps the readers ahead of the next write. A task
-    with more ids than `cap` grows the ring after the stream drained."""
+    Invariants: a host row is rewritten only after the DMA that read it has completed (its
+    event); a device row is rewritten by a DMA on the same stream as every kernel that reads
+    it, so stream order keeps the readers ahead of the next write. A task with more ids than
+    `cap` grows the ring (after the stream drained, so no reader of the old rows is left)."""
 
-    def __init__(self, device: torch.device, slots: int = 8, cap: int = 1024,
-                 mapped: bool | None = None) -> None:
+    def __init__(self, device: torch.device, slots: int = 8, cap: int = 1024) -> None:
         self.device = device
         self.slots = slots
-        self._want_mapped = (os.environ.get(IDS_ENV, "mapped") != "dma"
-                             if mapped is None else mapped)
         self._lock = threading.Lock()
         self._alloc(cap)
 
@@ -310,23 +299,15 @@ class IdRing:
         self.cap = cap
         pin = self.device.type == "cuda"
         self._host = torch.empty((self.slots, 2 * cap), dtype=torch.int64, pin_memory=pin)
+        self._dev = torch.empty((self.slots, 2 * cap), dtype=torch.int64, device=self.device)
         self._host_np = self._host.numpy()
-        self._alias: torch.Tensor | None = None
-        if pin and self._want_mapped:
-            self._alias = _device_alias(self._host, self.device)
-        self.mapped = self._alias is not None
-        self._dev = (self._alias if self._alias is not None else
-                     torch.empty((self.slots, 2 * cap), dtype=torch.int64, device=self.device))
-        self._row_bytes = 2 * cap * 8
         self._events: list[torch.cuda.Event | None] = [None] * self.slots
-        self._in_use = [False] * self.slots
         self._event_pool = [torch.cuda.Event() for _ in range(self.slots)] if pin else []
         self._next = 0
 
     def put(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream | None
             ) -> torch.Tensor:
-        """`[src..., dst...]` where `stream`'s kernels read it (the current stream when
-        None). In `mapped` mode call `done` after the task's launches."""
+        """`[src..., dst...]` on the device, enqueued on `stream` (the current one when None)."""
         n = int(src.numel())
         with self._lock:
             if n > self.cap:
@@ -340,20 +321,14 @@ class IdRing:
             self._next = (slot + 1) % self.slots
             ev = self._events[slot]
             if ev is not None:
-                ev.synchronize()  # its last reader is done (rarely waits: 8 slots)
-            elif self._in_use[slot]:  # put without done: wait for every reader there is
-                torch.cuda.synchronize(self.device)
+                ev.synchronize()  # the DMA that read this host row is done (rarely waits)
             # numpy for the two small fills: a torch op on a 64-id tensor costs ~5-10 us of
             # host time each, which a small load pays before its first launch
             row = self._host_np[slot]
             row[:n] = src.numpy()
             row[n : 2 * n] = dst.numpy()
-            dev = self._dev[slot, : 2 * n]
-            if self.mapped:
-                self._events[slot] = None
-                self._in_use[slot] = True
-                return dev
             host = self._host[slot, : 2 * n]
+            dev = self._dev[slot, : 2 * n]
             if self.device.type != "cuda":
                 dev.copy_(host)
                 return dev
@@ -362,40 +337,3 @@ class IdRing:
             done.record(stream if stream is not None else torch.cuda.current_stream(self.device))
             self._events[slot] = done
             return dev
-
-    def done(self, ids: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        """The task whose ids `put` returned has enqueued its last kernel on `stream`: its
-        row may be rewritten once they completed (`mapped`; a no-op otherwise)."""
-        if not self.mapped:
-            return
-        with self._lock:
-            if self._alias is None:
-                return
-            slot = (ids.data_ptr() - self._alias.data_ptr()) // self._row_bytes
-            if not 0 <= slot < self.slots or not self._in_use[slot]:
-                return  # a row of a ring grown since: the growth drained its readers
-            ev = self._event_pool[slot]
-            ev.record(stream)
-            self._events[slot] = ev
-
-
-def _device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """`host` (pinned) as a tensor on `device` over the same memory (unified addressing), or
-    None when the runtime refuses."""
-    holder = _PinnedInterface(host)
-    try:
-        return torch.as_tensor(holder, device=device).view(host.shape)
-    except (RuntimeError, TypeError, ValueError):
-        return None
-
-
-class _PinnedInterface:
-    """`__cuda_array_interface__` over a pinned int64 tensor; `owner` keeps it alive while
-    an alias made from it exists."""
-
-    def __init__(self, owner: torch.Tensor) -> None:
-        self.owner = owner
-        self.__cuda_array_interface__ = {
-            "shape": (owner.numel(),), "typestr": "<i8", "data": (owner.data_ptr(), False),
-            "version": 3, "strides": None,
-        }
