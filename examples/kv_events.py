@@ -18,8 +18,12 @@ rebuilds, per medium, the set of blocks the instance says it holds. The run:
 4. vLLM's own `reset_prefix_cache(reset_connector=True)` (kvtier's host tier emptied; vLLM's
    connector forgets every block's tokens), then the first prompt again from storage (its
    CPU stores are published once vLLM knows their tokens again);
-5. kvtier's worker killed (its host copies die with it: every CPU block removed);
-6. `POST /reset` on kvtier's admin (the host tier emptied again).
+5. kvtier's sampled audit at 1 in 1 (issue 40) with the first prompt's host pages overwritten
+   behind kvtier's back: vLLM's device cache reset (kvtier's kept), the prompt again is
+   recomputed and compared, every block mismatches and is removed from the node: CPU and
+   STORAGE removals, and kvtier holds none of its blocks on the host or in storage;
+6. kvtier's worker killed (its host copies die with it: every CPU block removed);
+7. `POST /reset` on kvtier's admin (the host tier emptied again).
 
 At each checkpoint (the backups landed, one step run so kvtier's events are taken) the sets
 rebuilt from the events are compared with what kvtier holds: the host tier's ready copies
@@ -251,6 +255,28 @@ def kvtier_holds(llm: Any, hashes: list[bytes], storage: Path) -> dict[str, set[
     return {"CPU": host, "STORAGE": stored}
 
 
+def overwrite_host_pages(llm: Any, hashes: list[bytes]) -> int:
+    """Overwrite the host pages (rank 0) of these blocks with other finite bf16 values
+    (kvtier is not told). Returns how many pages."""
+    from kvtier.engine.geometry import kv_shape
+    from kvtier.manager.keyed import engine_key
+    from kvtier.worker.kv_pools import HostPool
+
+    manager = kvtier_manager(llm)
+    keyed = manager.cache.cache
+    pools = manager.cache.host_pools()
+    with keyed.m.lock:
+        ids = [n.host for h in hashes for n in (keyed.m.lookup(engine_key(h)),)
+               if n is not None and n.host is not None]
+    pool = HostPool.attach(pools.segments[0].name, kv_shape(manager.cfg))
+    try:
+        for i in ids:
+            pool.data[i].fill_(0x3C)  # bf16 0x3c3c: 0.0115, a valid-looking value
+    finally:
+        pool.close()
+    return len(ids)
+
+
 def start_llm(model: Path, connector: dict[str, Any], endpoint: str, replay: int,
               drop_removed_on_evict: bool) -> tuple[Any, Any]:
     """vLLM with kvtier (`connector`: the connector's own keys) and vLLM's ZMQ KV-event
@@ -369,6 +395,17 @@ def main(argv: list[str] | None = None) -> int:
 
         prompts = [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
         first_checkpoints(llm, manager, prompts, storage, run, check)
+        # the audit catches the first prompt's overwritten host pages and removes its blocks
+        # from the node: removals for CPU and STORAGE reach the router
+        overwritten = overwrite_host_pages(llm, block_hashes(llm, prompts[0]))
+        llm.reset_prefix_cache()  # vLLM's device cache only: the prompt hits kvtier's host
+        manager.audit.sampler.rate = 1.0
+        run(prompts[0])
+        manager.audit.sampler.rate = 0.0
+        check("audit mismatch, first prompt again")
+        checkpoints[-1]["audit"] = {"overwritten_pages": overwritten,
+                                    "mismatch": manager.audit.figures.status()["blocks"]
+                                    .get("mismatch", {})}
         pids = worker_pids(url)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
