@@ -166,6 +166,12 @@ def sample_audits(llm: Any, url: str, rng: random.Random, requests: int,
     llm.generate(prompts, sp, use_tqdm=False)
     h1 = hit_tokens(url)
     sampler.rate = 0.0
+    # the last requests' stores (their audits) complete in later engine steps: a few steps
+    audit = kvtier_manager(llm).audit
+    for _ in range(20):
+        if not audit.pending:
+            break
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], sp, use_tqdm=False)
     return {"requests": requests, "rate": rate, "offered": sampler.offered - offered,
             "drawn": sampler.drawn - drawn, "blocks": audit_delta(a0, audit_figures(llm)),
             "tokens_loaded_from_kvtier": int(sum(h1.get(t, 0.0) - h0.get(t, 0.0)
