@@ -163,6 +163,15 @@ class EngineCache(Protocol):
         `prepare_store` gave; a failed or abandoned store is never served."""
         ...
 
+    def remove_loaded(self, hashes: Sequence[bytes], reason: str) -> int:
+        """Remove blocks this engine holds a load of (it was served them and found them
+        wrong: the sampled audit) from every tier of the node: host copy, storage page on
+        every rank, removal events (`KeyedHostCache.remove`). Call it before completing the
+        loads. Returns the host copies removed. Raises InvalidRequestError when refused (a
+        block it holds no load of, an unknown reason, the service unreachable): nothing is
+        removed then."""
+        ...
+
     def end_step(self) -> None:
         """The engine's scheduler step ended (batched messages are flushed, copies abandoned
         by `reset` are released once no copy can still run)."""

@@ -117,14 +117,8 @@ class EmbeddedCache:
     def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
         self.session.complete_store(hashes, ok)
 
-    def evict(self, hashes: Sequence[bytes]) -> int:
-        """Take these blocks out of this node's tiers now (the sampled audit found a host copy
-        that differs from the engine's recomputation): each host copy leaves the tree at once
-        and its block is freed when no copy in flight reads it any more. Storage pages are not
-        deleted (kvtier's storage writes run in its workers; a page left there is read back
-        only into a new host copy, which the next audit compares again). Returns how many
-        blocks were held."""
-        return self.cache.evict(hashes)
+    def remove_loaded(self, hashes: Sequence[bytes], reason: str) -> int:
+        return self.session.remove_loaded(hashes, reason).host
 
     def end_step(self) -> None:
         if len(self.graves):

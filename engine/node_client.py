@@ -9,7 +9,9 @@ The engine's scheduler calls this client exactly as it would call the embedded c
   used once: a block asked again is asked again);
 * completions, touches, request bookkeeping are one-way: queued, and sent with the next
   question or at the end of the scheduler step (`end_step`), in order;
-* `prepare_store` and `prepare_load` are one round trip each (whole batches).
+* `prepare_store` and `prepare_load` are one round trip each (whole batches);
+* `remove_loaded` (the audit found a block it loaded wrong) is one round trip per
+  `wire.MAX_REMOVE_KEYS` blocks: the service removes them from every tier of the node.
 
 Connection states (one owner: this client, under `_lock`)::
 
@@ -73,6 +75,7 @@ log = logging.getLogger("kvtier.engine")
 _LOOKUPS = {wire.LookupCode.HIT: Lookup.HIT, wire.LookupCode.PENDING: Lookup.PENDING,
             wire.LookupCode.MISS: Lookup.MISS, wire.LookupCode.RETRY: Lookup.RETRY}
 _BY_CODE = {int(k): v for k, v in _LOOKUPS.items()}
+_REMOVE_CODES = {reason: code for code, reason in wire.REMOVE_REASONS.items()}
 MAX_OUTBOX = 4096  # one-way records queued before they are sent without waiting for a step
 # `take_events` asks the service itself (a PENDING round trip) only when no reply came in
 # this long: replies of the step's own questions carry the events, so a busy step pays
@@ -469,6 +472,27 @@ class NodeClient:
     def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
         if hashes:
             self._queue(wire.OpRecord(wire.Op.COMPLETE_STORE, list(hashes), flag=int(ok)))
+
+    def remove_loaded(self, hashes: Sequence[bytes], reason: str) -> int:
+        """The REMOVE op, `wire.MAX_REMOVE_KEYS` keys a round trip (the queued completions
+        go first, so call it before completing the loads)."""
+        code = _REMOVE_CODES.get(reason)
+        if code is None:
+            raise InvalidRequestError(f"remove: unknown reason {reason!r} (the node service "
+                                      f"knows {sorted(_REMOVE_CODES)})")
+        keys = list(dict.fromkeys(hashes))
+        removed = 0
+        for i in range(0, len(keys), wire.MAX_REMOVE_KEYS):
+            try:
+                reply = self._ask(wire.OpRecord(wire.Op.REMOVE,
+                                                keys[i:i + wire.MAX_REMOVE_KEYS], flag=code))
+            except NodeUnavailable as e:
+                raise InvalidRequestError(f"remove: the node service is unreachable ({e})"
+                                          ) from None
+            if not reply.ok:
+                raise InvalidRequestError(reply.error or "remove: refused")
+            removed += reply.evicted
+        return removed
 
     def end_step(self) -> None:
         self._flush()

@@ -487,20 +487,15 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             elif self.cache.enable_events():
                 self._events = EventRelay(self._storage_locality(),
                                           spec.kv_events_config.self_describing_kv_events)
-        # the sampled recompute audit (embedded; `audit` in kvtier's config)
-        self.audit: _Audit | None = None
-        if self.node is not None:
-            self.audit = _Audit(self.cfg)
-            # kvtier's /metrics and /status
+        # the sampled recompute audit (`audit` in kvtier's config; attached, a mismatch is
+        # removed by the service: the REMOVE op)
+        self.audit: _Audit = _Audit(self.cfg)
+        if self.node is not None:  # kvtier's /metrics and /status (attached: vLLM's only)
             self.node.register_metrics(self.audit.figures, self._audit_status, "audit")
-            if self.audit.sampler.rate > 0:
-                log.info("kvtier: auditing %s of the requests that hit kvtier (at most %s "
-                         "blocks/s): their hits are recomputed and compared%s",
-                         self.cfg.audit.sample, self.cfg.audit.max_blocks_per_s or "any",
-                         " (off while KV events are on)" if self._events is not None else "")
-        elif self.cfg.audit.rate > 0:
-            log.warning("kvtier: audit.sample is set, but the audit runs in embedded mode only "
-                        "(this instance is attached to kvtier serve): no audit")
+        if self.audit.sampler.rate > 0:
+            log.info("kvtier: auditing %s of the requests that hit kvtier (at most %s "
+                     "blocks/s): their hits are recomputed and compared",
+                     self.cfg.audit.sample, self.cfg.audit.max_blocks_per_s or "any")
         atexit.register(self.shutdown)
 
     # -- keys
@@ -578,15 +573,15 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         """The audit in kvtier's /status: its settings, requests drawn and capped, and its
         figures."""
         audit = self.audit
-        assert audit is not None
         return {"sample": audit.sampler.rate, "max_blocks_per_s": audit.sampler.max_blocks_per_s,
+                "requests_offered": audit.sampler.offered,
                 "requests_drawn": audit.sampler.drawn, "requests_capped": audit.sampler.capped,
                 "blocks_skipped": audit.skipped, **audit.figures.status()}
 
     def _audited(self, key: OffloadKey, req_context: ReqContext) -> bool:
         """Whether this request's hits are audited (drawn at its first hit, then kept)."""
         audit = self.audit
-        if audit is None or audit.sampler.rate <= 0 or self._events is not None:
+        if audit.sampler.rate <= 0:
             return False
         rid = req_context.req_id
         drawn = audit.requests.get(rid)
@@ -694,8 +689,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         # an audited request's blocks kvtier holds: copied into scratch pages, compared
         evicted = list(plan.evicted_hashes)
         audits = (self._prepare_audits(keys, hashes, set(plan.keys), evicted)
-                  if self.audit is not None and self.audit.requests.get(req_context.req_id)
-                  else {})
+                  if self.audit.requests.get(req_context.req_id) else {})
         segments = self._segments(generation) if plan.keys or audits else ()
         if segments is None:  # the pools changed under the plan: nothing is stored
             self.cache.complete_store(plan.keys, ok=False)
@@ -715,7 +709,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         stored = [offload_key[h] for h in plan.keys]
         self._count(stored, "stored")
         if self._events is not None:  # vLLM snapshots the tokens of each key it stores
-            for k in stored:
+            # (the audited keys too: vLLM keeps their tokens while the host holds them, so a
+            # mismatch's removal events withdraw exactly what the router was told)
+            for k in stored + [offload_key[h] for h in audits]:
                 self._events.described(k, stored=True)
         self._add(METRIC_EVICTIONS, plan.evicted)
         return PrepareStoreOutput(
@@ -730,7 +726,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         a scratch host page for vLLM's recomputed copy (the copies evicted for it are added to
         `evicted`). Returns hash -> scratch host block."""
         audit = self.audit
-        assert audit is not None
         # first every held copy kept from eviction (so that a scratch page never evicts a
         # block audited next), then the scratch pages, all or none
         held: dict[bytes, tuple[OffloadKey, int, str]] = {}
@@ -768,15 +763,23 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         """Compare the recomputed copy of `h` with kvtier's (when `compare`), give the scratch
         page and the hold back, count the result; a mismatch evicts the block."""
         audit = self.audit
-        assert audit is not None
         p = audit.pending.pop(h)
         verdict: kv_audit.Verdict | None = None
+        removed: int | str = 0
         try:
-            segments = self._segments(p.generation) if compare else None
-            if segments is not None:
-                verdict = audit.compare(segments, p)
-        except Exception as e:  # an unreadable page proves nothing: not counted
-            log.warning("kvtier: audit of block %s… could not compare: %s", h[:8].hex(), e)
+            try:
+                segments = self._segments(p.generation) if compare else None
+                if segments is not None:
+                    verdict = audit.compare(segments, p)
+            except Exception as e:  # an unreadable page proves nothing: not counted
+                log.warning("kvtier: audit of block %s… could not compare: %s", h[:8].hex(), e)
+            if verdict is not None and verdict.result == kv_audit.MISMATCH:
+                # removed while this engine still holds its load (the node service removes
+                # only blocks an engine holds a load of): host copy, storage page, events
+                try:
+                    removed = self.cache.remove_loaded([h], kv_audit.REMOVE_REASON)
+                except KvtierError as e:
+                    removed = str(e)
         finally:
             self.cache.complete_store([p.scratch_key], ok=False)
             self.cache.complete_load([h])
@@ -784,16 +787,16 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             return
         self._add(METRIC_AUDIT, 1, (verdict.result, p.tier))
         audit.figures.record(verdict, p.tier)
-        if verdict.result == kv_audit.MISMATCH:
-            evicted = self.node.cache.evict([h]) if self.node is not None else 0
-            if h not in audit.logged:
-                audit.logged.add(h)
-                log.error("kvtier audit: block %s (tier %s, namespace %s) differs from vLLM's "
-                          "recomputation beyond tolerance: max abs %.6g, max rel %.6g; "
-                          "digests held %s, recomputed %s; %s", h.hex(), p.tier,
-                          self.cfg.model.name, verdict.max_abs, verdict.max_rel,
-                          audit.last_digests[0], audit.last_digests[1],
-                          "evicted from the host tier" if evicted else "no longer held")
+        if verdict.result == kv_audit.MISMATCH and h not in audit.logged:
+            audit.logged.add(h)
+            log.error("kvtier audit: block %s (tier %s, namespace %s) differs from vLLM's "
+                      "recomputation beyond tolerance: max abs %.6g, max rel %.6g; digests "
+                      "held %s, recomputed %s; %s", h.hex(), p.tier, self.cfg.model.name,
+                      verdict.max_abs, verdict.max_rel, audit.last_digests[0],
+                      audit.last_digests[1],
+                      f"not removed: {removed}" if isinstance(removed, str) else
+                      "removed from this node's host tier and storage" if removed else
+                      "no longer held on the host; its storage page deleted")
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
@@ -820,7 +823,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             stats.increase_counter(name, n, labels)
         for name in (METRIC_LOOKUPS, METRIC_MISSES, METRIC_EVICTIONS):
             stats.increase_counter(name, 0)  # present from the first scrape
-        if self.audit is not None and self.audit.sampler.rate > 0:
+        if self.audit.sampler.rate > 0:
             stats.set_gauge(METRIC_AUDIT_MAX_ABS, self.audit.figures.max_abs)
             stats.set_gauge(METRIC_AUDIT_MAX_REL, self.audit.figures.max_rel)
         if self.node is not None:
@@ -856,8 +859,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.cache.forget_request(req_context.req_id)
         self._sources.pop(req_context.req_id, None)
-        if self.audit is not None:
-            self.audit.requests.pop(req_context.req_id, None)
+        self.audit.requests.pop(req_context.req_id, None)
 
     def has_pending_work(self) -> bool:
         return self.cache.pending_work()
@@ -871,7 +873,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         them)."""
         if self._events is not None:  # vLLM's tracker forgets every block's tokens now
             self._events.reset()
-        if self.audit is not None:  # their copies are abandoned below, never completed
+        if self.audit.pending:  # their copies are abandoned below, never completed
             self.audit.pending.clear()
         try:
             self.cache.reset()
@@ -885,8 +887,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         if self._closed:
             return
         self._closed = True
-        if self.audit is not None:
-            self.audit.reader.close()
+        self.audit.reader.close()
         if self.node is not None:
             self.node.close()
         else:
