@@ -70,7 +70,7 @@ import numpy as np
 import torch
 from kvtier.engine import audit as kv_audit
 from kvtier.engine.attached import attach
-from kvtier.engine.cache_api import EngineCache, InvalidRequestError, Lookup
+from kvtier.engine.cache_api import EngineCache, HostPools, InvalidRequestError, Lookup
 from kvtier.engine.defaults import apply_defaults
 from kvtier.engine.embedded import EmbeddedDeployment, KvtierConfig
 from kvtier.engine.errors import KvtierError
@@ -354,14 +354,14 @@ class _LazyKeys(Sequence[bytes]):
 class _Pending:
     """One open audit: the scratch page's key and host block, the held copy's host block
     (held from eviction by a load), the tier it was served from, the layers its group uses
-    (None: all) and the pools' generation when planned."""
+    (None: all) and each rank's segment (name, inode) both pages were planned in."""
 
-    __slots__ = ("generation", "held", "layers", "scratch", "scratch_key", "tier")
+    __slots__ = ("held", "layers", "scratch", "scratch_key", "segments", "tier")
 
     def __init__(self, scratch_key: bytes, held: int, scratch: int, tier: str,
-                 layers: int | None, generation: int) -> None:
+                 layers: int | None, segments: tuple[tuple[str, int], ...]) -> None:
         self.scratch_key, self.held, self.scratch = scratch_key, held, scratch
-        self.tier, self.layers, self.generation = tier, layers, generation
+        self.tier, self.layers, self.segments = tier, layers, segments
 
 
 class _Audit:
@@ -535,14 +535,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         by it)."""
         return self.cache.storage_key(self._hash(key))
 
-    def _segments(self, generation: int) -> tuple[tuple[str, int], ...] | None:
-        """Each rank's host segment (name, inode) if they still belong to `generation` (the
-        one a plan was made under), else None: the plan's host block ids are void."""
-        pools = self.cache.host_pools()
-        if pools is None or pools.generation != generation:
-            return None
-        return tuple((seg.name, seg.inode) for seg in pools.segments)
-
     # -- OffloadingManager
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -650,20 +642,15 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         counted = ([get_offload_group_idx(k) == self._primary for k in keys]
                    if self._keyed_groups else None)
         try:
-            from_storage: list[bool] = []
-            generation = self.cache.generation
-            ids = self.cache.prepare_load(hashes, counted, from_storage)
-            segments = self._segments(generation)
-            if segments is None:  # the pools changed under the plan: no copy may use it
-                self.cache.complete_load(hashes)
-                raise InvalidRequestError("kvtier's host pools were replaced while the load "
-                                          "was planned")
-            self._sources[req_context.req_id] = dict(zip(hashes, from_storage, strict=True))
-            stored = sum(from_storage)
+            # the plan names the pools its ids mean: the worker copies from them or not at all
+            plan = self.cache.prepare_load(hashes, counted)
+            self._sources[req_context.req_id] = dict(zip(hashes, plan.from_storage,
+                                                         strict=True))
+            stored = sum(plan.from_storage)
             self._add(METRIC_HITS, len(hashes) - stored, ("host",))
             self._add(METRIC_HITS, stored, ("storage",))
             self._count(keys, "loaded")
-            return KvtierLoadStoreSpec(ids, segments)
+            return KvtierLoadStoreSpec(plan.host_ids, plan.pools.names())
         except InvalidRequestError as e:
             # A block vLLM saw as a HIT is gone since (evicted for a prefetch that landed
             # meanwhile, or lost with a worker): a spec no worker accepts, so the load is
@@ -682,20 +669,15 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                       req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
         hashes = self._hashes(keys)
-        generation = self.cache.generation
         plan = self.cache.prepare_store(hashes)
-        if plan is None:
+        if plan is None:  # refused: nothing changed
             return None
         # an audited request's blocks kvtier holds: copied into scratch pages, compared
         evicted = list(plan.evicted_hashes)
-        audits = (self._prepare_audits(keys, hashes, set(plan.keys), evicted)
+        audits = (self._prepare_audits(keys, hashes, set(plan.keys), evicted, plan.pools)
                   if self.audit.requests.get(req_context.req_id) else {})
-        segments = self._segments(generation) if plan.keys or audits else ()
-        if segments is None:  # the pools changed under the plan: nothing is stored
-            self.cache.complete_store(plan.keys, ok=False)
-            for h in audits:
-                self._finish_audit(h, compare=False)
-            return None
+        # one spec, one set of pools: the plan's (the worker refuses them if replaced since)
+        segments = plan.pools.names() if plan.keys or audits else ()
         # kvtier's keys back to vLLM's (a group's key is not vLLM's block hash), in vLLM's
         # order: the keys to store and the audited ones, each with its host block
         offload_key = dict(zip(hashes, keys, strict=True))
@@ -720,11 +702,13 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             evicted_keys=[self._offload_key(h) for h in evicted])
 
     def _prepare_audits(self, keys: list[OffloadKey], hashes: list[bytes], new: set[bytes],
-                        evicted: list[bytes]) -> dict[bytes, int]:
+                        evicted: list[bytes], pools: HostPools) -> dict[bytes, int]:
         """For each block of an audited request that kvtier holds on the host and that no
         other audit has open: its host copy held from eviction (a load that counts no hit) and
         a scratch host page for vLLM's recomputed copy (the copies evicted for it are added to
-        `evicted`). Returns hash -> scratch host block."""
+        `evicted`), all planned against `pools` (the store's: one spec names one set; a hold
+        or scratch page of other pools is given back, that block not audited). Returns
+        hash -> scratch host block."""
         audit = self.audit
         # first every held copy kept from eviction (so that a scratch page never evicts a
         # block audited next), then the scratch pages, all or none
@@ -734,14 +718,18 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 continue
             tier = "storage" if self.cache.from_storage(h) else "host"
             try:
-                held[h] = (k, self.cache.prepare_load([h], [False])[0], tier)
+                load = self.cache.prepare_load([h], [False])
             except InvalidRequestError:
                 continue  # not on the host and ready (evicted, being written): not audited
+            if load.pools != pools:  # the pools moved since the store was planned
+                self.cache.complete_load([h])
+                continue
+            held[h] = (k, load.host_ids[0], tier)
         if not held:
             return {}
         scratch_keys = [kv_audit.scratch_key(h) for h in held]
         scratch = self.cache.prepare_store(scratch_keys)
-        if scratch is None or scratch.keys != scratch_keys:
+        if scratch is None or scratch.keys != scratch_keys or scratch.pools != pools:
             if scratch is not None:
                 self.cache.complete_store(scratch.keys, ok=False)
             self.cache.complete_load(list(held))
@@ -750,12 +738,12 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self._add(METRIC_EVICTIONS, scratch.evicted)
         evicted += scratch.evicted_hashes
         out: dict[bytes, int] = {}
-        generation = self.cache.generation
         for (h, (k, at, tier)), skey, sid in zip(held.items(), scratch_keys, scratch.host_ids,
                                                  strict=True):
             group = self._groups.get(get_offload_group_idx(k))
             audit.pending[h] = _Pending(skey, at, sid, tier,
-                                        len(group.layer_names) if group else None, generation)
+                                        len(group.layer_names) if group else None,
+                                        pools.names())
             out[h] = sid
         return out
 
@@ -768,9 +756,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         removed: int | str = 0
         try:
             try:
-                segments = self._segments(p.generation) if compare else None
-                if segments is not None:
-                    verdict = audit.compare(segments, p)
+                if compare:  # read from the pools it was planned against (refused if replaced)
+                    verdict = audit.compare(p.segments, p)
             except Exception as e:  # an unreadable page proves nothing: not counted
                 log.warning("kvtier: audit of block %s… could not compare: %s", h[:8].hex(), e)
             if verdict is not None and verdict.result == kv_audit.MISMATCH:
@@ -802,7 +789,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                        success: bool = True) -> None:
         hashes = self._hashes(keys)
         audit = self.audit
-        if audit is not None and audit.pending:
+        if audit.pending:
             audited = {h for h in hashes if h in audit.pending}
             for h in audited:
                 self._finish_audit(h, compare=success)
