@@ -35,6 +35,12 @@ pytestmark = pytest.mark.fast
 
 BS = 2
 DEVICE = 9
+DUEL_SHARES = (1.0, 0.5, 0.25, 0.125)
+
+
+def draw24(key: int, mult: int) -> int:
+    """duel's draw: the top 24 bits of the key times an odd constant, modulo 2**64."""
+    return ((key * mult) % 2**64) >> 40
 
 
 class Model:
@@ -49,12 +55,20 @@ class Model:
         self.seq = 0
         self.ghosts: tuple[list[int], list[int]] = ([], [])
         self.p = 0.0  # arc's target for the probation class
+        # duel: one miniature per share, all keys sampled at this size: key -> (priority,
+        # -depth, push), its clock, its decayed hits
+        self.minis = {e: {"cached": {}, "clock": 0.0, "seq": 0, "hits": 0.0}
+                      for e in DUEL_SHARES}
+        self.eps = 1.0
+        self.sampled = 0
 
     def priority(self, e: dict[str, Any]) -> tuple[float, ...]:
         if self.policy == "lru":
             return (e["seq"],)
         if self.policy == "lfuda":
             p = e["stamp"] + e["hits"] + 1
+        elif self.policy == "duel":  # hit: hitboost's; refused: below every admitted block
+            p = e["stamp"] + (DEVICE, 0, -1e15)[2 - e["cls"]]
         else:  # hitboost: one cache size more recent once hit
             p = e["stamp"] + (DEVICE if e["hits"] else 0)
         return (p, -e["depth"], e["seq"])
@@ -116,6 +130,12 @@ class Model:
                 free += 1
                 continue
             victim = min(cands, key=lambda k: self.priority(self.cached[k]))
+            if self.policy == "duel" and self.cached[victim]["hits"]:  # its ghost of hits
+                if victim in self.ghosts[1]:
+                    self.ghosts[1].remove(victim)
+                self.ghosts[1].append(victim)
+                if len(self.ghosts[1]) > DEVICE:
+                    self.ghosts[1].pop(0)
             if self.policy == "lfuda":
                 self.clock = max(self.clock, self.priority(self.cached[victim])[0])
             del self.cached[victim]
@@ -149,8 +169,10 @@ class Model:
                     nodes.append(keys[j])
         else:
             nodes = list(keys[:hit])
-        if self.policy == "hitboost":
+        if self.policy in ("hitboost", "duel"):
             self.clock += len(nodes)
+        if self.policy == "duel":
+            self.duel(nodes)
         if self.policy in ("arc", "s3fifo"):
             self.clock += 1
             up = 0
@@ -169,6 +191,42 @@ class Model:
                 if not self.pins.get(k):
                     self.push(k)
         return hit, ok
+
+    def duel(self, nodes: list[int | None]) -> None:
+        """duel: each block's class (2 hit, or hit before an eviction; carried up from the
+        tail), the miniatures fed (tail first) and the share re-picked once four
+        miniature sizes of blocks went by, the new blocks' class drawn from the first."""
+        hit: dict[int, bool] = {}
+        up = False
+        for k in reversed(nodes):
+            if k is not None:
+                up = up or self.cached[k]["hits"] > 0 or k in self.ghosts[1]
+                hit[k] = up
+        new = [k for k in nodes if k is not None and not hit[k]]
+        draw = draw24(new[0], 0x9E3779B97F4A7C15) if new else 0
+        sample = [(k, j, hit[k]) for j, k in reversed(list(enumerate(nodes))) if k is not None]
+        for eps, mini in self.minis.items():
+            mini["clock"] += len(sample)
+            for k, j, h in sample:
+                if k in mini["cached"]:
+                    mini["hits"] += 1
+                mini["seq"] += 1
+                base = mini["clock"]
+                prio = base + DEVICE if h else base if draw < eps * 2**24 else base - 1e15
+                mini["cached"][k] = (prio, -j, mini["seq"])
+            while len(mini["cached"]) > DEVICE:
+                del mini["cached"][min(mini["cached"], key=mini["cached"].__getitem__)]
+        if sample:
+            self.sampled += len(sample)
+            if self.sampled >= 4 * DEVICE:
+                self.sampled = 0
+                self.eps = max(self.minis, key=lambda e: (self.minis[e]["hits"], e))
+                for mini in self.minis.values():
+                    mini["hits"] *= 0.5
+        admitted = draw < self.eps * 2**24
+        for k in nodes:
+            if k is not None:
+                self.cached[k]["cls"] = 2 if hit[k] else 1 if admitted else 0
 
     def pin(self, prompt: list[int]) -> None:
         for k in chain_keys(prompt, BS):
@@ -268,6 +326,8 @@ TestArc = machine("arc").TestCase
 TestArc.settings = SETTINGS
 TestS3fifo = machine("s3fifo").TestCase
 TestS3fifo.settings = SETTINGS
+TestDuel = machine("duel").TestCase
+TestDuel.settings = SETTINGS
 
 
 def test_unknown_policy_is_one_line(tmp_path: Path) -> None:

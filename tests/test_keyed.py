@@ -1092,3 +1092,47 @@ def test_remove_takes_blocks_off_every_tier_of_the_node(
         cache.check_invariants()
     if client is not None:
         client.close()
+
+
+@pytest.mark.parametrize("host_policy", ["lru", "duel"])
+def test_storage_write_back_follows_the_host_eviction_policy(tmp_path: Path,
+                                                             host_policy: str) -> None:
+    """storage write_back with `cache.host_eviction_policy`: the write-back batch and the copy
+    evicted after it follow the policy's order, not the host list's. A 4-block host tier: a
+    copy loaded once (h0), then three never used; a fifth store finds every copy unwritten,
+    so the batch writes them all, in eviction order, and the store is refused for room; each
+    written copy goes back to the front of that order, so the next store evicts: under `lru`
+    the last written (the batch follows the list, h0 to h3, each prepended), under `duel` the
+    first written (its order: the never-used h1, h2, h3, then h0, which ranks as hit; the
+    written ones first, in the order they were demoted)."""
+    cfg = tiny_config(workers=1, device_blocks=2, host_blocks=4, storage="file",
+                      storage_dir=tmp_path, extra={
+                          "KVTIER_STORAGE__WRITE_POLICY": "write_back",
+                          "KVTIER_CACHE__HOST_EVICTION_POLICY": host_policy})
+    with (running_stack(cfg, keyed_namespace=b"wb-ns") as stack,
+          attached_host_pools(cfg) as pools):
+        pool = pools[0]
+        m = stack.require_manager()
+        cache = KeyedHostCache(m, stack.storage, namespace=b"wb-ns",
+                               host_ready=stack.workers_ready)
+        hs = [chain(p, 1)[0] for p in range(5)]
+
+        def on_host() -> set[int]:
+            with m.lock:
+                return {i for i, h in enumerate(hs)
+                        if (n := m.lookup(engine_key(h))) is not None and n.host is not None}
+
+        store(cache, pool, [hs[0]])
+        assert cache.prepare_load([hs[0]])
+        cache.complete_load([hs[0]])
+        for i in (1, 2, 3):
+            store(cache, pool, [hs[i]])
+        assert cache.prepare_store([hs[4]]) is None  # every copy unwritten: a batch instead
+        settle(stack)
+        wait_until(lambda: evictable(stack) == 4, 20, "the written copies evictable")
+        store(cache, pool, [hs[4]])
+        gone = {0, 1, 2, 3} - on_host()
+        assert gone == ({3} if host_policy == "lru" else {1}), (host_policy, gone)
+        assert m.counters.eviction_policy_fallbacks == 0
+        assert m.counters.evicted_host_unstored == 0
+        cache.check_invariants()

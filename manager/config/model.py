@@ -128,13 +128,6 @@ class KvtierConfig(BaseSettings):
                 "admin.auth = 'none' but admin.token is set: a token would be ignored; set "
                 "admin.auth = 'token' to require it, or unset the token"
             )
-        if (cache.host_eviction_policy != "lru" and storage.backend != "none"
-                and storage.write_policy == "write_back"):
-            raise ValueError(
-                f"cache.host_eviction_policy = {cache.host_eviction_policy!r}: not with "
-                "storage.write_policy = 'write_back' (its batches follow the host LRU list); "
-                "use 'lru' or another storage.write_policy"
-            )
         if storage.backend != "none" and cache.host_blocks == 0:
             raise ValueError(
                 f"storage.backend = {storage.backend!r}: the storage tier moves pages through "

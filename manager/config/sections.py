@@ -97,16 +97,18 @@ class CacheConfig(BaseModel):
     hit_threshold: int = Field(
         2, ge=1, description="hits before write_through_selective backs a block up to host"
     )
-    eviction_policy: Literal["lru", "lfuda", "hitboost", "arc", "s3fifo"] = Field(
+    eviction_policy: Literal["lru", "lfuda", "hitboost", "arc", "s3fifo", "duel"] = Field(
         "lru",
         description="which evictable device block leaves first: lru (least recently used, the "
         "compiled list), lfuda (LFU with dynamic aging), hitboost (LRU in which a block "
         "that was ever hit counts as one cache size more recent), arc (adaptive replacement: "
         "never-hit and hit blocks in two queues, their split learned from ghost hits) or "
-        "s3fifo (a small FIFO of new blocks in front of a main queue of hit ones); leaves "
+        "s3fifo (a small FIFO of new blocks in front of a main queue of hit ones) or duel "
+        "(hitboost that admits only a share of new prompts, the share chosen by miniature "
+        "caches: for traffic whose reuse comes later than LRU keeps a block); leaves "
         "always first, pinned blocks never",
     )
-    host_eviction_policy: Literal["lru", "lfuda", "hitboost", "arc", "s3fifo"] = Field(
+    host_eviction_policy: Literal["lru", "lfuda", "hitboost", "arc", "s3fifo", "duel"] = Field(
         "lru",
         description="which evictable host copy leaves first, the same choices as "
         "eviction_policy (lru: the host list's order, as before); not with "

@@ -264,36 +264,43 @@ class CacheCore:
     # ------------------------------------------------------------------ host blocks
 
     def take_host_block(self) -> int | None:
-        """A free host block, evicting the least recently used host copy if needed; None
-        when every host block is busy. A copy evicted with a storage key that storage lacks
-        is counted (`evicted_host_unstored`); under write_back such copies are written first
-        and a written one goes instead (`_write_back_oldest`)."""
+        """A free host block, evicting a host copy if needed (the host list's oldest, or the
+        `cache.host_eviction_policy` strategy's victim); None when every host block is busy.
+        A copy evicted with a storage key that storage lacks is counted
+        (`evicted_host_unstored`); under write_back such copies are written first and a
+        written one goes instead (`_write_back_oldest`, in the same order)."""
         pool = self._host_pool
         if pool.num_free:
             return pool.allocate_one()
         strategy = self._host_evict
+        storage = self.storage
+        write_back = storage is not None and storage.write_policy.on_host_evict
         victim: Node | None
-        if strategy is not None and self._host_strategy_acts():
+        if strategy is not None:
+            if write_back:
+                # The strategy's next victims stand in for the list's oldest: unwritten ones
+                # go to storage as a batch (BACKING unlists them, so their heap entries die),
+                # and the strategy's lowest live entry is then the copy to evict.
+                head = strategy.upcoming(1)
+                if (head and head[0].skey is not None and not head[0].flags & STORED
+                        and self._write_back_oldest(storage) is None):  # type: ignore[arg-type]
+                    return None
             victim = strategy.victim()
             if victim is None:  # not reached while every listing reaches the strategy
                 victim = self._host_lru.oldest()
                 if victim is None:
                     return None
                 self.counters.eviction_policy_fallbacks += 1
-            if victim.skey is not None and not victim.flags & STORED:
-                self.counters.evicted_host_unstored += 1
         else:
             victim = self._host_lru.oldest()
             if victim is None:
                 return None
-            if victim.skey is not None and not victim.flags & STORED:
-                storage = self.storage
-                if storage is not None and storage.write_policy.on_host_evict:
-                    victim = self._write_back_oldest(storage)
-                    if victim is None:
-                        return None
-                if victim.skey is not None and not victim.flags & STORED:
-                    self.counters.evicted_host_unstored += 1
+            if write_back and victim.skey is not None and not victim.flags & STORED:
+                victim = self._write_back_oldest(storage)  # type: ignore[arg-type]
+                if victim is None:
+                    return None
+        if victim.skey is not None and not victim.flags & STORED:
+            self.counters.evicted_host_unstored += 1
         self._host_lru.unlink(victim)
         hb = victim.host
         victim.host = None
@@ -303,12 +310,14 @@ class CacheCore:
             self._forget(victim)
         return hb  # handed over without passing through the free list
 
-
-    def _host_strategy_acts(self) -> bool:
-        """Whether `cache.host_eviction_policy` picks host victims: always but under
-        storage write_back (its batches follow the host list's order)."""
-        storage = self.storage
-        return storage is None or not storage.write_policy.on_host_evict
+    def _host_order(self, n: int) -> Iterable[Node]:
+        """The host copies in eviction order: the list's, oldest first, or the next `n`
+        victims of the host strategy (read only)."""
+        strategy = self._host_evict
+        if strategy is None:
+            return iter(self._host_lru)
+        out: list[Node] = strategy.upcoming(n)
+        return out
 
     def _host_touched(self, node: Node) -> None:
         strategy = self._host_evict
@@ -320,14 +329,15 @@ class CacheCore:
                              and nd.host is not None)
 
     def _write_back_oldest(self, storage: StorageHooks) -> Node | None:
-        """write_back: the oldest host copy is one storage lacks. Send the oldest unwritten
-        copies (up to `WRITE_BACK_BATCH`, in one BACKUP task: BACKING takes them out of the
-        LRU) and return the copy to evict instead: the oldest written one within reach;
-        else (none within reach, or the rate limit refused part of the batch) the oldest
-        unwritten copy left, evicted unwritten; None when every host copy is busy now."""
+        """write_back: the next host copy to evict (the oldest, or the host strategy's next
+        victim) is one storage lacks. Send the next unwritten copies in eviction order (up
+        to `WRITE_BACK_BATCH`, in one BACKUP task: BACKING takes them out of the LRU) and
+        return the copy to evict instead: the next written one within reach; else (none
+        within reach, or the rate limit refused part of the batch) the next unwritten copy
+        left, evicted unwritten; None when every host copy is busy now."""
         batch: list[Node] = []
         victim: Node | None = None
-        for node in self._host_lru:  # at most WRITE_BACK_BATCH + 1 steps
+        for node in self._host_order(WRITE_BACK_BATCH + 1):  # at most that many steps
             if (node.skey is None or node.flags & STORED
                     or len(batch) >= WRITE_BACK_BATCH):
                 victim = node
@@ -352,13 +362,11 @@ class CacheCore:
         keys: list[int] = []
         if n <= 0:
             return keys
-        strategy = self._host_evict
-        if strategy is not None and self._host_strategy_acts():
-            return [k for node in strategy.upcoming(n) if (k := node.key) is not None]
         storage = self.storage
         write_back = storage is not None and storage.write_policy.on_host_evict
         passed = 0
-        for node in self._host_lru:
+        order = self._host_order(n * (WRITE_BACK_BATCH + 1) if write_back else n)
+        for node in order:
             if (write_back and node.skey is not None and not node.flags & STORED
                     and passed < WRITE_BACK_BATCH):
                 passed += 1
@@ -767,6 +775,8 @@ class CacheCore:
                 and storage.write_policy.on_host_evict):
             self._host_lru.unlink(node)
             self._host_lru.prepend(node)
+            if self._host_evict is not None:  # the strategy's next victim, likewise
+                self._host_evict.demoted(node)
 
     def forget_stored(self) -> None:
         """Storage was emptied: no node has a copy there any more."""
