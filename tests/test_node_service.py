@@ -7,7 +7,8 @@ namespaces never see each other's blocks and are held to their quota; an engine 
 leaves nothing half-written servable and nothing else disturbed; a killed service makes every
 call answer within the client's bound, and the client reattaches to the new service and never
 uses the old pool; another uid, bad frames and a client that never reads are refused or dropped
-with one log line while the other engines go on.
+with one log line while the other engines go on; `cache.host_eviction_policy` reaches a
+namespace's host tier.
 """
 
 from __future__ import annotations
@@ -526,4 +527,30 @@ def test_an_engine_removes_a_block_it_loaded_from_every_tier_of_the_node(
     finally:
         for cl in clients:
             cl.close()
+
+
+def test_the_host_eviction_policy_reaches_a_namespace(tmp_path: Path) -> None:
+    """`cache.host_eviction_policy` through `kvtier serve` to a namespace's host tier (the
+    engine-side client over the real socket): a namespace of 4 blocks, a copy loaded once
+    (0), three stored after it; the fifth store evicts a never-loaded copy under `duel` (a
+    loaded copy ranks as hit), where the list's LRU order would evict the loaded one, the
+    least recently used."""
+    n = Node(tmp_path, node_toml=f'quotas = {{"{NS_A}" = {4 * PAGE}}}\n')
+    text = n.toml.read_text()
+    n.toml.write_text(text.replace('write_policy = "write_through"\n',
+                                   'write_policy = "write_through"\n'
+                                   'host_eviction_policy = "duel"\n', 1))
+    try:
+        n.start()
+        a = n.engine(NS_A)
+        assert a.call(op="store", keys=[0])["stored"] == 1
+        assert a.call(op="load", keys=[0])["hits"] == 1
+        for k in (1, 2, 3):
+            assert a.call(op="store", keys=[k])["stored"] == 1
+        assert a.call(op="store", keys=[4])["stored"] == 1  # evicts one of 0..3
+        assert a.call(op="load", keys=[0])["hits"] == 1, "the loaded copy was evicted"
+        assert a.call(op="load", keys=[1])["hits"] == 0, "the oldest never-loaded copy stayed"
+        spaces = {s["namespace"]: s for s in n.status()["node"]["namespaces"]}
+        assert spaces[NS_A]["host_blocks"] == 4
+    finally:
         n.close()
