@@ -37,6 +37,7 @@ from kvtier.manager.config import ConfigError, KvtierConfig, page_bytes, with_se
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.keyed import KeyedHostCache
 from kvtier.manager.node.fanout import EventFanout
+from kvtier.manager.node.handover import Adoption
 from kvtier.manager.node.wire import Hello, Segment
 from kvtier.manager.stack import Stack
 from kvtier.worker.spec import host_segments
@@ -85,6 +86,8 @@ class Namespace:
         # came from) / stored, engines that left included
         self.blocks = dict.fromkeys(("looked_up", "loaded_host", "loaded_storage", "stored"),
                                     0)
+        # a predecessor's hand-over (issue 37): blocks handed over, adopted, discarded
+        self.restart = dict.fromkeys(("handed_over", "adopted", "discarded"), 0)
 
     @property
     def host_bytes(self) -> int:
@@ -123,7 +126,7 @@ class Namespace:
                 "used_bytes": self.used_bytes(), "host_blocks": self.host_blocks,
                 "ranks": self.ranks, "engines": len(self.sessions),
                 "engines_seen": self.engines_seen, "generation": self.keyed.generation,
-                "blocks": dict(self.blocks),
+                "blocks": dict(self.blocks), "restart": dict(self.restart),
                 "events": {"readers": self.fanout.consumers, "next_seq": self.fanout.next_seq,
                            "held_hashes": self.fanout.held, "resyncs": self.fanout.resyncs,
                            "trimmed": self.fanout.trimmed},
@@ -149,6 +152,7 @@ class Namespaces:
         self._starting: dict[str, _Starting] = {}  # namespaces whose stack is starting
         self._lock = threading.Lock()
         self._closed = False
+        self.adoption: Adoption | None = None  # the node server's (a hand-over to adopt)
 
     def namespace_config(self, hello: Hello) -> tuple[KvtierConfig, int]:
         """The configuration of a namespace's stack and its quota in bytes."""
@@ -256,13 +260,30 @@ class Namespaces:
         log.info("namespace %r: starting its stack %s (%d host blocks of %d bytes x %d "
                  "rank(s), quota %d bytes)", hello.namespace, cfg.deployment_id,
                  cfg.cache.host_blocks, page_bytes(cfg), cfg.workers.count, quota)
+        adoption = self.adoption
+        rec = None if adoption is None else adoption.take(
+            hello.namespace, cfg.deployment_id, geometry, page_bytes(cfg),
+            cfg.cache.host_blocks, cfg.workers.count)
         stack = Stack(cfg, keyed_namespace=hello.namespace.encode())
+        stack.adopt_host = rec is not None  # its workers adopt the kept segments
         try:
             stack.start()
         except KvtierError as e:
+            if adoption is not None and rec is not None:
+                adoption.discard(rec, "its stack did not start")
             raise NamespaceRefused(
                 f"namespace {hello.namespace!r}: its stack did not start: {e}") from None
+        finally:
+            stack.adopt_host = False  # a worker restarted later creates a fresh pool
         ns = Namespace(hello.namespace, cfg, geometry, quota, stack)
+        if adoption is not None and rec is not None:
+            try:
+                inodes = [i for _, _, i in host_segments(cfg.deployment_id, cfg.workers.count)]
+            except OSError:
+                inodes = []
+            adoption.adopt(rec, ns.keyed, inodes)
+        if adoption is not None and hello.namespace in adoption.figures:
+            ns.restart.update(adoption.figures[hello.namespace])
         if self.base.node.events:
             # from its first block on (the publisher's next tick reports it)
             ns.keyed.enable_events()

@@ -68,6 +68,7 @@ from kvtier.manager.errors import InvalidRequestError, KvtierError
 from kvtier.manager.keyed import Lookup
 from kvtier.manager.node import wire
 from kvtier.manager.node.events import EventPublisher
+from kvtier.manager.node.handover import Adoption, snapshot, write_handover
 from kvtier.manager.node.namespaces import Namespace, NamespaceRefused, Namespaces
 from kvtier.manager.sessions import EngineSession, Graves
 
@@ -168,6 +169,8 @@ class NodeServer:
         self.cfg = cfg
         self.path = socket_path(cfg, env)
         self.namespaces = namespaces or Namespaces(cfg)
+        # a predecessor's hand-over (issue 37): read at start, adopted as namespaces attach
+        self.adoption = self.namespaces.adoption = Adoption(cfg.deployment_id)
         self.nonce = os.urandom(16).hex()
         self._sessions: dict[int, Session] = {}  # attached (said HELLO)
         # connection id -> socket of the connections that have not said HELLO yet, oldest
@@ -216,6 +219,7 @@ class NodeServer:
 
     def start(self) -> NodeServer:
         self._open_dir()
+        self.adoption.load(self.path.parent)  # ours alone now (the lock is held)
         try:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()  # a dead service's socket (we hold the lock)
@@ -276,8 +280,29 @@ class NodeServer:
         self._bury(all_=True)
         if self.events is not None:
             self.events.stop()  # a last batch while the stacks are still there
+        if self.cfg.node.handover:
+            self._hand_over()
         self.namespaces.close()
+        self.adoption.close()
         self._release_lock()
+
+    def _hand_over(self) -> None:
+        """Every namespace's ready host copies and segments kept for the next service
+        (`handover`); a namespace that cannot be is left out (one line), its pages lost."""
+        records = []
+        for ns in self.namespaces.all():
+            try:
+                records.append(snapshot(ns.name, ns.cfg.deployment_id, ns.geometry,
+                                        ns.page_bytes, ns.host_blocks, ns.ranks, ns.keyed))
+            except OSError as e:
+                log.warning("namespace %r: not handed over: %s", ns.name, e)
+        try:
+            path = write_handover(self.path.parent, self.cfg.deployment_id, records)
+        except OSError as e:
+            log.warning("hand-over not written (%s): the next service starts cold", e)
+            return
+        log.info("hand-over written to %s: %d namespace(s), %d block(s)", path, len(records),
+                 sum(len(r.pages) for r in records))
 
     # ------------------------------------------------------------------ status
 
