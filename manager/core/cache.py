@@ -799,6 +799,12 @@ class CacheCore:
         return [(n.key, n.host, n.skey, bool(n.flags & STORED))  # type: ignore[misc]
                 for n in nodes]
 
+    @staticmethod
+    def host_copy_ready(node: Node) -> bool:
+        """Whether `node`'s host copy is whole (not being written by an engine nor
+        prefetched)."""
+        return node.host is not None and not node.flags & (ENGINE_WRITE | PREFETCHING)
+
     def adopt_host_copies(self, pages: Sequence[tuple[int, int, bytes | None, bool]],
                           now: float) -> list[Node]:
         """Host copies a node service's predecessor handed over (issue 37), as (key, host

@@ -38,6 +38,7 @@ from kvtier.manager.errors import KvtierError
 from kvtier.manager.keyed import KeyedHostCache
 from kvtier.manager.node.fanout import EventFanout
 from kvtier.manager.node.handover import Adoption
+from kvtier.manager.node.journal import Journal, adopt_recovered, recover
 from kvtier.manager.node.wire import Hello, Segment
 from kvtier.manager.stack import Stack
 from kvtier.worker.spec import host_segments
@@ -86,8 +87,11 @@ class Namespace:
         # came from) / stored, engines that left included
         self.blocks = dict.fromkeys(("looked_up", "loaded_host", "loaded_storage", "stored"),
                                     0)
-        # a predecessor's hand-over (issue 37): blocks handed over, adopted, discarded
-        self.restart = dict.fromkeys(("handed_over", "adopted", "discarded"), 0)
+        # a predecessor's hand-over or crash journal (issue 37): blocks handed over, found
+        # in the journal (recovered), adopted, discarded
+        self.restart = dict.fromkeys(("handed_over", "recovered", "adopted", "discarded"), 0)
+        # the crash journal (node.handover): its kept pools and page checksums
+        self.journal: Journal | None = None
 
     @property
     def host_bytes(self) -> int:
@@ -261,11 +265,17 @@ class Namespaces:
                  "rank(s), quota %d bytes)", hello.namespace, cfg.deployment_id,
                  cfg.cache.host_blocks, page_bytes(cfg), cfg.workers.count, quota)
         adoption = self.adoption
+        keep = self.base.node.handover
         rec = None if adoption is None else adoption.take(
             hello.namespace, cfg.deployment_id, geometry, page_bytes(cfg),
             cfg.cache.host_blocks, cfg.workers.count)
+        did, ranks, blocks, pbytes = (cfg.deployment_id, cfg.workers.count,
+                                      cfg.cache.host_blocks, page_bytes(cfg))
+        # no hand-over: what a dead service's journal vouches for (checked once adopted)
+        slots = recover(did, ranks, blocks, pbytes, geometry) if keep and rec is None else []
         stack = Stack(cfg, keyed_namespace=hello.namespace.encode())
-        stack.adopt_host = rec is not None  # its workers adopt the kept segments
+        # its workers adopt the kept segments (a fresh pool where there is none)
+        stack.adopt_host = rec is not None or bool(slots)
         try:
             stack.start()
         except KvtierError as e:
@@ -278,16 +288,44 @@ class Namespaces:
         ns = Namespace(hello.namespace, cfg, geometry, quota, stack)
         if adoption is not None and rec is not None:
             try:
-                inodes = [i for _, _, i in host_segments(cfg.deployment_id, cfg.workers.count)]
+                inodes = [i for _, _, i in host_segments(did, ranks)]
             except OSError:
                 inodes = []
             adoption.adopt(rec, ns.keyed, inodes)
         if adoption is not None and hello.namespace in adoption.figures:
             ns.restart.update(adoption.figures[hello.namespace])
+        if keep:
+            self._open_journal(ns, geometry, slots)
         if self.base.node.events:
             # from its first block on (the publisher's next tick reports it)
             ns.keyed.enable_events()
         return ns
+
+    def _open_journal(self, ns: Namespace, geometry: dict[str, Any],
+                      slots: list[tuple[bytes, int, bytes | None, bool, list[int]]]) -> None:
+        """The namespace's crash journal (`journal`): the recovered pages that check
+        adopted; the handed-over ones recorded in the background."""
+        try:
+            ns.journal = Journal.create(ns.cfg.deployment_id, ns.ranks, ns.host_blocks,
+                                        ns.page_bytes, geometry)
+        except OSError as e:
+            log.warning("namespace %r: no crash journal (%s): a crash will lose its host "
+                        "tier", ns.name, e.strerror or e)
+            return
+        if slots:
+            adopted, discarded = adopt_recovered(ns.journal, ns.keyed, slots)
+            ns.restart.update(recovered=len(slots), adopted=adopted, discarded=discarded)
+            log.info("namespace %r: after a crash, %d of %d journaled block(s) adopted "
+                     "(%d did not check)", ns.name, adopted, len(slots), discarded)
+        elif ns.restart["adopted"]:
+            threading.Thread(target=ns.journal.record_ready, args=(ns.keyed,), daemon=True,
+                             name="kvtier-journal").start()
+
+    def refresh_journals(self) -> None:
+        """Housekeeping: kept links and mappings of replaced workers' pools renewed."""
+        for ns in self.all():
+            if ns.journal is not None:
+                ns.journal.refresh()
 
     def detach(self, ns: Namespace, session: int) -> None:
         with self._lock:
@@ -315,3 +353,5 @@ class Namespaces:
             self._by_name.clear()
         for ns in stacks:
             ns.stack.close()
+            if ns.journal is not None:  # kept for the next service with node.handover
+                ns.journal.close(keep=self.base.node.handover)

@@ -541,8 +541,12 @@ class NodeServer:
         for r in ops:
             op = r.op
             if op is wire.Op.COMPLETE_STORE:
-                done = sum(len(engine.complete_store(part, bool(r.flag)))
-                           for part in _slices(r.keys))
+                done = 0
+                journal = ns.journal if r.flag else None
+                for part in _slices(r.keys):
+                    if journal is not None:  # checksummed while still marked written
+                        journal.record_stores(cache, part, s.sid)
+                    done += len(engine.complete_store(part, bool(r.flag)))
                 f["stores" if r.flag else "stores_failed"] += done
                 if r.flag:
                     ns.blocks["stored"] += done
@@ -706,7 +710,11 @@ class NodeServer:
     def _grave_loop(self) -> None:
         # also the one drain of every namespace's tier events (`fanout`), each
         # node.events_interval_s: readers (engines, the publisher) only read
+        refreshed = time.monotonic()
         while not self._stop.wait(min(0.1, self.cfg.node.events_interval_s)):
             self._bury()
+            if time.monotonic() - refreshed >= 1.0:  # replaced workers' pools kept again
+                refreshed = time.monotonic()
+                self.namespaces.refresh_journals()
             for ns in self.namespaces.all():
                 ns.drain_events()
