@@ -132,7 +132,7 @@ def test_a_crash_adopts_only_the_pages_the_journal_vouches_for(node: Node) -> No
     assert ns["restart"] == {"handed_over": 0, "recovered": 100, "adopted": 99,
                              "discarded": 1}, ns
     log = node.log()
-    assert "99 of 100 journaled block(s) adopted" in log, log
+    assert "99 of 100 journaled block(s) adopted (1 did not check" in log, log
     # the discarded page's block is free again: a new store of that key is served
     assert a.call(op="store", keys=missed)["stored"] == 1
     assert a.call(op="load", keys=missed)["identical"] is True

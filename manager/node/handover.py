@@ -350,6 +350,7 @@ class Adoption:
             skey = p.storage_key if has_storage else None
             pages.append((engine_key(p.key), p.page, skey, p.stored and skey is not None))
         m = keyed.m
+        t0 = time.perf_counter()
         try:
             with m.lock:
                 m.adopt_host_copies(pages, time.monotonic())
@@ -357,7 +358,8 @@ class Adoption:
             self.discard(rec, str(e))
             return 0
         fig["adopted"] = len(pages)
-        log.info("namespace %r: %d handed-over block(s) adopted", rec.namespace, len(pages))
+        log.info("namespace %r: %d handed-over block(s) adopted (%.1f ms)", rec.namespace,
+                 len(pages), (time.perf_counter() - t0) * 1e3)
         return len(pages)
 
     def close(self) -> None:

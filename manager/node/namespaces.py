@@ -313,10 +313,12 @@ class Namespaces:
                         "tier", ns.name, e.strerror or e)
             return
         if slots:
+            t0 = time.perf_counter()
             adopted, discarded = adopt_recovered(ns.journal, ns.keyed, slots)
             ns.restart.update(recovered=len(slots), adopted=adopted, discarded=discarded)
             log.info("namespace %r: after a crash, %d of %d journaled block(s) adopted "
-                     "(%d did not check)", ns.name, adopted, len(slots), discarded)
+                     "(%d did not check; %.0f ms)", ns.name, adopted, len(slots), discarded,
+                     (time.perf_counter() - t0) * 1e3)
         elif ns.restart["adopted"]:
             threading.Thread(target=ns.journal.record_ready, args=(ns.keyed,), daemon=True,
                              name="kvtier-journal").start()
