@@ -12,7 +12,11 @@ because each namespace has a stack of its own (its own tree, host pools and LRU)
                                      tier is the service's (same backend, pages namespaced)
     later attach of N                must have the same geometry, else refused
     engines of N detach / die        the stack stays: its blocks outlive every engine
-    kvtier serve stops               every stack closed, every segment unlinked
+    kvtier serve stops               every stack closed, every segment unlinked (with
+                                     node.handover: kept and handed over, `handover`)
+    first attach after a restart     a hand-over's pages adopted (`handover.Adoption`), else
+    (node.handover)                  a crashed service's journaled pages that check
+                                     (`journal.recover`); then a fresh journal (`Journal`)
 
 Refusals (`NamespaceRefused`, one line): a geometry unlike the namespace's, a quota under one
 block, a new namespace beyond `node.host_budget_bytes`, a stack that does not start.

@@ -36,6 +36,12 @@ keyed-cache call (one hold of the namespace's lock) each::
                                      started may still land), its storage queries forgotten,
                                      its events reader dropped; everything else stays cached
 
+A stop with node.handover (issue 37) writes every namespace's ready host copies to the
+hand-over file in the socket's folder and keeps the pools (`handover`); a start reads it
+(`Adoption.load`, under the lock) and the namespaces adopt it as they attach; a completed
+store is checksummed into the namespace's crash journal before it is published
+(`journal`).
+
 Request ids are the engine's; they are kept apart per session (`<session>:<id>`), so two
 engines using the same ids never share a storage query.
 
