@@ -56,6 +56,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvtier.manager.keyed import KeyedHostCache, engine_key
@@ -252,7 +253,10 @@ def _map_pool(path: str, ino: int, size: int) -> tuple[int, mmap.mmap] | None:
         st = os.fstat(fd)
         if st.st_ino != ino or st.st_size != size:
             return None
-        return ino, mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        # populated at once: a recovery checksums every page, and faulting 4 KiB at a time
+        # made that 5x slower (4 GiB: 15 s against ~3 s of CRC-32 on a loaded 2-core box)
+        return ino, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                              prot=mmap.PROT_READ)
     finally:
         os.close(fd)
 
@@ -310,8 +314,12 @@ def adopt_recovered(journal: Journal, keyed: KeyedHostCache,
     rec: list[tuple[bytes, int, bytes | None, bool]] = []
     keys: set[bytes] = set()
     has_storage = keyed.storage is not None
-    for key, host, skey, stored, crcs in slots:
-        if key in keys or journal.checksums(host) != crcs:
+    # every page checksummed on a few threads (zlib releases the GIL over a page); the
+    # journal's lock held throughout (nothing else uses it before the namespace is served)
+    with journal._lock, ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+        now = list(pool.map(journal._crcs, [slot[1] for slot in slots], chunksize=64))
+    for (key, host, skey, stored, crcs), found in zip(slots, now, strict=True):
+        if key in keys or found != crcs:
             continue
         keys.add(key)
         s = skey if has_storage else None

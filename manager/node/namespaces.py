@@ -41,7 +41,7 @@ from kvtier.manager.config import ConfigError, KvtierConfig, page_bytes, with_se
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.keyed import KeyedHostCache
 from kvtier.manager.node.fanout import EventFanout
-from kvtier.manager.node.handover import Adoption
+from kvtier.manager.node.handover import Adoption, unlink_kept
 from kvtier.manager.node.journal import Journal, adopt_recovered, recover
 from kvtier.manager.node.wire import Hello, Segment
 from kvtier.manager.stack import Stack
@@ -277,6 +277,8 @@ class Namespaces:
                                       cfg.cache.host_blocks, page_bytes(cfg))
         # no hand-over: what a dead service's journal vouches for (checked once adopted)
         slots = recover(did, ranks, blocks, pbytes, geometry) if keep and rec is None else []
+        if not keep and rec is None:  # a crashed service's kept pools, not wanted now
+            unlink_kept(self.base.deployment_id, did)
         stack = Stack(cfg, keyed_namespace=hello.namespace.encode())
         # its workers adopt the kept segments (a fresh pool where there is none)
         stack.adopt_host = rec is not None or bool(slots)
