@@ -420,7 +420,12 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                      "B attached to the restarted service")
             report["engines_after_restart"] = len(engines(serve.status()))
         if kept is not None:
-            # B serves K from the new service's host tier: what the restart kept
+            # B serves K from the new service's host tier: what the restart kept. A session
+            # is listed from its HELLO on, its namespace once the stack is up (and adopted):
+            # that is waited for, then a moment for B's client to take the WELCOME
+            wait_for(lambda: any(e.get("namespace") for e in engines(serve.status())), 120,
+                     "B's namespace started on the restarted service")
+            time.sleep(1.0)
             got = b.generate(kept["tokens"])
             ns = (serve.status().get("node") or {}).get("namespaces", [])
             report["restart_figures"] = ns[0]["restart"] if ns else None
