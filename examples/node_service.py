@@ -206,6 +206,7 @@ class Serve:
             f'events = {"true" if events else "false"}\nevents_interval_s = 0.02\n'
             f'handover = {"true" if handover else "false"}\n')
         self.deployment_id = deployment_id
+        self.handover = handover
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.starts = 0
@@ -457,6 +458,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for e in started:
             e.close()
         serve.stop()
+        if serve.handover:  # the last stop handed over too: nobody will adopt it
+            from kvtier.manager.node.handover import unlink_kept
+
+            unlink_kept(serve.deployment_id)
 
 
 def main(argv: list[str] | None = None) -> int:
