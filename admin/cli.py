@@ -19,6 +19,8 @@ printed as one line naming the key and the value.
     SIGTERM / SIGINT                                                   -> "stopping"
       POSTs refused (503), /readyz 503; transfers drained (bounded); admin stopped;
       stack closed: workers stopped, every segment and queue unlinked  -> "stopped", exit 0
+      (node.handover: the namespaces' host pools kept and their index handed over to the
+      next serve, `kvtier.manager.node.handover`)          -> "hand-over written to ..."
 
 `replay` lives in `kvtier.admin.replay` (its front end: arguments, progress, plot, exit codes)
 and `kvtier.manager.replay` (the driver), imported only when that subcommand runs, so `serve` and

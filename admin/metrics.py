@@ -466,6 +466,11 @@ class NodeCollector(Collector):
             "Blocks the attached engines of the namespace looked up, loaded from the host "
             "tier (by where the copy came from: host or storage) and stored, since the "
             "service started (engines that left included).", labels=["namespace", "kind"])
+        restart = GaugeMetricFamily(
+            "kvtier_node_restart_blocks",
+            "Blocks of the namespace's host tier the previous service handed over, and of "
+            "them those this service adopted and those it discarded (issue 37).",
+            labels=["namespace", "kind"])
         dropped = CounterMetricFamily(
             "kvtier_node_connections_dropped",
             "Engine connections refused or dropped (bad credentials, bad frames, not reading "
@@ -478,10 +483,13 @@ class NodeCollector(Collector):
             engines.add_metric(label, ns["engines"])
             for kind, n in ns["blocks"].items():
                 blocks.add_metric([*label, kind], n)
+            for kind, n in ns["restart"].items():
+                restart.add_metric([*label, kind], n)
         yield quota
         yield used
         yield engines
         yield blocks
+        yield restart
         yield dropped
 
 

@@ -23,6 +23,14 @@ is checked or made on the engine side and they start all the same (`unowned_host
 * `--kill-serve`: `kvtier serve` is killed (SIGKILL) while B serves; B's requests complete
   (recomputed) within `SERVE_DOWN_BOUND_S` each; serve is started again on the same socket, B
   reconnects (backoff at most 5 s), stores anew and hits again (`after_restart_*`).
+* `--restart-serve`: `kvtier serve` is stopped with SIGTERM (a planned restart) and started
+  again on the same socket.
+* With either, the service runs with `node.handover = true` (issue 37): B serves K cold
+  before the restart and pushes it out of its device cache; after it, B serves K from the
+  new service's host tier
+  (`kept_tokens_from_host`, exact: `kept_identical`), and the service's figures say how many
+  blocks it kept (`kept_blocks`: handed over, or vouched for by the page journal after a
+  kill -9; the pages the negative control overwrote do not check and are discarded).
 
 The last line of output is one JSON object (with `--json`). Engine processes are this file
 run with `--engine`: they read one JSON command a line on stdin and answer one line on stdout
@@ -198,7 +206,7 @@ class Serve:
 
     def __init__(self, workdir: Path, socket_path: str, deployment_id: str, *,
                  storage_path: str = "", quota_bytes: int = 64 << 20,
-                 events: bool = False) -> None:
+                 events: bool = False, handover: bool = False) -> None:
         storage = (f'[storage]\nbackend = "file"\npath = "{storage_path}"\n' if storage_path
                    else '[storage]\nbackend = "none"\n')
         self.workdir = workdir
@@ -213,8 +221,10 @@ class Serve:
             + '[workers]\ncount = 1\ndevice = "cpu"\n'
             '[admin]\nhost = "127.0.0.1"\nport = 0\nauth = "none"\n'
             f'[node]\nsocket = "{socket_path}"\nnamespace_quota_bytes = {quota_bytes}\n'
-            f'events = {"true" if events else "false"}\nevents_interval_s = 0.02\n')
+            f'events = {"true" if events else "false"}\nevents_interval_s = 0.02\n'
+            f'handover = {"true" if handover else "false"}\n')
         self.deployment_id = deployment_id
+        self.handover = handover
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.starts = 0
@@ -253,6 +263,12 @@ class Serve:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
+
+    def terminate(self) -> None:
+        """SIGTERM, and the exit waited for (with node.handover: a planned restart)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -313,7 +329,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     sock_dir = work / "run"
     sock_dir.mkdir(mode=0o700)
     socket_path = str(sock_dir / "node.sock")
-    serve = Serve(work, socket_path, f"nodeex{os.getpid()}")
+    serve = Serve(work, socket_path, f"nodeex{os.getpid()}",
+                  handover=args.kill_serve or args.restart_serve)
     started: list[Engine] = []
     report: dict[str, Any] = {}
     rng = random.Random(args.seed)
@@ -384,6 +401,25 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 e.get("pid", 0) for e in engines(serve.status()))
             a2.close()
 
+        kept: dict[str, Any] | None = None
+        if args.kill_serve or args.restart_serve:
+            # K, served cold by B before the restart, then pushed out of B's 12-block device
+            # cache (its next requests also carry the completions of K's stores): after the
+            # restart B can have K only from the new service's host tier
+            k = prompt()
+            kept = {"cold": b.generate(k), "tokens": k}
+            for _ in range(4):
+                b.generate(prompt())
+            time.sleep(0.5)
+        if args.restart_serve and not args.kill_serve:
+            t = time.monotonic()
+            serve.terminate()
+            report["serve_stop_seconds"] = round(time.monotonic() - t, 2)
+            serve.start()
+            alive = 1 if args.kill_a else 2  # A was killed (A' closed): B alone
+            wait_for(lambda: len(engines(serve.status())) >= alive, 60,
+                     "the engines attached to the restarted service")
+            report["restart_to_attached_seconds"] = round(time.monotonic() - t, 2)
         if args.kill_serve:
             s = prompt()
             b.send({"op": "generate", "tokens": s})
@@ -403,6 +439,20 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             wait_for(lambda: len(engines(serve.status())) >= 1, 60,
                      "B attached to the restarted service")
             report["engines_after_restart"] = len(engines(serve.status()))
+        if kept is not None:
+            # B serves K from the new service's host tier: what the restart kept. A session
+            # is listed from its HELLO on, its namespace once the stack is up (and adopted):
+            # that is waited for, then a moment for B's client to take the WELCOME
+            wait_for(lambda: any(e.get("namespace") for e in engines(serve.status())), 120,
+                     "B's namespace started on the restarted service")
+            time.sleep(1.0)
+            got = b.generate(kept["tokens"])
+            ns = (serve.status().get("node") or {}).get("namespaces", [])
+            report["restart_figures"] = ns[0]["restart"] if ns else None
+            report["kept_blocks"] = ns[0]["restart"]["adopted"] if ns else 0
+            report["kept_tokens_from_host"] = got["num_cached_tokens"]
+            report["kept_identical"] = vllm_offload.compare(kept["cold"], got)[0]
+        if args.kill_serve:
             # A prompt stored after the reattach and pushed out of B's device cache comes
             # back from the new service's host tier. Up to three prompts: in one CI run under
             # load the first prompt's store after a restart was lost (0 of 192 tokens from
@@ -427,6 +477,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for e in started:
             e.close()
         serve.stop()
+        if serve.handover:  # the last stop handed over too: nobody will adopt it
+            from kvtier.manager.node.handover import unlink_kept
+
+            unlink_kept(serve.deployment_id)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -437,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="kill -9 engine A while it stores, then a new A' must hit exactly")
     ap.add_argument("--kill-serve", action="store_true",
                     help="kill -9 kvtier serve while B serves, restart it, B must hit again")
+    ap.add_argument("--restart-serve", action="store_true",
+                    help="SIGTERM kvtier serve (a planned restart, node.handover) and start "
+                    "it again: B must load what A stored before, from the host tier")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--engine", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -570,6 +570,19 @@ class KeyedHostCache:
                 self.storage.backup(landed)
             self.m.flush()
 
+    def open_store_pages(self, hashes: Sequence[bytes], *,
+                         owner: Owner = None) -> list[tuple[bytes, int, bytes | None]]:
+        """(hash, host block, storage key) of `owner`'s open stores among `hashes`: blocks
+        nothing else writes, evicts or frees until their completion (the node service's
+        crash journal checksums them before completing them, issue 37)."""
+        with self._lock:
+            out = []
+            for h in hashes:
+                node = self._writers.get((owner, h))
+                if node is not None and node.host is not None:
+                    out.append((h, node.host, node.skey))
+            return out
+
     # ------------------------------------------------------------------ tier events
 
     def enable_events(self) -> None:

@@ -55,6 +55,7 @@ deployment unlinked.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -79,7 +80,7 @@ from kvtier.manager.scheduler import TREE_CLEARED, KVCacheManager
 from kvtier.manager.storage_tier import StorageTier
 from kvtier.manager.transfers import Dispatcher, ImmediateDispatcher, TransferObserver
 from kvtier.worker.ipc import TreeStatus
-from kvtier.worker.spec import WorkerSpec
+from kvtier.worker.spec import WorkerSpec, kept_segment_name
 from kvtier.worker.storage.page_crypto import parse_key_ids
 from kvtier.worker.wire import TaskKind
 
@@ -212,11 +213,19 @@ class Stack:
         self._lock = threading.Lock()
         self._sleep_lock = threading.Lock()  # one sleep, wake or reset at a time
         self._transfer_observers: list[TransferObserver] = []
+        # Workers adopt the host pools kept under `kept_segment_name` instead of creating
+        # them (the node service sets it for the start that takes a hand-over, then clears
+        # it: a worker restarted later creates a fresh pool).
+        self.adopt_host = False
 
     # ------------------------------------------------------------------ life cycle
 
     def worker_spec(self, rank: int) -> WorkerSpec:
-        return worker_spec(self.cfg, rank, self.storage_tag)
+        spec = worker_spec(self.cfg, rank, self.storage_tag)
+        if self.adopt_host:  # a node service's hand-over (issue 37): the first start only
+            spec = dataclasses.replace(
+                spec, host_adopt=kept_segment_name(self.cfg.deployment_id, rank))
+        return spec
 
     def start(self) -> Stack:
         c = self.cfg

@@ -168,6 +168,9 @@ def remove_leftovers(deployment_id: str) -> None:
         if entry.name.startswith(f"kvtier_{deployment_id}_"):
             with contextlib.suppress(posix_ipc.ExistentialError):
                 posix_ipc.unlink_shared_memory("/" + entry.name)
+        elif entry.name.startswith(f"kvtier-keep_{deployment_id}_"):  # node.handover's
+            with contextlib.suppress(OSError):
+                entry.unlink()
 
 
 # --------------------------------------------------------------------------- configuration

@@ -1,6 +1,7 @@
 """Two real vLLM processes (the CPU build) attached to one real `kvtier serve`, end to end:
-`examples/node_service.py --kill-a --kill-serve` in vLLM's own environment, run once and
-asserted on from several tests (a vLLM start costs tens of seconds on two cores).
+`examples/node_service.py --kill-a --kill-serve` in vLLM's own environment (the service
+with `node.handover = true`: its journal vouches for what was stored before the kill), run
+once and asserted on from several tests (a vLLM start costs tens of seconds on two cores).
 
 Storage is off, so every hit comes from the node's host tier. The example reports vLLM's own
 `num_cached_tokens` of each request: an engine process that never saw a prompt and whose
@@ -114,3 +115,15 @@ def test_a_killed_service_never_stops_the_engine_and_it_reattaches(
     assert r["engines_after_restart"] == 1, r  # B attached to the new service by itself
     assert r["after_restart_tokens_from_host"] == PREFIX_TOKENS, r
     assert r["after_restart_identical"] is True, r
+
+
+def test_a_killed_service_keeps_the_host_blocks_its_journal_vouches_for(
+        report: dict[str, Any]) -> None:
+    """Issue 37: K, stored before the kill -9 and out of B's device cache, comes back from
+    the new service's host tier, exactly; the negative control's overwritten pages do not
+    check and are discarded."""
+    r = report
+    assert r["kept_tokens_from_host"] == PREFIX_TOKENS, r
+    assert r["kept_identical"] is True, r
+    fig = r["restart_figures"]
+    assert fig["adopted"] >= PREFIX_TOKENS // 32 and fig["discarded"] >= 1, r

@@ -316,7 +316,8 @@ class RankResources:
             self.topology = topology
             self.numa = self._numa_choice(self.device, topology)
             if spec.host_blocks:
-                self.host = HostPool(shape, spec.host_blocks, host_segment, self.numa.node)
+                self.host = HostPool(shape, spec.host_blocks, host_segment, self.numa.node,
+                                     adopt=spec.host_adopt)
             self.storage = make_backend(
                 spec.storage_backend, namespace=spec.storage_namespace(layout),
                 secret=spec.storage_secret_bytes, path=spec.storage_path, url=spec.storage_url,

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import mmap
 import os
+import stat
 import sys
 import threading
 import weakref
@@ -44,6 +46,8 @@ import torch
 from kvtier.worker import numa
 from kvtier.worker.errors import KvtierError
 from kvtier.worker.page_layout import PageLayout
+
+log = logging.getLogger("kvtier.worker")
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -444,7 +448,7 @@ class HostPool:
     """
 
     def __init__(self, shape: KVShape, num_blocks: int, name: str,
-                 numa_node: int | None = None) -> None:
+                 numa_node: int | None = None, adopt: str = "") -> None:
         _check_positive("host_blocks", num_blocks)
         _check_name(name)
         self.shape = shape
@@ -455,6 +459,9 @@ class HostPool:
         self.pinned = False
         self._closed = True
         self.numa_node = numa_node  # None: not bound (see kvtier.worker.numa)
+        self.adopted = False  # the segment is a kept one (`adopt`), its pages as they were
+        if adopt and self._adopt(adopt):
+            return
         shm_free = _shm_free_bytes()
         if shm_free is not None and self.nbytes > shm_free:
             raise PoolConfigError(
@@ -489,6 +496,46 @@ class HostPool:
         self.inode = os.fstat(shm.fd).st_ino
         shm.close_fd()
         self._arm_finalizer()
+
+    def _adopt(self, kept: str) -> bool:
+        """Take over the kept segment `kept` (a node service's hand-over, issue 37) as this
+        pool: renamed to `name` (one atomic step: a stale segment of that name goes), its
+        pages as the last owner left them (already allocated and placed: no reservation).
+        Only this user's regular file, no access for others, of exactly this pool's size;
+        anything else is unlinked with one log line and False returned (a fresh pool is
+        created: the service compares the inode it recorded and so adopts nothing)."""
+        _check_name(kept)
+        path, target = "/dev/shm" + kept, "/dev/shm" + self.name
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            log.warning("host pool %s: kept segment %s not adopted (%s): a fresh pool",
+                        self.name, kept, e.strerror)
+            return False
+        try:
+            st = os.fstat(fd)
+            why = ("not a regular file" if not stat.S_ISREG(st.st_mode) else
+                   f"owned by uid {st.st_uid}" if st.st_uid != os.geteuid() else
+                   f"mode {st.st_mode & 0o777:o}" if st.st_mode & 0o707 != 0o600 else
+                   f"{st.st_size} bytes, the pool has {self.nbytes}"
+                   if st.st_size != self.nbytes else "")
+            if why:
+                log.warning("host pool %s: kept segment %s refused (%s): unlinked, a fresh "
+                            "pool", self.name, kept, why)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                return False
+            os.fchmod(fd, 0o600)
+            os.rename(path, target)
+            self._map(fd)
+            self.inode = st.st_ino
+            self.adopted = True
+        finally:
+            os.close(fd)
+        self._arm_finalizer()
+        log.info("host pool %s: kept segment adopted (inode %d, %d bytes)", self.name,
+                 self.inode, self.nbytes)
+        return True
 
     def _reserve(self, fd: int) -> None:
         """Allocate every page of the segment now. A segment is sparse until written, so a

@@ -31,6 +31,18 @@ def host_segment_name(deployment_id: str, rank: int) -> str:
     return f"/kvtier_{deployment_id}_host_r{rank}"
 
 
+KEPT_PREFIX = "/kvtier-keep_"
+"""Host pools a stopping node service hands over (issue 37) are kept under a second name of
+this prefix: not `kvtier_<id>_`, so neither the janitor, nor the launcher, nor a worker's
+own unlink of the pool's name removes them; the next service's worker renames the kept
+segment back (`WorkerSpec.host_adopt`)."""
+
+
+def kept_segment_name(deployment_id: str, rank: int) -> str:
+    """The hand-over name of a rank's host pool (`KEPT_PREFIX`)."""
+    return f"{KEPT_PREFIX}{deployment_id}_host_r{rank}"
+
+
 def segment_inode(name: str, share_gid: int = -1) -> int:
     """The inode of shared-memory segment `name` now: the one place a host pool segment's
     identity is read (a segment created again under the same name is another inode, and a
@@ -119,6 +131,10 @@ class WorkerSpec:
     storage_key_id: int = 1
     storage_old_key_ids: tuple[int, ...] = ()
     storage_compression: str = "none"  # storage.compression: "none" | "zstd"
+    # A kept host pool to adopt instead of creating one (issue 37: `kept_segment_name`, a
+    # node service's hand-over): renamed to the pool's name when it is this user's, private
+    # and of the pool's size, else unlinked and a fresh pool created. "": create.
+    host_adopt: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

@@ -495,6 +495,13 @@ class NodeConfig(BaseModel):
         description="connections that have not said HELLO yet, held apart from max_engines; "
         "one more drops the oldest of them",
     )
+    handover: bool = Field(
+        False,
+        description="a stop (SIGTERM / SIGINT) keeps every namespace's host pools and "
+        "writes their index (handover.msgpack, 0600, in the socket's private folder) for "
+        "the next serve of this deployment, which adopts them: a planned restart keeps the "
+        "host tier. False: the pools are removed at stop",
+    )
     abandon_grace_s: float = Field(
         5.0, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
         description="host blocks of stores a dead engine left open stay out of use this long "

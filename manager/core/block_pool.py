@@ -117,6 +117,24 @@ class BlockPool:
         self._used[i] = 0
         self._free.append(i)
 
+    def take(self, ids: Iterable[int]) -> None:
+        """Take these particular ids out of the pool (a node service adopting the host
+        copies its predecessor handed over, issue 37). All or nothing: an id out of range,
+        repeated or not free raises BlockPoolError and nothing is taken. O(capacity)."""
+        ids = list(ids)
+        used = self._used
+        cap = self.capacity
+        seen: set[int] = set()
+        for i in ids:
+            if type(i) is not int or not 0 <= i < cap:
+                raise BlockPoolError(f"{self.tier} tier: block id {i!r} is not in 0..{cap - 1}")
+            if used[i] or i in seen:
+                raise BlockPoolError(f"{self.tier} tier: block {i} is not free")
+            seen.add(i)
+        for i in ids:
+            used[i] = 1
+        self._free = [i for i in self._free if not used[i]]
+
     def is_free(self, i: int) -> bool:
         return not self._used[i]
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import compress
 
@@ -53,7 +53,12 @@ from kvtier.manager.core.nodes import (
     HostLRU,
     Node,
 )
-from kvtier.manager.errors import OutOfBlocksError, RequestCancelledError, TransferTimeoutError
+from kvtier.manager.errors import (
+    InvalidRequestError,
+    OutOfBlocksError,
+    RequestCancelledError,
+    TransferTimeoutError,
+)
 from kvtier.manager.policies import (
     WRITE_BACK_BATCH,
     EvictionStrategy,
@@ -793,6 +798,44 @@ class CacheCore:
         if skey is not None:
             node.skey = skey
         return node
+
+    def ready_host_copies(self) -> list[tuple[int, int, bytes | None, bool]]:
+        """Every host copy whose bytes are whole, as (key, host block, storage key, stored),
+        least recently used first: what a node service hands over (issue 37). Left out:
+        copies being written by an engine or prefetched (their bytes may be partial)."""
+        nodes = [n for n in self._map.values()
+                 if n.host is not None and not n.flags & (ENGINE_WRITE | PREFETCHING)]
+        nodes.sort(key=lambda n: n.last)
+        return [(n.key, n.host, n.skey, bool(n.flags & STORED))  # type: ignore[misc]
+                for n in nodes]
+
+    @staticmethod
+    def host_copy_ready(node: Node) -> bool:
+        """Whether `node`'s host copy is whole (not being written by an engine nor
+        prefetched)."""
+        return node.host is not None and not node.flags & (ENGINE_WRITE | PREFETCHING)
+
+    def adopt_host_copies(self, pages: Sequence[tuple[int, int, bytes | None, bool]],
+                          now: float) -> list[Node]:
+        """Host copies a node service's predecessor handed over (issue 37), as (key, host
+        block, storage key, stored), oldest first: each a ready node holding that block
+        (taken out of the free list), appended to the host LRU in that order. All or
+        nothing: a key already in the tree or a block not free raises before any change
+        (BlockPoolError / InvalidRequestError)."""
+        keys = set()
+        for key, _, _, _ in pages:
+            if key in keys or self._map.get(key) is not None:
+                raise InvalidRequestError(f"adopted key {key:x}: twice, or already cached")
+            keys.add(key)
+        self._host_pool.take([hb for _, hb, _, _ in pages])
+        nodes = []
+        for key, hb, skey, stored in pages:
+            node = self._new_host_node(key, hb, now, STORED if stored and skey else 0)
+            if skey is not None:
+                node.skey = skey
+            self.relist(node)
+            nodes.append(node)
+        return nodes
 
     def finish_engine_write(self, node: Node, ok: bool) -> bool:
         """The engine's write of `node` ended; returns whether the copy is now readable

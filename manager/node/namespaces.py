@@ -12,7 +12,11 @@ because each namespace has a stack of its own (its own tree, host pools and LRU)
                                      tier is the service's (same backend, pages namespaced)
     later attach of N                must have the same geometry, else refused
     engines of N detach / die        the stack stays: its blocks outlive every engine
-    kvtier serve stops               every stack closed, every segment unlinked
+    kvtier serve stops               every stack closed, every segment unlinked (with
+                                     node.handover: kept and handed over, `handover`)
+    first attach after a restart     a hand-over's pages adopted (`handover.Adoption`), else
+    (node.handover)                  a crashed service's journaled pages that check
+                                     (`journal.recover`); then a fresh journal (`Journal`)
 
 Refusals (`NamespaceRefused`, one line): a geometry unlike the namespace's, a quota under one
 block, a new namespace beyond `node.host_budget_bytes`, a stack that does not start.
@@ -37,6 +41,8 @@ from kvtier.manager.config import ConfigError, KvtierConfig, page_bytes, with_se
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.keyed import KeyedHostCache
 from kvtier.manager.node.fanout import EventFanout
+from kvtier.manager.node.handover import Adoption, unlink_kept
+from kvtier.manager.node.journal import Journal, adopt_recovered, recover
 from kvtier.manager.node.wire import Hello, Segment
 from kvtier.manager.stack import Stack
 from kvtier.worker.spec import host_segments
@@ -85,6 +91,11 @@ class Namespace:
         # came from) / stored, engines that left included
         self.blocks = dict.fromkeys(("looked_up", "loaded_host", "loaded_storage", "stored"),
                                     0)
+        # a predecessor's hand-over or crash journal (issue 37): blocks handed over, found
+        # in the journal (recovered), adopted, discarded
+        self.restart = dict.fromkeys(("handed_over", "recovered", "adopted", "discarded"), 0)
+        # the crash journal (node.handover): its kept pools and page checksums
+        self.journal: Journal | None = None
 
     @property
     def host_bytes(self) -> int:
@@ -123,7 +134,7 @@ class Namespace:
                 "used_bytes": self.used_bytes(), "host_blocks": self.host_blocks,
                 "ranks": self.ranks, "engines": len(self.sessions),
                 "engines_seen": self.engines_seen, "generation": self.keyed.generation,
-                "blocks": dict(self.blocks),
+                "blocks": dict(self.blocks), "restart": dict(self.restart),
                 "events": {"readers": self.fanout.consumers, "next_seq": self.fanout.next_seq,
                            "held_hashes": self.fanout.held, "resyncs": self.fanout.resyncs,
                            "trimmed": self.fanout.trimmed},
@@ -149,6 +160,7 @@ class Namespaces:
         self._starting: dict[str, _Starting] = {}  # namespaces whose stack is starting
         self._lock = threading.Lock()
         self._closed = False
+        self.adoption: Adoption | None = None  # the node server's (a hand-over to adopt)
 
     def namespace_config(self, hello: Hello) -> tuple[KvtierConfig, int]:
         """The configuration of a namespace's stack and its quota in bytes."""
@@ -256,17 +268,72 @@ class Namespaces:
         log.info("namespace %r: starting its stack %s (%d host blocks of %d bytes x %d "
                  "rank(s), quota %d bytes)", hello.namespace, cfg.deployment_id,
                  cfg.cache.host_blocks, page_bytes(cfg), cfg.workers.count, quota)
+        adoption = self.adoption
+        keep = self.base.node.handover
+        rec = None if adoption is None else adoption.take(
+            hello.namespace, cfg.deployment_id, geometry, page_bytes(cfg),
+            cfg.cache.host_blocks, cfg.workers.count)
+        did, ranks, blocks, pbytes = (cfg.deployment_id, cfg.workers.count,
+                                      cfg.cache.host_blocks, page_bytes(cfg))
+        # no hand-over: what a dead service's journal vouches for (checked once adopted)
+        slots = recover(did, ranks, blocks, pbytes, geometry) if keep and rec is None else []
+        if not keep and rec is None:  # a crashed service's kept pools, not wanted now
+            unlink_kept(self.base.deployment_id, did)
         stack = Stack(cfg, keyed_namespace=hello.namespace.encode())
+        # its workers adopt the kept segments (a fresh pool where there is none)
+        stack.adopt_host = rec is not None or bool(slots)
         try:
             stack.start()
         except KvtierError as e:
+            if adoption is not None and rec is not None:
+                adoption.discard(rec, "its stack did not start")
             raise NamespaceRefused(
                 f"namespace {hello.namespace!r}: its stack did not start: {e}") from None
+        finally:
+            stack.adopt_host = False  # a worker restarted later creates a fresh pool
         ns = Namespace(hello.namespace, cfg, geometry, quota, stack)
+        if adoption is not None and rec is not None:
+            try:
+                inodes = [i for _, _, i in host_segments(did, ranks)]
+            except OSError:
+                inodes = []
+            adoption.adopt(rec, ns.keyed, inodes)
+        if adoption is not None and hello.namespace in adoption.figures:
+            ns.restart.update(adoption.figures[hello.namespace])
+        if keep:
+            self._open_journal(ns, geometry, slots)
         if self.base.node.events:
             # from its first block on (the publisher's next tick reports it)
             ns.keyed.enable_events()
         return ns
+
+    def _open_journal(self, ns: Namespace, geometry: dict[str, Any],
+                      slots: list[tuple[bytes, int, bytes | None, bool, list[int]]]) -> None:
+        """The namespace's crash journal (`journal`): the recovered pages that check
+        adopted; the handed-over ones recorded in the background."""
+        try:
+            ns.journal = Journal.create(ns.cfg.deployment_id, ns.ranks, ns.host_blocks,
+                                        ns.page_bytes, geometry)
+        except OSError as e:
+            log.warning("namespace %r: no crash journal (%s): a crash will lose its host "
+                        "tier", ns.name, e.strerror or e)
+            return
+        if slots:
+            t0 = time.perf_counter()
+            adopted, discarded = adopt_recovered(ns.journal, ns.keyed, slots)
+            ns.restart.update(recovered=len(slots), adopted=adopted, discarded=discarded)
+            log.info("namespace %r: after a crash, %d of %d journaled block(s) adopted "
+                     "(%d did not check; %.0f ms)", ns.name, adopted, len(slots), discarded,
+                     (time.perf_counter() - t0) * 1e3)
+        elif ns.restart["adopted"]:
+            threading.Thread(target=ns.journal.record_ready, args=(ns.keyed,), daemon=True,
+                             name="kvtier-journal").start()
+
+    def refresh_journals(self) -> None:
+        """Housekeeping: kept links and mappings of replaced workers' pools renewed."""
+        for ns in self.all():
+            if ns.journal is not None:
+                ns.journal.refresh()
 
     def detach(self, ns: Namespace, session: int) -> None:
         with self._lock:
@@ -294,3 +361,5 @@ class Namespaces:
             self._by_name.clear()
         for ns in stacks:
             ns.stack.close()
+            if ns.journal is not None:  # kept for the next service with node.handover
+                ns.journal.close(keep=self.base.node.handover)

@@ -36,6 +36,12 @@ keyed-cache call (one hold of the namespace's lock) each::
                                      started may still land), its storage queries forgotten,
                                      its events reader dropped; everything else stays cached
 
+A stop with node.handover (issue 37) writes every namespace's ready host copies to the
+hand-over file in the socket's folder and keeps the pools (`handover`); a start reads it
+(`Adoption.load`, under the lock) and the namespaces adopt it as they attach; a completed
+store is checksummed into the namespace's crash journal before it is published
+(`journal`).
+
 Request ids are the engine's; they are kept apart per session (`<session>:<id>`), so two
 engines using the same ids never share a storage query.
 
@@ -68,6 +74,7 @@ from kvtier.manager.errors import InvalidRequestError, KvtierError
 from kvtier.manager.keyed import Lookup
 from kvtier.manager.node import wire
 from kvtier.manager.node.events import EventPublisher
+from kvtier.manager.node.handover import Adoption, snapshot, write_handover
 from kvtier.manager.node.namespaces import Namespace, NamespaceRefused, Namespaces
 from kvtier.manager.sessions import EngineSession, Graves
 
@@ -168,6 +175,8 @@ class NodeServer:
         self.cfg = cfg
         self.path = socket_path(cfg, env)
         self.namespaces = namespaces or Namespaces(cfg)
+        # a predecessor's hand-over (issue 37): read at start, adopted as namespaces attach
+        self.adoption = self.namespaces.adoption = Adoption(cfg.deployment_id)
         self.nonce = os.urandom(16).hex()
         self._sessions: dict[int, Session] = {}  # attached (said HELLO)
         # connection id -> socket of the connections that have not said HELLO yet, oldest
@@ -216,6 +225,7 @@ class NodeServer:
 
     def start(self) -> NodeServer:
         self._open_dir()
+        self.adoption.load(self.path.parent)  # ours alone now (the lock is held)
         try:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()  # a dead service's socket (we hold the lock)
@@ -276,8 +286,29 @@ class NodeServer:
         self._bury(all_=True)
         if self.events is not None:
             self.events.stop()  # a last batch while the stacks are still there
+        if self.cfg.node.handover:
+            self._hand_over()
         self.namespaces.close()
+        self.adoption.close()
         self._release_lock()
+
+    def _hand_over(self) -> None:
+        """Every namespace's ready host copies and segments kept for the next service
+        (`handover`); a namespace that cannot be is left out (one line), its pages lost."""
+        records = []
+        for ns in self.namespaces.all():
+            try:
+                records.append(snapshot(ns.name, ns.cfg.deployment_id, ns.geometry,
+                                        ns.page_bytes, ns.host_blocks, ns.ranks, ns.keyed))
+            except OSError as e:
+                log.warning("namespace %r: not handed over: %s", ns.name, e)
+        try:
+            path = write_handover(self.path.parent, self.cfg.deployment_id, records)
+        except OSError as e:
+            log.warning("hand-over not written (%s): the next service starts cold", e)
+            return
+        log.info("hand-over written to %s: %d namespace(s), %d block(s)", path, len(records),
+                 sum(len(r.pages) for r in records))
 
     # ------------------------------------------------------------------ status
 
@@ -516,8 +547,12 @@ class NodeServer:
         for r in ops:
             op = r.op
             if op is wire.Op.COMPLETE_STORE:
-                done = sum(len(engine.complete_store(part, bool(r.flag)))
-                           for part in _slices(r.keys))
+                done = 0
+                journal = ns.journal if r.flag else None
+                for part in _slices(r.keys):
+                    if journal is not None:  # checksummed while still marked written
+                        journal.record_stores(cache, part, s.sid)
+                    done += len(engine.complete_store(part, bool(r.flag)))
                 f["stores" if r.flag else "stores_failed"] += done
                 if r.flag:
                     ns.blocks["stored"] += done
@@ -709,7 +744,11 @@ class NodeServer:
     def _grave_loop(self) -> None:
         # also the one drain of every namespace's tier events (`fanout`), each
         # node.events_interval_s: readers (engines, the publisher) only read
+        refreshed = time.monotonic()
         while not self._stop.wait(min(0.1, self.cfg.node.events_interval_s)):
             self._bury()
+            if time.monotonic() - refreshed >= 1.0:  # replaced workers' pools kept again
+                refreshed = time.monotonic()
+                self.namespaces.refresh_journals()
             for ns in self.namespaces.all():
                 ns.drain_events()

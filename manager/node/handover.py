@@ -1,0 +1,369 @@
+"""A planned restart of the node service keeps every namespace's host tier (issue 37).
+
+The host pools are POSIX shared memory: their bytes outlive the service; only the index of
+what they hold (hash -> page) lives in the service. A stopping service with
+`node.handover = true` writes that index and keeps the segments; the next service of the
+same deployment adopts both when each namespace attaches again::
+
+    old service, SIGTERM / SIGINT     sessions end (open stores abandoned, never handed over),
+                                      abandoned blocks released
+      -> `write_handover`             per namespace, under its lock: every ready host copy
+                                      (hash, page, storage key, stored) oldest first; each
+                                      rank's segment hard-linked under `kept_segment_name`
+                                      (worker and janitor unlink only `kvtier_<id>_*`);
+                                      HANDOVER_NAME written 0600 in the socket's private
+                                      folder (a temporary file renamed: whole or absent)
+      -> stacks closed                workers unlink the pool names; the kept links hold the
+                                      bytes
+    new service, start                `read_handover`: the file taken (unlinked) and checked
+                                      field by field (version, owner uid, bounded counts,
+                                      every name ours); refused -> one log line, every kept
+                                      segment of the deployment unlinked, a cold start
+    first attach of namespace N       `Adoption.check_config`: geometry, ranks, page size,
+                                      host blocks as recorded, else one line, cold
+      -> stack started, workers adopt the kept segments (renamed back: same name and inode)
+      -> `Adoption.adopt`             every rank's segment is the inode recorded, every page
+                                      in range and once, every storage key the one this
+                                      namespace derives: the pages become ready host copies
+                                      (`CacheCore.adopt_host_copies`); else none is adopted
+    service stops                     kept segments of namespaces that never attached
+                                      unlinked
+
+What is never handed over: copies being written by an engine (ENGINE_WRITE) or prefetched
+from storage (PREFETCHING): their bytes may be partial. Nothing is served from a segment
+whose inode differs from the recorded one (a worker that could not adopt creates a fresh
+pool: another inode).
+
+Data structures: `HandOver` (msgspec, the file): `namespaces` -> `NamespaceRecord`
+(`segments`, `pages`). `Adoption`: the records read at start, by namespace, and the figures
+per namespace (`handed_over`, `adopted`, `discarded`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+from kvtier.manager.errors import KvtierError
+from kvtier.manager.keyed import KeyedHostCache, engine_key
+from kvtier.worker.spec import KEPT_PREFIX, SHM_DIR, host_segment_name, kept_segment_name
+
+log = logging.getLogger("kvtier.node")
+
+HANDOVER_VERSION = 1
+HANDOVER_NAME = "handover.msgpack"
+MAX_FILE_BYTES = 1 << 30  # ~10M pages of ~100 bytes: far past any host tier's page count
+MAX_NAMESPACES = 4096
+MAX_RANKS = 64
+MAX_PAGES = 1 << 24
+SKEY_BYTES = 32  # `keys.keyed_storage_key`: a SHA-256
+MAX_TEXT = 4096
+
+_Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
+
+
+class Page(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One ready host copy: its tree key (the first 16 bytes of the engine's block hash,
+    little-endian: `engine_key` reads them back as the same key), its host block (`page`),
+    its storage key (None without storage), whether storage holds it, the generation it
+    was made in."""
+
+    key: Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+    page: _Count
+    storage_key: Annotated[bytes, msgspec.Meta(min_length=SKEY_BYTES,
+                                               max_length=SKEY_BYTES)] | None
+    stored: bool
+    generation: _Count
+
+
+class SegmentRecord(msgspec.Struct, forbid_unknown_fields=True):
+    rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
+    name: _Text
+    kept: _Text
+    inode: _Count
+    size: _Count
+
+
+class NamespaceRecord(msgspec.Struct, forbid_unknown_fields=True):
+    namespace: _Text
+    deployment_id: _Text
+    geometry: _Text  # Hello.geometry() as canonical JSON
+    page_bytes: _Count
+    host_blocks: _Count
+    ranks: Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
+    generation: _Count
+    segments: Annotated[list[SegmentRecord], msgspec.Meta(max_length=MAX_RANKS)]
+    pages: Annotated[list[Page], msgspec.Meta(max_length=MAX_PAGES)]
+
+
+class _Head(msgspec.Struct):
+    """The one field read before the rest: a version this service cannot read is refused
+    before its layout is guessed at."""
+
+    version: int
+
+
+class HandOver(msgspec.Struct, forbid_unknown_fields=True):
+    version: int
+    owner_uid: _Count
+    deployment_id: _Text
+    written: float
+    namespaces: Annotated[list[NamespaceRecord], msgspec.Meta(max_length=MAX_NAMESPACES)]
+
+
+class HandOverRefused(KvtierError):
+    """A hand-over this service does not adopt; the message is the one log line."""
+
+
+def geometry_text(geometry: dict[str, Any]) -> str:
+    return json.dumps(geometry, sort_keys=True, separators=(",", ":"))
+
+
+def _kept_prefix(base_deployment_id: str) -> str:
+    """The kept names of every namespace of deployment `base` start with this (namespace
+    deployment ids are `<base[:19]>-n<digest>`, `namespaces.namespace_deployment_id`)."""
+    return f"{KEPT_PREFIX[1:]}{base_deployment_id[:19].rstrip('-')}-n"
+
+
+def unlink_kept(base_deployment_id: str, only: str | None = None) -> list[str]:
+    """Unlink this user's kept segments of deployment `base` (`only`: of that namespace
+    deployment id); returns their names."""
+    prefix = (_kept_prefix(base_deployment_id) if only is None
+              else kept_segment_name(only, 0)[1:].rsplit("_host_r", 1)[0] + "_host_r")
+    gone = []
+    with contextlib.suppress(OSError), os.scandir(SHM_DIR) as entries:
+        for e in entries:
+            if not e.name.startswith(prefix):
+                continue
+            with contextlib.suppress(OSError):
+                if e.stat(follow_symlinks=False).st_uid == os.geteuid():
+                    os.unlink(e.path)
+                    gone.append(e.name)
+    return gone
+
+
+# ---------------------------------------------------------------------- the old service
+
+def snapshot(name: str, deployment_id: str, geometry: dict[str, Any], page_bytes: int,
+             host_blocks: int, ranks: int, keyed: KeyedHostCache) -> NamespaceRecord:
+    """One namespace's ready host copies, oldest first, and its segments kept under their
+    hand-over names (OSError when a segment is not there)."""
+    m = keyed.m
+    with m.lock:
+        gen = keyed.generation
+        # the tree key (the engine hash's first 16 bytes, `engine_key`) stands for the hash:
+        # the whole hash is not kept, and the storage key derived from it is recorded
+        pages = [Page(key.to_bytes(16, "little"), host, skey, stored, gen)
+                 for key, host, skey, stored in m.ready_host_copies()]
+        segments = []
+        for r in range(ranks):
+            seg = host_segment_name(deployment_id, r)
+            kept = kept_segment_name(deployment_id, r)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(SHM_DIR + kept)
+            os.link(SHM_DIR + seg, SHM_DIR + kept)
+            st = os.stat(SHM_DIR + kept)
+            segments.append(SegmentRecord(r, seg, kept, st.st_ino, st.st_size))
+    return NamespaceRecord(name, deployment_id, geometry_text(geometry), page_bytes,
+                           host_blocks, ranks, gen, segments, pages)
+
+
+def write_handover(folder: Path, base_deployment_id: str,
+                   records: list[NamespaceRecord]) -> Path:
+    """The hand-over file, 0600, whole or absent (a temporary file renamed)."""
+    doc = HandOver(HANDOVER_VERSION, os.geteuid(), base_deployment_id, time.time(), records)
+    data = msgspec.msgpack.encode(doc)
+    path = folder / HANDOVER_NAME
+    tmp = folder / f".{HANDOVER_NAME}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return path
+
+
+# ---------------------------------------------------------------------- the new service
+
+def read_handover(folder: Path, base_deployment_id: str) -> HandOver:
+    """The hand-over in `folder`, taken (unlinked whatever it holds: it is read once), and
+    checked: HandOverRefused with the one line to log. FileNotFoundError when there is
+    none."""
+    path = folder / HANDOVER_NAME
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise HandOverRefused(f"{path}: not a regular file")
+        if st.st_uid != os.geteuid():
+            raise HandOverRefused(f"{path}: owned by uid {st.st_uid}, not this service's "
+                                  f"{os.geteuid()}")
+        if st.st_mode & 0o077:
+            raise HandOverRefused(f"{path}: mode {st.st_mode & 0o777:o}, a hand-over is 0600")
+        if st.st_size > MAX_FILE_BYTES:
+            raise HandOverRefused(f"{path}: {st.st_size} bytes, at most {MAX_FILE_BYTES}")
+        data = b""
+        while len(data) < st.st_size:
+            chunk = os.read(fd, st.st_size - len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    try:
+        head = msgspec.msgpack.decode(data, type=_Head)
+    except msgspec.MsgspecError as e:
+        raise HandOverRefused(f"{path}: unreadable ({e})") from None
+    if head.version != HANDOVER_VERSION:
+        raise HandOverRefused(f"{path}: version {head.version}, this service reads version "
+                              f"{HANDOVER_VERSION}")
+    try:
+        doc = msgspec.msgpack.decode(data, type=HandOver)
+    except msgspec.MsgspecError as e:
+        raise HandOverRefused(f"{path}: {e}") from None
+    if doc.owner_uid != os.geteuid():
+        raise HandOverRefused(f"{path}: written by uid {doc.owner_uid}, this service runs as "
+                              f"{os.geteuid()}")
+    if doc.deployment_id != base_deployment_id:
+        raise HandOverRefused(f"{path}: of deployment {doc.deployment_id!r}, not "
+                              f"{base_deployment_id!r}")
+    seen = set()
+    for rec in doc.namespaces:
+        if rec.namespace in seen:
+            raise HandOverRefused(f"{path}: namespace {rec.namespace!r} twice")
+        seen.add(rec.namespace)
+        _check_record(rec, base_deployment_id)
+    return doc
+
+
+def _check_record(rec: NamespaceRecord, base: str) -> None:
+    """Every name one this deployment's namespace would use; counts within the pool."""
+    where = f"namespace {rec.namespace!r}"
+    if not rec.deployment_id.startswith(_kept_prefix(base)[len(KEPT_PREFIX) - 1:]):
+        raise HandOverRefused(f"{where}: deployment id {rec.deployment_id!r} is not one of "
+                              f"{base!r}'s")
+    if len(rec.segments) != rec.ranks:
+        raise HandOverRefused(f"{where}: {len(rec.segments)} segments for {rec.ranks} ranks")
+    if len(rec.pages) > rec.host_blocks:
+        raise HandOverRefused(f"{where}: {len(rec.pages)} pages, the pool has "
+                              f"{rec.host_blocks}")
+    for r, seg in enumerate(rec.segments):
+        if (seg.rank != r or seg.name != host_segment_name(rec.deployment_id, r)
+                or seg.kept != kept_segment_name(rec.deployment_id, r)):
+            raise HandOverRefused(f"{where}: segment {r} is {seg.name!r} kept as "
+                                  f"{seg.kept!r}, not this namespace's names")
+        if seg.size != rec.host_blocks * rec.page_bytes:
+            raise HandOverRefused(f"{where}: segment {r} of {seg.size} bytes, "
+                                  f"{rec.host_blocks} pages of {rec.page_bytes} bytes")
+
+
+class Adoption:
+    """The hand-over read at start, adopted namespace by namespace (see the module
+    docstring). Figures per namespace: `figures[name]` = handed_over / adopted /
+    discarded."""
+
+    def __init__(self, base_deployment_id: str) -> None:
+        self.base = base_deployment_id
+        self._records: dict[str, NamespaceRecord] = {}
+        self.figures: dict[str, dict[str, int]] = {}
+
+    def load(self, folder: Path) -> None:
+        """Read the hand-over in `folder`, if any; refused: one line, every kept segment of
+        the deployment unlinked (a cold start)."""
+        try:
+            doc = read_handover(folder, self.base)
+        except FileNotFoundError:
+            return
+        except (HandOverRefused, OSError) as e:
+            gone = unlink_kept(self.base)
+            log.warning("hand-over refused, cold start (%d kept segment(s) unlinked): %s",
+                        len(gone), e)
+            return
+        self._records = {r.namespace: r for r in doc.namespaces}
+        for r in doc.namespaces:
+            self.figures[r.namespace] = {"handed_over": len(r.pages), "adopted": 0,
+                                         "discarded": 0}
+        log.info("hand-over read: %d namespace(s), %d block(s)", len(doc.namespaces),
+                 sum(len(r.pages) for r in doc.namespaces))
+
+    def take(self, namespace: str, deployment_id: str, geometry: dict[str, Any],
+             page_bytes: int, host_blocks: int, ranks: int) -> NamespaceRecord | None:
+        """The record of `namespace` if its stack can adopt it (same deployment id,
+        geometry, ranks, page size and pool size), else None (one line, its kept segments
+        unlinked, all its pages discarded). Taken once."""
+        rec = self._records.pop(namespace, None)
+        if rec is None:
+            return None
+        why = ("its deployment id differs" if rec.deployment_id != deployment_id else
+               "its geometry differs" if rec.geometry != geometry_text(geometry) else
+               f"{rec.ranks} ranks, now {ranks}" if rec.ranks != ranks else
+               f"{rec.page_bytes}-byte pages, now {page_bytes}"
+               if rec.page_bytes != page_bytes else
+               f"{rec.host_blocks} host blocks, now {host_blocks}"
+               if rec.host_blocks != host_blocks else "")
+        if why:
+            self.discard(rec, why)
+            return None
+        return rec
+
+    def discard(self, rec: NamespaceRecord, why: str) -> None:
+        unlink_kept(self.base, rec.deployment_id)
+        self.figures[rec.namespace]["discarded"] = len(rec.pages)
+        log.warning("namespace %r: hand-over of %d block(s) discarded, cold start: %s",
+                    rec.namespace, len(rec.pages), why)
+
+    def adopt(self, rec: NamespaceRecord, keyed: KeyedHostCache,
+              inodes: list[int]) -> int:
+        """The recorded pages made ready host copies of `keyed` (just started, empty) when
+        every rank's segment now is the recorded inode and every page checks; else none
+        (one line). Returns how many were adopted."""
+        fig = self.figures[rec.namespace]
+        if inodes != [s.inode for s in rec.segments]:
+            self.discard(rec, f"the segments now are inodes {inodes}, recorded "
+                         f"{[s.inode for s in rec.segments]} (not adopted by the workers)")
+            return 0
+        blocks = keyed.m.host_capacity
+        pages: list[tuple[int, int, bytes | None, bool]] = []
+        seen_pages: set[int] = set()
+        has_storage = keyed.storage is not None
+        for p in rec.pages:
+            why = (f"page {p.page} out of 0..{blocks - 1}" if p.page >= blocks else
+                   f"page {p.page} twice" if p.page in seen_pages else "")
+            if why:
+                self.discard(rec, why)
+                return 0
+            seen_pages.add(p.page)
+            # a namespace without storage now: the pages are kept, their storage names not
+            skey = p.storage_key if has_storage else None
+            pages.append((engine_key(p.key), p.page, skey, p.stored and skey is not None))
+        m = keyed.m
+        t0 = time.perf_counter()
+        try:
+            with m.lock:
+                m.adopt_host_copies(pages, time.monotonic())
+        except KvtierError as e:
+            self.discard(rec, str(e))
+            return 0
+        fig["adopted"] = len(pages)
+        log.info("namespace %r: %d handed-over block(s) adopted (%.1f ms)", rec.namespace,
+                 len(pages), (time.perf_counter() - t0) * 1e3)
+        return len(pages)
+
+    def close(self) -> None:
+        """Kept segments of namespaces that never attached again: unlinked."""
+        for rec in list(self._records.values()):
+            self.discard(rec, "its namespace did not attach before the service stopped")
+        self._records.clear()

@@ -1,0 +1,193 @@
+"""Issue 37: a restart of `kvtier serve` keeps the node's host tier when it can vouch for it.
+
+Real `kvtier serve` processes and engines in child processes (`node_engine.py`: a NodeClient
+over the real socket, writing and reading the real host pool):
+
+* a planned restart (SIGTERM with `node.handover = true`): the engine reattaches by itself
+  and every block it stored before loads from the new service's host tier, byte for byte;
+  /status and /metrics count the blocks handed over and adopted; the blocks stored after the
+  restart land beside them without disturbing them;
+* a crash (kill -9 of the service): the new service adopts the pages whose journal slot
+  checks against their bytes: every completed store, but not the stores written and never
+  completed, nor a page overwritten while the service was down (negative control);
+* hostile hand-over files (truncated, a version this service cannot read, another owner,
+  huge counts): one log line each, a cold start (the kept segments unlinked), nothing
+  served.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from kvtier.manager.node.handover import HANDOVER_NAME, HandOver
+from kvtier.manager.node.namespaces import namespace_deployment_id
+from kvtier.worker.spec import SHM_DIR, kept_segment_name
+from support import wait_until
+from test_node_service import NS_A, PAGE, EngineProc, Node
+
+pytestmark = pytest.mark.fast
+
+QUOTA_BLOCKS = 256
+STORED = 200
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    n = Node(tmp_path, node_toml=f'handover = true\nquotas = {{"{NS_A}" = '
+                                 f'{QUOTA_BLOCKS * PAGE}}}\n')
+    try:
+        yield n.start()
+    finally:
+        n.close()  # kept segments and journal too (`support.remove_leftovers`)
+
+
+def _restart(node: Node, engine: EngineProc) -> None:
+    """SIGTERM the service (a clean exit), start the next, wait for the engine to be
+    attached to it."""
+    assert node.serve is not None
+    before = engine.call(op="status")["nonce"]
+    assert node.serve.stop(signal.SIGTERM) == 0, node.log()
+    assert "hand-over written" in node.log(), node.log()
+    node.start()
+    wait_until(lambda: (s := engine.call(op="status"))["connected"] and s["nonce"] != before,
+               30, "the engine reattached to the new service")
+
+
+def _namespace(node: Node) -> dict[str, object]:
+    out: dict[str, object] = {n["namespace"]: n
+                              for n in node.status()["node"]["namespaces"]}[NS_A]
+    return out
+
+
+def _kept(node: Node) -> Path:
+    return Path(SHM_DIR + kept_segment_name(namespace_deployment_id(node.did, NS_A), 0))
+
+
+def test_a_planned_restart_keeps_every_block_byte_for_byte(node: Node) -> None:
+    a = node.engine()
+    keys = list(range(STORED))
+    for i in range(0, STORED, 50):
+        assert a.call(op="store", keys=keys[i:i + 50])["stored"] == 50
+    _restart(node, a)
+    got = a.call(op="load", keys=keys)
+    assert got["hits"] == STORED and got["identical"] is True, got
+    ns = _namespace(node)
+    assert ns["restart"] == {"handed_over": STORED, "recovered": 0,
+                              "adopted": STORED, "discarded": 0}, ns
+    with node.serve.client() as http:  # type: ignore[union-attr]
+        metrics = http.get("/metrics").text
+    assert (f'kvtier_node_restart_blocks{{kind="adopted",namespace="{NS_A}"}} {STORED}.0'
+            in metrics), [ln for ln in metrics.splitlines() if "restart" in ln]
+    # renamed back to the pool's name, and kept again (the crash journal's link)
+    did = namespace_deployment_id(node.did, NS_A)
+    assert _kept(node).stat().st_ino == os.stat(f"{SHM_DIR}/kvtier_{did}_host_r0").st_ino
+    # new stores land in the free blocks: the adopted ones are left as they are
+    more = list(range(1000, 1040))
+    assert a.call(op="store", keys=more)["stored"] == 40
+    got = a.call(op="load", keys=keys + more)
+    assert got["hits"] == STORED + 40 and got["identical"] is True, got
+
+
+def test_a_crash_adopts_only_the_pages_the_journal_vouches_for(node: Node) -> None:
+    a = node.engine()
+    done = list(range(100))
+    for i in range(0, 100, 25):
+        assert a.call(op="store", keys=done[i:i + 25])["stored"] == 25
+    b = node.engine()
+    held = b.call(op="store", keys=list(range(500, 508)), hold=True)  # never completed
+    assert held["written"] == 8, held
+    c = node.engine()
+    half = c.call(op="store", keys=list(range(600, 608)), hang_after=3)
+    assert half["written"] == 3, half
+    # a round trip after the completions: the service has applied them
+    assert a.call(op="load", keys=[0])["hits"] == 1
+    assert node.serve is not None and node.serve.proc is not None
+    node.serve.proc.kill()
+    node.serve.proc.wait(10)
+    node.serve.close()  # its workers killed too, their names removed
+    for e in (b, c):
+        e.kill()
+    kept = _kept(node)
+    assert kept.exists(), "the host pool was not kept"
+    # negative control: one page changed while the service is down
+    with kept.open("r+b") as f:
+        f.seek(7 * PAGE + 100)
+        f.write(b"\xa5" * 16)
+    before = a.call(op="status")["nonce"]
+    node.start()
+    wait_until(lambda: (s := a.call(op="status"))["connected"] and s["nonce"] != before,
+               30, "the engine reattached")
+    hits = {k: a.call(op="load", keys=[k]) for k in done}
+    missed = [k for k, got in hits.items() if got["hits"] == 0]
+    assert len(missed) == 1, f"overwritten page not discarded exactly: {missed}"
+    assert all(got["identical"] is True for got in hits.values() if got["hits"]), hits
+    for k in (*range(500, 508), *range(600, 608)):
+        assert a.call(op="load", keys=[k])["hits"] == 0, f"incomplete store {k} served"
+    ns = _namespace(node)
+    assert ns["restart"] == {"handed_over": 0, "recovered": 100, "adopted": 99,
+                             "discarded": 1}, ns
+    log = node.log()
+    assert "99 of 100 journaled block(s) adopted (1 did not check" in log, log
+    # the discarded page's block is free again: a new store of that key is served
+    assert a.call(op="store", keys=missed)["stored"] == 1
+    assert a.call(op="load", keys=missed)["identical"] is True
+
+
+def _truncated(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def _version(data: bytes) -> bytes:
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    doc.version = 99
+    return msgspec.msgpack.encode(doc)
+
+
+def _owner(data: bytes) -> bytes:
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    doc.owner_uid = os.geteuid() + 1
+    return msgspec.msgpack.encode(doc)
+
+
+def _huge(data: bytes) -> bytes:
+    """More pages than the namespace's pool has blocks (each one otherwise well formed)."""
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    ns = doc.namespaces[0]
+    ns.pages = ns.pages * (ns.host_blocks // max(1, len(ns.pages)) + 1)
+    return msgspec.msgpack.encode(doc)
+
+
+HOSTILE = {"truncated": _truncated, "version": _version, "owner": _owner, "huge": _huge}
+
+
+def test_hostile_hand_overs_give_one_line_and_a_cold_start(node: Node) -> None:
+    a = node.engine()
+    keys = list(range(32))
+    for what, spoil in HOSTILE.items():
+        assert a.call(op="store", keys=keys)["stored"] == 32, what
+        assert node.serve is not None
+        before = a.call(op="status")["nonce"]
+        assert node.serve.stop(signal.SIGTERM) == 0, node.log()
+        path = node.sock.parent / HANDOVER_NAME
+        assert path.stat().st_mode & 0o777 == 0o600
+        old_pool = _kept(node).stat().st_ino
+        path.write_bytes(spoil(path.read_bytes()))
+        node.start()
+        wait_until(lambda old=before: (s := a.call(op="status"))["connected"]  # type: ignore[misc]
+                   and s["nonce"] != old, 30, "the engine reattached")
+        got = a.call(op="load", keys=keys)
+        assert got["hits"] == 0, f"{what}: served from a refused hand-over: {got}"
+        log = node.log()
+        refused = [ln for ln in log.splitlines() if "hand-over refused" in ln]
+        assert len(refused) == 1, f"{what}: {refused}"
+        assert "Traceback" not in log, what
+        # the kept pool was unlinked and a fresh one made (kept in its turn)
+        assert _kept(node).stat().st_ino != old_pool, f"{what}: the old pool adopted"
+        assert not path.exists()
+        assert _namespace(node)["restart"]["adopted"] == 0, what
+        print(f"{what}: {refused[0].split('hand-over refused')[1][:160]}")
