@@ -133,6 +133,10 @@ class BlockPool:
             seen.add(i)
         for i in ids:
             used[i] = 1
+        if self._next < cap:  # the never-used ids are free unlisted: list them first (in
+            # the order they would go out), or a taken one would be handed out again
+            self._free = [*range(cap - 1, self._next - 1, -1), *self._free]
+            self._next = cap
         self._free = [i for i in self._free if not used[i]]
 
     def is_free(self, i: int) -> bool:
