@@ -48,20 +48,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from kvtier.manager.config import (
-    ConfigError,
-    KvtierConfig,
-    check_storage_reachable,
-    device_pool_bytes,
-    host_pool_bytes,
-    load_config,
-    node_only,
-    page_bytes,
-    redact_url,
-    resolve_device,
-)
-
 if TYPE_CHECKING:
+    from kvtier.manager.config import KvtierConfig
     from kvtier.manager.stack import Stack
 
 log = logging.getLogger("kvtier.serve")
@@ -94,6 +82,14 @@ def _mib(n: int) -> str:
 
 def config_line(cfg: KvtierConfig) -> str:
     """The configuration in one log line (no secrets)."""
+    from kvtier.manager.config import (
+        device_pool_bytes,
+        host_pool_bytes,
+        page_bytes,
+        redact_url,
+        resolve_device,
+    )
+
     m, c, s, w, a = cfg.model, cfg.cache, cfg.storage, cfg.workers, cfg.admin
     storage = {"none": "none", "file": f"file {cfg.storage_dir()}",
                "redis": f"redis {redact_url(s.url)}"}[s.backend]
@@ -143,6 +139,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) -> int:
+    # Imported here, not at the top: `kvtier --help` and `kvtier status` never load the
+    # configuration (pydantic and the models: about 0.5 s of CPU per process).
+    from kvtier.manager.config import ConfigError, check_storage_reachable, load_config, node_only
+
     try:
         # a `[node]`-only configuration: the node service alone, no stack of its own, so
         # its default pools are neither checked against this machine nor allocated

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.admin.inputs import add_source_arguments, requests_from_args
-from kvtier.manager.config import ConfigError, load_config, page_bytes
 from kvtier.manager.workloads import TraceError
 
 
@@ -47,7 +46,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_plan_command(args: argparse.Namespace) -> int:
     """`kvtier plan`: 0, 1 when the plot cannot be written, 2 on bad input."""
-    # numpy and the pass load only for this subcommand (cli builds every parser at start).
+    # The configuration (pydantic), numpy and the pass load only for this subcommand: cli
+    # builds every parser at start, so `kvtier --help` and `kvtier status` import this module.
+    from kvtier.manager.config import ConfigError, load_config, page_bytes
     from kvtier.manager.plan import PlanInputs, build_plan, stack_profile
     from kvtier.manager.policies import EVICTION_POLICIES
 

@@ -447,6 +447,21 @@ def test_status_of_an_admin_nobody_runs_is_one_line_and_exit_1() -> None:
         "[Errno 111] Connection refused")
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["status", "--help"], ["plan", "--help"],
+                                  ["status", "--url", "http://127.0.0.1:9", "--timeout", "1"]])
+def test_light_commands_load_neither_the_configuration_nor_numpy(argv: list[str]) -> None:
+    # The fast tier starts `kvtier` hundreds of times: these commands took 0.6 s of CPU when
+    # they imported the configuration (pydantic) and, through kvtier.worker.ipc, numpy; now
+    # 0.1 s. A module-level import that brings either back fails here, not in a timing.
+    code = ("import sys\nfrom kvtier.admin.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "heavy = sorted({'pydantic', 'numpy', 'torch', 'fastapi'} & set(sys.modules))\n"
+            "print('HEAVY', heavy, file=sys.stderr)\n")
+    result = subprocess.run([module_command()[0], "-c", code, *argv], capture_output=True,
+                            text=True, timeout=30, env=clean_env())
+    assert "HEAVY []" in result.stderr, result.stderr
+
+
 def test_sigterm_while_workers_start_stops_cleanly(tmp_path: Path) -> None:
     dep = new_deployment_id("bb")
     config = tiny_toml(tmp_path / "kvtier.toml", dep, storage="none")

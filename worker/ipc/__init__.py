@@ -15,8 +15,16 @@ flags both sides share. Its parts, bottom to top (import-linter contract `worker
   `progress`: `LayerProgress`, layer waits without a manager object.
 
 Everything public is re-exported here: `from kvtier.worker.ipc import ManagerIPC` is the way
-to import it.
+to import it. `manager_side` and `worker_side` (with `kvtier.worker.wire`, hence numpy: about
+0.3 s of CPU) load on first use of one of their names (`__getattr__` below), so a process that
+needs only `names` or `control` (`kvtier status`, the configuration's `MAX_RANKS`, the admin's
+token checks) does not pay for them.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from kvtier.worker.ipc.control import (
     HEARTBEAT_INTERVAL_S,
@@ -39,13 +47,6 @@ from kvtier.worker.ipc.errors import (
     SendTimeout,
     TaskAborted,
 )
-from kvtier.worker.ipc.manager_side import (
-    DEFAULT_ARENA_BYTES,
-    MESSAGE_SIZE,
-    PROGRESS_SLOTS,
-    QUEUE_DEPTH,
-    ManagerIPC,
-)
 from kvtier.worker.ipc.names import (
     MAX_RANKS,
     IPCNames,
@@ -57,7 +58,36 @@ from kvtier.worker.ipc.names import (
     validate_deployment_id,
 )
 from kvtier.worker.ipc.progress import LayerProgress
-from kvtier.worker.ipc.worker_side import WorkerIPC
+
+if TYPE_CHECKING:
+    from kvtier.worker.ipc.manager_side import (
+        DEFAULT_ARENA_BYTES,
+        MESSAGE_SIZE,
+        PROGRESS_SLOTS,
+        QUEUE_DEPTH,
+        ManagerIPC,
+    )
+    from kvtier.worker.ipc.worker_side import WorkerIPC
+
+_LAZY = {
+    "DEFAULT_ARENA_BYTES": "manager_side",
+    "MESSAGE_SIZE": "manager_side",
+    "PROGRESS_SLOTS": "manager_side",
+    "QUEUE_DEPTH": "manager_side",
+    "ManagerIPC": "manager_side",
+    "WorkerIPC": "worker_side",
+}
+"""The names whose modules load on first use: name -> module of this package."""
+
+
+def __getattr__(name: str) -> object:
+    """Load a `_LAZY` name's module on first use and keep the name here (PEP 562)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "DEFAULT_ARENA_BYTES",
