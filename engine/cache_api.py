@@ -43,6 +43,7 @@ from typing import Protocol, runtime_checkable
 from kvtier.manager.errors import InvalidRequestError
 from kvtier.manager.keyed import Lookup, StorePlan
 from kvtier.manager.keyed_events import TierEvent
+from kvtier.manager.tenants import Retention
 
 __all__ = ["EngineCache", "HostPools", "InvalidRequestError", "Lookup", "PoolSegment",
            "StorePlan", "TierEvent"]
@@ -153,9 +154,16 @@ class EngineCache(Protocol):
         """The engine hit these blocks in its own device cache (recency only)."""
         ...
 
-    def prepare_store(self, hashes: Sequence[bytes]) -> StorePlan | None:
-        """Host blocks for the blocks not cached yet; None when the host tier cannot take
-        them all now (nothing changed)."""
+    def prepare_store(self, hashes: Sequence[bytes], tenant: str = "") -> StorePlan | None:
+        """Host blocks for the blocks not cached yet, booked to `tenant` (vLLM's
+        cache_salt; "" the default pool); None when the host tier cannot take them all now
+        (nothing changed)."""
+        ...
+
+    def retain(self, hashes: Sequence[bytes], retention: Retention, tenant: str = "") -> None:
+        """Pin / TTL / priority for these blocks (the `kvtier.retain` v1 action of a
+        request's kv_hints); a refusal (a pin over quota) changes nothing and is counted,
+        never raised into the engine's step."""
         ...
 
     def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:

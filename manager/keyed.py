@@ -74,6 +74,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from kvtier.manager.core import native
 from kvtier.manager.core.cache import CacheCore
@@ -679,7 +680,7 @@ class KeyedHostCache:
         with self._lock:
             self.tenants.set_quota(tenant, blocks)
 
-    def tenant_figures(self) -> dict[str, dict[str, object]]:
+    def tenant_figures(self) -> dict[str, dict[str, Any]]:
         with self._lock:
             return self.tenants.figures(_monotonic())
 
