@@ -43,10 +43,20 @@ from typing import Protocol, runtime_checkable
 from kvtier.manager.errors import InvalidRequestError
 from kvtier.manager.keyed import Lookup, StorePlan
 from kvtier.manager.keyed_events import TierEvent
-from kvtier.manager.tenants import Retention
+from kvtier.manager.tenants import Retention, SteeringError, retention_from_hints
 
-__all__ = ["EngineCache", "HostPools", "InvalidRequestError", "Lookup", "PoolSegment",
-           "StorePlan", "TierEvent"]
+__all__ = [
+    "EngineCache",
+    "HostPools",
+    "InvalidRequestError",
+    "Lookup",
+    "PoolSegment",
+    "Retention",
+    "SteeringError",
+    "StorePlan",
+    "TierEvent",
+    "retention_from_hints",
+]
 
 
 @dataclass(frozen=True, slots=True)

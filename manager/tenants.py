@@ -110,6 +110,31 @@ class Retention:
         return {"pin": self.pin, "ttl_s": self.ttl_s, "priority": self.priority}
 
 
+def retention_from_hints(actions: Iterable[Any]) -> tuple[Retention, str | None] | None:
+    """The `kvtier.retain` action of a request's kv_hints (vLLM's `KvHintsEnvelope.actions`:
+    objects with `action_type`, `action_version`, `payload`), as (retention, tenant): the
+    payload's `tenant` (optional; vLLM's ReqContext does not carry the cache_salt, so an
+    orchestrator that wants the quota of a salt names it here) and the `Retention` fields.
+    None when no action is kvtier's; SteeringError (one line) for a kvtier.retain of another
+    version or a bad payload. Other actions are not kvtier's: ignored."""
+    for a in actions:
+        if getattr(a, "action_type", None) != RETAIN_ACTION:
+            continue
+        version = str(getattr(a, "action_version", ""))
+        if version != str(RETAIN_VERSION):
+            raise SteeringError(f"{RETAIN_ACTION} version {version[:20]!r}: this kvtier "
+                                f"understands version {RETAIN_VERSION}")
+        payload = getattr(a, "payload", None)
+        if not isinstance(payload, Mapping):
+            raise SteeringError(f"{RETAIN_ACTION} v{RETAIN_VERSION}: payload must be an object")
+        fields = dict(payload)
+        tenant = fields.pop("tenant", None)
+        if tenant is not None:
+            check_tenant(tenant)
+        return Retention.parse(fields), tenant
+    return None
+
+
 def check_tenant(name: object) -> str:
     """A tenant name: a string of at most MAX_TENANT_BYTES UTF-8 bytes ("" = default)."""
     if not isinstance(name, str) or len(name.encode()) > MAX_TENANT_BYTES:
