@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from kvtier.manager.keyed import KeyedHostCache, engine_key
 from kvtier.manager.stack import Stack
-from kvtier.manager.tenants import Retention, SteeringError
+from kvtier.manager.tenants import Retention, SteeringError, retention_from_hints
 from stack_support import running_stack
 from support import tiny_config
 
@@ -157,3 +157,22 @@ def test_bad_retention_is_one_line(payload: dict[str, object], why: str) -> None
     with pytest.raises(SteeringError, match=why) as e:
         Retention.parse(payload)
     assert "\n" not in str(e.value)
+
+
+class _Action:
+    def __init__(self, action_type: str, version: str, payload: object) -> None:
+        self.action_type, self.action_version, self.payload = action_type, version, payload
+
+
+def test_kv_hints_retain_action() -> None:
+    found = retention_from_hints([_Action("other.thing", "9", {}),
+                                  _Action("kvtier.retain", "1",
+                                          {"pin": True, "ttl_s": 5, "tenant": "b"})])
+    assert found == (Retention(pin=True, ttl_s=5.0), "b")
+    assert retention_from_hints([_Action("other.thing", "1", {})]) is None
+    for action, why in ((_Action("kvtier.retain", "2", {"pin": True}), "version '2'"),
+                        (_Action("kvtier.retain", "1", [1]), "payload must be an object"),
+                        (_Action("kvtier.retain", "1", {"ttl_s": -5}), "ttl_s = -5")):
+        with pytest.raises(SteeringError, match=why) as e:
+            retention_from_hints([action])
+        assert "\n" not in str(e.value)
