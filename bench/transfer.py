@@ -79,6 +79,10 @@ def plan_cases(
     return cases, skipped
 
 
+def _ignore_layer(layer: int) -> None:
+    pass
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -105,8 +109,14 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
         staged = CopyEngine(dev, host, cuda_path="staged") if cuda else None
         eager = (CopyEngine(dev, host, cuda_path="zero_copy")
                  if engine.cuda_path == "fused" else None)
-        variants = {bb: CopyEngine(dev, host, cuda_path="fused", fused_block_bytes=bb)
+        # the other fused variants, by name: program sizes and grid orders
+        variants = {f"fused{bb}": CopyEngine(dev, host, cuda_path="fused", fused_block_bytes=bb)
                     for bb in args.fused_block_bytes[1:]} if eager is not None else {}
+        if eager is not None:
+            for order in args.fused_orders:
+                variants[f"fused_{order}"] = CopyEngine(
+                    dev, host, cuda_path="fused", fused_block_bytes=args.fused_block_bytes[0],
+                    fused_order=order)
         layer0: list[float] = []
         page = shape.page_bytes
         nbytes = n * page
@@ -137,6 +147,7 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
         last_layer = shape.total_layers - 1
 
         def engine_h2d() -> None:
+            # the load as a runner issues it; layer 0's host-side readiness from its callback
             d, h = ids()
             t0 = time.perf_counter()
 
@@ -144,9 +155,12 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
                 if layer == 0:
                     layer0.append(time.perf_counter() - t0)
 
-            if not cuda:
-                engine.h2d(h, d, on_layer)
-                return
+            engine.h2d(h, d, on_layer)
+
+        def engine_h2d_marks() -> None:
+            # the same load with GPU-side probes (events, a kernel on the compute stream):
+            # timed apart, so the probes' host cost stays out of the ratio
+            d, h = ids()
             compute = torch.cuda.current_stream(dev.device)
             start = torch.cuda.Event(enable_timing=True)
             start.record(compute)
@@ -169,7 +183,7 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
                     host_us.append((time.perf_counter() - t) * 1e6)
                     events["layer0"], events["compute"] = ev, done
 
-            engine.h2d(h, d, on_layer, enqueued)
+            engine.h2d(h, d, _ignore_layer, enqueued)
             events["end"].synchronize()
             events["compute"].synchronize()
             marks.append({k: start.elapsed_time(e) for k, e in events.items()}
@@ -189,15 +203,17 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
             "h2d": engine_h2d,
             "h2d_contig": contig_h2d,
         }
+        if cuda:
+            ops["h2d_marks"] = engine_h2d_marks
         if staged is not None:
             ops["d2h_staged"] = lambda: staged.d2h(*ids())
             ops["h2d_staged"] = lambda: staged.h2d(*reversed(ids()))
         if eager is not None:
             ops["d2h_eager"] = lambda: eager.d2h(*ids())
             ops["h2d_eager"] = lambda: eager.h2d(*reversed(ids()))
-        for bb, other in variants.items():
-            ops[f"d2h_fused{bb}"] = lambda o=other: o.d2h(*ids())  # type: ignore[misc]
-            ops[f"h2d_fused{bb}"] = lambda o=other: o.h2d(*reversed(ids()))  # type: ignore[misc]
+        for name, other in variants.items():
+            ops[f"d2h_{name}"] = lambda o=other: o.d2h(*ids())  # type: ignore[misc]
+            ops[f"h2d_{name}"] = lambda o=other: o.h2d(*reversed(ids()))  # type: ignore[misc]
         times: dict[str, list[float]] = {k: [] for k in ops}
         for fn in ops.values():  # warm-up: staging buffers, thread pools, first-touch
             fn()
@@ -230,9 +246,9 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
                 other = nbytes / statistics.median(times[direction + "_eager"]) / 1e9
                 row["eager_gbps"] = round(other, 2)
                 row["eager_ratio"] = round(other / base, 3)
-            for bb in variants:
-                other = nbytes / statistics.median(times[f"{direction}_fused{bb}"]) / 1e9
-                row[f"fused{bb}_ratio"] = round(other / base, 3)
+            for name in variants:
+                other = nbytes / statistics.median(times[f"{direction}_{name}"]) / 1e9
+                row[f"{name}_ratio"] = round(other / base, 3)
             if direction == "h2d":
                 # layer 0 ready, in units of one layer's share of the whole load: 1.0 means
                 # layer 0 was usable after exactly its own copy time
@@ -272,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-block-bytes", type=int, nargs="+", default=[0],
                    help="bytes per program of the fused kernel (CUDA): the first is the "
                    "measured engine's (0: the default), the others run beside it")
+    p.add_argument("--fused-orders", nargs="*", default=[], choices=["pair", "page"],
+                   help="grid orders of the fused kernel (CUDA) measured beside the engine's "
+                   "(KVTIER_FUSED_ORDER, default auto), with the first program size")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be at least 1")

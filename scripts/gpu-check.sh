@@ -7,6 +7,10 @@
 #   KVTIER_WHEELS=dir bash scripts/gpu-check.sh     # offline: kvtier's dependencies as wheels
 #                                                   # (made beforehand by scripts/gpu-wheels.sh)
 #
+# A short lease: KVTIER_GPU_STEPS picks steps (default "bench cuda workers"),
+# KVTIER_GPU_BENCH_ARGS adds arguments to the benchmark (e.g. "--fused-orders page
+# --fused-jit"), KVTIER_GPU_CUDA_K selects the cuda tests by keyword (pytest -k).
+#
 # The machine's own torch (any CUDA build) is used: kvtier is installed without dependencies
 # into a private folder, so the pinned torch==2.13.0 never replaces a working CUDA build.
 # Exit status: 0 when every step passed, 1 when a step failed, 2 when there is no GPU.
@@ -54,6 +58,7 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) on {torch.cuda.get
 EOF
 
 status=0
+STEPS=" ${KVTIER_GPU_STEPS:-bench cuda workers} "
 run_pytest() {  # name, then pytest arguments
   local name=$1; shift
   log "pytest: $name"
@@ -65,22 +70,27 @@ run_pytest() {  # name, then pytest arguments
 # 1. the transfer benchmark on the GPU against one pinned copy of the same bytes: the fused
 #    path (Triton), the eager zero-copy path and the staged one, interleaved in one run
 #    (first: its figures are what a short lease must bring back)
-log "bench/transfer.py on cuda"
-if ! "$PY" bench/transfer.py --device cuda --json --max-working-set-gib 12 --fused-block-bytes 0 4096 16384 \
-    >"$OUT_DIR/transfer.json" 2>"$OUT_DIR/transfer.log"; then
-  status=1; tail -n 20 "$OUT_DIR/transfer.log"
+if [[ $STEPS == *" bench "* ]]; then
+  log "bench/transfer.py on cuda"
+  # shellcheck disable=SC2086
+  if ! "$PY" bench/transfer.py --device cuda --json --max-working-set-gib 12 \
+      ${KVTIER_GPU_BENCH_ARGS:---fused-block-bytes 0 4096 16384} \
+      >"$OUT_DIR/transfer.json" 2>"$OUT_DIR/transfer.log"; then
+    status=1; tail -n 20 "$OUT_DIR/transfer.log"
+  fi
 fi
 
 # 2. every test marked cuda (pools, copy paths, rank placement, two ranks on one GPU)
 mapfile -t cuda_files < <(grep -l "mark.cuda" tests/test_*.py)
-run_pytest cuda -m cuda "${cuda_files[@]}"
+cuda_k=(); [ -z "${KVTIER_GPU_CUDA_K:-}" ] || cuda_k=(-k "$KVTIER_GPU_CUDA_K")
+[[ $STEPS != *" cuda "* ]] || run_pytest cuda -m cuda "${cuda_files[@]}" "${cuda_k[@]}"
 # 3. the worker-process tests with every device pool on the GPU: round trips device -> host
 #    -> storage -> device byte for byte on every rank and layer, layer-by-layer loads, kill -9
 #    of a worker mid-load (the Redis cases run only where redis-server and redis-cli are)
 skip_redis=()
 { command -v redis-server && command -v redis-cli; } >/dev/null || skip_redis=(-k "not redis and not cluster and not share_pages")
-KVTIER_TEST_DEVICE=cuda run_pytest workers_on_cuda tests/test_worker_processes.py \
-  tests/test_storage_tier.py "${skip_redis[@]}"
+[[ $STEPS != *" workers "* ]] || KVTIER_TEST_DEVICE=cuda run_pytest workers_on_cuda \
+  tests/test_worker_processes.py tests/test_storage_tier.py "${skip_redis[@]}"
 have_redis=0; { command -v redis-server && command -v redis-cli; } >/dev/null && have_redis=1
 "$PY" - "$OUT_DIR" "$status" "$have_redis" <<'EOF'
 import json, sys, xml.etree.ElementTree as ET
@@ -121,7 +131,9 @@ for r in rows:
     l0 = r.get("layer0_gpu_in_layer_times", "-")
     print(f"{r['block_kib']:>9} {r['blocks']:>6} {r['direction']:>4} {r['path']:>9} "
           f"{r['ratio_vs_contiguous']:>6} {r.get('eager_ratio', '-'):>6} "
-          f"{r.get('staged_gbps', '-'):>11} {l0:>10}", file=sys.stderr)
+          f"{r.get('staged_gbps', '-'):>11} {l0:>10} "
+          + " ".join(f"{k[:-6]}={v}" for k, v in r.items()
+                     if k.endswith("_ratio") and k != "eager_ratio"), file=sys.stderr)
 print(json.dumps(summary))
 EOF
 exit "$status"

@@ -83,6 +83,29 @@ def test_id_ring_reuses_rows_and_grows() -> None:
     assert c.tolist() == [9, 8]
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAVE_TRITON or not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU (and Triton)")
+def test_ring_rows_on_cuda_hold_each_tasks_ids_through_reuse_and_growth() -> None:
+    """Two slots reused ten times each, then grown: every task's kernel (a clone on the
+    stream) reads that task's ids, never a later task's (the host row is rewritten only
+    after its DMA completed)."""
+    dev = torch.device("cuda")
+    ring = IdRing(dev, slots=2, cap=4)
+    stream = torch.cuda.Stream(dev)
+    outs = []
+    with torch.cuda.stream(stream):
+        for i in range(20):
+            ids = ring.put(torch.tensor([i, i + 1]), torch.tensor([i + 2, i + 3]), stream)
+            assert ids.device.type == "cuda"
+            outs.append(ids.clone())  # a kernel reading the row, ordered on the stream
+        big = ring.put(torch.arange(9), torch.arange(9, 18), stream)  # grows past cap
+        outs.append(big.clone())
+    stream.synchronize()
+    want = [[i, i + 1, i + 2, i + 3] for i in range(20)] + [list(range(18))]
+    assert [o.tolist() for o in outs] == want
+
+
 # The interpreter run: kvtier's own pool and an engine's planes, pages with a scale trailer
 # (the page stride is not the K/V bytes), extra layers, rows that are and are not a whole
 # number of programs, a V plane in another allocation than its K plane. Every copy is
@@ -104,7 +127,11 @@ INTERPRETED = textwrap.dedent("""
         (2, 1, 3, 1, "float16", 1, True, 0),     # 6-byte rows, masked, a scale trailer
         (2, 2, 8, 8, "float32", 1, True, 256),   # 512-byte rows in two programs each
     ]
-    for layers, heads, hd, bs, dtype, extra, scales, bb in cases:
+    import kvtier.worker.fused_copy as fc
+    # every case in both grid orders (KVTIER_FUSED_ORDER: pair-major and page-major)
+    for order, (layers, heads, hd, bs, dtype, extra, scales, bb) in [
+            (o, c) for o in ("pair", "page") for c in cases]:
+        fc.FUSED_ORDER = order
         shape = KVShape(layers, heads, hd, bs, dtype, num_extra_layers=extra,
                         kv_scales=scales)
         L, row_bytes = shape.total_layers, shape.k_bytes
@@ -115,14 +142,13 @@ INTERPRETED = textwrap.dedent("""
         assert pages.shape == (npages, L, 2, row_bytes)
         src, dst = torch.tensor([4, 0, 8, 2]), torch.tensor([10, 3, 0, 7])
         n = len(src)
-        import kvtier.worker.fused_copy as fc
         fc.FUSED_BLOCK_BYTES = bb or fc.FUSED_BLOCK_BYTES
         d2h, h2d = pool_launches(dev, pages, row_bytes)
         # backup: device blocks src -> pages dst, every layer in one launch
         want = pages_raw.clone()
         page_kv_view(want, shape, torch.uint8)[dst] = dev[:, :, src].permute(2, 0, 1, 3)
         d2h.run(ring.put(src, dst, None), n)
-        assert torch.equal(pages_raw, want), ("d2h", shape)
+        assert torch.equal(pages_raw, want), ("d2h", order, shape)
         # load: pages dst -> device blocks (a permutation), layer by layer
         back = torch.tensor([5, 1, 6, 3])
         want_dev = dev.clone()
@@ -162,7 +188,8 @@ INTERPRETED = textwrap.dedent("""
                     "bring it); the interpreter check runs where it is")
 def test_kernel_indexing_matches_torch_under_the_interpreter() -> None:
     """Break check: swap `s_kv` and `d_kv` in `_move_rows` (the V row read from the K row's
-    offset) and this fails at the first case's backup."""
+    offset) and this fails at the first case's backup; swap `plane` and `chunk` in the
+    page order's decode and it fails at the first page-order case with two programs a row."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True,
                          text=True, timeout=600)

@@ -49,6 +49,18 @@ except ImportError:  # pragma: no cover - depends on the environment
 FUSED_ENV = "KVTIER_FUSED_COPY"
 """`0` turns the fused path off (the copy engine then uses the eager zero-copy path)."""
 FUSED_BLOCK_BYTES = int(os.environ.get("KVTIER_FUSED_BLOCK_BYTES", 8 << 10))
+FUSED_ORDERS = ("auto", "pair", "page")
+FUSED_ORDER = os.environ.get("KVTIER_FUSED_ORDER", "auto")
+"""The grid's order (`KVTIER_FUSED_ORDER`): `pair` puts the pairs on the grid's fastest axis
+(neighbouring programs move the same row of different blocks), `page` sweeps one block's
+rows in address order, chunk fastest then plane, blocks on the second axis (neighbouring
+programs read or write one host page front to back). `auto`: `page` for rows of at least
+`PAGE_ORDER_MIN_ROW` bytes, else `pair`. See `Launch.run`."""
+PAGE_ORDER_MIN_ROW = 32 << 10
+"""Measured on an H100 (bench/transfer.py --fused-orders, two runs, ratios to one pinned
+copy): page order took the 256 KiB x 512-block backup from 0.83-0.86 to 0.95-0.96 and the
+64 KiB x 512 one from 0.86-0.91 to 0.94; at 16 KiB blocks (8 KiB rows) it was 0.01-0.03
+below pair order in every backup measured. Rows are half a block (K or V)."""
 MAX_GRID_YZ = 65535  # CUDA's limit on the grid's 2nd and 3rd dimensions
 
 _ELEMENT_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
@@ -72,11 +84,17 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n"])  # type: ignore[untyped-decorator]
     def _move_rows(src, dst, ids, n,  # type: ignore[no-untyped-def]
-                   s_block, s_layer, s_kv, d_block, d_layer, d_kv, row,
-                   BLOCK: tl.constexpr, EVEN: tl.constexpr):
-        pair = tl.program_id(0)
-        plane = tl.program_id(1)
-        chunk = tl.program_id(2)
+                   s_block, s_layer, s_kv, d_block, d_layer, d_kv, row, chunks,
+                   BLOCK: tl.constexpr, EVEN: tl.constexpr, PAGE_ORDER: tl.constexpr):
+        if PAGE_ORDER:  # grid (chunks * planes, pairs): one block's rows in address order
+            pair = tl.program_id(1)
+            flat = tl.program_id(0)
+            plane = flat // chunks
+            chunk = flat % chunks
+        else:  # grid (pairs, planes, chunks)
+            pair = tl.program_id(0)
+            plane = tl.program_id(1)
+            chunk = tl.program_id(2)
         s_id = tl.load(ids + pair).to(tl.int64)
         d_id = tl.load(ids + n + pair).to(tl.int64)
         kv = (plane % 2).to(tl.int64)
@@ -133,7 +151,11 @@ def launch_shape(row: int, elem_bytes: int, block_bytes: int = 0) -> tuple[int, 
 @dataclass(frozen=True)
 class Launch:
     """One prepared launch of `_move_rows` (everything but the ids): made once per geometry
-    and direction (or per layer), so a copy pays only the launch itself."""
+    and direction (or per layer), so a copy pays only the launch itself.
+
+    Triton's own dispatch is used for every launch: calling the compiled kernel's launcher
+    directly after the first dispatch was measured on the H100 (Triton 3.6) and was not
+    faster (16 KiB x 64-block backups 0.64-0.70 of a pinned copy against 0.73-0.74)."""
 
     src: torch.Tensor
     dst: torch.Tensor
@@ -144,21 +166,31 @@ class Launch:
     block: int
     warps: int
     even: bool
+    order: str = "pair"
 
     def run(self, ids: torch.Tensor, n: int) -> None:
         """Copy the planes' rows of pairs `ids[i] -> ids[n + i]` (`ids`: int64, `2n` long,
         on the device) on the current stream, one launch: a program per (pair, plane,
-        chunk of the row), the pair on the grid's first dimension (up to 2**31 - 1)."""
-        if n:
-            _move_rows[(n, self.planes, self.chunks)](
-                self.src, self.dst, ids, n, *self.strides, self.row,
-                BLOCK=self.block, EVEN=self.even, num_warps=self.warps)
+        chunk of the row). Order `pair`: the pair on the grid's first dimension (up to
+        2**31 - 1); `page` (up to 65,535 pairs, else `pair`): a block's chunks and planes
+        flattened on the first."""
+        if not n:
+            return
+        page = self.order == "page" and n <= MAX_GRID_YZ
+        grid = (self.chunks * self.planes, n, 1) if page else (n, self.planes, self.chunks)
+        _move_rows[grid](self.src, self.dst, ids, n, *self.strides, self.row, self.chunks,
+                         BLOCK=self.block, EVEN=self.even, PAGE_ORDER=page,
+                         num_warps=self.warps)
 
 
-def prepare(src: Side, dst: Side, row_bytes: int, planes: int, block_bytes: int = 0
-            ) -> Launch:
+def prepare(src: Side, dst: Side, row_bytes: int, planes: int, block_bytes: int = 0,
+            order: str = "") -> Launch:
     """A launch moving `planes` plane rows of `row_bytes` per pair from `src` to `dst`,
-    with the widest element that every address and stride allows."""
+    with the widest element that every address and stride allows; `order`: one of
+    `FUSED_ORDERS` ("": `FUSED_ORDER`)."""
+    order = order or FUSED_ORDER
+    if order not in FUSED_ORDERS:
+        raise ValueError(f"fused copy order: {order!r} is not one of {', '.join(FUSED_ORDERS)}")
     if triton is None:
         raise RuntimeError("fused copy: Triton is not installed")
     byte_strides = (src.block, src.layer, src.kv, dst.block, dst.layer, dst.kv)
@@ -169,10 +201,12 @@ def prepare(src: Side, dst: Side, row_bytes: int, planes: int, block_bytes: int 
     chunks = -(-row // block)
     if planes > MAX_GRID_YZ or chunks > MAX_GRID_YZ:
         raise ValueError(f"fused copy: {planes} planes x {chunks} chunks exceed the grid")
+    if order == "auto":
+        order = "page" if row_bytes >= PAGE_ORDER_MIN_ROW else "pair"
     s = tuple(b // es for b in byte_strides)
     return Launch(_as_elements(src.base, dtype), _as_elements(dst.base, dtype),
                   (s[0], s[1], s[2], s[3], s[4], s[5]), row, planes, chunks, block, warps,
-                  even)
+                  even, order)
 
 
 def layer_groups(layers: int) -> list[tuple[int, int]]:
@@ -192,24 +226,26 @@ def layer_groups(layers: int) -> list[tuple[int, int]]:
 
 
 def pool_launches(dev: torch.Tensor, pages: torch.Tensor, row_bytes: int,
-                  block_bytes: int = 0) -> tuple[Launch, list[tuple[int, int, Launch]]]:
+                  block_bytes: int = 0, order: str = ""
+                  ) -> tuple[Launch, list[tuple[int, int, Launch]]]:
     """kvtier's own pool `dev` `[layers, 2, blocks, row]` and host pages `pages` `[pages,
     layers, 2, row]` (any strides; rows contiguous): the backup's one launch over every
     plane, and a load's launches, one per layer group (`layer_groups`) as `(first, end,
     launch)`."""
     d2h = prepare(Side.of(dev, dev.stride(2), dev.stride(0), dev.stride(1)),
                   Side.of(pages, pages.stride(0), pages.stride(1), pages.stride(2)),
-                  row_bytes, 2 * dev.shape[0], block_bytes)
+                  row_bytes, 2 * dev.shape[0], block_bytes, order)
     h2d = [(a, b, prepare(Side.of(pages[:, a], pages.stride(0), pages.stride(1),
                                   pages.stride(2)),
                           Side.of(dev[a], dev.stride(2), dev.stride(0), dev.stride(1)),
-                          row_bytes, 2 * (b - a), block_bytes))
+                          row_bytes, 2 * (b - a), block_bytes, order))
            for a, b in layer_groups(dev.shape[0])]
     return d2h, h2d
 
 
 def plane_launches(planes: list[torch.Tensor], pages: torch.Tensor, row_bytes: int,
-                   to_device: bool, block_bytes: int = 0) -> list[Launch] | None:
+                   to_device: bool, block_bytes: int = 0, order: str = ""
+                   ) -> list[Launch] | None:
     """An engine's planes (layer 0 K, layer 0 V, ...: `[blocks, row]` each, anywhere) and
     host pages `[pages, layers, 2, row]`: per layer one launch, towards the planes
     (`to_device`, a load) or towards the pages; None when a layer's K and V planes differ
@@ -222,7 +258,7 @@ def plane_launches(planes: list[torch.Tensor], pages: torch.Tensor, row_bytes: i
         side = Side(k, k.stride(0) * k.element_size(), 0, v.data_ptr() - k.data_ptr())
         host = Side.of(pages[:, layer], pages.stride(0), 0, pages.stride(2))
         src, dst = (host, side) if to_device else (side, host)
-        out.append(prepare(src, dst, row_bytes, 2, block_bytes))
+        out.append(prepare(src, dst, row_bytes, 2, block_bytes, order))
     return out
 
 
@@ -242,6 +278,11 @@ class IdRing:
     """Block ids of one copy stream's tasks, moved to the device without a pageable copy or
     an allocation per task: `slots` pinned host rows and as many device rows, `[2, cap]`
     int64 each (sources then destinations), reused round-robin.
+
+    (Kernels reading the ids from the pinned row in place, with no DMA, were measured on an
+    H100: host time before the first launch fell from about 108 to 68 us, but every program
+    then reads its two ids over the bus, and the 256 KiB x 512-block copies lost 0.02-0.05
+    of a pinned copy's rate; the DMA stayed.)
 
     Invariants: a host row is rewritten only after the DMA that read it has completed (its
     event); a device row is rewritten by a DMA on the same stream as every kernel that reads
