@@ -403,6 +403,21 @@ class _Audit:
         return worst
 
 
+def _hash_seed(identity: Mapping[str, Any]) -> str:
+    """The seed of the block hashes this engine will compute, for its HELLO (the service
+    names blocks from token ids with it: lookup, retain, warm, clear). vLLM's NONE_HASH when
+    it is set already; before vLLM set it, its seed is PYTHONHASHSEED for the cryptographic
+    algorithms (what vLLM's `resolve_none_hash_seed` takes; `get_none_hash_seed` still
+    answers the default then, which named the wrong blocks: /lookup found 0 of 192 tokens
+    the engine then loaded)."""
+    if identity.get("none_hash"):
+        return str(identity["none_hash"])
+    env_seed = os.environ.get("PYTHONHASHSEED")
+    if env_seed is not None and str(identity.get("hash")) in ("sha256", "sha256_cbor"):
+        return env_seed
+    return str(identity.get("seed"))
+
+
 class _Steer:
     """A request's `kvtier.retain` (its kv_hints), kept in its ReqContext state."""
 
@@ -464,7 +479,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 update={"name": namespace})})
             self.cache: EngineCache = attach(
                 self.socket_path, namespace, self.cfg, hash_algo=str(identity.get("hash")),
-                hash_seed=str(identity.get("none_hash") or identity.get("seed")))
+                hash_seed=_hash_seed(identity))
             log.info("kvtier offloading: attached to kvtier serve at %s (%s), namespace %s "
                      "(%s)", self.socket_path,
                      "connected" if self.cache.host_pools() is not None
