@@ -721,5 +721,7 @@ def create_app(stack: Stack, *, token: str | None = None,
     if node is not None:  # tenants, retention, lookup, warm, clear (issue 36)
         from kvtier.admin.steering import add_steering_routes
 
-        add_steering_routes(app, node, post_security, POST_RESPONSES)
+        add_steering_routes(app, node, post_security, POST_RESPONSES,
+                            _error("the namespace is not served by this node (no engine of "
+                                   "it attached)"))
     return app

@@ -3,7 +3,8 @@ token ids on `kvtier serve`'s namespaces (`kvtier.manager.node.steering`).
 
 Every POST goes through the admin's gate (bearer token, `admin.max_body_bytes`, 503 while
 shutting down); a bad body or a refusal (a pin over quota, an unknown namespace, a negative
-TTL, too many tokens) is a 422 whose `detail` is one line, and nothing changed.
+TTL, too many tokens) is a 422 whose `detail` is one line, and nothing changed; a namespace
+no engine attached is a 404.
 
     GET  /tenants[?namespace=N]     per namespace, per tenant figures (1,024 at most, the
                                     rest summed as "(other)")
@@ -23,9 +24,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from kvtier.manager.node.server import NodeServer
-from kvtier.manager.node.steering import MAX_STEER_TOKENS, Steering
+from kvtier.manager.node.steering import MAX_STEER_TOKENS, NamespaceUnknown, Steering
 from kvtier.manager.tenants import (
     MAX_TENANT_BYTES,
     PRIORITY_MAX,
@@ -88,12 +90,20 @@ class ClearBody(_Strict):
 
 
 def add_steering_routes(app: FastAPI, node: NodeServer, post_security: Sequence[Any],
-                        responses: dict[int | str, dict[str, Any]]) -> Steering:
-    """Mount the steering routes on `app` (see the module docstring)."""
+                        post_responses: dict[int | str, dict[str, Any]],
+                        not_found: dict[str, Any]) -> Steering:
+    """Mount the steering routes on `app` (see the module docstring). `not_found`: the 404
+    answer's OpenAPI entry (a namespace no engine attached)."""
     steer = Steering(node.namespaces)
     deps = list(post_security)
+    responses = {**post_responses, 404: not_found}
 
-    @app.get("/tenants", tags=["steering"])
+    @app.exception_handler(NamespaceUnknown)
+    async def unknown(request: Request, exc: NamespaceUnknown) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.get("/tenants", tags=["steering"],
+             responses={404: not_found, 422: post_responses[422]})
     def tenants(namespace: str | None = None) -> dict[str, Any]:
         """Per namespace, per tenant: host blocks (of them pinned, held by a retention, with
         a storage copy), hit tokens, stores, evictions, refused stores, quota."""

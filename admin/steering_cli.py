@@ -31,11 +31,14 @@ def _tokens(spec: str) -> list[int]:
 def _call(args: argparse.Namespace, method: str, path: str,
           body: dict[str, Any] | None = None) -> int:
     from kvtier.admin.auth import client_token
-    from kvtier.admin.cli import admin_request
 
     data = None if body is None else json.dumps(body).encode()
-    req = admin_request(args.url, path, token=client_token(args.deployment_id),
-                        method=method, data=data)
+    token = client_token(args.deployment_id)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if data is not None:
+        headers["Content-Type"] = "application/json"
+    req = urllib.request.Request(args.url.rstrip("/") + path, data=data, headers=headers,
+                                 method=method)
     try:
         with urllib.request.urlopen(req, timeout=args.timeout) as r:
             print(json.dumps(json.loads(r.read()), indent=2, sort_keys=True))

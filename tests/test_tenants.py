@@ -176,3 +176,15 @@ def test_kv_hints_retain_action() -> None:
         with pytest.raises(SteeringError, match=why) as e:
             retention_from_hints([action])
         assert "\n" not in str(e.value)
+
+
+def test_engine_block_hashes_equal_vllms() -> None:
+    """Golden values from vLLM 0.32's own `hash_block_tokens` (sha256, seed "vllm-none-hash",
+    tokens 100..163 in 16-token blocks, cache_salt "b"), computed in .venv-vllm."""
+    from kvtier.manager.keys import engine_block_hashes
+
+    got = engine_block_hashes("sha256", "vllm-none-hash", 16, list(range(100, 164)), "b")
+    assert got[0].hex() == "ba10f772fcfe0a4f3a74c6b595e0395c9473d0620d16691251141ee3d26ce70b"
+    assert got[1].hex() == "33f4542e9d45a5a0b5116f01aea78be994e2ce47bee26a0bacd01a51c1da09e4"
+    none_hash = "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198"
+    assert engine_block_hashes("sha256", none_hash, 16, list(range(100, 164)), "b") == got

@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier.manager.errors import KvtierError
 from kvtier.manager.keys import TokenKeyError, engine_block_hashes
 from kvtier.manager.node.namespaces import Namespace, Namespaces
 from kvtier.manager.tenants import Retention, SteeringError, check_tenant
@@ -35,6 +36,10 @@ MAX_STEER_TOKENS = 1 << 18  # 262,144 tokens: 16,384 blocks of 16
 TOP_TENANTS = 8  # /metrics: the 8 tenants with the most host blocks, the rest as "(other)"
 MAX_TENANTS_LISTED = 1024  # GET /tenants
 _warm_ids = itertools.count(1)
+
+
+class NamespaceUnknown(KvtierError):
+    """A namespace no engine attached to this node (the admin answers 404, one line)."""
 
 
 def _tokens(token_ids: Sequence[int]) -> list[int]:
@@ -58,7 +63,7 @@ class Steering:
             if ns.name == name:
                 return ns
         known = sorted(ns.name for ns in self.namespaces.all())
-        raise SteeringError(f"namespace {name!r}: not served here (attached: {known})")
+        raise NamespaceUnknown(f"namespace {name!r}: not served here (attached: {known})")
 
     def hashes(self, ns: Namespace, token_ids: Sequence[int],
                cache_salt: str | None) -> list[bytes]:
