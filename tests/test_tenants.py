@@ -188,3 +188,18 @@ def test_engine_block_hashes_equal_vllms() -> None:
     assert got[1].hex() == "33f4542e9d45a5a0b5116f01aea78be994e2ce47bee26a0bacd01a51c1da09e4"
     none_hash = "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198"
     assert engine_block_hashes("sha256", none_hash, 16, list(range(100, 164)), "b") == got
+
+
+def test_clear_by_tenant_is_announced_and_leaves_the_other(cache: KeyedHostCache) -> None:
+    cache.enable_events()
+    x, y = chain(b"x", 3), chain(b"y", 3)
+    assert store(cache, x, "x") and store(cache, y, "y")
+    cache.take_events()  # the stores' announcements
+    removed = cache.clear_host(tenant="x")
+    assert len(removed) == 0  # no storage tier: no page names
+    events = cache.take_events()
+    gone = {h for e in events if e.removed and e.tier == "host" for h in e.hashes}
+    assert gone == set(x), events
+    assert present(cache, x) == 0 and held(cache, y) == 3
+    assert "x" not in {k for k, f in cache.tenant_figures().items() if f["host_blocks"]}
+    check(cache)
