@@ -478,7 +478,7 @@ class NodeCollector(Collector):
             labels=["namespace", "tenant", "kind"])
         for nso in self.node.namespaces.all():
             for tenant, f in nso.tenant_figures(TOP_TENANTS).items():
-                lab = [nso.name, tenant]
+                lab = [nso.name, tenant or "(default)"]  # "" would read as no label
                 t_blocks.add_metric([*lab, "all"], f.get("host_blocks", 0))
                 t_blocks.add_metric([*lab, "pinned"], f.get("pinned_blocks", 0))
                 t_blocks.add_metric([*lab, "held"], f.get("held_blocks", 0))

@@ -57,7 +57,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.manager.core.cache import CacheCore
-from kvtier.manager.core.nodes import ENGINE_WRITE, PREFETCHING, STORED, Node
+from kvtier.manager.core.nodes import (
+    ENGINE_WRITE,
+    HOST_BUSY,
+    PINNED,
+    PREFETCHING,
+    STORED,
+    Node,
+)
 from kvtier.manager.errors import InvalidRequestError
 
 RETAIN_ACTION = "kvtier.retain"
@@ -242,8 +249,9 @@ class TenantBook:
                     over -= 1
                     continue
                 hold = self._holds.get(key)
-                if hold is not None and (hold.pin or hold.until > self._now):
-                    continue
+                if hold is not None and (hold.pin or hold.until > self._now
+                                         or node.flags & HOST_BUSY & ~PINNED):
+                    continue  # pinned, in its TTL, or busy besides its hold (a load)
                 if hold is None and node.hprev is None:
                     continue  # busy: being loaded or backed up
                 out.append(node)
@@ -284,13 +292,17 @@ class TenantBook:
             if key is None:
                 continue
             where = self._where.get(key)
-            hold = self._holds.pop(key, None)
+            hold = self._holds.get(key)
             if hold is not None:
                 self.m.release_host_hold(node)
-            if self.m.evict_host_copy(node):
-                out.append(key)
-                if where is not None:
-                    where[0].evictions += 1
+            if not self.m.evict_host_copy(node):
+                if hold is not None:  # busy now (a load): kept, held again, still booked
+                    self.m.hold_host_copy(node)
+                continue
+            self._holds.pop(key, None)
+            out.append(key)
+            if where is not None:
+                where[0].evictions += 1
             self._drop(key)
         return out
 
