@@ -347,6 +347,16 @@ class StackCollector(Collector):
             "kvtier_engine_storage_index_misses",
             "Engine lookups storage's complete index answered as a miss without a query.",
             value=c.get("storage_index_misses", 0))
+        removed = CounterMetricFamily(
+            "kvtier_engine_removed_blocks",
+            "Blocks removed from every tier of the node (KeyedHostCache.remove), by reason "
+            "(audit_mismatch: the sampled audit found the copy wrong) and tier: host copies "
+            "taken out, storage pages whose deletion was sent to every rank.",
+            labels=["reason", "tier"])
+        for reason, (host, pages) in sorted(dict(keyed.removals).items()):
+            removed.add_metric([reason, "host"], host)
+            removed.add_metric([reason, "storage"], pages)
+        yield removed
 
     def _backend_families(self) -> Iterator[Metric]:
         """What each rank's storage backend alone knows, as its worker last published it.

@@ -16,7 +16,8 @@ no engine attached is a 404.
     POST /retain/unpin              {namespace, token_ids, cache_salt?}
     POST /warm                      {namespace, token_ids, cache_salt?}: storage -> host,
                                     poll /lookup
-    POST /clear                     {namespace, tenant | token_ids (+ cache_salt) | all: true}
+    POST /clear                     {namespace, tenant | token_ids (+ cache_salt) | all: true,
+                                     storage?}
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class ClearBody(_Strict):
     token_ids: list[int] | None = Field(None, max_length=MAX_STEER_TOKENS)
     cache_salt: str | None = _SALT
     all: bool = False
+    storage: bool = Field(False, description="delete the blocks' storage pages too")
 
 
 def add_steering_routes(app: FastAPI, node: NodeServer, post_security: Sequence[Any],
@@ -146,8 +148,10 @@ def add_steering_routes(app: FastAPI, node: NodeServer, post_security: Sequence[
     @app.post("/clear", tags=["steering"], dependencies=deps, responses=responses)
     def clear(body: ClearBody) -> dict[str, Any]:
         """Remove a tenant's blocks, a prompt's blocks or every block of a namespace from
-        the host tier (tier events announce each removal)."""
+        the host tier, and with `storage: true` their storage pages (tier events announce
+        each removal)."""
         return steer.clear(body.namespace, tenant=body.tenant, token_ids=body.token_ids,
-                           cache_salt=body.cache_salt, everything=body.all)
+                           cache_salt=body.cache_salt, everything=body.all,
+                           storage=body.storage)
 
     return steer

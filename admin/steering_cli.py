@@ -84,6 +84,8 @@ def cmd_clear(args: argparse.Namespace) -> int:
         body["cache_salt"] = args.salt
     if args.all:
         body["all"] = True
+    if args.storage:
+        body["storage"] = True
     return _call(args, "POST", "/clear", body)
 
 
@@ -135,6 +137,7 @@ def add_steering_commands(sub: Any, default_url: str) -> None:
     p.add_argument("--tokens", default=None)
     p.add_argument("--salt", default=None)
     p.add_argument("--all", action="store_true")
+    p.add_argument("--storage", action="store_true", help="delete the storage pages too")
     p.set_defaults(func=cmd_clear)
     p = sub.add_parser("tenants", help="per-tenant figures, or set a tenant's quota")
     common(p, prompt=False, namespace_required=False)

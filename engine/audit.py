@@ -44,6 +44,9 @@ EQUAL = "equal"
 WITHIN = "within_tolerance"
 MISMATCH = "mismatch"
 RESULTS = (EQUAL, WITHIN, MISMATCH)
+# the reason a mismatch is removed from the node under (`KeyedHostCache.remove`: counted per
+# reason; the node service's REMOVE op knows it by its code)
+REMOVE_REASON = "audit_mismatch"
 __all__ = ["AuditFigures", "AuditSampler", "PageReader", "Verdict", "compare_pages",
            "digest", "parse_sample", "scratch_key"]
 
@@ -83,6 +86,7 @@ class AuditSampler:
         self._credit = max_blocks_per_s  # one second's worth to start with
         self._at = clock()
         self._lock = threading.Lock()
+        self.offered = 0  # requests offered to the draw (at their first hit, rate > 0)
         self.drawn = 0  # requests drawn for an audit
         self.capped = 0  # drawn, but the cap had no credit: served normally
 
@@ -92,6 +96,7 @@ class AuditSampler:
         if self.rate <= 0.0:
             return False
         with self._lock:
+            self.offered += 1
             if self.rate < 1.0 and self._rng.random() >= self.rate:
                 return False
             self.drawn += 1

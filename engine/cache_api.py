@@ -13,20 +13,27 @@ An adapter is written once against this protocol and picks the home by configura
 life cycle of a block, as the engine sees it (both homes)::
 
     lookup(h, req, following)        HIT | PENDING | MISS | RETRY
-    prepare_store(hashes)            -> StorePlan (keys to copy, host block ids) | None
-      -> engine copies KV -> host pages of `host_pools()` (per rank)
+    prepare_store(hashes)            -> PlannedStore (keys, host block ids, pools, evicted)
+                                        | None (refused: nothing changed)
+      -> engine copies KV -> host pages of `plan.pools` (per rank; refused if replaced)
     complete_store(hashes, ok)       ok: servable to every engine of the namespace
-    prepare_load(hashes)             -> host block ids (pinned: never evicted meanwhile)
-      -> engine copies host pages -> KV
+    prepare_load(hashes)             -> PlannedLoad (host block ids, pools, from storage)
+                                        (pinned: never evicted meanwhile)
+      -> engine copies host pages of `plan.pools` -> KV (refused if replaced)
     complete_load(hashes)            unpinned
     end_step()                       once per scheduler step: batched messages go out,
                                      copies abandoned by `reset` are released after 2 steps
 
-A copy may only touch the host pool segments `host_pools()` returned under the same
-`generation`: when the generation moves (a kvtier worker was replaced, the service
+A plan names the host pools it was made against (`HostPools`: generation, instance nonce, each
+rank's segment name and inode), read in the same hold of the cache's lock as the plan (attached:
+from the reply that carried it), so the engine copies against the plan and nothing else: no
+generation to compare. When the generation moves (a kvtier worker was replaced, the service
 restarted, the client reconnected to another service instance) every host block id handed
-out before is void, and the engine re-maps the segments (each named with its inode and the
-service instance nonce, so an old mapping is never mistaken for the new pool).
+out before is void and the segments are new files (a new inode under the same name, or
+another name): a copy of an old plan names the old inode, and the copier
+(`kvtier.engine.host_copier`) refuses it rather than copy into the new pool. The cache side
+wrote the old generation's blocks off, so that store's completion is ignored and the load's
+blocks are recomputed.
 
 Failure semantics (attached): while the service is unreachable every lookup answers MISS,
 `prepare_store` None, `prepare_load` raises `InvalidRequestError` (the adapter reports a load
@@ -37,26 +44,17 @@ client's stated bound (`NodeClient.call_timeout_s`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from kvtier.manager.errors import InvalidRequestError
-from kvtier.manager.keyed import Lookup, StorePlan
+from kvtier.manager.keyed import Lookup
 from kvtier.manager.keyed_events import TierEvent
 from kvtier.manager.tenants import Retention, SteeringError, retention_from_hints
 
-__all__ = [
-    "EngineCache",
-    "HostPools",
-    "InvalidRequestError",
-    "Lookup",
-    "PoolSegment",
-    "Retention",
-    "SteeringError",
-    "StorePlan",
-    "TierEvent",
-    "retention_from_hints",
-]
+__all__ = ["EngineCache", "HostPools", "InvalidRequestError", "Lookup", "PlannedLoad",
+           "PlannedStore", "PoolSegment", "Retention", "SteeringError", "TierEvent",
+           "retention_from_hints"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +81,36 @@ class HostPools:
     def inodes(self) -> tuple[int, ...]:
         return tuple(s.inode for s in self.segments)
 
+    def names(self) -> tuple[tuple[str, int], ...]:
+        """Each rank's (segment name, inode): what a copy checks before it touches a pool."""
+        return tuple((s.name, s.inode) for s in self.segments)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedStore:
+    """`prepare_store`'s answer in one value (as vLLM's `PrepareStoreOutput`: where to copy
+    and what was evicted for it): copy the engine's KV of `keys[i]` into host block
+    `host_ids[i]` of `pools` (per rank). Keys already cached or being stored are left out.
+    `evicted` counts the host copies that made room; `evicted_hashes` names those that were
+    reported servable (tier events on). `pools` is what the plan was made against; a copy
+    into any other segment (or the same name with another inode) is refused."""
+
+    keys: list[bytes]
+    host_ids: list[int]
+    pools: HostPools
+    evicted: int = 0
+    evicted_hashes: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedLoad:
+    """`prepare_load`'s answer in one value: block i of the asked hashes is host block
+    `host_ids[i]` of `pools` (pinned until `complete_load`); `from_storage[i]`: it came from
+    storage and was not loaded since (where a hit comes from, for the engine's metrics)."""
+
+    host_ids: list[int]
+    pools: HostPools
+    from_storage: list[bool]
 
 @runtime_checkable
 class EngineCache(Protocol):
@@ -98,7 +126,8 @@ class EngineCache(Protocol):
     @property
     def generation(self) -> int:
         """Changes whenever host block ids handed out before became void (see the module
-        docstring). Compare it with `HostPools.generation` before using a plan."""
+        docstring; a plan carries the `HostPools` of its generation: the engine needs no
+        compare of its own)."""
         ...
 
     @property
@@ -109,8 +138,9 @@ class EngineCache(Protocol):
         ...
 
     def host_pools(self) -> HostPools | None:
-        """The host pool segments per rank and the generation they belong to; None while
-        there are none (attached: the service is unreachable)."""
+        """The host pool segments per rank and the generation they belong to now; None while
+        there are none (attached: the service is unreachable). A copy uses its plan's pools,
+        not these (they may have moved since it was planned)."""
         ...
 
     def storage_key(self, block_hash: bytes) -> bytes:
@@ -149,11 +179,12 @@ class EngineCache(Protocol):
         ...
 
     def prepare_load(self, hashes: Sequence[bytes],
-                     count_tokens: Sequence[bool] | None = None,
-                     from_storage: list[bool] | None = None) -> list[int]:
-        """Host block ids of these blocks, pinned until `complete_load`; all or nothing.
-        Raises InvalidRequestError when one is not a HIT any more (or the service is
-        unreachable): the engine recomputes them."""
+                     count_tokens: Sequence[bool] | None = None) -> PlannedLoad:
+        """Host block ids of these blocks and the pools they are in, pinned until
+        `complete_load`; all or nothing. `count_tokens[i]` False: block i counts no hit.
+        Raises InvalidRequestError when one is not a HIT any more, or there are no pools
+        (the service is unreachable, a worker is being replaced): nothing is then pinned,
+        and the engine recomputes them."""
         ...
 
     def complete_load(self, hashes: Sequence[bytes]) -> None:
@@ -164,10 +195,12 @@ class EngineCache(Protocol):
         """The engine hit these blocks in its own device cache (recency only)."""
         ...
 
-    def prepare_store(self, hashes: Sequence[bytes], tenant: str = "") -> StorePlan | None:
-        """Host blocks for the blocks not cached yet, booked to `tenant` (vLLM's
-        cache_salt; "" the default pool); None when the host tier cannot take them all now
-        (nothing changed)."""
+    def prepare_store(self, hashes: Sequence[bytes], tenant: str = "") -> PlannedStore | None:
+        """Host blocks (and their pools) for the blocks not cached yet, booked to `tenant`
+        (vLLM's cache_salt; "" the default pool). Atomic: None when the host tier cannot
+        take them all now or there are no pools, and then nothing changed (no copy evicted,
+        no block taken). Attached, a part may be planned (the leading `wire.MAX_FRAME_KEYS`
+        keys)."""
         ...
 
     def retain(self, hashes: Sequence[bytes], retention: Retention, tenant: str = "") -> None:
@@ -179,6 +212,15 @@ class EngineCache(Protocol):
     def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
         """The engine finished (ok) or gave up copying these blocks into the host blocks
         `prepare_store` gave; a failed or abandoned store is never served."""
+        ...
+
+    def remove_loaded(self, hashes: Sequence[bytes], reason: str) -> int:
+        """Remove blocks this engine holds a load of (it was served them and found them
+        wrong: the sampled audit) from every tier of the node: host copy, storage page on
+        every rank, removal events (`KeyedHostCache.remove`). Call it before completing the
+        loads. Returns the host copies removed. Raises InvalidRequestError when refused (a
+        block it holds no load of, an unknown reason, the service unreachable): nothing is
+        removed then."""
         ...
 
     def end_step(self) -> None:

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING
 from kvtier.engine.cache_api import (
     EngineCache,
     HostPools,
+    InvalidRequestError,
     Lookup,
+    PlannedLoad,
+    PlannedStore,
     PoolSegment,
-    StorePlan,
     TierEvent,
 )
 from kvtier.manager.keyed import KeyedHostCache
@@ -37,8 +39,10 @@ class EmbeddedCache:
     cache's only owner here); `graves`, the copies an engine reset abandoned, held
     `ABANDON_STEPS` steps, until no deferred copy can still touch them
     (`kvtier.manager.sessions`: the node service's rule, counted in steps); `_pools`, the
-    segments read once per generation. Invariant: an abandoned copy is never served
-    (`KeyedHostCache.release_abandoned` drops it)."""
+    segments read once per generation. Invariants: an abandoned copy is never served
+    (`KeyedHostCache.release_abandoned` drops it); a plan's pools are read in the same hold
+    of the cache's lock as the plan (a lost worker moves the generation under that lock), so
+    they are the ones its host block ids mean."""
 
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
@@ -64,6 +68,12 @@ class EmbeddedCache:
         return self.cache.storage is not None
 
     def host_pools(self) -> HostPools | None:
+        # Read only while every worker is up: a lost worker's rank is marked dead before the
+        # generation moves (`Supervisor._replace`), and its replacement makes a new segment
+        # before it is ready, so pools read now are the generation's own (a dead worker's
+        # segment, still in /dev/shm, is never cached under the new generation).
+        if not self.cache.host_ready():
+            return None
         gen = self.cache.generation
         pools = self._pools
         if pools is not None and pools.generation == gen:
@@ -104,9 +114,15 @@ class EmbeddedCache:
         return self.cache.from_storage(block_hash)
 
     def prepare_load(self, hashes: Sequence[bytes],
-                     count_tokens: Sequence[bool] | None = None,
-                     from_storage: list[bool] | None = None) -> list[int]:
-        return self.session.prepare_load(hashes, count_tokens, from_storage)
+                     count_tokens: Sequence[bool] | None = None) -> PlannedLoad:
+        with self.cache.m.lock:
+            pools = self.host_pools()
+            if pools is None:
+                raise InvalidRequestError("prepare_load: kvtier's host pools are not up (a "
+                                          "worker is being replaced)")
+            from_storage: list[bool] = []
+            ids = self.session.prepare_load(hashes, count_tokens, from_storage)
+            return PlannedLoad(ids, pools, from_storage)
 
     def complete_load(self, hashes: Sequence[bytes]) -> None:
         self.session.complete_load(hashes)
@@ -114,8 +130,16 @@ class EmbeddedCache:
     def touch(self, hashes: Sequence[bytes]) -> None:
         self.cache.touch(hashes)
 
-    def prepare_store(self, hashes: Sequence[bytes], tenant: str = "") -> StorePlan | None:
-        return self.session.prepare_store(hashes, tenant)
+    def prepare_store(self, hashes: Sequence[bytes], tenant: str = "") -> PlannedStore | None:
+        with self.cache.m.lock:
+            pools = self.host_pools()
+            if pools is None:  # nothing planned: nothing changed
+                return None
+            plan = self.session.prepare_store(hashes, tenant)
+            if plan is None:
+                return None
+            return PlannedStore(plan.keys, plan.host_ids, pools, plan.evicted,
+                                plan.evicted_hashes)
 
     def retain(self, hashes: Sequence[bytes], retention: Retention, tenant: str = "") -> None:
         try:
@@ -127,14 +151,8 @@ class EmbeddedCache:
     def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
         self.session.complete_store(hashes, ok)
 
-    def evict(self, hashes: Sequence[bytes]) -> int:
-        """Take these blocks out of this node's tiers now (the sampled audit found a host copy
-        that differs from the engine's recomputation): each host copy leaves the tree at once
-        and its block is freed when no copy in flight reads it any more. Storage pages are not
-        deleted (kvtier's storage writes run in its workers; a page left there is read back
-        only into a new host copy, which the next audit compares again). Returns how many
-        blocks were held."""
-        return self.cache.evict(hashes)
+    def remove_loaded(self, hashes: Sequence[bytes], reason: str) -> int:
+        return self.session.remove_loaded(hashes, reason).host
 
     def end_step(self) -> None:
         if len(self.graves):

@@ -9,7 +9,9 @@ The engine's scheduler calls this client exactly as it would call the embedded c
   used once: a block asked again is asked again);
 * completions, touches, request bookkeeping are one-way: queued, and sent with the next
   question or at the end of the scheduler step (`end_step`), in order;
-* `prepare_store` and `prepare_load` are one round trip each (whole batches).
+* `prepare_store` and `prepare_load` are one round trip each (whole batches);
+* `remove_loaded` (the audit found a block it loaded wrong) is one round trip per
+  `wire.MAX_REMOVE_KEYS` blocks: the service removes them from every tier of the node.
 
 Connection states (one owner: this client, under `_lock`)::
 
@@ -29,7 +31,11 @@ namespace's stack may be starting on the service); later ones run on the backgro
 Every UP starts a new `generation` (and so does a reply naming a new namespace generation:
 the service replaced a rank's worker). Host block ids handed out under another generation
 are void; `host_pools()` says which segments (name, inode) the current one means and the
-service instance nonce, so an engine never copies into a pool of an earlier service.
+service instance nonce, and each plan carries the pools of the reply that brought it (read
+under the same hold of the client's lock), so an engine never copies into a pool of an
+earlier service or worker. A plan the service made that has no pools on this side (a new
+generation's segment not there yet) is given back at once (a failed store, an ended load)
+and refused to the engine; the service's evictions for it stand.
 
 Tier events (`enable_events`): the client subscribes its connection to the namespace's
 events (the EVENTS op, again after every attach) and every reply carries what the service has
@@ -59,8 +65,9 @@ from kvtier.engine.cache_api import (
     HostPools,
     InvalidRequestError,
     Lookup,
+    PlannedLoad,
+    PlannedStore,
     PoolSegment,
-    StorePlan,
     TierEvent,
 )
 from kvtier.manager.keyed_events import HOST, STORAGE
@@ -74,6 +81,7 @@ log = logging.getLogger("kvtier.engine")
 _LOOKUPS = {wire.LookupCode.HIT: Lookup.HIT, wire.LookupCode.PENDING: Lookup.PENDING,
             wire.LookupCode.MISS: Lookup.MISS, wire.LookupCode.RETRY: Lookup.RETRY}
 _BY_CODE = {int(k): v for k, v in _LOOKUPS.items()}
+_REMOVE_CODES = {reason: code for code, reason in wire.REMOVE_REASONS.items()}
 MAX_OUTBOX = 4096  # one-way records queued before they are sent without waiting for a step
 # `take_events` asks the service itself (a PENDING round trip) only when no reply came in
 # this long: replies of the step's own questions carry the events, so a busy step pays
@@ -416,8 +424,7 @@ class NodeClient:
         return False  # known per load only (prepare_load's from_storage flags)
 
     def prepare_load(self, hashes: Sequence[bytes],
-                     count_tokens: Sequence[bool] | None = None,
-                     from_storage: list[bool] | None = None) -> list[int]:
+                     count_tokens: Sequence[bool] | None = None) -> PlannedLoad:
         if count_tokens is not None and len(count_tokens) != len(hashes):
             raise InvalidRequestError(
                 f"prepare_load: {len(count_tokens)} count_tokens flags for {len(hashes)} "
@@ -429,19 +436,24 @@ class NodeClient:
                                flag=0 if count_tokens is None else 1,
                                extra=b"" if count_tokens is None else bytes(
                                    map(bool, count_tokens)))
-        try:
-            reply = self._ask(record)
-        except NodeUnavailable as e:
-            raise InvalidRequestError(f"prepare_load: the node service is unreachable ({e})"
-                                      ) from None
-        if not reply.ok:
-            raise InvalidRequestError(reply.error or "prepare_load: refused")
-        if len(reply.ids) != len(hashes):
-            raise InvalidRequestError(f"prepare_load: {len(reply.ids)} ids for "
-                                      f"{len(hashes)} blocks")
-        if from_storage is not None:
-            from_storage.extend(bool(b) for b in reply.flags)
-        return reply.ids
+        with self._lock:  # the reply and the pools it means read together
+            try:
+                reply = self._ask(record)
+            except NodeUnavailable as e:
+                raise InvalidRequestError(
+                    f"prepare_load: the node service is unreachable ({e})") from None
+            if not reply.ok:
+                raise InvalidRequestError(reply.error or "prepare_load: refused")
+            if len(reply.ids) != len(hashes):
+                self.complete_load(hashes)
+                raise InvalidRequestError(f"prepare_load: {len(reply.ids)} ids for "
+                                          f"{len(hashes)} blocks")
+            pools = self.host_pools()
+            if pools is None:  # pinned on the service: unpinned at once
+                self.complete_load(hashes)
+                raise InvalidRequestError("prepare_load: the node's host pools of generation "
+                                          f"{reply.generation} cannot be mapped here yet")
+        return PlannedLoad(reply.ids, pools, [bool(b) for b in reply.flags])
 
     def complete_load(self, hashes: Sequence[bytes]) -> None:
         if hashes:
@@ -451,21 +463,25 @@ class NodeClient:
         if hashes:
             self._queue(wire.OpRecord(wire.Op.TOUCH, list(hashes)))
 
-    def prepare_store(self, hashes: Sequence[bytes], tenant: str = "") -> StorePlan | None:
-        if not hashes:
-            return StorePlan([], [], 0)
-        # one frame's keys at most: a plan for the leading blocks (a plan may cover a part)
-        hashes = list(hashes[:wire.MAX_FRAME_KEYS])
-        try:
-            reply = self._ask(wire.store_record(hashes, tenant))
-        except NodeUnavailable:
-            return None
-        if not reply.ok or len(reply.flags) != len(hashes):
-            return None
-        keys = [h for h, m in zip(hashes, reply.flags, strict=True) if m]
-        if len(keys) != len(reply.ids):
-            return None
-        return StorePlan(keys, reply.ids, reply.evicted)
+    def prepare_store(self, hashes: Sequence[bytes], tenant: str = "") -> PlannedStore | None:
+        with self._lock:  # the reply and the pools it means read together
+            if not hashes:
+                pools = self.host_pools()
+                return None if pools is None else PlannedStore([], [], pools)
+            # one frame's keys at most: a plan for the leading blocks (a plan may cover a part)
+            hashes = list(hashes[:wire.MAX_FRAME_KEYS])
+            try:
+                reply = self._ask(wire.store_record(hashes, tenant))
+            except NodeUnavailable:
+                return None
+            if not reply.ok or len(reply.flags) != len(hashes):
+                return None
+            keys = [h for h, m in zip(hashes, reply.flags, strict=True) if m]
+            pools = self.host_pools()
+            if len(keys) != len(reply.ids) or pools is None:
+                self.complete_store(keys, ok=False)  # given back: never copied, never served
+                return None
+        return PlannedStore(keys, reply.ids, pools, reply.evicted)
 
     def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
         if hashes:
@@ -482,6 +498,27 @@ class NodeClient:
     def unpin(self, hashes: Sequence[bytes]) -> None:
         if hashes:
             self._queue(wire.retain_record(list(hashes), unpin=True))
+
+    def remove_loaded(self, hashes: Sequence[bytes], reason: str) -> int:
+        """The REMOVE op, `wire.MAX_REMOVE_KEYS` keys a round trip (the queued completions
+        go first, so call it before completing the loads)."""
+        code = _REMOVE_CODES.get(reason)
+        if code is None:
+            raise InvalidRequestError(f"remove: unknown reason {reason!r} (the node service "
+                                      f"knows {sorted(_REMOVE_CODES)})")
+        keys = list(dict.fromkeys(hashes))
+        removed = 0
+        for i in range(0, len(keys), wire.MAX_REMOVE_KEYS):
+            try:
+                reply = self._ask(wire.OpRecord(wire.Op.REMOVE,
+                                                keys[i:i + wire.MAX_REMOVE_KEYS], flag=code))
+            except NodeUnavailable as e:
+                raise InvalidRequestError(f"remove: the node service is unreachable ({e})"
+                                          ) from None
+            if not reply.ok:
+                raise InvalidRequestError(reply.error or "remove: refused")
+            removed += reply.evicted
+        return removed
 
     def end_step(self) -> None:
         self._flush()

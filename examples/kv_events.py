@@ -18,8 +18,12 @@ rebuilds, per medium, the set of blocks the instance says it holds. The run:
 4. vLLM's own `reset_prefix_cache(reset_connector=True)` (kvtier's host tier emptied; vLLM's
    connector forgets every block's tokens), then the first prompt again from storage (its
    CPU stores are published once vLLM knows their tokens again);
-5. kvtier's worker killed (its host copies die with it: every CPU block removed);
-6. `POST /reset` on kvtier's admin (the host tier emptied again).
+5. kvtier's sampled audit at 1 in 1 (issue 40) with the first prompt's host pages overwritten
+   behind kvtier's back: vLLM's device cache reset (kvtier's kept), the prompt again is
+   recomputed and compared, every block mismatches and is removed from the node: CPU and
+   STORAGE removals, and kvtier holds none of its blocks on the host or in storage;
+6. kvtier's worker killed (its host copies die with it: every CPU block removed);
+7. `POST /reset` on kvtier's admin (the host tier emptied again).
 
 At each checkpoint (the backups landed, one step run so kvtier's events are taken) the sets
 rebuilt from the events are compared with what kvtier holds: the host tier's ready copies
@@ -35,7 +39,9 @@ kvtier: vLLM's own stream now carries the node's tiers as this engine is served 
 The truth at each checkpoint is the service's: its own stream's sets for the namespace
 (CPU and STORAGE, by block hash), the namespace's host blocks in use from its `/status`
 (their count), and the page files in its storage folder. The run: the six prompts, the
-first again, pages lost and the second again, vLLM's own reset and the first again; then a
+first again, pages lost and the second again, vLLM's own reset and the first again, the
+audit's mismatch (the namespace's whole host pool overwritten: the service removes the
+audited blocks through the REMOVE op); then a
 second engine of the namespace (a `NodeClient` in this process: it stores the blocks of a
 seventh prompt, never writing their pages; only events are looked at) — those blocks are in
 the node's host tier, but this vLLM has never seen their tokens, so its stream holds them back
@@ -251,6 +257,48 @@ def kvtier_holds(llm: Any, hashes: list[bytes], storage: Path) -> dict[str, set[
     return {"CPU": host, "STORAGE": stored}
 
 
+def overwrite_host_pages(llm: Any, hashes: list[bytes] | None) -> int:
+    """Overwrite host pages (rank 0) with other finite bf16 values (kvtier is not told):
+    those of `hashes` (embedded: read from kvtier's tree), or every page of the pool (None:
+    attached, the tree is the service's). Returns how many pages."""
+    from kvtier.engine.geometry import kv_shape
+    from kvtier.manager.keyed import engine_key
+    from kvtier.worker.kv_pools import HostPool
+
+    manager = kvtier_manager(llm)
+    pools = manager.cache.host_pools()
+    pool = HostPool.attach(pools.segments[0].name, kv_shape(manager.cfg))
+    try:
+        if hashes is None:
+            ids = list(range(pool.data.shape[0]))
+        else:
+            keyed = manager.cache.cache
+            with keyed.m.lock:
+                ids = [n.host for h in hashes for n in (keyed.m.lookup(engine_key(h)),)
+                       if n is not None and n.host is not None]
+        for i in ids:
+            pool.data[i].fill_(0x3C)  # bf16 0x3c3c: 0.0115, a valid-looking value
+    finally:
+        pool.close()
+    return len(ids)
+
+
+def audit_mismatch(llm: Any, manager: Any, prompt: list[int], run: Callable[[list[int]], None],
+                   attached: bool) -> dict[str, Any]:
+    """kvtier's audit at 1 in 1 over `prompt` after its host pages were overwritten (vLLM's
+    device cache reset, kvtier's kept, so the prompt hits kvtier): every block it holds
+    mismatches and is removed from the node. Returns the pages overwritten and the
+    mismatches by tier."""
+    overwritten = overwrite_host_pages(llm, None if attached else block_hashes(llm, prompt))
+    if not llm.reset_prefix_cache():  # vLLM's device cache only
+        raise SystemExit("vLLM's reset_prefix_cache failed")
+    manager.audit.sampler.rate = 1.0
+    run(prompt)
+    manager.audit.sampler.rate = 0.0
+    return {"overwritten_pages": overwritten,
+            "mismatch": manager.audit.figures.status()["blocks"].get("mismatch", {})}
+
+
 def start_llm(model: Path, connector: dict[str, Any], endpoint: str, replay: int,
               drop_removed_on_evict: bool) -> tuple[Any, Any]:
     """vLLM with kvtier (`connector`: the connector's own keys) and vLLM's ZMQ KV-event
@@ -369,6 +417,11 @@ def main(argv: list[str] | None = None) -> int:
 
         prompts = [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
         first_checkpoints(llm, manager, prompts, storage, run, check)
+        # the audit catches the first prompt's overwritten host pages and removes its blocks
+        # from the node: removals for CPU and STORAGE reach the router
+        audit = audit_mismatch(llm, manager, prompts[0], run, attached=False)
+        check("audit mismatch, first prompt again")
+        checkpoints[-1]["audit"] = audit
         pids = worker_pids(url)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
@@ -545,6 +598,10 @@ def attached_main(args: argparse.Namespace) -> int:
         prompts = [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
                    for _ in range(PROMPTS + 1)]
         first_checkpoints(llm, manager, prompts[:PROMPTS], storage, run, check)
+        # the audit, attached: the service removes the mismatched blocks (the REMOVE op)
+        audit = audit_mismatch(llm, manager, prompts[0], run, attached=True)
+        check("audit mismatch, first prompt again")
+        checkpoints[-1]["audit"] = audit
         # a second engine of the namespace stores the seventh prompt's blocks
         other = NodeClient(client.path, client.hello)
         theirs = block_hashes(llm, prompts[PROMPTS])

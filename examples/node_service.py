@@ -5,7 +5,9 @@ Runs in the vLLM environment (`make vllm-env` builds `.venv-vllm`). It starts `k
 private folder, then two vLLM engine processes, A and B, each with
 `kv_connector_extra_config = {"kvtier_serve": "<socket>", ...}` (attached mode) and the tiny
 random Llama of `examples/vllm_offload.py` (12 device blocks of 32 tokens, so nothing is
-shared through vLLM itself):
+shared through vLLM itself). Each engine's KVTIER_CACHE__HOST_BLOCKS asks for a host tier
+twice this machine's free memory: attached, the host tier is the service's, so nothing of it
+is checked or made on the engine side and they start all the same (`unowned_host_tiers`):
 
 * A serves prompt P cold; B (another process, its device cache empty) then serves P: vLLM
   reports P's full blocks as cached (`instance_b_tokens_from_host`), they came from the node's
@@ -76,17 +78,33 @@ MARK = "@@ "
 # ------------------------------------------------------------------------ engine process
 
 
+# The tiny Llama's host page: 2 (K, V) x 2 layers x 32 tokens x 2 heads x 64 x 2 bytes (bf16)
+TINY_PAGE_BYTES = 2 * 2 * vllm_offload.BLOCK * 2 * 64 * 2
+
+
 def engine_main(socket_path: str, model_dir: str) -> int:
     """An attached vLLM engine driven over stdin/stdout (see the module docstring)."""
+    from kvtier.manager.config import host_pool_bytes, mem_available_bytes
+
     model = vllm_offload.build_model(Path(model_dir))
+    # Issue 34, defect 8: an attached engine checks nothing of a host tier it does not own
+    # (the service's namespace quota sizes the node's). This process's KVTIER_CACHE__HOST_BLOCKS
+    # (an operator's variable, e.g. left from an embedded deployment; the connector's own
+    # `host_blocks` is refused when attached) asks for a host tier of twice this machine's
+    # free memory, which an embedded engine refuses at start ("cache.host_blocks = ... needs
+    # ... but only ... are available in MemAvailable").
+    mem = mem_available_bytes() or 0
+    os.environ["KVTIER_CACHE__HOST_BLOCKS"] = str(2 * mem // TINY_PAGE_BYTES + 1)
     llm = vllm_offload.make_llm(model, {"kvtier_serve": socket_path})
     manager = vllm_offload.kvtier_manager(llm)
+    sized = {"host_blocks": manager.cfg.cache.host_blocks,
+             "host_tier_bytes": host_pool_bytes(manager.cfg), "mem_available": mem}
 
     def answer(obj: dict[str, Any]) -> None:
         sys.stdout.write(MARK + json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    answer({"ready": True, "pid": os.getpid()})
+    answer({"ready": True, "pid": os.getpid(), "unowned_host_tier": sized})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "generate":
@@ -395,8 +413,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         t0 = time.monotonic()
         serve.start()
         a, b = start_engine("a"), start_engine("b")  # both load vLLM at once
-        for e in (a, b):
-            e.read(START_TIMEOUT_S)
+        # each started with a host tier setting larger than this machine (defect 8)
+        report["unowned_host_tiers"] = [e.read(START_TIMEOUT_S)["unowned_host_tier"]
+                                        for e in (a, b)]
         report["engines_started_seconds"] = round(time.monotonic() - t0, 1)
         report["engines_seen_by_admin"] = len(wait_for(
             lambda: len(engines(serve.status())) >= 2 and engines(serve.status()), 30,

@@ -17,7 +17,11 @@ cache after a few other prompts; A again is then served from kvtier:
   recomputes A's blocks, kvtier compares them with its copies: `audit_clean`), then A's warm
   run is audited too; with `--corrupt-host` that run must find a `mismatch` for each of A's
   blocks and still be identical (it was recomputed), and A after it, with the audit off, is
-  recomputed (the mismatched copies were evicted) and identical (`audit_after`).
+  recomputed (the mismatched copies were removed from the node) and identical (`audit_after`).
+  With `--storage file`, `audit_storage` counts A's pages before and after that run: a
+  mismatch deletes its storage page too. `--audit-sampling N`: last, N one-block prompts run
+  twice, the second pass audited at 1 in 10: `audit_sampling` says how many requests hit
+  kvtier (`offered` to the sampler), how many were drawn and what their blocks compared as.
 * `--reset-storage`: `POST /reset?storage=true` on kvtier's admin before A comes again: A is
   recomputed (0 tokens from kvtier) and still exact.
 * `--kill-worker`: kill -9 kvtier's worker process before A comes again: vLLM goes on serving
@@ -104,25 +108,74 @@ def kvtier_manager(llm: Any) -> Any:
     return core.scheduler.get_kv_connector().connector_scheduler.manager
 
 
-def drop_group_pages(llm: Any, storage_path: str, tokens: list[int], kind: str) -> int:
-    """Delete from file storage the pages of the `kind` group ("full" or "sliding_window")
-    of every full block of `tokens` (the other group's pages stay). Returns how many."""
+def group_pages(llm: Any, storage_path: str, tokens: list[int], kind: str) -> list[Path]:
+    """The file-storage pages of the `kind` group ("full" or "sliding_window") of every full
+    block of `tokens` (those present)."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.kv_offload.base import make_offload_key
 
     manager = kvtier_manager(llm)
-    group = next(g for g in manager.groups if g.kind == kind)
+    gid = next((g.group_id for g in manager.groups if g.kind == kind), 0)
     fn = get_hash_fn_by_name(llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo)
     parent = None
-    dropped = 0
+    pages: list[Path] = []
     for i in range(len(tokens) // BLOCK):
         parent = kv_cache_utils.hash_block_tokens(fn, parent, tokens[i * BLOCK:(i + 1) * BLOCK])
-        hexkey = manager.storage_key(make_offload_key(parent, group.group_id)).hex()
-        for page in Path(storage_path).glob(f"**/{hexkey[:2]}/{hexkey}"):
-            page.unlink()
-            dropped += 1
-    return dropped
+        hexkey = manager.storage_key(make_offload_key(parent, gid)).hex()
+        pages += Path(storage_path).glob(f"**/{hexkey[:2]}/{hexkey}")
+    return pages
+
+
+def drop_group_pages(llm: Any, storage_path: str, tokens: list[int], kind: str) -> int:
+    """Delete from file storage the pages of the `kind` group of every full block of
+    `tokens` (the other group's pages stay). Returns how many."""
+    pages = group_pages(llm, storage_path, tokens, kind)
+    for page in pages:
+        page.unlink()
+    return len(pages)
+
+
+def settle(url: str, timeout_s: float = 30.0) -> None:
+    """Wait (bounded) until kvtier has no task in flight (backups, page deletions)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not json.loads(admin_get(url, "/status")).get("tasks_inflight", 0):
+            return
+        time.sleep(0.1)
+
+
+def sample_audits(llm: Any, url: str, rng: random.Random, requests: int,
+                  rate: float) -> dict[str, Any]:
+    """The audit's sampling on live traffic: `requests` one-block prompts are run once
+    (kvtier stores each block), then again, at audit rate `rate`, after the first pass pushed
+    them out of vLLM's device pool: each second-pass request that hits kvtier is offered to
+    the sampler. Returns how many were offered, drawn and audited (blocks by result)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(VOCAB) for _ in range(BLOCK + 1)])
+               for _ in range(requests)]
+    llm.generate(prompts, sp, use_tqdm=False)
+    settle(url)
+    sampler = kvtier_manager(llm).audit.sampler
+    sampler.rate = rate
+    offered, drawn, a0 = sampler.offered, sampler.drawn, audit_figures(llm)
+    h0 = hit_tokens(url)
+    llm.generate(prompts, sp, use_tqdm=False)
+    h1 = hit_tokens(url)
+    sampler.rate = 0.0
+    # the last requests' stores (their audits) complete in later engine steps: a few steps
+    audit = kvtier_manager(llm).audit
+    for _ in range(20):
+        if not audit.pending:
+            break
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], sp, use_tqdm=False)
+    return {"requests": requests, "rate": rate, "offered": sampler.offered - offered,
+            "drawn": sampler.drawn - drawn, "blocks": audit_delta(a0, audit_figures(llm)),
+            "tokens_loaded_from_kvtier": int(sum(h1.get(t, 0.0) - h0.get(t, 0.0)
+                                                 for t in ("host", "storage")))}
 
 
 def make_llm(model: Path, extra: dict[str, Any], kind: str = "llama") -> Any:
@@ -264,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--audit", default="", metavar="SAMPLE",
                     help="kvtier's audit.sample (1, 1/1000, 0.01): audited hits are "
                     "recomputed by vLLM and compared with kvtier's copies")
+    ap.add_argument("--audit-sampling", type=int, default=0, metavar="N",
+                    help="with --audit: last, N one-block prompts run twice, the second time "
+                    "audited at 1 in 10 (the sampled share, `audit_sampling`)")
     ap.add_argument("--reset-storage", action="store_true",
                     help="POST /reset?storage=true before A again (A is recomputed)")
     ap.add_argument("--kill-worker", action="store_true",
@@ -284,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(Path(model_dir), args.model)
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-") as tmp:
         url_file = Path(tmp) / "admin-url"
-        extra: dict[str, Any] = {"host_blocks": 64, "storage_backend": args.storage,
+        # the sampling pass stores one block per prompt on the host (and audits scratch pages)
+        host_blocks = 64 + 2 * args.audit_sampling
+        extra: dict[str, Any] = {"host_blocks": host_blocks, "storage_backend": args.storage,
                                  "prefetch_threshold": BLOCK, "admin_port": 0,
                                  "admin_auth": "none", "admin_url_file": str(url_file)}
         if args.storage == "file":
@@ -349,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
                 generate(llm, next(fresh))
             before = hit_tokens(url)
             audit_before = a1
+        # file storage: A's pages (a mismatch found by the audit deletes them)
+        pages_of_a = str(extra["storage_path"]) if args.storage == "file" else ""
+        if args.audit and pages_of_a:
+            report["audit_storage"] = {
+                "pages_before": len(group_pages(llm, pages_of_a, prompt_a, "full"))}
         if args.corrupt_host:
             report["corrupted_bytes"] = corrupt_host_pool(url)
         if args.reset_storage:
@@ -398,6 +461,10 @@ def main(argv: list[str] | None = None) -> int:
             report["audit_warm"] = {"blocks": audit_delta(audit_before, a2),
                                     "max_abs_diff": a2["max_abs_diff"],
                                     "max_rel_diff": a2["max_rel_diff"]}
+            if pages_of_a:  # a mismatch's storage pages are deleted too
+                settle(url)
+                report["audit_storage"]["pages_after"] = len(
+                    group_pages(llm, pages_of_a, prompt_a, "full"))
             # the audit off: A again, from kvtier where its copies are still held
             kvtier_manager(llm).audit.sampler.rate = 0.0
             for _ in range(4):
@@ -410,12 +477,16 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_loaded_from_kvtier": int(sum(h1.get(t, 0.0) - h0.get(t, 0.0)
                                                      for t in ("host", "storage"))),
                 "audit_blocks": audit_delta(a2, audit_figures(llm))}
+            if args.audit_sampling:
+                report["audit_sampling"] = sample_audits(llm, url, rng, args.audit_sampling,
+                                                         0.1)
             report["vllm_audit_metrics"] = vllm_audit
             report["status_audit"] = json.loads(admin_get(url, "/status")).get("audit")
         metrics = admin_get(url, "/metrics")
         report["metrics_lines"] = [ln for ln in metrics.splitlines()
                                    if ln.startswith(("kvtier_hit_tokens_total",
-                                                     "kvtier_audit_"))]
+                                                     "kvtier_audit_",
+                                                     "kvtier_engine_removed_blocks"))]
         del llm
     first = {k: report.pop(k) for k in ("tokens_loaded_from_kvtier", "identical")}
     report = {**first, **report}

@@ -38,6 +38,9 @@ index (`StorageTier.holds`) is filled from the backend's own listing, refreshed 
     prepare_load(keys)               ENGINE_READ (counted per node): never evicted meanwhile
       -> engine copies host -> KV
     complete_load(keys)              the count drops; at 0 the copy is evictable again
+    remove(keys, reason)             the block leaves every tier of the node: host copy out of
+                                     the tree (write_off), storage page deleted on every rank,
+                                     removal events; a later lookup misses (`Removal` counts)
 
 Data structures: the manager's flat map `key -> Node` (keys are the first 16 bytes of the
 engine's hash, an int like kvtier's own 128-bit keys). Every open copy is recorded with its
@@ -69,6 +72,7 @@ arrives (or its copies are abandoned and released).
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -120,6 +124,23 @@ class StorePlan:
     evicted: int
     # the hashes of the evicted copies that were reported servable (tier events on)
     evicted_hashes: list[bytes] = field(default_factory=list)
+
+
+_REASON_RE = re.compile(r"[a-z0-9_]{1,32}")
+
+
+@dataclass(frozen=True, slots=True)
+class Removal:
+    """`KeyedHostCache.remove`'s answer: the reason, the distinct blocks named, the host
+    copies taken out of the tree, the storage pages whose deletion was sent to every rank
+    (0 without a storage tier) and, when it was waited for and answered, the pages every
+    rank deleted (None: not waited for, or not answered in time: it goes on)."""
+
+    reason: str
+    blocks: int
+    host: int
+    storage_asked: int
+    storage_deleted: int | None
 
 
 class _Query:
@@ -192,6 +213,8 @@ class KeyedHostCache:
             "stores_prepared", "stores_completed", "stores_failed",
             "stores_refused", "loads_prepared", "loads_completed", "storage_queries",
             "storage_index_misses", "evicted_by_engine"), 0)
+        # reason -> [host copies removed, storage pages asked to delete] (`remove`)
+        self.removals: dict[str, list[int]] = {}
         # tier events for routers (`enable_events`): None while nobody takes them
         self.events: TierEventLog | None = None
         # tenants, quotas and retention of the host copies (issue 36)
@@ -623,23 +646,59 @@ class KeyedHostCache:
                 return taken, None
             return taken, (list(events.host.values()), list(events.storage.values()))
 
-    def evict(self, hashes: Sequence[bytes]) -> int:
-        """Take these blocks' copies out of the tree now (the engine found a host copy that
-        differs from its own recomputation: `kvtier.engine.audit`): a later lookup misses and
-        the engine recomputes. A copy a transfer or an engine copy still uses keeps its block
-        until that ends (the core's write-off). Returns how many of the blocks were cached."""
+    def remove(self, hashes: Sequence[bytes], *, reason: str,
+               wait_s: float = 0.0) -> Removal:
+        """Remove these blocks from every tier of this node: the host copy leaves the tree
+        now (the core's `write_off`: a copy a transfer or an engine copy still uses keeps
+        its block until that ends, never served again), the storage page is deleted on every
+        rank (a DELETE task behind the backups sent before it, so a page being written now
+        is deleted after it lands), and, with tier events on, each removal is announced at
+        once (host and storage, where the block was reported). The page is deleted whether
+        or not a host copy is held (another process may have written it).
+
+        The one named operation for "this block must not be served here again": the sampled
+        audit's mismatch (`kvtier.engine.audit`), an operator's clear. `reason` (a short
+        identifier, e.g. "audit_mismatch") is counted in `removals`. `wait_s` > 0 waits that
+        long for the storage deletion (the lock is released meanwhile); 0 returns at once
+        (an engine's scheduler thread must not wait on storage). Every hash is checked
+        before anything changes: bad input raises InvalidRequestError and removes nothing."""
+        if not isinstance(reason, str) or not _REASON_RE.fullmatch(reason):
+            raise InvalidRequestError(
+                f"removal reason {reason!r}: must be 1 to 32 characters of a-z, 0-9 and '_'")
+        if isinstance(hashes, bytes | bytearray | str):
+            raise InvalidRequestError("remove takes a list of block hashes, not one hash")
+        todo = list(dict.fromkeys(hashes))
+        for h in todo:
+            _check_hash(h)
         with self._lock:
-            held = 0
-            for h in hashes:
-                _check_hash(h)
+            host = 0
+            named: list[tuple[int, bytes]] = []
+            for h in todo:
                 key = engine_key(h)
                 node = self.m.lookup(key)
                 if node is not None:
                     self.tenants.forget(key)
                     self.m.write_off(node)
-                    held += 1
-            self.counters["evicted_by_engine"] += held
-            return held
+                    host += 1
+                named.append((key, h))
+            if self.events is not None:
+                self.events.removed(named)
+            asked = 0
+            deleted: int | None = 0
+            storage = self.storage
+            if storage is not None and todo:
+                asked = len(todo)
+                deleted = storage.delete([self.storage_key(h) for h in todo], wait_s)
+            counts = self.removals.setdefault(reason, [0, 0])
+            counts[0] += host
+            counts[1] += asked
+            self.counters["evicted_by_engine"] += host
+            self.m.flush()
+            return Removal(reason, len(todo), host, asked, deleted)
+
+    def evict(self, hashes: Sequence[bytes]) -> int:
+        """`remove(hashes, reason="audit_mismatch")`; returns how many host copies were held."""
+        return self.remove(hashes, reason="audit_mismatch").host
 
     # ------------------------------------------------------------------ steering (issue 36)
 
@@ -684,29 +743,47 @@ class KeyedHostCache:
         with self._lock:
             return self.tenants.figures(_monotonic())
 
-    def clear_host(self, *, hashes: Sequence[bytes] | None = None,
-                   tenant: str | None = None) -> list[bytes]:
-        """Take these blocks (or every block of `tenant`, or every block) out of the host
-        tier now (the core's write-off: a copy in flight keeps its block until its
-        transfer ends). Returns the storage keys of the blocks removed (what a storage
-        clear of the same selection removes)."""
+    def clear(self, *, hashes: Sequence[bytes] | None = None, tenant: str | None = None,
+              storage: bool = False, wait_s: float = 0.0) -> dict[str, int | None]:
+        """An operator's clear (issue 36): these blocks, every block of `tenant`, or every
+        block of the namespace leave the host tier now (the core's write-off: a copy in
+        flight keeps its block until its transfer ends, never served again); with `storage`
+        their pages are deleted too (`StorageTier.delete`: one DELETE task behind earlier
+        backups; a clear by hashes deletes the pages of blocks not on the host as well).
+        With tier events on, every removal is announced at once (host, and storage where
+        reported), as `remove` does; counted in `removals["clear"]`."""
         with self._lock:
             if hashes is not None:
-                keys = [engine_key(h) for h in hashes]
-            elif tenant is not None:
-                keys = self.tenants.keys_of(tenant)
+                named = [(engine_key(h), h) for h in dict.fromkeys(hashes)]
             else:
-                keys = [n.key for n in self.m.cached_nodes() if n.key is not None]
+                keys = (self.tenants.keys_of(tenant) if tenant is not None else
+                        [n.key for n in self.m.cached_nodes() if n.key is not None])
+                names = {} if self.events is None else self.events.names
+                named = [(k, names.get(k, b"")) for k in keys]
             skeys: list[bytes] = []
-            for k in keys:
+            host = 0
+            for k, h in named:
                 node = self.m.lookup(k)
                 self.tenants.forget(k)
                 if node is not None:
                     if node.skey is not None:
                         skeys.append(node.skey)
                     self.m.write_off(node)
+                    host += 1
+                elif h and storage and self.storage is not None:
+                    skeys.append(self.storage_key(h))
+            if self.events is not None:
+                self.events.removed([(k, h) for k, h in named if h])
+            deleted: int | None = 0
+            if storage and self.storage is not None and skeys:
+                deleted = self.storage.delete(skeys, wait_s)
+            counts = self.removals.setdefault("clear", [0, 0])
+            counts[0] += host
+            counts[1] += len(skeys) if storage else 0
             self.m.flush()
-            return skeys
+            return {"host_blocks_removed": host,
+                    "storage_pages_asked": len(skeys) if storage and self.storage else 0,
+                    "storage_pages_deleted": deleted}
 
     def warm(self, hashes: Sequence[bytes], warm_id: str) -> str:
         """Bring these blocks from storage into the host tier ahead of traffic: one storage

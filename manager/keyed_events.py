@@ -9,7 +9,8 @@ stored / removed events per tier, by the engine's own block hashes::
              removed  it stopped being one (LRU eviction, failed page, lost worker, reset,
                       written off by a registration change)
     storage  stored   a backup of it landed (or a prefetch read it back from storage)
-             removed  storage was emptied (`POST /reset?storage=true`)
+             removed  storage was emptied (`POST /reset?storage=true`), or the block was
+                      removed from the node (`removed`, below)
 
 Where the events come from: evictions by `prepare_store` are logged at the transition
 (`evicted`: the engine's `PrepareStoreOutput.evicted_keys` is the same list); everything
@@ -18,6 +19,12 @@ tree holds now. A reconciliation is exact whatever the path a copy took out of t
 (the manager's core has a dozen, several of them whole-tree), at a cost of one pass over
 the tree per `take` (measured: see the engine README). A block is reported removed only
 after it was reported stored, and each key's events alternate stored / removed per tier.
+
+A block removed from every tier of the node (`KeyedHostCache.remove`: an audit found its copy
+wrong, an operator cleared it) is logged at the transition (`removed`): removed from the host
+and from storage at once, each where it was reported, without waiting for the next sweep or
+for storage to confirm the deletion (the page is deleted after; a router must stop routing to
+the block now).
 
 Pages a storage backend drops by itself (a Redis TTL or eviction, a lost file) are learned
 when kvtier asks for them: a storage query answered without a block reported stored
@@ -91,6 +98,22 @@ class TierEventLog:
         out = [h for h in (self.host.pop(k, None) for k in keys) if h is not None]
         self._log(HOST, True, out)
         return out
+
+    def removed(self, named: Iterable[tuple[int, bytes]]) -> None:
+        """Blocks (tree key, engine hash) taken out of every tier of the node now: removed
+        from the host and from storage where they were reported (one event per tier). The
+        hashes are named, so a sweep that meets a new copy of the key announces it again."""
+        host: list[bytes] = []
+        storage: list[bytes] = []
+        for key, h in named:
+            if self.host.pop(key, None) is not None:
+                host.append(h)
+            self.gone.pop(key, None)
+            if self.storage.pop(key, None) is not None:
+                storage.append(h)
+            self.name(key, h)
+        self._log(HOST, True, host)
+        self._log(STORAGE, True, storage)
 
     def storage_lacks(self, key: int, node: Node | None) -> None:
         """A storage query found no page of `key` (`node`: its node in the tree, if any):

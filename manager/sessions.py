@@ -11,6 +11,10 @@ hash: issue 34, defect 0), and a rule for what it abandons. `EngineSession` is t
     prepare_store / prepare_load     the cache's, as this owner; what it was given recorded
     complete_store / complete_load   only this engine's open copies of those hashes (the keys
                                      it prepared, each completed once); returns them
+    remove_loaded(hashes, reason)    blocks this engine holds a load of (it was served them and
+                                     found them wrong: the audit) removed from every tier of
+                                     the node (`KeyedHostCache.remove`); any other hash refuses
+                                     the whole call, nothing removed
     abandon(graves, ...)             the engine completes none of its open copies any more
                                      (it reset itself, or died): its stores are abandoned
                                      (never served) and held in `graves` until a deadline;
@@ -38,8 +42,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvtier.manager.core.nodes import Node
-from kvtier.manager.errors import KvtierError
-from kvtier.manager.keyed import KeyedHostCache, Owner, StorePlan
+from kvtier.manager.errors import InvalidRequestError, KvtierError
+from kvtier.manager.keyed import KeyedHostCache, Owner, Removal, StorePlan
 
 
 def take_counted(held: dict[bytes, int], keys: Sequence[bytes]) -> list[bytes]:
@@ -179,6 +183,21 @@ class EngineSession:
             if mine:
                 self.cache.complete_load(mine, owner=self.owner)
             return mine
+
+    def remove_loaded(self, hashes: Sequence[bytes], reason: str) -> Removal:
+        """Remove blocks this engine holds an open load of from every tier of the node
+        (`KeyedHostCache.remove`, storage deletion not waited for). An engine removes only
+        what it was served and still reads: a hash it holds no load of (unknown, another
+        engine's, another namespace's) refuses the call whole (InvalidRequestError naming
+        it), nothing removed. The loads stay open: the engine completes them as usual."""
+        with self._lock:
+            for i, h in enumerate(hashes):
+                if not isinstance(h, bytes) or not self.loads.get(h):
+                    shown = h[:8].hex() if isinstance(h, bytes) else repr(h)
+                    raise InvalidRequestError(
+                        f"key {i} ({shown}…) is not a block this engine holds a load of: an "
+                        "engine removes only blocks it was served and still reads")
+            return self.cache.remove(hashes, reason=reason)
 
     def open_copies(self) -> tuple[int, int]:
         """(open stores, open loads)."""

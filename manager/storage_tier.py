@@ -3,7 +3,7 @@ backup from the host tier.
 
 Pages are named by SHA-256 storage keys (`kvtier.manager.keys.storage_keys`), so any manager
 instance serving the same model finds the pages another one wrote. Nothing here touches bytes:
-it emits QUERY, PREFETCH, BACKUP and CLEAR tasks and applies their outcomes under the
+it emits QUERY, PREFETCH, BACKUP, CLEAR and DELETE tasks and applies their outcomes under the
 manager's lock.
 
 The tier is a client of the cache core (`kvtier.manager.core.cache.CacheCore`): it asks the
@@ -199,7 +199,8 @@ class StorageTier:
             "revoked_pages_kept", "revoked_pages_dropped", "index_listings",
             "errors_list", "index_misses", "backup_skipped_pages",
             "backup_slow_skipped_pages", "backup_probes", "query_slow_skips",
-            "query_probes"), 0)
+            "query_probes", "delete_tasks", "delete_pages_asked", "delete_pages",
+            "errors_delete"), 0)
 
     # ------------------------------------------------------------------ keys
 
@@ -673,6 +674,47 @@ class StorageTier:
             if failed:
                 raise RuntimeError(f"clearing storage failed: {failed[0]}")
         return out[0] if out else 0
+
+    def delete(self, skeys: Sequence[bytes], timeout: float = 0.0) -> int | None:
+        """Delete these pages (storage keys) from storage on every rank: one DELETE task, on
+        the workers' storage-write lane behind every backup sent before it (a page being
+        written now is deleted after it lands). The index stops listing them at once.
+        Returns the pages every rank deleted when the task is answered within `timeout`
+        (0: do not wait, None is returned), None when it is not (it goes on; its outcome
+        lands in the counters). A rank's failure is counted (`errors_delete`) and logged.
+        Caller may hold the manager's lock (the wait releases it)."""
+        keys = list(dict.fromkeys(skeys))
+        if not keys:
+            return 0
+        m = self.m
+        out: list[int] = []
+
+        def done(ok: bool, comp: Completion) -> None:  # lock held (the completion thread)
+            if not ok:
+                self.counters["errors_delete"] += 1
+                log.warning("deleting %d storage pages failed: %s", len(keys), comp.error)
+                return
+            self.counters["delete_pages"] += comp.result
+            out.append(comp.result)
+
+        with m.lock:
+            for k in keys:
+                tag = key_tag(k)
+                self._held.pop(tag, None)
+                self._noted_since.pop(tag, None)
+            seq = m.next_seq()
+            self.counters["delete_tasks"] += 1
+            self.counters["delete_pages_asked"] += len(keys)
+            m.track(Task(seq, TaskKind.DELETE, [], [], keys, Priority.BACKUP), [],
+                    on_done=done)
+            if timeout <= 0:
+                m.flush()
+                return None
+            try:
+                m.wait_unlocked([seq], timeout)
+            except TransferTimeoutError:
+                return None
+        return out[0] if out else None
 
     def status(self) -> dict[str, Any]:
         c = dict(self.counters)

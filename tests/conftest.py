@@ -20,7 +20,7 @@ import pytest
 from hypothesis import settings
 from redis_server import redis_cluster, redis_server
 from support import HYPOTHESIS_PROFILE, new_segment_name
-from tiers import DurationLog, dump_tiers, tag_report, tier_problems
+from tiers import DurationLog, dump_tiers, record_tiers, tag_report, tier_problems
 
 __all__ = ["redis_cluster", "redis_server"]  # module-scoped fixtures, shared by every module
 
@@ -67,6 +67,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     select none)."""
     problems = tier_problems(items)
     dump_tiers(items)
+    record_tiers(config, items)
     if problems:
         raise pytest.UsageError(
             f"{len(problems)} test(s) not in exactly one tier:\n" + "\n".join(problems))

@@ -35,6 +35,7 @@ import sys
 import time
 from typing import Any
 
+from kvtier.engine.cache_api import HostPools
 from kvtier.engine.node_client import NodeClient
 from kvtier.manager.keys import engine_block_hashes
 from kvtier.manager.node import wire
@@ -61,7 +62,8 @@ def hello(namespace: str, shape: dict[str, Any] | None = None,
 
 
 class Engine:
-    """A NodeClient and the host pool mapping of its current generation."""
+    """A NodeClient and the host pool mapping of the last plan's pools (each copy against its
+    own plan's pools, as an engine's copier does)."""
 
     def __init__(self, client: NodeClient, shape: dict[str, Any],
                  block_size: int = BLOCK_SIZE) -> None:
@@ -69,23 +71,24 @@ class Engine:
         self.kv = KVShape(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
                           block_size, shape["dtype"])
         self.pool: HostPool | None = None
-        self.pool_gen = -1
+        self.pool_seg: tuple[str, int] | None = None
         self.held: list[bytes] = []  # keys of stores written and not completed yet
 
-    def host(self) -> HostPool | None:
-        pools = self.client.host_pools()
-        if pools is None:
-            return None
-        if self.pool is None or self.pool_gen != pools.generation:
+    def host(self, pools: HostPools) -> HostPool | None:
+        """Rank 0's segment of `pools` (a plan's), mapped; None when it was replaced since."""
+        seg = pools.names()[0]
+        if self.pool is None or self.pool_seg != seg:
             if self.pool is not None:
                 self.pool.close()
                 self.pool = None
-            seg = pools.segments[0]
-            pool = HostPool.attach(seg.name, self.kv)
-            if pool.inode != seg.inode:  # never a pool other than the one planned against
+            try:
+                pool = HostPool.attach(seg[0], self.kv)
+            except Exception:  # KvtierError: gone
+                return None
+            if pool.inode != seg[1]:  # never a pool other than the one planned against
                 pool.close()
                 return None
-            self.pool, self.pool_gen = pool, pools.generation
+            self.pool, self.pool_seg = pool, seg
         return self.pool
 
     def store(self, keys: list[bytes], hang_after: int | None = None,
@@ -93,7 +96,7 @@ class Engine:
         plan = self.client.prepare_store(keys, tenant)
         if plan is None:
             return {"stored": None}
-        pool = self.host()
+        pool = self.host(plan.pools)
         if pool is None:
             self.client.complete_store(plan.keys, ok=False)
             return {"stored": None}
@@ -128,11 +131,12 @@ class Engine:
         if not hits:
             return out
         try:
-            ids = self.client.prepare_load(hits)
+            plan = self.client.prepare_load(hits)
         except Exception as e:  # InvalidRequestError: the engine would recompute
             out["load_error"] = str(e)
             return out
-        pool = self.host()
+        ids = plan.host_ids
+        pool = self.host(plan.pools)
         if pool is None:
             out["load_error"] = "no host pool"
             return out

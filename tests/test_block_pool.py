@@ -8,8 +8,11 @@ allocation must take nothing.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvtier.manager.core.block_pool import BlockPool
 from kvtier.manager.errors import BlockPoolError, OutOfBlocksError
+from support import examples
 
 pytestmark = pytest.mark.fast
 
@@ -130,3 +133,57 @@ def test_reset_frees_everything() -> None:
     pool.reset()
     assert pool.num_free == 5
     assert sorted(pool.allocate(5)) == list(range(5))
+
+
+class _ListPool:
+    """The pool as it was: every free id in one list (the reference the pool must match)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.free = list(range(capacity - 1, -1, -1))
+
+    def allocate(self, n: int) -> list[int]:
+        ids = self.free[-n:] if n else []
+        del self.free[len(self.free) - n:]
+        return ids
+
+    def allocate_one(self) -> int:
+        return self.free.pop()
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["many", "one", "free", "reset"]),
+                          st.integers(0, 12)), max_size=60))
+def test_ids_go_out_exactly_as_from_one_full_list(ops: list[tuple[str, int]]) -> None:
+    """Issue 34, item 4: ids never handed out are not listed (a list of every id made each
+    full garbage collection walk 2 M items of a node namespace's host tier), and the pool
+    still hands out exactly the ids, in exactly the order, that one full list did."""
+    cap = 16
+    pool, ref = BlockPool("host", cap), _ListPool(cap)
+    out: list[int] = []
+    for op, n in ops:
+        if op == "many" and n <= len(ref.free):
+            got = pool.allocate(n)
+            assert got == ref.allocate(n)
+            out += got
+        elif op == "one" and ref.free:
+            got1 = pool.allocate_one()
+            assert got1 == ref.allocate_one()
+            out.append(got1)
+        elif op == "free" and out:
+            back, out = out[-n:] if n else [], out[:len(out) - n] if n else out
+            pool.free(back)
+            ref.free += back
+        elif op == "reset":
+            pool.reset()
+            ref, out = _ListPool(cap), []
+        assert pool.free_ids() == ref.free
+        assert pool.num_free == len(ref.free)
+        assert [pool.is_free(i) for i in range(cap)] == [i in ref.free for i in range(cap)]
+
+
+def test_a_fresh_tier_lists_no_id() -> None:
+    pool = BlockPool("host", 2_097_152)
+    assert pool.num_free == 2_097_152 and pool._free == []
+    assert pool.allocate(3) == [2, 1, 0] and pool.allocate_one() == 3
+    pool.free([1])
+    assert pool._free == [1] and pool.num_free == 2_097_152 - 3

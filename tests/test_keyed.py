@@ -1018,3 +1018,77 @@ def test_engine_keys_are_stable() -> None:
     h = hashlib.sha256(b"x").digest()
     assert engine_key(h) == int.from_bytes(h[:16], "little")
     assert engine_key(b"short") == engine_key(b"short") != engine_key(b"shorT")
+
+
+@pytest.mark.parametrize("backend", ["file", "redis",
+                                     pytest.param("redis-cluster", marks=pytest.mark.slow)])
+def test_remove_takes_blocks_off_every_tier_of_the_node(
+        backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """`KeyedHostCache.remove` (issue 40: the audit's mismatch; issue 36: an operator's
+    clear) on two ranks: the host copies leave the tree, each rank's storage page is gone
+    byte for byte (the file, the Redis key), the removals are announced in the tier events
+    (host and storage), and a later lookup misses (storage answers without the page). The
+    blocks not named keep every copy; bad input changes nothing."""
+    extra = {"KVTIER_STORAGE__PREFETCH_THRESHOLD": "4"}
+    client: redis.Redis | redis.RedisCluster | None = None
+    if backend != "file":
+        server = request.getfixturevalue(
+            "redis_server" if backend == "redis" else "redis_cluster")
+        extra["KVTIER_STORAGE__URL"] = server.url
+        client = (redis.Redis.from_url(server.url) if backend == "redis"
+                  else redis.RedisCluster.from_url(
+                      server.url.replace("redis+cluster://", "redis://")))
+        client.flushall()
+    cfg = tiny_config(workers=2, device_blocks=2, host_blocks=HOST_BLOCKS,
+                      storage="file" if backend == "file" else "redis",
+                      storage_dir=tmp_path, write_policy="write_through", extra=extra)
+    hashes = chain(41, 4)
+    with (running_stack(cfg, keyed_namespace=b"test-ns") as stack,
+          attached_host_pools(cfg) as pools):
+        cache = stack.require_keyed()
+        cache.enable_events()
+        plan = cache.prepare_store(hashes)
+        assert plan is not None
+        for pool in pools:
+            for h, hid in zip(plan.keys, plan.host_ids, strict=True):
+                pool.data[hid].copy_(content(h, pool.shape.page_bytes))
+        cache.complete_store(plan.keys)
+        settle(stack)
+        spaces = [stack.worker_spec(r).storage_namespace() for r in range(2)]
+
+        def page_there(h: bytes, rank: int) -> bool:
+            hexkey = cache.storage_key(h).hex()
+            if client is None:
+                return (tmp_path / spaces[rank] / hexkey[:2] / hexkey).is_file()
+            return bool(client.exists(f"kvtier:{spaces[rank]}:{hexkey}".encode()))
+
+        assert all(page_there(h, r) for h in hashes for r in range(2))
+        cache.take_events()  # the stores
+        # bad input is refused whole: nothing removed
+        for bad, reason in (([hashes[0], b""], "audit_mismatch"), ([hashes[0]], "Bad Reason"),
+                            (hashes[0], "audit_mismatch")):
+            with pytest.raises(InvalidRequestError):
+                cache.remove(bad, reason=reason)  # type: ignore[arg-type]
+        assert leading_hits(cache, hashes) == 4
+        gone, kept = hashes[2:], hashes[:2]
+        r = cache.remove([*gone, gone[0]], reason="audit_mismatch", wait_s=10)
+        assert (r.blocks, r.host, r.storage_asked, r.storage_deleted) == (2, 2, 2, 2), r
+        assert not any(page_there(h, rk) for h in gone for rk in range(2))
+        assert all(page_there(h, rk) for h in kept for rk in range(2))
+        removed = {(e.tier, e.removed): set(e.hashes) for e in cache.take_events()}
+        assert removed == {("host", True): set(gone), ("storage", True): set(gone)}, removed
+        assert cache.removals == {"audit_mismatch": [2, 2]}
+        assert stack.storage is not None
+        assert stack.storage.counters["delete_pages"] == 2
+        assert not any(stack.storage.holds(cache.storage_key(h)) for h in gone)
+        # a later lookup misses: not on the host, and storage answers without the page
+        answers, _ = lookups_until_settled(cache, gone[0], "after", gone[1:])
+        assert answers[-1] is Lookup.MISS, answers
+        assert leading_hits(cache, kept) == 2
+        # removing again: nothing held, nothing left to delete
+        again = cache.remove(gone, reason="audit_mismatch", wait_s=10)
+        assert (again.host, again.storage_deleted) == (0, 0), again
+        cache.forget_request("after")
+        cache.check_invariants()
+    if client is not None:
+        client.close()

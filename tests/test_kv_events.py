@@ -108,3 +108,21 @@ def test_resets_and_a_lost_worker_remove_every_host_block(report: dict[str, Any]
     assert reset["CPU"]["events"] == 0 and reset["CPU"]["kvtier"] == 0, reset
     assert reset["counts"]["CPU"]["removed"] > killed["counts"]["CPU"]["removed"], reset
     assert reset["STORAGE"]["kvtier"] > 0 and reset["STORAGE"]["match"], reset
+
+
+def test_an_audit_mismatch_is_removed_from_host_and_storage(report: dict[str, Any]) -> None:
+    """Issue 40: kvtier's sampled audit with KV events on. The first prompt's host pages are
+    overwritten, the audit (1 in 1) recomputes the prompt and finds every block mismatched:
+    each is removed from the node, and the router is told in both media (CPU and STORAGE
+    removals); the sets rebuilt from the events still equal what kvtier holds, which no
+    longer includes those blocks' host copies or storage pages."""
+    before = checkpoint(report, "vLLM's reset, first prompt again")
+    after = checkpoint(report, "audit mismatch, first prompt again")
+    audit = after["audit"]
+    mismatched = sum(audit["mismatch"].values())
+    assert mismatched == audit["overwritten_pages"] > 0, after
+    assert after["CPU"]["match"] and after["STORAGE"]["match"], after
+    for medium in ("CPU", "STORAGE"):
+        assert (after["counts"][medium]["removed"]
+                >= before["counts"][medium]["removed"] + mismatched), (medium, before, after)
+    assert after["STORAGE"]["kvtier"] <= before["STORAGE"]["kvtier"] - mismatched, after

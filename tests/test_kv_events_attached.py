@@ -67,3 +67,19 @@ def test_the_services_reset_removes_every_host_block(report: dict[str, Any]) -> 
     assert reset["CPU"]["events"] == 0 and reset["CPU"]["kvtier"] == 0, reset
     assert reset["CPU"]["host_blocks_used"] == 0, reset
     assert reset["STORAGE"]["events"] > 0 and reset["STORAGE"]["match"], reset
+
+
+def test_an_audit_mismatch_is_removed_by_the_service(report: dict[str, Any]) -> None:
+    """Issue 40, attached: the namespace's host pages overwritten, the audit (1 in 1) finds
+    the first prompt's blocks mismatched and asks the service to remove them (the REMOVE
+    op): their host copies and page files are gone, and vLLM's stream says so (CPU and
+    STORAGE removals), still equal to what the service holds."""
+    before = checkpoint(report, "vLLM's reset, first prompt again")
+    after = checkpoint(report, "audit mismatch, first prompt again")
+    mismatched = sum(after["audit"]["mismatch"].values())
+    assert mismatched > 0, after
+    assert after["CPU"]["match"] and after["STORAGE"]["match"], after
+    assert after["STORAGE"]["files"] <= before["STORAGE"]["files"] - mismatched, (before, after)
+    for medium in ("CPU", "STORAGE"):
+        assert (after["counts"][medium]["removed"]
+                >= before["counts"][medium]["removed"] + mismatched), (medium, before, after)

@@ -432,3 +432,98 @@ def test_a_dead_services_socket_is_reclaimed(node: Node) -> None:
     node.start()
     assert "removed the socket a stopped kvtier serve left" in node.log()
     assert node.engine().first["attached"]
+
+
+def test_an_engine_removes_a_block_it_loaded_from_every_tier_of_the_node(
+        tmp_path: Path) -> None:
+    """Issue 40, attached: the REMOVE op (an engine's audit found a block it was served
+    wrong). Engines in-process over the real socket (`node_engine.Engine`), file storage:
+    the block leaves the service's host tier and its storage page is deleted, another
+    engine of the namespace is told (removal events, host and storage) and then misses it.
+    Hostile REMOVEs are refused in one line, nothing removed, the connection kept: a block
+    the engine holds no load of (unknown, not loaded), another namespace's, more than
+    MAX_REMOVE_KEYS keys, an unknown reason code."""
+    from kvtier.engine.cache_api import InvalidRequestError
+    from kvtier.engine.node_client import NodeClient
+    from node_engine import Engine, key
+
+    n = Node(tmp_path, storage="file")
+    clients: list[NodeClient] = []
+    try:
+        n.start()
+
+        def engine(ns: str) -> Engine:
+            c = NodeClient(n.sock, hello(ns), call_timeout_s=5.0)
+            clients.append(c)
+            assert c.connected, c.last_error
+            return Engine(c, SHAPE)
+
+        a, b, c = engine(NS_A), engine(NS_B), engine(NS_A)
+        assert c.client.enable_events()
+        c.client.pending_work()  # EVENTS on at the service before the blocks are stored
+        keys = [key(i) for i in range(4)]
+        assert a.store(keys)["stored"] == 4
+        storage = tmp_path / "storage"
+
+        def pages(ks: list[bytes]) -> int:
+            return sum(1 for k in ks if any(storage.rglob(a.client.storage_key(k).hex())))
+
+        seen: dict[tuple[str, bool], set[bytes]] = {}
+
+        def note_events() -> None:
+            c.client.pending_work()  # a round trip: the reply carries the events
+            for ev in c.client.take_events():
+                seen.setdefault((ev.tier, ev.removed), set()).update(ev.hashes)
+
+        def stored_everywhere() -> bool:
+            note_events()
+            return (pages(keys) == 4 and seen.get(("host", False), set()) >= set(keys)
+                    and seen.get(("storage", False), set()) >= set(keys))
+
+        wait_until(stored_everywhere, 20, "4 pages in storage and announced")
+        loaded = keys[:2]
+        assert len(a.client.prepare_load(loaded)) == 2
+        # hostile REMOVEs: refused whole, one line each, nothing removed
+        refusals = []
+        for who, ks in ((a, [keys[2]]), (a, [loaded[0], key(999)]), (b, [loaded[0]])):
+            with pytest.raises(InvalidRequestError) as e:
+                who.client.remove_loaded(ks, "audit_mismatch")
+            refusals.append(str(e.value))
+        assert all("not a block this engine holds a load of" in r for r in refusals), refusals
+        too_many = a.client._ask(wire.OpRecord(  # the client cuts long lists: a raw op
+            wire.Op.REMOVE, [key(1000 + i) for i in range(wire.MAX_REMOVE_KEYS + 1)], flag=1))
+        bad_reason = a.client._ask(wire.OpRecord(wire.Op.REMOVE, [loaded[0]], flag=9))
+        assert not too_many.ok and "MAX_REMOVE_KEYS" in too_many.error, too_many.error
+        assert not bad_reason.ok and "unknown reason code 9" in bad_reason.error
+        with pytest.raises(InvalidRequestError, match="unknown reason"):
+            a.client.remove_loaded(loaded, "because")
+        for r in [*refusals, too_many.error, bad_reason.error]:
+            assert "\n" not in r, r
+        assert a.client.connected and b.client.connected
+        assert pages(keys) == 4 and c.load(keys)["hits"] == 4
+        # the engine's REMOVE, before it completes its loads
+        assert a.client.remove_loaded([*loaded, loaded[0]], "audit_mismatch") == 2
+        a.client.complete_load(loaded)
+        a.client.end_step()
+        wait_until(lambda: pages(loaded) == 0, 20, "the removed blocks' pages deleted")
+        assert pages(keys[2:]) == 2
+
+        def told() -> bool:
+            note_events()
+            return (seen.get(("host", True), set()) >= set(loaded)
+                    and seen.get(("storage", True), set()) >= set(loaded))
+
+        wait_until(told, 20, "removal events (host and storage) for the removed blocks")
+        assert not seen.get(("host", True), set()) & set(keys[2:])
+        # another engine of the namespace misses them now (host gone, storage lacks them)
+        wait_until(lambda: c.client.lookup(keys[0], "after", keys[1:]).value == "miss", 20,
+                   "a miss on the first removed block")
+        c.client.forget_request("after")
+        assert c.load(keys[2:])["hits"] == 2
+        rows = {e["session"]: e for e in n.status()["node"]["engines"]}
+        assert rows[a.client.session]["removed"] == 2, rows
+        assert "removed 2 blocks of namespace model-a from the node (audit_mismatch)" in n.log()
+    finally:
+        for cl in clients:
+            cl.close()
+        n.close()

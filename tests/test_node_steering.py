@@ -171,6 +171,15 @@ def test_clear_by_tenant_and_warm_from_storage(tmp_path: Path) -> None:
         wait_until(lambda: lookup(n, x, "x")["host"] == 24, 20, "the warm landed")
         got = e.call(op="load", tokens=x, salt="x")
         assert got["hits"] == 6 and got["identical"] is True, got
+        # clear by prompt, storage included: both tiers forget it, the other tenant stays
+        r = post(n, "/clear", {"namespace": NS_A, "token_ids": x, "cache_salt": "x",
+                               "storage": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["host_blocks_removed"] == 6 and body["storage_pages_deleted"] == 6, body
+        assert lookup(n, x, "x") == {"host": 0, "pending": 0, "storage": 0}
+        assert lookup(n, y, "y") == {"host": 24, "pending": 0, "storage": 0}
+        assert e.call(op="load", tokens=x, salt="x")["hits"] == 0
         t0 = time.monotonic()
         out = subprocess.run([str(kvtier_script()), "tenants", "--url", n.serve.url,  # type: ignore[union-attr]
                               "--namespace", NS_A], capture_output=True, text=True, timeout=30)

@@ -69,6 +69,17 @@ def test_b_loads_what_a_stored_from_the_node_host_tier_exactly(report: dict[str,
     assert a["stores"] == 6 and b["hit_host_blocks"] == 6 and b["loads"] == 6, r["engines"]
 
 
+def test_an_attached_engine_starts_with_a_host_tier_setting_larger_than_the_machine(
+        report: dict[str, Any]) -> None:
+    """Issue 34, 8: the engines' KVTIER_CACHE__HOST_BLOCKS asks for a host tier of twice the
+    machine's free memory; attached, that tier is the service's, so they start anyway
+    (embedded, such a tier is refused: tests/test_engine_attached_config.py)."""
+    tiers = report["unowned_host_tiers"]
+    assert len(tiers) == 2, report
+    for t in tiers:
+        assert t["mem_available"] > 0 and t["host_tier_bytes"] > t["mem_available"], tiers
+
+
 def test_the_admin_lists_both_engines(report: dict[str, Any]) -> None:
     assert report["engines_seen_by_admin"] == 2, report
 

@@ -195,8 +195,9 @@ def test_clear_by_tenant_is_announced_and_leaves_the_other(cache: KeyedHostCache
     x, y = chain(b"x", 3), chain(b"y", 3)
     assert store(cache, x, "x") and store(cache, y, "y")
     cache.take_events()  # the stores' announcements
-    removed = cache.clear_host(tenant="x")
-    assert len(removed) == 0  # no storage tier: no page names
+    out = cache.clear(tenant="x", storage=True)
+    assert out == {"host_blocks_removed": 3, "storage_pages_asked": 0,  # no storage tier
+                   "storage_pages_deleted": 0}
     events = cache.take_events()
     gone = {h for e in events if e.removed and e.tier == "host" for h in e.hashes}
     assert gone == set(x), events

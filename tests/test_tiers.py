@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiers import TIERS
+from tiers import COLLECTED, TIERS
 
 pytestmark = pytest.mark.fast
 
@@ -63,12 +63,28 @@ def pytest_run(*args: str, env: dict[str, str] | None = None,
         env={**os.environ, **(env or {})})
 
 
-def test_every_test_of_the_suite_is_in_exactly_one_tier(tmp_path: Path) -> None:
+def suite_tiers(config: pytest.Config, tmp_path: Path) -> tuple[dict[str, list[str]], set[str]]:
+    """{nodeid: tiers} of every test of the suite, and the ids collected. From this session's
+    own collection when it collected every module of tests/ (`make test` does: the tier hook
+    runs before `-m fast` deselects; in each pytest-xdist worker too), which saves a second
+    collection of the whole suite (16.5 s of CI's fast tier); else (this module run alone,
+    or a few modules) from a `--collect-only` run of the suite, its ids from pytest's output
+    and its tiers from the hook's dump (KVTIER_TIER_DUMP)."""
+    seen = config.stash.get(COLLECTED, {})
+    modules = {f"tests/{path.name}" for path in TESTS.glob("test_*.py")}
+    if {nodeid.split("::")[0] for nodeid in seen} == modules:
+        return seen, set(seen)
     dump = tmp_path / "tiers.json"
     proc = pytest_run("--collect-only", "-q", str(TESTS), env={"KVTIER_TIER_DUMP": str(dump)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ids = {line for line in proc.stdout.splitlines() if "::" in line}
     tiers: dict[str, list[str]] = json.loads(dump.read_text())
+    return tiers, ids
+
+
+def test_every_test_of_the_suite_is_in_exactly_one_tier(request: pytest.FixtureRequest,
+                                                         tmp_path: Path) -> None:
+    tiers, ids = suite_tiers(request.config, tmp_path)
     assert set(tiers) == ids and len(ids) >= TOTAL_BEFORE_TIERS, len(ids)
     assert {nodeid: found for nodeid, found in tiers.items() if len(found) != 1} == {}
     per_tier = {tier: sum(found == [tier] for found in tiers.values()) for tier in TIERS}

@@ -104,6 +104,8 @@ class Models:
 Chain = Callable[[Models, Path], Any]
 CHAINS: dict[str, Chain] = {}
 """Test name -> the runs it asserts on (models, a fresh folder) -> what the test reads."""
+SHARES: dict[str, str] = {}
+"""Test name -> the test whose runs it reads too (no vLLM start of its own)."""
 
 
 def runs(test: str) -> Callable[[Chain], Chain]:
@@ -120,11 +122,12 @@ class Ahead:
     def __init__(self, names: list[str], models: Models,
                  folder: Callable[[str], Path]) -> None:
         self.pool = concurrent.futures.ThreadPoolExecutor(RUNS_AT_ONCE)
+        owners = list(dict.fromkeys(SHARES.get(name, name) for name in names))
         self.futures = {name: self.pool.submit(CHAINS[name], models, folder(name))
-                        for name in names if name in CHAINS}
+                        for name in owners if name in CHAINS}
 
     def __getitem__(self, test: str) -> Any:
-        return self.futures[test].result(timeout=RUN_TIMEOUT_S * 4)
+        return self.futures[SHARES.get(test, test)].result(timeout=RUN_TIMEOUT_S * 4)
 
     def close(self) -> None:
         # a stopped session (-x, a failure in setup) does not start what is still queued
@@ -184,9 +187,16 @@ def test_negative_control_overwritten_host_pages_change_the_output(my_runs: Call
         f"comparison cannot tell served KV from recomputed KV: {r}")
 
 
+SAMPLED_REQUESTS = 200
+"""One-block prompts of the audit's sampling pass (each run twice, 2 x 33 tokens): the whole
+pass adds a few seconds to the audit run, no vLLM start of its own."""
+
+
 @runs("test_audit_recomputes_each_hit_and_catches_overwritten_host_pages")
 def _audit(models: Models, tmp: Path) -> dict[str, Any]:
-    return run_example(models("llama"), "--audit", "1", "--corrupt-host")
+    return run_example(models("llama"), "--audit", "1", "--corrupt-host", "--storage", "file",
+                       "--storage-path", str(tmp / "storage"),
+                       "--audit-sampling", str(SAMPLED_REQUESTS))
 
 
 def test_audit_recomputes_each_hit_and_catches_overwritten_host_pages(
@@ -195,8 +205,9 @@ def test_audit_recomputes_each_hit_and_catches_overwritten_host_pages(
     hits are recomputed by vLLM and compared with kvtier's copies, all alike, and the output is
     vLLM's alone; after kvtier's host pages are overwritten (the control above shows that this
     changes the output when the pages are served), the audited run finds every block of A
-    mismatched and evicts it, its output is still vLLM's alone, and A after it, with the audit
-    off, is recomputed (nothing left to load) and exact."""
+    mismatched and removes it from the node (host copy and file-storage page), its output is
+    still vLLM's alone, and A after it, with the audit off, is recomputed (nothing left to
+    load, not even from storage) and exact."""
     r = my_runs()
     blocks = PREFIX_TOKENS // 32
     clean = r["audit_clean"]
@@ -217,7 +228,41 @@ def test_audit_recomputes_each_hit_and_catches_overwritten_host_pages(
     assert status["requests_drawn"] >= 2 and status["max_rel_diff"] > 0, r
     vllm = r["vllm_audit_metrics"]  # the same figures in what kvtier hands vLLM's metrics
     assert vllm.get("mismatch/host") == blocks and vllm["max_rel_diff"] > 0, r
-    assert vllm.get("equal/host", 0) + vllm.get("within_tolerance/host", 0) == blocks, r
+    sampled = r["audit_sampling"]["blocks"]  # the sampling pass (next test) ran after
+    assert (vllm.get("equal/host", 0) + vllm.get("within_tolerance/host", 0)
+            == blocks + sampled["equal"] + sampled["within_tolerance"]), r
+    # the storage pages of A's mismatched blocks are gone (A's after-run loaded nothing)
+    assert r["audit_storage"] == {"pages_before": blocks, "pages_after": 0}, r
+    assert (f'kvtier_engine_removed_blocks_total{{reason="audit_mismatch",tier="storage"}} '
+            f'{blocks}.0') in r["metrics_lines"], r
+
+
+SHARES["test_the_audit_samples_its_share_of_the_requests_that_hit_kvtier"] = (
+    "test_audit_recomputes_each_hit_and_catches_overwritten_host_pages")
+
+
+def test_the_audit_samples_its_share_of_the_requests_that_hit_kvtier(
+        my_runs: Callable[[], Any]) -> None:
+    """Sampling on live traffic (the audit run above, last): 200 one-block prompts, then the
+    same prompts again at 1 in 10 after vLLM's device cache lost them. Each second-pass
+    request that hits kvtier is offered to the sampler once; the share drawn is within its
+    binomial bound (4.5 standard deviations: a false failure about once in 150,000 runs), each
+    drawn request's one block was recomputed (compared: all alike), and the others were
+    loaded from kvtier (no extra recompute). Broken once (the sampler ignoring its rate): 200
+    of 200 drawn, 180 from the expected 20 against a bound of 19.1: fails."""
+    r = my_runs()["audit_sampling"]
+    n, drawn, p = r["offered"], r["drawn"], r["rate"]
+    assert n >= SAMPLED_REQUESTS * 3 // 4, r  # most second-pass requests hit kvtier
+    bound = 4.5 * (n * p * (1 - p)) ** 0.5
+    assert abs(drawn - n * p) <= bound, (r, bound)
+    assert drawn > 0, r
+    blocks = r["blocks"]
+    # every drawn request recomputes its block; nearly all are compared (a broken sampler
+    # drawing all 200 compared 195: a block vLLM does not offer back for storing, e.g. its
+    # request preempted, is not compared), none differs
+    assert 0 < blocks["equal"] + blocks["within_tolerance"] <= drawn, r
+    assert blocks["mismatch"] == 0, r
+    assert r["tokens_loaded_from_kvtier"] == (n - drawn) * 32, r
 
 
 @runs("test_a_new_vllm_process_finds_the_prefix_in_file_storage")

@@ -10,7 +10,8 @@ Tiers (a marker each, registered in pyproject.toml; `--strict-markers` refuses a
 
 Every collected test carries exactly one of them: `tier_problems` names each test with none or
 with two, and conftest.py turns a non-empty answer into a collection error (`make test` fails
-before it runs anything); `test_tiers.py` checks the whole suite and a planted untiered test.
+before it runs anything); `test_tiers.py` checks the whole suite (from the session's own
+collection, `record_tiers`, when it collected every module) and a planted untiered test.
 
 Durations: every run writes `.kvtier/test-durations.json`: per tier, the run's wall time and
 per test its setup, call and teardown seconds. A run replaces the entries of the tiers it ran
@@ -53,6 +54,16 @@ def tier_problems(items: list[pytest.Item]) -> list[str]:
             problems.append(f"{item.nodeid}: {what} (mark it with exactly one of "
                             f"{', '.join(TIERS)})")
     return problems
+
+
+COLLECTED = pytest.StashKey[dict[str, list[str]]]()
+"""config.stash key: {nodeid: tiers} of every test this session collected, before `-m` or
+`-k` deselect any (test_tiers.py reads it instead of collecting the suite a second time)."""
+
+
+def record_tiers(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep {nodeid: tiers} of every collected test in `config.stash[COLLECTED]`."""
+    config.stash[COLLECTED] = {item.nodeid: tiers_of(item) for item in items}
 
 
 def dump_tiers(items: list[pytest.Item]) -> None:

@@ -33,7 +33,7 @@ log = logging.getLogger("kvtier.worker")
 
 DEVICE_KINDS = frozenset({TaskKind.D2H, TaskKind.H2D, TaskKind.FILL, TaskKind.CHECK})
 STORAGE_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP, TaskKind.CLEAR,
-                           TaskKind.LIST})
+                           TaskKind.LIST, TaskKind.DELETE})
 MERGEABLE = frozenset({TaskKind.D2H, TaskKind.H2D})
 
 
@@ -45,7 +45,7 @@ class TaskClass(IntEnum):
     LOAD = 1  # H2D, and the FILL / CHECK diagnostics (a request waits on them)
     BACKUP = 2  # D2H: write-through backups and write-back demotions
     STORAGE_READ = 3  # QUERY, PREFETCH
-    STORAGE_WRITE = 4  # BACKUP (host -> storage), CLEAR, LIST (background work)
+    STORAGE_WRITE = 4  # BACKUP (host -> storage), CLEAR, DELETE, LIST (background work)
 
 
 TASK_CLASSES: dict[TaskKind, TaskClass] = {
@@ -57,6 +57,9 @@ TASK_CLASSES: dict[TaskKind, TaskClass] = {
     TaskKind.PREFETCH: TaskClass.STORAGE_READ,
     TaskKind.BACKUP: TaskClass.STORAGE_WRITE,
     TaskKind.CLEAR: TaskClass.STORAGE_WRITE,
+    # A DELETE runs on the write lane after every BACKUP sent before it (same priority, FIFO
+    # within it): a page being backed up when its block was removed is written, then deleted.
+    TaskKind.DELETE: TaskClass.STORAGE_WRITE,
     # A listing is background work like a write: a scan of a large store (a scandir per
     # shard, or SCAN round trips) must not hold up the queries and prefetches a request
     # waits on, so it runs on the niced write lane, never on the read lane.
@@ -77,6 +80,7 @@ _TASK_OPS: dict[TaskKind, tuple[str, ...]] = {
     TaskKind.PREFETCH: ("get", "delete"),  # a damaged page is deleted as it is read
     TaskKind.BACKUP: ("set", "delete"),  # the file backend deletes pages beyond capacity
     TaskKind.CLEAR: ("clear", "delete"),
+    TaskKind.DELETE: ("delete",),
     TaskKind.LIST: ("list",),
 }
 
@@ -226,7 +230,8 @@ class TaskExecutor:
     def _storage_call(self, task: Task, revoked: Callable[[int], bool] | None) -> int:
         store = self.storage
         if store is None:
-            if task.kind in (TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.CLEAR):
+            if task.kind in (TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.CLEAR,
+                             TaskKind.DELETE):
                 return 0
             raise RuntimeError("no storage tier is configured on this rank")
         if self.storage_delay_s and task.kind in (TaskKind.QUERY, TaskKind.PREFETCH):
@@ -237,6 +242,8 @@ class TaskExecutor:
             if self.storage_write_delay_s:  # a slow clear (a large store) for the tests
                 time.sleep(self.storage_write_delay_s)
             return store.clear()
+        if task.kind == TaskKind.DELETE:
+            return store.delete(task.keys)
         host = self.host
         if host is None:
             if self.freed:

@@ -16,6 +16,7 @@ Task kinds and what their fields mean:
     PREFETCH   -              host ids       storage key per block      leading pages read
     QUERY      -              -              storage key per block      leading pages present
     CLEAR      -              -              -                          pages deleted
+    DELETE     -              -              storage key per block      pages deleted
     REVOKE     PREFETCH seqs  -              -                          how many of them
                                                                         were not done yet
     LIST       [max pages]    -              -                          1: `detail` is the
@@ -25,9 +26,9 @@ Task kinds and what their fields mean:
 backups). A worker runs four classes side by side, each on its own thread, so no class waits
 behind another (`kvtier.worker.executor.TASK_CLASSES`): device loads (H2D, and the FILL and
 CHECK diagnostics), device backups (D2H), storage reads (QUERY, PREFETCH) and storage writes
-(BACKUP, CLEAR, LIST). REVOKE is in no class: a worker applies it as it receives it (a PREFETCH it
-names stops after the page batch it is reading and answers with the pages read so far; one
-not started reads none).
+(BACKUP, CLEAR, DELETE, LIST). REVOKE is in no class: a worker applies it as it receives it
+(a PREFETCH it names stops after the page batch it is reading and answers with the pages read
+so far; one not started reads none).
 
 LIST asks storage which pages it holds (the manager's index of what storage holds, see
 `kvtier.manager.storage_tier`): rank 0 answers 1 and, in `detail`, the `key_tag` of every
@@ -77,7 +78,7 @@ from typing import Any
 
 import numpy as np
 
-WIRE_VERSION = 3  # 2: TaskKind.REVOKE, 3: TaskKind.LIST
+WIRE_VERSION = 4  # 2: TaskKind.REVOKE, 3: TaskKind.LIST, 4: TaskKind.DELETE
 SEQ_LIMIT = 1 << 47
 MAX_KEY_BYTES = 0xFFFF
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -96,6 +97,7 @@ class TaskKind(IntEnum):
     CLEAR = 8
     REVOKE = 9
     LIST = 10
+    DELETE = 11
 
 
 class Priority(IntEnum):
@@ -554,9 +556,10 @@ def key_tag(skey: bytes) -> int:
 
 # How the ranks' results of one task combine into the task's result: a page counts only where
 # every rank has it (minimum), every rank deletes its own pages (sum), other counts (CHECK
-# mismatches) take the worst rank (maximum).
+# mismatches) take the worst rank (maximum). A DELETE counts the blocks whose page every
+# rank deleted (minimum): a block is gone from storage once no rank can serve its page.
 MIN_RESULT_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP,
-                              TaskKind.LIST})
+                              TaskKind.LIST, TaskKind.DELETE})
 SUM_RESULT_KINDS = frozenset({TaskKind.CLEAR})
 
 

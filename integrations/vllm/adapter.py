@@ -72,6 +72,7 @@ from kvtier.engine import audit as kv_audit
 from kvtier.engine.attached import attach
 from kvtier.engine.cache_api import (
     EngineCache,
+    HostPools,
     InvalidRequestError,
     Lookup,
     Retention,
@@ -361,14 +362,14 @@ class _LazyKeys(Sequence[bytes]):
 class _Pending:
     """One open audit: the scratch page's key and host block, the held copy's host block
     (held from eviction by a load), the tier it was served from, the layers its group uses
-    (None: all) and the pools' generation when planned."""
+    (None: all) and each rank's segment (name, inode) both pages were planned in."""
 
-    __slots__ = ("generation", "held", "layers", "scratch", "scratch_key", "tier")
+    __slots__ = ("held", "layers", "scratch", "scratch_key", "segments", "tier")
 
     def __init__(self, scratch_key: bytes, held: int, scratch: int, tier: str,
-                 layers: int | None, generation: int) -> None:
+                 layers: int | None, segments: tuple[tuple[str, int], ...]) -> None:
         self.scratch_key, self.held, self.scratch = scratch_key, held, scratch
-        self.tier, self.layers, self.generation = tier, layers, generation
+        self.tier, self.layers, self.segments = tier, layers, segments
 
 
 class _Audit:
@@ -520,20 +521,15 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             elif self.cache.enable_events():
                 self._events = EventRelay(self._storage_locality(),
                                           spec.kv_events_config.self_describing_kv_events)
-        # the sampled recompute audit (embedded; `audit` in kvtier's config)
-        self.audit: _Audit | None = None
-        if self.node is not None:
-            self.audit = _Audit(self.cfg)
-            # kvtier's /metrics and /status
+        # the sampled recompute audit (`audit` in kvtier's config; attached, a mismatch is
+        # removed by the service: the REMOVE op)
+        self.audit: _Audit = _Audit(self.cfg)
+        if self.node is not None:  # kvtier's /metrics and /status (attached: vLLM's only)
             self.node.register_metrics(self.audit.figures, self._audit_status, "audit")
-            if self.audit.sampler.rate > 0:
-                log.info("kvtier: auditing %s of the requests that hit kvtier (at most %s "
-                         "blocks/s): their hits are recomputed and compared%s",
-                         self.cfg.audit.sample, self.cfg.audit.max_blocks_per_s or "any",
-                         " (off while KV events are on)" if self._events is not None else "")
-        elif self.cfg.audit.rate > 0:
-            log.warning("kvtier: audit.sample is set, but the audit runs in embedded mode only "
-                        "(this instance is attached to kvtier serve): no audit")
+        if self.audit.sampler.rate > 0:
+            log.info("kvtier: auditing %s of the requests that hit kvtier (at most %s "
+                     "blocks/s): their hits are recomputed and compared",
+                     self.cfg.audit.sample, self.cfg.audit.max_blocks_per_s or "any")
         atexit.register(self.shutdown)
 
     # -- keys
@@ -572,14 +568,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         """The name of this block's page in storage (tests and tools find a group's pages
         by it)."""
         return self.cache.storage_key(self._hash(key))
-
-    def _segments(self, generation: int) -> tuple[tuple[str, int], ...] | None:
-        """Each rank's host segment (name, inode) if they still belong to `generation` (the
-        one a plan was made under), else None: the plan's host block ids are void."""
-        pools = self.cache.host_pools()
-        if pools is None or pools.generation != generation:
-            return None
-        return tuple((seg.name, seg.inode) for seg in pools.segments)
 
     # -- OffloadingManager
 
@@ -628,15 +616,15 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         """The audit in kvtier's /status: its settings, requests drawn and capped, and its
         figures."""
         audit = self.audit
-        assert audit is not None
         return {"sample": audit.sampler.rate, "max_blocks_per_s": audit.sampler.max_blocks_per_s,
+                "requests_offered": audit.sampler.offered,
                 "requests_drawn": audit.sampler.drawn, "requests_capped": audit.sampler.capped,
                 "blocks_skipped": audit.skipped, **audit.figures.status()}
 
     def _audited(self, key: OffloadKey, req_context: ReqContext) -> bool:
         """Whether this request's hits are audited (drawn at its first hit, then kept)."""
         audit = self.audit
-        if audit is None or audit.sampler.rate <= 0 or self._events is not None:
+        if audit.sampler.rate <= 0:
             return False
         rid = req_context.req_id
         drawn = audit.requests.get(rid)
@@ -705,23 +693,18 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         counted = ([get_offload_group_idx(k) == self._primary for k in keys]
                    if self._keyed_groups else None)
         try:
-            from_storage: list[bool] = []
-            generation = self.cache.generation
-            ids = self.cache.prepare_load(hashes, counted, from_storage)
-            segments = self._segments(generation)
-            if segments is None:  # the pools changed under the plan: no copy may use it
-                self.cache.complete_load(hashes)
-                raise InvalidRequestError("kvtier's host pools were replaced while the load "
-                                          "was planned")
-            self._sources[req_context.req_id] = dict(zip(hashes, from_storage, strict=True))
+            # the plan names the pools its ids mean: the worker copies from them or not at all
+            plan = self.cache.prepare_load(hashes, counted)
+            self._sources[req_context.req_id] = dict(zip(hashes, plan.from_storage,
+                                                         strict=True))
             steer = self._steer(req_context)
             if steer is not None:  # a hit of a retained request keeps its retention fresh
                 self.cache.retain(hashes, steer.retention, steer.tenant or "")
-            stored = sum(from_storage)
+            stored = sum(plan.from_storage)
             self._add(METRIC_HITS, len(hashes) - stored, ("host",))
             self._add(METRIC_HITS, stored, ("storage",))
             self._count(keys, "loaded")
-            return KvtierLoadStoreSpec(ids, segments)
+            return KvtierLoadStoreSpec(plan.host_ids, plan.pools.names())
         except InvalidRequestError as e:
             # A block vLLM saw as a HIT is gone since (evicted for a prefetch that landed
             # meanwhile, or lost with a worker): a spec no worker accepts, so the load is
@@ -740,25 +723,19 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                       req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
         hashes = self._hashes(keys)
-        generation = self.cache.generation
         steer = self._steer(req_context)
         tenant = "" if steer is None or steer.tenant is None else steer.tenant
         plan = self.cache.prepare_store(hashes, tenant)
-        if plan is None:
+        if plan is None:  # refused: nothing changed
             return None
         if steer is not None:  # blocks being written get it when they land
             self.cache.retain(hashes, steer.retention, tenant)
         # an audited request's blocks kvtier holds: copied into scratch pages, compared
         evicted = list(plan.evicted_hashes)
-        audits = (self._prepare_audits(keys, hashes, set(plan.keys), evicted)
-                  if self.audit is not None and self.audit.requests.get(req_context.req_id)
-                  else {})
-        segments = self._segments(generation) if plan.keys or audits else ()
-        if segments is None:  # the pools changed under the plan: nothing is stored
-            self.cache.complete_store(plan.keys, ok=False)
-            for h in audits:
-                self._finish_audit(h, compare=False)
-            return None
+        audits = (self._prepare_audits(keys, hashes, set(plan.keys), evicted, plan.pools)
+                  if self.audit.requests.get(req_context.req_id) else {})
+        # one spec, one set of pools: the plan's (the worker refuses them if replaced since)
+        segments = plan.pools.names() if plan.keys or audits else ()
         # kvtier's keys back to vLLM's (a group's key is not vLLM's block hash), in vLLM's
         # order: the keys to store and the audited ones, each with its host block
         offload_key = dict(zip(hashes, keys, strict=True))
@@ -772,7 +749,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         stored = [offload_key[h] for h in plan.keys]
         self._count(stored, "stored")
         if self._events is not None:  # vLLM snapshots the tokens of each key it stores
-            for k in stored:
+            # (the audited keys too: vLLM keeps their tokens while the host holds them, so a
+            # mismatch's removal events withdraw exactly what the router was told)
+            for k in stored + [offload_key[h] for h in audits]:
                 self._events.described(k, stored=True)
         self._add(METRIC_EVICTIONS, plan.evicted)
         return PrepareStoreOutput(
@@ -781,13 +760,14 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             evicted_keys=[self._offload_key(h) for h in evicted])
 
     def _prepare_audits(self, keys: list[OffloadKey], hashes: list[bytes], new: set[bytes],
-                        evicted: list[bytes]) -> dict[bytes, int]:
+                        evicted: list[bytes], pools: HostPools) -> dict[bytes, int]:
         """For each block of an audited request that kvtier holds on the host and that no
         other audit has open: its host copy held from eviction (a load that counts no hit) and
         a scratch host page for vLLM's recomputed copy (the copies evicted for it are added to
-        `evicted`). Returns hash -> scratch host block."""
+        `evicted`), all planned against `pools` (the store's: one spec names one set; a hold
+        or scratch page of other pools is given back, that block not audited). Returns
+        hash -> scratch host block."""
         audit = self.audit
-        assert audit is not None
         # first every held copy kept from eviction (so that a scratch page never evicts a
         # block audited next), then the scratch pages, all or none
         held: dict[bytes, tuple[OffloadKey, int, str]] = {}
@@ -796,14 +776,18 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 continue
             tier = "storage" if self.cache.from_storage(h) else "host"
             try:
-                held[h] = (k, self.cache.prepare_load([h], [False])[0], tier)
+                load = self.cache.prepare_load([h], [False])
             except InvalidRequestError:
                 continue  # not on the host and ready (evicted, being written): not audited
+            if load.pools != pools:  # the pools moved since the store was planned
+                self.cache.complete_load([h])
+                continue
+            held[h] = (k, load.host_ids[0], tier)
         if not held:
             return {}
         scratch_keys = [kv_audit.scratch_key(h) for h in held]
         scratch = self.cache.prepare_store(scratch_keys)
-        if scratch is None or scratch.keys != scratch_keys:
+        if scratch is None or scratch.keys != scratch_keys or scratch.pools != pools:
             if scratch is not None:
                 self.cache.complete_store(scratch.keys, ok=False)
             self.cache.complete_load(list(held))
@@ -812,12 +796,12 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         self._add(METRIC_EVICTIONS, scratch.evicted)
         evicted += scratch.evicted_hashes
         out: dict[bytes, int] = {}
-        generation = self.cache.generation
         for (h, (k, at, tier)), skey, sid in zip(held.items(), scratch_keys, scratch.host_ids,
                                                  strict=True):
             group = self._groups.get(get_offload_group_idx(k))
             audit.pending[h] = _Pending(skey, at, sid, tier,
-                                        len(group.layer_names) if group else None, generation)
+                                        len(group.layer_names) if group else None,
+                                        pools.names())
             out[h] = sid
         return out
 
@@ -825,15 +809,22 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         """Compare the recomputed copy of `h` with kvtier's (when `compare`), give the scratch
         page and the hold back, count the result; a mismatch evicts the block."""
         audit = self.audit
-        assert audit is not None
         p = audit.pending.pop(h)
         verdict: kv_audit.Verdict | None = None
+        removed: int | str = 0
         try:
-            segments = self._segments(p.generation) if compare else None
-            if segments is not None:
-                verdict = audit.compare(segments, p)
-        except Exception as e:  # an unreadable page proves nothing: not counted
-            log.warning("kvtier: audit of block %s… could not compare: %s", h[:8].hex(), e)
+            try:
+                if compare:  # read from the pools it was planned against (refused if replaced)
+                    verdict = audit.compare(p.segments, p)
+            except Exception as e:  # an unreadable page proves nothing: not counted
+                log.warning("kvtier: audit of block %s… could not compare: %s", h[:8].hex(), e)
+            if verdict is not None and verdict.result == kv_audit.MISMATCH:
+                # removed while this engine still holds its load (the node service removes
+                # only blocks an engine holds a load of): host copy, storage page, events
+                try:
+                    removed = self.cache.remove_loaded([h], kv_audit.REMOVE_REASON)
+                except KvtierError as e:
+                    removed = str(e)
         finally:
             self.cache.complete_store([p.scratch_key], ok=False)
             self.cache.complete_load([h])
@@ -841,22 +832,22 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             return
         self._add(METRIC_AUDIT, 1, (verdict.result, p.tier))
         audit.figures.record(verdict, p.tier)
-        if verdict.result == kv_audit.MISMATCH:
-            evicted = self.node.cache.evict([h]) if self.node is not None else 0
-            if h not in audit.logged:
-                audit.logged.add(h)
-                log.error("kvtier audit: block %s (tier %s, namespace %s) differs from vLLM's "
-                          "recomputation beyond tolerance: max abs %.6g, max rel %.6g; "
-                          "digests held %s, recomputed %s; %s", h.hex(), p.tier,
-                          self.cfg.model.name, verdict.max_abs, verdict.max_rel,
-                          audit.last_digests[0], audit.last_digests[1],
-                          "evicted from the host tier" if evicted else "no longer held")
+        if verdict.result == kv_audit.MISMATCH and h not in audit.logged:
+            audit.logged.add(h)
+            log.error("kvtier audit: block %s (tier %s, namespace %s) differs from vLLM's "
+                      "recomputation beyond tolerance: max abs %.6g, max rel %.6g; digests "
+                      "held %s, recomputed %s; %s", h.hex(), p.tier, self.cfg.model.name,
+                      verdict.max_abs, verdict.max_rel, audit.last_digests[0],
+                      audit.last_digests[1],
+                      f"not removed: {removed}" if isinstance(removed, str) else
+                      "removed from this node's host tier and storage" if removed else
+                      "no longer held on the host; its storage page deleted")
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         hashes = self._hashes(keys)
         audit = self.audit
-        if audit is not None and audit.pending:
+        if audit.pending:
             audited = {h for h in hashes if h in audit.pending}
             for h in audited:
                 self._finish_audit(h, compare=success)
@@ -877,7 +868,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             stats.increase_counter(name, n, labels)
         for name in (METRIC_LOOKUPS, METRIC_MISSES, METRIC_EVICTIONS):
             stats.increase_counter(name, 0)  # present from the first scrape
-        if self.audit is not None and self.audit.sampler.rate > 0:
+        if self.audit.sampler.rate > 0:
             stats.set_gauge(METRIC_AUDIT_MAX_ABS, self.audit.figures.max_abs)
             stats.set_gauge(METRIC_AUDIT_MAX_REL, self.audit.figures.max_rel)
         if self.node is not None:
@@ -913,8 +904,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.cache.forget_request(req_context.req_id)
         self._sources.pop(req_context.req_id, None)
-        if self.audit is not None:
-            self.audit.requests.pop(req_context.req_id, None)
+        self.audit.requests.pop(req_context.req_id, None)
 
     def has_pending_work(self) -> bool:
         return self.cache.pending_work()
@@ -928,7 +918,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         them)."""
         if self._events is not None:  # vLLM's tracker forgets every block's tokens now
             self._events.reset()
-        if self.audit is not None:  # their copies are abandoned below, never completed
+        if self.audit.pending:  # their copies are abandoned below, never completed
             self.audit.pending.clear()
         try:
             self.cache.reset()
@@ -942,8 +932,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         if self._closed:
             return
         self._closed = True
-        if self.audit is not None:
-            self.audit.reader.close()
+        self.audit.reader.close()
         if self.node is not None:
             self.node.close()
         else:

@@ -113,6 +113,11 @@ class StorageHooks(Protocol):
         returns how many of the leading ones are being written."""
         ...
 
+    def delete(self, skeys: Sequence[bytes], timeout: float = 0.0) -> int | None:
+        """Delete these pages from storage on every rank (after the backups sent before);
+        the pages every rank deleted when answered within `timeout`, else None."""
+        ...
+
     def revoke(self, keys: Iterable[int] | None = None) -> int:
         """Cancel the queries and prefetches in flight that fill only blocks of `keys` (every
         one when None), keeping the pages already read; returns how many."""

@@ -141,7 +141,7 @@ class Session:
         self.events: int | None = None  # its reader of the namespace's events (EVENTS on)
         self.figures = dict.fromkeys(("lookups", "lookup_blocks", "hit_host_blocks",
                                       "hit_storage_blocks", "stores", "stores_failed",
-                                      "loads", "retained", "retain_refused"), 0)
+                                      "loads", "removed", "retained", "retain_refused"), 0)
         self.refusal = ""  # the last kvtier.retain refused, in one line
 
     def status(self) -> dict[str, Any]:
@@ -554,6 +554,8 @@ class NodeServer:
                 reply = self._prepare_store(engine, r)
             elif op is wire.Op.PREPARE_LOAD:
                 reply = self._prepare_load(s, engine, ns, r)
+            elif op is wire.Op.REMOVE:
+                reply = self._remove(s, engine, ns, r)
             else:  # PENDING
                 reply = wire.Reply(op, True, cache.generation)
         if reply is not None:
@@ -667,6 +669,32 @@ class NodeServer:
         ns.blocks["loaded_host"] += len(ids) - stored
         return wire.Reply(wire.Op.PREPARE_LOAD, True, cache.generation, ids=ids,
                           flags=bytes(from_storage))
+
+    def _remove(self, s: Session, engine: EngineSession, ns: Namespace,
+                r: wire.OpRecord) -> wire.Reply:
+        """Blocks this engine holds a load of, removed from every tier of the node (see
+        `wire`: REMOVE); anything else refused whole in one line, nothing removed."""
+        gen = ns.keyed.generation
+        reason = wire.REMOVE_REASONS.get(r.flag)
+        if reason is None:
+            return wire.Reply(wire.Op.REMOVE, False, gen,
+                              error=f"REMOVE: unknown reason code {r.flag} (known: "
+                                    f"{sorted(wire.REMOVE_REASONS)})")
+        if not r.keys or len(r.keys) > wire.MAX_REMOVE_KEYS:
+            return wire.Reply(wire.Op.REMOVE, False, gen,
+                              error=f"REMOVE: {len(r.keys)} keys, 1 to "
+                                    f"{wire.MAX_REMOVE_KEYS} (MAX_REMOVE_KEYS)")
+        try:
+            removal = engine.remove_loaded(r.keys, reason)
+        except InvalidRequestError as e:
+            return wire.Reply(wire.Op.REMOVE, False, gen, error=f"REMOVE: {e}")
+        s.figures["removed"] += removal.host
+        log.warning("kvtier serve: engine %d (pid %d) removed %d blocks of namespace %s from "
+                    "the node (%s): %d host copies, %d storage pages deleted",
+                    s.sid, s.pid, removal.blocks, ns.name, reason, removal.host,
+                    removal.storage_asked)
+        return wire.Reply(wire.Op.REMOVE, True, gen, evicted=removal.host,
+                          ids=[removal.blocks, removal.storage_asked])
 
     # ------------------------------------------------------------------ session ends
 

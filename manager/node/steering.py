@@ -15,9 +15,9 @@ change nothing.
     warm(ns, tokens, salt)     -> one storage query + prefetch into the host tier; poll with
                                   lookup (its `host` grows to the prefix storage held)
     clear(ns, tenant | tokens | all, storage)
-                               -> host copies written off (announced as removed in the tier
-                                  events at the next reconcile); storage pages of those
-                                  blocks deleted when asked and supported
+                               -> host copies written off, with `storage` their pages
+                                  deleted (KeyedHostCache.clear), every removal announced
+                                  in the tier events at once
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class Steering:
 
     def clear(self, namespace: str, *, tenant: str | None = None,
               token_ids: Sequence[int] | None = None, cache_salt: str | None = None,
-              everything: bool = False) -> dict[str, Any]:
+              everything: bool = False, storage: bool = False) -> dict[str, Any]:
         ns = self.namespace(namespace)
         chosen = sum(x for x in (tenant is not None, token_ids is not None, everything))
         if chosen != 1:
@@ -143,5 +143,7 @@ class Steering:
         hashes = None if token_ids is None else self.hashes(ns, token_ids, cache_salt)
         if tenant is not None:
             check_tenant(tenant)
-        removed = ns.keyed.clear_host(hashes=hashes, tenant=tenant)
-        return {"namespace": ns.name, "host_blocks_removed": len(removed)}
+        # a storage deletion is waited for up to 5 s (the lock is released meanwhile)
+        out = ns.keyed.clear(hashes=hashes, tenant=tenant, storage=storage,
+                             wait_s=5.0 if storage else 0.0)
+        return {"namespace": ns.name, **out}

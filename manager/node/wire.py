@@ -12,8 +12,8 @@ Frame types, client -> service:
              (`Hello`: namespace, KV geometry, block size, hash algorithm and seed, ranks,
              pid). First frame of a connection, and only there.
     OPS      the head, then `count:u32`, then `count` op records (at most MAX_FRAME_KEYS
-             keys over all of them). Ops other than the asking
-             ones (LOOKUP, PREPARE_STORE, PREPARE_LOAD, PENDING) are one-way; a frame holds at
+             keys over all of them). Ops other than the asking ones (LOOKUP,
+             PREPARE_STORE, PREPARE_LOAD, PENDING, REMOVE) are one-way; a frame holds at
              most one asking op, as its last record, and the service answers the frame (same
              seq) with one REPLY. So a scheduler step's completions travel with its next
              question, one write and one read per round trip.
@@ -33,6 +33,9 @@ An op record: a 20-byte head, then the request id, the keys, and `n_extra` extra
                                                                      the default pool)
     PREPARE_LOAD    1: counted    -                     one u8 count flag per key
     PENDING         -             -                     -            no keys
+    REMOVE          reason code   -                     -            at most MAX_REMOVE_KEYS
+                    (REMOVE_REASONS)                                 keys, each one this
+                                                                     engine holds a load of
     COMPLETE_STORE  1: ok         -                     -
     COMPLETE_LOAD   -             -                     -
     TOUCH           -             -                     -
@@ -42,6 +45,14 @@ An op record: a 20-byte head, then the request id, the keys, and `n_extra` extra
     EVENTS          1: on, 0: off -                     -            no keys, no request id
     RETAIN          1: retain,    priority              <d B> ttl_s, pin, then the tenant
                     2: unpin                                         (UTF-8); unpin: none
+
+REMOVE asks the service to take blocks out of every tier of the node (the host copy, the
+storage page on every rank; removal events to every reader): `KeyedHostCache.remove` through
+`EngineSession.remove_loaded`. An engine removes only blocks it was served and still holds a
+load of (its audit found the copy wrong): any other key (unknown, another engine's, another
+namespace's), more than MAX_REMOVE_KEYS keys or an unknown reason code is refused whole, in
+one line (`ok` 0, the error text), nothing removed, the connection kept. Its REPLY: `evicted`
+= host copies removed, `ids` = [blocks named, storage pages asked to delete].
 
 EVENTS on subscribes this connection to its namespace's tier events (host and storage, the
 service's `fanout.EventFanout`): from then on every REPLY carries the events the connection
@@ -87,7 +98,7 @@ from typing import Any
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.keyed_events import HOST, STORAGE, TierEvent
 
-WIRE_VERSION = 3  # 2: EVENTS, tier events on REPLY, WELCOME's storage; 3: tenant, RETAIN
+WIRE_VERSION = 4  # 2: EVENTS, tier events on REPLY, WELCOME's storage; 3: REMOVE; 4: tenant, RETAIN
 MAX_FRAME = 8 << 20  # 8 MiB: a 1M-token prompt's 65,536 32-byte hashes is 2 MiB
 MAX_HELLO = 64 << 10
 MAX_JSON_DEPTH = 8  # HELLO / WELCOME nest 3 deep (object, shape or segments, a segment)
@@ -102,6 +113,11 @@ MAX_KEY_BYTES = 1024
 MAX_REQUEST_ID = 1024
 MAX_ERROR_TEXT = 4096
 MAX_TENANT_BYTES = 256  # kvtier.manager.tenants' bound
+# Keys one REMOVE may name: an audit removes the blocks of one store (a request's blocks,
+# 1,024 of them are 16k tokens at 16 a block); a client cuts a longer list into several.
+MAX_REMOVE_KEYS = 1024
+# REMOVE's reason codes (the flag) -> the reason `KeyedHostCache.remove` counts
+REMOVE_REASONS = {1: "audit_mismatch"}
 REPLY_EVENT_BYTES = 1 << 20  # hash bytes of tier events per REPLY (a chunk more at most)
 
 _LEN = struct.Struct("<I")
@@ -132,6 +148,7 @@ class Op(IntEnum):
     PREPARE_STORE = 2
     PREPARE_LOAD = 3
     PENDING = 4
+    REMOVE = 5
     COMPLETE_STORE = 10
     COMPLETE_LOAD = 11
     TOUCH = 12
@@ -142,9 +159,9 @@ class Op(IntEnum):
     RETAIN = 17
 
 
-ASKING = frozenset({Op.LOOKUP, Op.PREPARE_STORE, Op.PREPARE_LOAD, Op.PENDING})
+ASKING = frozenset({Op.LOOKUP, Op.PREPARE_STORE, Op.PREPARE_LOAD, Op.PENDING, Op.REMOVE})
 _KEYED = frozenset({Op.LOOKUP, Op.PREPARE_STORE, Op.PREPARE_LOAD, Op.COMPLETE_STORE,
-                    Op.COMPLETE_LOAD, Op.TOUCH, Op.RETAIN})
+                    Op.COMPLETE_LOAD, Op.TOUCH, Op.REMOVE, Op.RETAIN})
 _WITH_RID = frozenset({Op.LOOKUP, Op.COUNT_ASKED, Op.FORGET})
 _OPS = {int(o): o for o in Op}
 _FRAMES = {int(t): t for t in FrameType}
