@@ -718,4 +718,10 @@ def create_app(stack: Stack, *, token: str | None = None,
              responses=POST_RESPONSES)(_typed(pin, body=body_model))
     app.post("/unpin", tags=["operations"], dependencies=post_security,
              response_model=UnpinResult, responses=POST_RESPONSES)(_typed(unpin, body=body_model))
+    if node is not None:  # tenants, retention, lookup, warm, clear (issue 36)
+        from kvtier.admin.steering import add_steering_routes
+
+        add_steering_routes(app, node, post_security, POST_RESPONSES,
+                            _error("the namespace is not served by this node (no engine of "
+                                   "it attached)"))
     return app

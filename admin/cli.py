@@ -463,6 +463,19 @@ def _render_node(console: Any, node: dict[str, Any]) -> None:
                         str(e.get("lookups")), str(e.get("hit_host_blocks")),
                         str(e.get("hit_storage_blocks")), str(e.get("stores")))
     console.print(engines)
+    tenants = Table(title="tenants (host blocks, tokens)", box=box.SIMPLE)
+    for col in ("namespace", "tenant", "blocks", "pinned", "quota", "hit tokens", "stores",
+                "evictions", "refused"):
+        tenants.add_column(col, justify="left" if col in ("namespace", "tenant") else "right")
+    for ns in node.get("namespaces", []):
+        for name, f in (ns.get("tenants") or {}).items():
+            tenants.add_row(str(ns.get("namespace"))[:24], repr(name)[:24],
+                            str(f.get("host_blocks")), str(f.get("pinned_blocks", "-")),
+                            str(f.get("quota_blocks", "-")), str(f.get("hit_tokens")),
+                            str(f.get("stores")), str(f.get("evictions")),
+                            str(f.get("stores_refused")))
+    if tenants.row_count:
+        console.print(tenants)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -556,6 +569,10 @@ def build_parser(with_replay_arguments: bool = False) -> argparse.ArgumentParser
         "50/80/90/95/99% of the achievable hit rate.")
     add_plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
+
+    from kvtier.admin.steering_cli import add_steering_commands
+
+    add_steering_commands(sub, DEFAULT_ADMIN_URL)
     return parser
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Final
 
 from kvtier.manager.config import resolve_device
 from kvtier.manager.launcher import WORKER_STATES
+from kvtier.manager.node.steering import TOP_TENANTS
 from kvtier.worker.wire import TaskKind
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -476,6 +477,33 @@ class NodeCollector(Collector):
             "Engine connections refused or dropped (bad credentials, bad frames, not reading "
             "replies).")
         dropped.add_metric([], st["dropped"])
+        # per tenant (issue 36): label cardinality bounded by TOP_TENANTS named tenants per
+        # namespace (most host blocks first), the rest summed under tenant="(other)" (whose
+        # counters may step down when a tenant ranks into the named ones)
+        t_blocks = GaugeMetricFamily("kvtier_node_tenant_host_blocks",
+                                     "Host blocks a tenant holds in the namespace, by state "
+                                     "(all, pinned, held by a retention).",
+                                     labels=["namespace", "tenant", "state"])
+        t_quota = GaugeMetricFamily("kvtier_node_tenant_quota_blocks",
+                                    "A tenant's host quota in blocks.",
+                                    labels=["namespace", "tenant"])
+        t_events = CounterMetricFamily(
+            "kvtier_node_tenant_events",
+            "A tenant's hit tokens (host tier), stores, evictions and refused stores.",
+            labels=["namespace", "tenant", "kind"])
+        for nso in self.node.namespaces.all():
+            for tenant, f in nso.tenant_figures(TOP_TENANTS).items():
+                lab = [nso.name, tenant or "(default)"]  # "" would read as no label
+                t_blocks.add_metric([*lab, "all"], f.get("host_blocks", 0))
+                t_blocks.add_metric([*lab, "pinned"], f.get("pinned_blocks", 0))
+                t_blocks.add_metric([*lab, "held"], f.get("held_blocks", 0))
+                if "quota_blocks" in f:
+                    t_quota.add_metric(lab, f["quota_blocks"])
+                for kind in ("hit_tokens", "stores", "evictions", "stores_refused"):
+                    t_events.add_metric([*lab, kind], f.get(kind, 0))
+        yield t_blocks
+        yield t_quota
+        yield t_events
         for ns in st["namespaces"]:
             label = [ns["namespace"]]
             quota.add_metric(label, ns["quota_bytes"])

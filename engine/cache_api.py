@@ -50,9 +50,11 @@ from typing import Protocol, runtime_checkable
 from kvtier.manager.errors import InvalidRequestError
 from kvtier.manager.keyed import Lookup
 from kvtier.manager.keyed_events import TierEvent
+from kvtier.manager.tenants import Retention, SteeringError, retention_from_hints
 
 __all__ = ["EngineCache", "HostPools", "InvalidRequestError", "Lookup", "PlannedLoad",
-           "PlannedStore", "PoolSegment", "TierEvent"]
+           "PlannedStore", "PoolSegment", "Retention", "SteeringError", "TierEvent",
+           "retention_from_hints"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,11 +195,18 @@ class EngineCache(Protocol):
         """The engine hit these blocks in its own device cache (recency only)."""
         ...
 
-    def prepare_store(self, hashes: Sequence[bytes]) -> PlannedStore | None:
-        """Host blocks (and their pools) for the blocks not cached yet. Atomic: None when the
-        host tier cannot take them all now or there are no pools, and then nothing changed
-        (no copy evicted, no block taken). Attached, a part may be planned (the leading
-        `wire.MAX_FRAME_KEYS` keys)."""
+    def prepare_store(self, hashes: Sequence[bytes], tenant: str = "") -> PlannedStore | None:
+        """Host blocks (and their pools) for the blocks not cached yet, booked to `tenant`
+        (vLLM's cache_salt; "" the default pool). Atomic: None when the host tier cannot
+        take them all now or there are no pools, and then nothing changed (no copy evicted,
+        no block taken). Attached, a part may be planned (the leading `wire.MAX_FRAME_KEYS`
+        keys)."""
+        ...
+
+    def retain(self, hashes: Sequence[bytes], retention: Retention, tenant: str = "") -> None:
+        """Pin / TTL / priority for these blocks (the `kvtier.retain` v1 action of a
+        request's kv_hints); a refusal (a pin over quota) changes nothing and is counted,
+        never raised into the engine's step."""
         ...
 
     def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:

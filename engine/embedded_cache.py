@@ -24,6 +24,7 @@ from kvtier.engine.cache_api import (
 from kvtier.manager.keyed import KeyedHostCache
 from kvtier.manager.sessions import EngineSession, Graves
 from kvtier.manager.stack import Stack
+from kvtier.manager.tenants import Retention, SteeringError
 from kvtier.worker.spec import host_segments
 
 # vLLM may still run a store it deferred for a step after its prefix-cache reset: copies it
@@ -51,6 +52,8 @@ class EmbeddedCache:
         self._pools: HostPools | None = None
         self._nonce = os.urandom(8)
         self._lock = threading.Lock()
+        self.retain_refused = 0  # kv_hints retentions refused (a pin over quota)
+        self.last_refusal = ""
 
     @property
     def block_size(self) -> int:
@@ -127,16 +130,23 @@ class EmbeddedCache:
     def touch(self, hashes: Sequence[bytes]) -> None:
         self.cache.touch(hashes)
 
-    def prepare_store(self, hashes: Sequence[bytes]) -> PlannedStore | None:
+    def prepare_store(self, hashes: Sequence[bytes], tenant: str = "") -> PlannedStore | None:
         with self.cache.m.lock:
             pools = self.host_pools()
             if pools is None:  # nothing planned: nothing changed
                 return None
-            plan = self.session.prepare_store(hashes)
+            plan = self.session.prepare_store(hashes, tenant)
             if plan is None:
                 return None
             return PlannedStore(plan.keys, plan.host_ids, pools, plan.evicted,
                                 plan.evicted_hashes)
+
+    def retain(self, hashes: Sequence[bytes], retention: Retention, tenant: str = "") -> None:
+        try:
+            self.session.cache.retain(hashes, retention, tenant)
+        except SteeringError as e:
+            self.retain_refused += 1
+            self.last_refusal = str(e)
 
     def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
         self.session.complete_store(hashes, ok)

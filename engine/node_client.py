@@ -73,6 +73,7 @@ from kvtier.engine.cache_api import (
 from kvtier.manager.keyed_events import HOST, STORAGE
 from kvtier.manager.keys import keyed_storage_key
 from kvtier.manager.node import wire
+from kvtier.manager.tenants import Retention
 from kvtier.worker.spec import segment_inode
 
 log = logging.getLogger("kvtier.engine")
@@ -462,7 +463,7 @@ class NodeClient:
         if hashes:
             self._queue(wire.OpRecord(wire.Op.TOUCH, list(hashes)))
 
-    def prepare_store(self, hashes: Sequence[bytes]) -> PlannedStore | None:
+    def prepare_store(self, hashes: Sequence[bytes], tenant: str = "") -> PlannedStore | None:
         with self._lock:  # the reply and the pools it means read together
             if not hashes:
                 pools = self.host_pools()
@@ -470,7 +471,7 @@ class NodeClient:
             # one frame's keys at most: a plan for the leading blocks (a plan may cover a part)
             hashes = list(hashes[:wire.MAX_FRAME_KEYS])
             try:
-                reply = self._ask(wire.OpRecord(wire.Op.PREPARE_STORE, hashes))
+                reply = self._ask(wire.store_record(hashes, tenant))
             except NodeUnavailable:
                 return None
             if not reply.ok or len(reply.flags) != len(hashes):
@@ -485,6 +486,18 @@ class NodeClient:
     def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
         if hashes:
             self._queue(wire.OpRecord(wire.Op.COMPLETE_STORE, list(hashes), flag=int(ok)))
+
+    def retain(self, hashes: Sequence[bytes], retention: Retention, tenant: str = "") -> None:
+        """One-way RETAIN (rides with the next question); the service checks the quota and
+        counts a refusal in its session figures."""
+        if hashes:
+            self._queue(wire.retain_record(list(hashes), pin=retention.pin,
+                                           ttl_s=retention.ttl_s, priority=retention.priority,
+                                           tenant=tenant))
+
+    def unpin(self, hashes: Sequence[bytes]) -> None:
+        if hashes:
+            self._queue(wire.retain_record(list(hashes), unpin=True))
 
     def remove_loaded(self, hashes: Sequence[bytes], reason: str) -> int:
         """The REMOVE op, `wire.MAX_REMOVE_KEYS` keys a round trip (the queued completions

@@ -20,6 +20,13 @@ is checked or made on the engine side and they start all the same (`unowned_host
   serving it (right after the batch's first prompt); a new A' serves R and the batch's first
   prompt: it hits what A stored, exactly (`after_kill_a_*`), and the service lists only the
   engines alive.
+* `--tenants` (issue 36): tenants by cache_salt with quotas (POST /tenants/quota): B serves
+  its system prompt with salt "b" and a kv_hints `kvtier.retain` v1 {pin, tenant "b"} (no
+  REST call for the pin); A floods the namespace with salt "a" (2.5x its quota); B's
+  device cache is flushed; /lookup by token ids says how much of B's prompt the host holds;
+  B's next request must load exactly that from the host, identical to its first run
+  (`b_pinned_tokens_after_flood`, `lookup_equals_load`), and A's evictions are A's only
+  (`a_evicted_only_a`).
 * `--kill-serve`: `kvtier serve` is killed (SIGKILL) while B serves; B's requests complete
   (recomputed) within `SERVE_DOWN_BOUND_S` each; serve is started again on the same socket, B
   reconnects (backoff at most 5 s), stores anew and hits again (`after_restart_*`).
@@ -110,7 +117,8 @@ def engine_main(socket_path: str, model_dir: str) -> int:
         cmd = json.loads(line)
         if cmd["op"] == "generate":
             t = time.monotonic()
-            out = vllm_offload.generate(llm, cmd["tokens"])
+            out = (steered_generate(llm, cmd["tokens"], cmd["salt"], cmd.get("retain"))
+                   if "salt" in cmd else vllm_offload.generate(llm, cmd["tokens"]))
             out["seconds"] = round(time.monotonic() - t, 3)
             answer(out)
         elif cmd["op"] == "pools":
@@ -121,6 +129,76 @@ def engine_main(socket_path: str, model_dir: str) -> int:
             break
     del llm
     return 0
+
+
+def steered_generate(llm: Any, tokens: list[int], salt: str,
+                     retain: dict[str, Any] | None) -> dict[str, Any]:
+    """`vllm_offload.generate` with vLLM's cache_salt and, when given, a kv_hints envelope
+    holding kvtier's `kvtier.retain` v1 action (`retain` is its payload), through the engine's
+    add_request (vLLM 0.32's LLM.generate takes no kv_hints)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5)
+    rid = f"steered-{next(_steered)}"
+    hints = None if retain is None else KvHintsEnvelope(
+        protocol_version="1", message_id=rid, actions=[KvHintAction(
+            action_id=rid, action_type="kvtier.retain", action_version="1", payload=retain)])
+    engine = llm.llm_engine
+    engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens, cache_salt=salt), sp,
+                       kv_hints=hints)
+    out = None
+    deadline = time.monotonic() + ANSWER_TIMEOUT_S
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                out = o
+    if out is None:
+        raise RuntimeError(f"{rid} did not finish within {ANSWER_TIMEOUT_S:g} s")
+    comp = out.outputs[0]
+    logprobs = [{str(t): lp.logprob for t, lp in step.items()} for step in comp.logprobs]
+    return {"tokens": list(comp.token_ids), "logprobs": logprobs,
+            "num_cached_tokens": int(out.num_cached_tokens or 0)}
+
+
+_steered = iter(range(1, 1 << 62))
+
+
+def admin_json(url: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    """GET (no body) or POST (a JSON body) to the service's admin (auth none here)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method="GET" if data is None else
+                                 "POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def tenant_phase(serve: Serve, a: Engine, b: Engine, prompt: Any) -> dict[str, Any]:
+    """The `--tenants` steps (see the module docstring)."""
+    ns = serve.status()["node"]["namespaces"][0]["namespace"]
+    for tenant, blocks in (("a", 12), ("b", 8)):
+        admin_json(serve.url, "/tenants/quota", {"namespace": ns, "tenant": tenant,
+                                                 "quota_blocks": blocks})
+    system = prompt()
+    first = b.steer(system, "b", {"pin": True, "tenant": "b"})
+    for _ in range(5):  # A's flood: 30 one-shot blocks, its quota 12
+        a.steer(prompt(), "a", {"tenant": "a"})
+    for _ in range(4):  # push the system prompt out of B's 12-block device cache
+        b.generate(prompt())
+    found = admin_json(serve.url, "/lookup", {"namespace": ns, "token_ids": system,
+                                              "cache_salt": "b"})
+    again = b.steer(system, "b", {"pin": True, "tenant": "b"})
+    figs = admin_json(serve.url, f"/tenants?namespace={ns}")[ns]
+    return {
+        "b_pinned_tokens_after_flood": again["num_cached_tokens"],
+        "b_identical_after_flood": vllm_offload.compare(first, again)[0],
+        "lookup_host_tokens": found["matched_tokens"]["host"],
+        "lookup_equals_load": found["matched_tokens"]["host"] == again["num_cached_tokens"],
+        "lookup_us": found["lookup_us"], "lookup_hash_us": found["hash_us"],
+        "a_evicted_only_a": figs["b"]["evictions"] == 0 and figs["a"]["evictions"] > 0,
+        "tenants": figs,
+    }
 
 
 def die_with_parent() -> None:
@@ -176,6 +254,11 @@ class Engine:
     def generate(self, tokens: list[int], timeout: float = ANSWER_TIMEOUT_S) -> dict[str, Any]:
         self.send({"op": "generate", "tokens": tokens})
         return self.read(timeout)
+
+    def steer(self, tokens: list[int], salt: str, retain: dict[str, Any] | None
+              ) -> dict[str, Any]:
+        self.send({"op": "generate", "tokens": tokens, "salt": salt, "retain": retain})
+        return self.read(ANSWER_TIMEOUT_S)
 
     def tail(self) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
@@ -377,6 +460,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         report["negative_control_tokens_from_host"] = bad["num_cached_tokens"]
         report["negative_control_identical"] = vllm_offload.compare(cold_q, bad)[0]
 
+        if args.tenants:
+            report.update(tenant_phase(serve, a, b, prompt))
+
         if args.kill_a:
             r = prompt()
             cold_r = a.generate(r)
@@ -494,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restart-serve", action="store_true",
                     help="SIGTERM kvtier serve (a planned restart, node.handover) and start "
                     "it again: B must load what A stored before, from the host tier")
+    ap.add_argument("--tenants", action="store_true",
+                    help="tenants by cache_salt: B's pinned prompt survives A's flood")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--engine", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

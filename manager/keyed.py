@@ -78,6 +78,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from kvtier.manager.core import native
 from kvtier.manager.core.cache import CacheCore
@@ -93,6 +94,7 @@ from kvtier.manager.core.nodes import (
 from kvtier.manager.errors import InvalidRequestError, KvtierError
 from kvtier.manager.keyed_events import TierEvent, TierEventLog
 from kvtier.manager.keys import keyed_storage_key
+from kvtier.manager.tenants import DEFAULT_TENANT, Retention, TenantBook
 
 _monotonic = time.monotonic
 # Who prepared an open copy: None for the one engine of an embedded cache, a session id for
@@ -215,6 +217,8 @@ class KeyedHostCache:
         self.removals: dict[str, list[int]] = {}
         # tier events for routers (`enable_events`): None while nobody takes them
         self.events: TierEventLog | None = None
+        # tenants, quotas and retention of the host copies (issue 36)
+        self.tenants = TenantBook(manager)
 
     # ------------------------------------------------------------------ keys
 
@@ -408,6 +412,7 @@ class KeyedHostCache:
                 self._readers.setdefault((owner, h), []).append(node)
                 tokens = self.block_size if count_tokens is None or count_tokens[j] else 0
                 stored = self.m.start_engine_read(node, not n, tokens, now)
+                self.tenants.hit(node.key, tokens)  # type: ignore[arg-type]
                 if from_storage is not None:
                     from_storage.append(stored)
                 ids.append(node.host)  # type: ignore[arg-type]
@@ -466,14 +471,16 @@ class KeyedHostCache:
         with self._lock:
             now = _monotonic()
             for h in hashes:
-                node = self.m.lookup(engine_key(h))
+                key = engine_key(h)
+                node = self.m.lookup(key)
                 if node is not None and node.host is not None:
                     self.m.touch_host_copy(node, now)
+                    self.tenants.hit(key, 0)
 
     # ------------------------------------------------------------------ stores
 
-    def prepare_store(self, hashes: Sequence[bytes], *,
-                      owner: Owner = None) -> StorePlan | None:
+    def prepare_store(self, hashes: Sequence[bytes], *, owner: Owner = None,
+                      tenant: str = DEFAULT_TENANT) -> StorePlan | None:
         """Host blocks for the blocks not cached yet, taken from the free list or by evicting
         the least recently used host copies; the open stores are `owner`'s (only its
         `complete_store` / `abandon_stores` end them).
@@ -485,7 +492,11 @@ class KeyedHostCache:
         Capacity is counted before anything is evicted (issue 34: a store of quota + 1
         blocks, refused, had evicted the namespace's copies as it went). Under the
         write_back policy a refusal may start writing the oldest unwritten copies to storage
-        (they stay cached and servable; written, they can make room for a later store)."""
+        (they stay cached and servable; written, they can make room for a later store).
+
+        The copies are `tenant`'s (`kvtier.manager.tenants`): past its quota it evicts its
+        own copies first; a copy of another tenant within an explicit quota is never taken
+        (the store is refused instead)."""
         with self._lock:
             if not self.host_ready():
                 self.counters["stores_refused"] += 1
@@ -510,21 +521,43 @@ class KeyedHostCache:
                 todo.append(h)
             if not todo:
                 return StorePlan([], [], 0)
-            free_before = m.host_free
-            # the copies the loop below evicts (read before: evicted, they leave the tree),
-            # all of them found before the first is evicted: too few, and nothing changes
-            short = len(todo) - free_before
-            # (an O(1) bound first: a store larger than the tier is refused at once)
-            victims = (m.host_victims(short) if 0 < short <= m.host_evictable
-                       else [])
-            if len(victims) < short:
-                m.write_back_for_room()  # write_back: unwritten copies written, not evicted
-                m.flush()
+            now = _monotonic()
+            book = self.tenants
+            book.expire(now)
+            t = book.tenant(tenant)
+            # the tenant's own copies past its quota, then copies of priority < 0, then the
+            # namespace's order (read before anything is evicted: too few, nothing changes)
+            own = book.own_victims(t, len(todo))
+            if own is None:
+                t.stores_refused += 1
                 self.counters["stores_refused"] += 1
                 return None
+            free_before = m.host_free
+            short = len(todo) - free_before - len(own)
+            picked = {id(n) for n in own}
+            if short > 0:
+                low = [n for n in book.low_priority_victims(short + len(own), t)
+                       if id(n) not in picked][:short]
+                own += low
+                picked.update(id(n) for n in low)
+                short -= len(low)
+            # (an O(1) bound first: a store larger than the tier is refused at once)
+            victims = ([k for k in m.host_victims(short + len(own))
+                        if id(m.lookup(k)) not in picked][:short]
+                       if 0 < short <= m.host_evictable - len(own) else [])
+            if len(victims) < short or book.victims_of_others(victims, t):
+                if len(victims) < short:
+                    m.write_back_for_room()  # write_back: unwritten copies written
+                    m.flush()
+                t.stores_refused += 1
+                self.counters["stores_refused"] += 1
+                return None
+            chosen = [*victims, *(n.key for n in own if n.key is not None)]
             stored = ([] if self.events is None else
-                      [k for k in victims
+                      [k for k in chosen
                        for n in (m.lookup(k),) if n is not None and n.flags & STORED])
+            own_evicted = book.evict(own)
+            free_before = m.host_free
             taken: list[int] = []
             for _ in todo:
                 hb = m.take_host_block()
@@ -533,16 +566,18 @@ class KeyedHostCache:
                     self.counters["stores_refused"] += 1
                     return None
                 taken.append(hb)
-            evicted = max(0, len(taken) - free_before)
-            now = _monotonic()
+            evicted = max(0, len(taken) - free_before) + len(own_evicted)
+            book.evicted_by_order(victims)
             storage = self.storage
             events = self.events
-            evicted_hashes = [] if events is None else events.evicted(victims, stored)
+            evicted_hashes = ([] if events is None else
+                              events.evicted([*victims, *own_evicted], stored))
             for h, hb in zip(todo, taken, strict=True):
                 key = engine_key(h)
                 node = m.start_engine_write(
                     key, hb, None if storage is None else self.storage_key(h), now)
                 writers[(owner, h)] = node
+                book.stored(key, node, tenant, now)
                 if events is not None:
                     events.name(key, h)
             self.counters["stores_prepared"] += len(todo)
@@ -557,15 +592,22 @@ class KeyedHostCache:
         with self._lock:
             landed: list[Node] = []
             writers = self._writers
+            book = self.tenants
+            now = _monotonic()
             for h in hashes:
                 node = writers.pop((owner, h), None)
                 if node is None:
                     continue
+                key = node.key
                 if self.m.finish_engine_write(node, ok):
                     landed.append(node)
                     self.counters["stores_completed"] += 1
+                    if key is not None:
+                        book.landed(key, now)
                 else:
                     self.counters["stores_failed"] += 1
+                    if key is not None:
+                        book.forget(key)
             if landed and self.storage is not None:
                 self.storage.backup(landed)
             self.m.flush()
@@ -648,6 +690,7 @@ class KeyedHostCache:
                 key = engine_key(h)
                 node = self.m.lookup(key)
                 if node is not None:
+                    self.tenants.forget(key)
                     self.m.write_off(node)
                     host += 1
                 named.append((key, h))
@@ -669,6 +712,107 @@ class KeyedHostCache:
     def evict(self, hashes: Sequence[bytes]) -> int:
         """`remove(hashes, reason="audit_mismatch")`; returns how many host copies were held."""
         return self.remove(hashes, reason="audit_mismatch").host
+
+    # ------------------------------------------------------------------ steering (issue 36)
+
+    def tier_lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
+        """How many leading blocks of `hashes` this namespace holds, per tier: `host` (ready
+        on the host now), then `storage` (the blocks after those that storage's index lists:
+        a router's estimate, asking storage nothing), `pending` (being written or prefetched,
+        right after the host ones). Read only: no LRU touched, no query asked."""
+        with self._lock:
+            host = self.count_hits(hashes)
+            pending = 0
+            for h in hashes[host:]:
+                node = self.m.lookup(engine_key(h))
+                if node is None or node.host is None:
+                    break
+                pending += 1
+            storage = 0
+            if self.storage is not None:
+                for h in hashes[host:]:
+                    if not self.storage.holds(self.storage_key(h)):
+                        break
+                    storage += 1
+            return {"host": host, "pending": pending, "storage": storage}
+
+    def retain(self, hashes: Sequence[bytes], retention: Retention,
+               tenant: str | None = None) -> dict[str, int]:
+        """Pin / TTL / priority for these blocks (`TenantBook.retain`: a pin over quota is
+        refused whole, nothing changed)."""
+        with self._lock:
+            items = [(k, self.m.lookup(k)) for k in map(engine_key, hashes)]
+            return self.tenants.retain(items, tenant, retention, _monotonic())
+
+    def unpin(self, hashes: Sequence[bytes]) -> int:
+        with self._lock:
+            return self.tenants.unpin(map(engine_key, hashes))
+
+    def set_quota(self, tenant: str | None, blocks: int | None) -> None:
+        with self._lock:
+            self.tenants.set_quota(tenant, blocks)
+
+    def tenant_figures(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return self.tenants.figures(_monotonic())
+
+    def clear(self, *, hashes: Sequence[bytes] | None = None, tenant: str | None = None,
+              storage: bool = False, wait_s: float = 0.0) -> dict[str, int | None]:
+        """An operator's clear (issue 36): these blocks, every block of `tenant`, or every
+        block of the namespace leave the host tier now (the core's write-off: a copy in
+        flight keeps its block until its transfer ends, never served again); with `storage`
+        their pages are deleted too (`StorageTier.delete`: one DELETE task behind earlier
+        backups; a clear by hashes deletes the pages of blocks not on the host as well).
+        With tier events on, every removal is announced at once (host, and storage where
+        reported), as `remove` does; counted in `removals["clear"]`."""
+        with self._lock:
+            if hashes is not None:
+                named = [(engine_key(h), h) for h in dict.fromkeys(hashes)]
+            else:
+                keys = (self.tenants.keys_of(tenant) if tenant is not None else
+                        [n.key for n in self.m.cached_nodes() if n.key is not None])
+                names = {} if self.events is None else self.events.names
+                named = [(k, names.get(k, b"")) for k in keys]
+            skeys: list[bytes] = []
+            host = 0
+            for k, h in named:
+                node = self.m.lookup(k)
+                self.tenants.forget(k)
+                if node is not None:
+                    if node.skey is not None:
+                        skeys.append(node.skey)
+                    self.m.write_off(node)
+                    host += 1
+                elif h and storage and self.storage is not None:
+                    skeys.append(self.storage_key(h))
+            if self.events is not None:
+                self.events.removed([(k, h) for k, h in named if h])
+            deleted: int | None = 0
+            if storage and self.storage is not None and skeys:
+                deleted = self.storage.delete(skeys, wait_s)
+            counts = self.removals.setdefault("clear", [0, 0])
+            counts[0] += host
+            counts[1] += len(skeys) if storage else 0
+            self.m.flush()
+            return {"host_blocks_removed": host,
+                    "storage_pages_asked": len(skeys) if storage and self.storage else 0,
+                    "storage_pages_deleted": deleted}
+
+    def warm(self, hashes: Sequence[bytes], warm_id: str) -> str:
+        """Bring these blocks from storage into the host tier ahead of traffic: one storage
+        query as a request `warm_id` whose answer prefetches every leading block storage
+        holds (threshold 0). Returns what the lookup found ("hit": already on the host,
+        "pending", "retry": asked, "miss")."""
+        if not hashes:
+            return "miss"
+        with self._lock:
+            self._queries.pop(warm_id, None)
+            first = self.count_hits(hashes)
+            if first == len(hashes):
+                return "hit"
+            found = self.lookup(hashes[first], warm_id, list(hashes[first + 1:]),
+                                threshold_tokens=0)
+            return found.value
 
     # ------------------------------------------------------------------ engine resets
 

@@ -250,3 +250,36 @@ def storage_keys(
 def key_bytes(key: int) -> bytes:
     """A tree key as 16 bytes (for diagnostic fills that derive content from the key)."""
     return key.to_bytes(16, "little")
+
+
+ENGINE_HASH_ALGOS = ("sha256",)
+
+
+def engine_block_hashes(algo: str, seed: str, block_size: int, token_ids: Sequence[int],
+                        cache_salt: str | None = None) -> list[bytes]:
+    """The block hashes a vLLM engine of the keyed surface gives the full blocks of a prompt
+    (issue 36: lookup, retain, warm and clear by token ids name exactly the blocks the
+    engines stored): vLLM's chained `hash_block_tokens` with its "sha256" algorithm, SHA-256
+    of the pickled tuple (parent hash, block's token ids, extra keys), the request's
+    `cache_salt` as the first block's one extra key. `seed` is the namespace's hash seed as
+    the engine announced it: the 64 hex digits of its NONE_HASH, or the seed string NONE_HASH
+    is the hash of. Pickling here encodes only bytes, ints, strings and tuples (never an
+    unpickle). Another algorithm is refused in one line (a lookup must never answer with
+    keys the engines do not use)."""
+    import pickle
+
+    if algo not in ENGINE_HASH_ALGOS:
+        raise TokenKeyError(f"hash algorithm {algo!r}: token-id steering supports "
+                            f"{list(ENGINE_HASH_ALGOS)} (the engine's prefix_caching_hash_algo)")
+    if len(seed) == 64 and all(c in "0123456789abcdef" for c in seed):
+        parent = bytes.fromhex(seed)
+    else:
+        parent = hashlib.sha256(pickle.dumps(seed, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+    out: list[bytes] = []
+    for i in range(len(token_ids) // block_size):
+        toks = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        extra = (("cache_salt", cache_salt),) if i == 0 and cache_salt else None
+        parent = hashlib.sha256(pickle.dumps((parent, toks, extra),
+                                             protocol=pickle.HIGHEST_PROTOCOL)).digest()
+        out.append(parent)
+    return out

@@ -148,9 +148,9 @@ class EngineSession:
         self.stores: dict[bytes, int] = {}
         self.loads: dict[bytes, int] = {}
 
-    def prepare_store(self, hashes: Sequence[bytes]) -> StorePlan | None:
+    def prepare_store(self, hashes: Sequence[bytes], tenant: str = "") -> StorePlan | None:
         with self._lock:
-            plan = self.cache.prepare_store(hashes, owner=self.owner)
+            plan = self.cache.prepare_store(hashes, owner=self.owner, tenant=tenant)
             if plan is not None:
                 stores = self.stores
                 for k in plan.keys:

@@ -15,6 +15,12 @@ Run as `python node_engine.py SOCKET NAMESPACE [GEOMETRY_JSON]`; it attaches, pr
         the leading hits from the host pool, compare each block byte for byte with its
         content, complete the load.
     {"op": "status"}   connection, generation, pool nonce and inodes
+    {"op": "retain", "keys": [...], "pin": true, "ttl_s": 0, "priority": 0, "tenant": "b"}
+        a request's kvtier.retain (one-way RETAIN, sent with the next question)
+
+Instead of "keys", a command may give "tokens" (token ids) and "salt" (the cache_salt): the
+blocks are then named as vLLM names them (`keys.engine_block_hashes`, seed "0"), and a store
+is booked to the tenant `salt` (or "tenant" when given).
 
 Keys are small ints named by `key(i)` (32-byte hashes, as vLLM's); a block's content is
 derived from its key, so any process can check any block.
@@ -31,7 +37,9 @@ from typing import Any
 
 from kvtier.engine.cache_api import HostPools
 from kvtier.engine.node_client import NodeClient
+from kvtier.manager.keys import engine_block_hashes
 from kvtier.manager.node import wire
+from kvtier.manager.tenants import Retention
 from kvtier.worker.kv_pools import HostPool, KVShape
 
 SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16",
@@ -84,8 +92,8 @@ class Engine:
         return self.pool
 
     def store(self, keys: list[bytes], hang_after: int | None = None,
-              hold: bool = False) -> dict[str, Any]:
-        plan = self.client.prepare_store(keys)
+              hold: bool = False, tenant: str = "") -> dict[str, Any]:
+        plan = self.client.prepare_store(keys, tenant)
         if plan is None:
             return {"stored": None}
         pool = self.host(plan.pools)
@@ -162,9 +170,17 @@ def main() -> int:
     for line in sys.stdin:
         cmd = json.loads(line)
         keys = [key(i) for i in cmd.get("keys", [])]
+        salt = cmd.get("salt")
+        if "tokens" in cmd:
+            keys = engine_block_hashes("sha256", "0", BLOCK_SIZE, cmd["tokens"], salt)
+        tenant = cmd.get("tenant", salt or "")
         t0 = time.perf_counter()
         if cmd["op"] == "store":
-            out = engine.store(keys, cmd.get("hang_after"), bool(cmd.get("hold")))
+            out = engine.store(keys, cmd.get("hang_after"), bool(cmd.get("hold")), tenant)
+        elif cmd["op"] == "retain":
+            client.retain(keys, Retention(bool(cmd.get("pin")), float(cmd.get("ttl_s", 0)),
+                                          int(cmd.get("priority", 0))), tenant)
+            out = {"queued": len(keys)}
         elif cmd["op"] == "complete":
             out = engine.complete(bool(cmd.get("ok", True)))
         elif cmd["op"] == "load":

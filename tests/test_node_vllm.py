@@ -46,7 +46,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     proc = subprocess.run(
         [str(VLLM_PYTHON), str(EXAMPLE), "--json", "--model-dir", str(model_dir),
-         "--kill-a", "--kill-serve"],
+         "--kill-a", "--kill-serve", "--tenants"],
         capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=ROOT)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -127,3 +127,17 @@ def test_a_killed_service_keeps_the_host_blocks_its_journal_vouches_for(
     assert r["kept_identical"] is True, r
     fig = r["restart_figures"]
     assert fig["adopted"] >= PREFIX_TOKENS // 32 and fig["discarded"] >= 1, r
+
+
+def test_a_tenants_pinned_prompt_survives_another_tenants_flood(report: dict[str, Any]) -> None:
+    """Issue 36 (`--tenants`): B pinned its system prompt through a kv_hints kvtier.retain
+    action (no REST call); A (another cache_salt, quota 12 blocks) flooded 30 blocks; B's
+    next request loaded the whole prompt from the node's host tier, identical to its cold
+    run, as /lookup by token ids had said; only A's blocks were evicted."""
+    r = report
+    assert r["b_pinned_tokens_after_flood"] == PREFIX_TOKENS, r
+    assert r["b_identical_after_flood"] is True, r
+    assert r["lookup_equals_load"] is True and r["lookup_host_tokens"] == PREFIX_TOKENS, r
+    assert r["a_evicted_only_a"] is True, r["tenants"]
+    b = r["tenants"]["b"]
+    assert b["pinned_blocks"] == PREFIX_TOKENS // 32 and b["evictions"] == 0, r["tenants"]

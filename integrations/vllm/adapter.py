@@ -70,7 +70,15 @@ import numpy as np
 import torch
 from kvtier.engine import audit as kv_audit
 from kvtier.engine.attached import attach
-from kvtier.engine.cache_api import EngineCache, HostPools, InvalidRequestError, Lookup
+from kvtier.engine.cache_api import (
+    EngineCache,
+    HostPools,
+    InvalidRequestError,
+    Lookup,
+    Retention,
+    SteeringError,
+    retention_from_hints,
+)
 from kvtier.engine.defaults import apply_defaults
 from kvtier.engine.embedded import EmbeddedDeployment, KvtierConfig
 from kvtier.engine.errors import KvtierError
@@ -396,6 +404,31 @@ class _Audit:
         return worst
 
 
+def _hash_seed(identity: Mapping[str, Any]) -> str:
+    """The seed of the block hashes this engine will compute, for its HELLO (the service
+    names blocks from token ids with it: lookup, retain, warm, clear). vLLM's NONE_HASH when
+    it is set already; before vLLM set it, its seed is PYTHONHASHSEED for the cryptographic
+    algorithms (what vLLM's `resolve_none_hash_seed` takes; `get_none_hash_seed` still
+    answers the default then, which named the wrong blocks: /lookup found 0 of 192 tokens
+    the engine then loaded)."""
+    if identity.get("none_hash"):
+        return str(identity["none_hash"])
+    env_seed = os.environ.get("PYTHONHASHSEED")
+    if env_seed is not None and str(identity.get("hash")) in ("sha256", "sha256_cbor"):
+        return env_seed
+    return str(identity.get("seed"))
+
+
+class _Steer:
+    """A request's `kvtier.retain` (its kv_hints), kept in its ReqContext state."""
+
+    __slots__ = ("retention", "tenant")
+
+    def __init__(self, retention: Retention, tenant: str | None) -> None:
+        self.retention = retention
+        self.tenant = tenant
+
+
 class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ignore]
     """vLLM's scheduler-side offloading manager over kvtier's `EngineCache`, in one of two
     modes chosen by `kvtier_serve` in kv_connector_extra_config:
@@ -447,7 +480,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 update={"name": namespace})})
             self.cache: EngineCache = attach(
                 self.socket_path, namespace, self.cfg, hash_algo=str(identity.get("hash")),
-                hash_seed=str(identity.get("none_hash") or identity.get("seed")))
+                hash_seed=_hash_seed(identity))
             log.info("kvtier offloading: attached to kvtier serve at %s (%s), namespace %s "
                      "(%s)", self.socket_path,
                      "connected" if self.cache.host_pools() is not None
@@ -477,6 +510,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
         # medium, storage = STORAGE (local for files, remote for Redis); attached, the
         # node's tiers as this engine is served from them (other engines' blocks included)
         self._events: EventRelay | None = None
+        self.hints_refused = 0  # kv_hints whose kvtier.retain was refused (logged)
         if spec.config.enable_kv_cache_events:
             windowed = any(g.window_blocks is not None for g in self._groups.values())
             if self._keyed_groups or windowed:
@@ -538,7 +572,24 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
     # -- OffloadingManager
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        # kvtier's own kv_hints action (`kvtier.retain` v1): read once per request, kept in
+        # the request's state for its stores and loads; a bad one is counted and logged in
+        # one line, never raised into vLLM's scheduler (the request runs unsteered)
+        hints = getattr(req_context, "kv_hints", None)
+        if hints is not None:
+            try:
+                found = retention_from_hints(getattr(hints, "actions", ()))
+            except SteeringError as e:
+                self.hints_refused += 1
+                log.warning("kvtier: kv_hints of %s ignored: %s", req_context.req_id, e)
+                found = None
+            if found is not None:
+                req_context.set_state(_Steer(*found))
         return RequestOffloadingContext()
+
+    def _steer(self, req_context: ReqContext) -> _Steer | None:
+        get = getattr(req_context, "get_state", None)
+        return None if get is None else get(_Steer)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         h = self._hash(key)
@@ -646,6 +697,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             plan = self.cache.prepare_load(hashes, counted)
             self._sources[req_context.req_id] = dict(zip(hashes, plan.from_storage,
                                                          strict=True))
+            steer = self._steer(req_context)
+            if steer is not None:  # a hit of a retained request keeps its retention fresh
+                self.cache.retain(hashes, steer.retention, steer.tenant or "")
             stored = sum(plan.from_storage)
             self._add(METRIC_HITS, len(hashes) - stored, ("host",))
             self._add(METRIC_HITS, stored, ("storage",))
@@ -669,9 +723,13 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                       req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
         hashes = self._hashes(keys)
-        plan = self.cache.prepare_store(hashes)
+        steer = self._steer(req_context)
+        tenant = "" if steer is None or steer.tenant is None else steer.tenant
+        plan = self.cache.prepare_store(hashes, tenant)
         if plan is None:  # refused: nothing changed
             return None
+        if steer is not None:  # blocks being written get it when they land
+            self.cache.retain(hashes, steer.retention, tenant)
         # an audited request's blocks kvtier holds: copied into scratch pages, compared
         evicted = list(plan.evicted_hashes)
         audits = (self._prepare_audits(keys, hashes, set(plan.keys), evicted, plan.pools)

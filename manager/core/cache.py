@@ -563,6 +563,42 @@ class CacheCore:
     def is_pinned(self, node: Node) -> bool:
         return node in self._pins
 
+    # ------------------------------------------------------------------ host retention (issue 36)
+
+    def hold_host_copy(self, node: Node) -> bool:
+        """Keep `node`'s host copy in place (a tenant's pin, a TTL, a high priority:
+        `kvtier.manager.tenants`): PINNED, counted in `_pins` like an admin pin, so it leaves
+        the host LRU and is never evicted until `release_host_hold`. A host copy is never
+        loaded to the device for it (the keyed surface has no device tier). False when the
+        node holds no servable host copy."""
+        if (node.key is None or node.host is None or self._map.get(node.key) is not node
+                or node.flags & (ENGINE_WRITE | PREFETCHING)):
+            return False
+        node.flags |= PINNED
+        self._pins[node] = self._pins.get(node, 0) + 1
+        self.relist(node)
+        return True
+
+    def release_host_hold(self, node: Node) -> None:
+        """Undo one `hold_host_copy`; at the last, the copy is evictable again (ordinary
+        eviction). A node written off or cleared since lost its holds already."""
+        if node in self._pins and self.unpin_node(node):
+            self.relist(node)
+
+    def evict_host_copy(self, node: Node) -> bool:
+        """Evict this evictable host copy now (a tenant over its quota evicts its own blocks
+        first: `kvtier.manager.tenants`), as `take_host_block` would have evicted it, its
+        block back on the free list. False when it is not evictable now (held, busy, gone)."""
+        if node.hprev is None or node.key is None or self._map.get(node.key) is not node:
+            return False
+        if node.skey is not None and not node.flags & STORED:
+            self.counters.evicted_host_unstored += 1
+        self._drop_host_copy(node)
+        self.counters.evicted_host_drop += 1
+        if node.dev is None:
+            self._forget(node)
+        return True
+
     # ------------------------------------------------------------------ commit transitions
 
     def attach_device_copy(self, node: Node, block: int, now: float) -> None:

@@ -43,6 +43,9 @@ arrow names the core transition that takes it::
                   reader)--> same* --finish_engine_read (last reader)--> same
     ON_HOST*  --drop_engine_io (the engine abandoned its copy)--> same (a read) | (gone)
     any       --pin_node / unpin_node--> PINNED set / cleared
+    ON_HOST   --hold_host_copy / release_host_hold (a tenant's pin, TTL or priority)-->
+                  PINNED set / cleared, the host copy kept in place (no device load)
+    ON_HOST   --evict_host_copy (a tenant over its quota evicts its own)--> (gone)
     any       --clear_all (reset, sleep, lost worker), lose_device_copies (lost device
                   memory), write_off--> detached (key None): blocks requests hold become
                   theirs; blocks a transfer in flight uses come back when it is answered

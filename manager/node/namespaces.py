@@ -48,6 +48,7 @@ from kvtier.manager.stack import Stack
 from kvtier.worker.spec import host_segments
 
 log = logging.getLogger("kvtier.node")
+STATUS_TENANTS = 32  # tenants named in /status (the rest summed as "(other)")
 
 
 class NamespaceRefused(KvtierError):
@@ -138,7 +139,24 @@ class Namespace:
                 "events": {"readers": self.fanout.consumers, "next_seq": self.fanout.next_seq,
                            "held_hashes": self.fanout.held, "resyncs": self.fanout.resyncs,
                            "trimmed": self.fanout.trimmed},
-                "counters": dict(self.keyed.counters)}
+                "counters": dict(self.keyed.counters),
+                "tenants": self.tenant_figures(STATUS_TENANTS)}
+
+    def tenant_figures(self, top: int) -> dict[str, Any]:
+        """Per tenant figures (`KeyedHostCache.tenant_figures`): the `top` tenants with the
+        most host blocks by name, the others summed as "(other)" (bounded cardinality)."""
+        figs = self.keyed.tenant_figures()
+        if len(figs) <= top:
+            return figs
+        ranked = sorted(figs.items(), key=lambda kv: (-int(kv[1]["host_blocks"]), kv[0]))
+        out: dict[str, Any] = dict(ranked[:top])
+        other: dict[str, Any] = {"tenants": len(ranked) - top}
+        for _, f in ranked[top:]:
+            for k, v in f.items():
+                if isinstance(v, int) and not isinstance(v, bool) and k != "quota_blocks":
+                    other[k] = other.get(k, 0) + v
+        out["(other)"] = other
+        return out
 
 
 class _Starting:

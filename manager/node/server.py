@@ -71,12 +71,13 @@ from typing import Any, overload
 
 from kvtier.manager.config import KvtierConfig
 from kvtier.manager.errors import InvalidRequestError, KvtierError
-from kvtier.manager.keyed import Lookup
+from kvtier.manager.keyed import KeyedHostCache, Lookup
 from kvtier.manager.node import wire
 from kvtier.manager.node.events import EventPublisher
 from kvtier.manager.node.handover import Adoption, snapshot, write_handover
 from kvtier.manager.node.namespaces import Namespace, NamespaceRefused, Namespaces
 from kvtier.manager.sessions import EngineSession, Graves
+from kvtier.manager.tenants import Retention, SteeringError
 
 log = logging.getLogger("kvtier.node")
 
@@ -147,14 +148,16 @@ class Session:
         self.events: int | None = None  # its reader of the namespace's events (EVENTS on)
         self.figures = dict.fromkeys(("lookups", "lookup_blocks", "hit_host_blocks",
                                       "hit_storage_blocks", "stores", "stores_failed",
-                                      "loads", "removed"), 0)
+                                      "loads", "removed", "retained", "retain_refused"), 0)
+        self.refusal = ""  # the last kvtier.retain refused, in one line
 
     def status(self) -> dict[str, Any]:
         stores, loads = (0, 0) if self.engine is None else self.engine.open_copies()
         return {"session": self.sid, "pid": self.pid,
                 "namespace": self.ns.name if self.ns else None,
                 "connected_since": self.connected, **self.figures,
-                "stores_open": stores, "loads_open": loads}
+                "stores_open": stores, "loads_open": loads,
+                "retain_last_refusal": self.refusal}
 
 
 def _slices(keys: Sequence[bytes]) -> Iterator[Sequence[bytes]]:
@@ -572,6 +575,8 @@ class NodeServer:
                 cache.forget_request(rid)
             elif op is wire.Op.RESET:
                 self._give_back(engine)
+            elif op is wire.Op.RETAIN:
+                self._retain(s, cache, r)
             elif op is wire.Op.EVENTS:
                 if r.flag and s.events is None:
                     s.events = ns.subscribe_events()
@@ -593,6 +598,24 @@ class NodeServer:
             if s.events is not None:  # the events this connection has not had yet
                 reply.resync, reply.events = ns.fanout.read(s.events, wire.REPLY_EVENT_BYTES)
         return reply
+
+    def _retain(self, s: Session, cache: KeyedHostCache, r: wire.OpRecord) -> None:
+        """A request's `kvtier.retain` (one-way): refused whole when its values are out of
+        range or a pin is over its tenant's quota, counted in the session's figures
+        (`retain_refused`, the last reason in `retain_last_refusal`), never the connection's
+        end."""
+        if r.flag == 2:
+            for part in _slices(r.keys):
+                cache.unpin(part)
+            return
+        pin, ttl, prio, tenant = wire.decode_retain(r)
+        try:
+            retention = Retention.parse({"pin": pin, "ttl_s": ttl, "priority": prio})
+            cache.retain(r.keys, retention, tenant)
+            s.figures["retained"] += len(r.keys)
+        except SteeringError as e:
+            s.figures["retain_refused"] += 1
+            s.refusal = str(e)
 
     def _lookup(self, s: Session, ns: Namespace, r: wire.OpRecord) -> wire.Reply:
         cache = ns.keyed
@@ -633,8 +656,9 @@ class NodeServer:
         ids: list[int] = []
         evicted = 0
         refused = False
+        tenant = r.extra.decode()  # checked UTF-8 and bounded by the wire
         for part in _slices(r.keys):
-            plan = engine.prepare_store(part)
+            plan = engine.prepare_store(part, tenant)
             if plan is None:
                 refused = True
                 break

@@ -28,7 +28,9 @@ An op record: a 20-byte head, then the request id, the keys, and `n_extra` extra
     op              flag          value                 extra
     LOOKUP          -             prefetch threshold    -            keys: [block, *following]
                                   tokens, -1: default
-    PREPARE_STORE   -             -                     -
+    PREPARE_STORE   -             -                     tenant       (UTF-8, at most
+                                                                     MAX_TENANT_BYTES; none:
+                                                                     the default pool)
     PREPARE_LOAD    1: counted    -                     one u8 count flag per key
     PENDING         -             -                     -            no keys
     REMOVE          reason code   -                     -            at most MAX_REMOVE_KEYS
@@ -41,6 +43,8 @@ An op record: a 20-byte head, then the request id, the keys, and `n_extra` extra
     FORGET          -             -                     -            no keys
     RESET           -             -                     -            no keys, no request id
     EVENTS          1: on, 0: off -                     -            no keys, no request id
+    RETAIN          1: retain,    priority              <d B> ttl_s, pin, then the tenant
+                    2: unpin                                         (UTF-8); unpin: none
 
 REMOVE asks the service to take blocks out of every tier of the node (the host copy, the
 storage page on every rank; removal events to every reader): `KeyedHostCache.remove` through
@@ -94,7 +98,7 @@ from typing import Any
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.keyed_events import HOST, STORAGE, TierEvent
 
-WIRE_VERSION = 3  # 2: EVENTS, tier events on REPLY, WELCOME's storage; 3: REMOVE
+WIRE_VERSION = 4  # 2: EVENTS, tier events on REPLY, WELCOME's storage; 3: REMOVE; 4: tenant, RETAIN
 MAX_FRAME = 8 << 20  # 8 MiB: a 1M-token prompt's 65,536 32-byte hashes is 2 MiB
 MAX_HELLO = 64 << 10
 MAX_JSON_DEPTH = 8  # HELLO / WELCOME nest 3 deep (object, shape or segments, a segment)
@@ -108,6 +112,7 @@ SLICE_KEYS = 512
 MAX_KEY_BYTES = 1024
 MAX_REQUEST_ID = 1024
 MAX_ERROR_TEXT = 4096
+MAX_TENANT_BYTES = 256  # kvtier.manager.tenants' bound
 # Keys one REMOVE may name: an audit removes the blocks of one store (a request's blocks,
 # 1,024 of them are 16k tokens at 16 a block); a client cuts a longer list into several.
 MAX_REMOVE_KEYS = 1024
@@ -121,6 +126,7 @@ _COUNT = struct.Struct("<I")
 _REC = struct.Struct("<BBHiIHxxI")
 _REPLY = struct.Struct("<BBBBQIIII")
 _EVENT = struct.Struct("<BBHI")
+_RETAIN = struct.Struct("<dB")
 LEN_BYTES = _LEN.size
 HEAD_BYTES = _HEAD.size
 
@@ -150,11 +156,12 @@ class Op(IntEnum):
     FORGET = 14
     RESET = 15
     EVENTS = 16
+    RETAIN = 17
 
 
 ASKING = frozenset({Op.LOOKUP, Op.PREPARE_STORE, Op.PREPARE_LOAD, Op.PENDING, Op.REMOVE})
 _KEYED = frozenset({Op.LOOKUP, Op.PREPARE_STORE, Op.PREPARE_LOAD, Op.COMPLETE_STORE,
-                    Op.COMPLETE_LOAD, Op.TOUCH, Op.REMOVE})
+                    Op.COMPLETE_LOAD, Op.TOUCH, Op.REMOVE, Op.RETAIN})
 _WITH_RID = frozenset({Op.LOOKUP, Op.COUNT_ASKED, Op.FORGET})
 _OPS = {int(o): o for o in Op}
 _FRAMES = {int(t): t for t in FrameType}
@@ -460,7 +467,8 @@ def frame_batches(records: list[OpRecord]) -> list[list[OpRecord]]:
                 raise WireError(f"OPS {r.op.name}: {len(r.keys)} keys, at most "
                                 f"{MAX_FRAME_KEYS} (MAX_FRAME_KEYS)")
             pieces = [OpRecord(r.op, r.keys[i:i + MAX_FRAME_KEYS], r.request_id, r.flag,
-                               r.value) for i in range(0, len(r.keys), MAX_FRAME_KEYS)]
+                               r.value, r.extra)
+                      for i in range(0, len(r.keys), MAX_FRAME_KEYS)]
         for p in pieces:
             if cur and n + len(p.keys) > MAX_FRAME_KEYS:
                 out.append(cur)
@@ -516,20 +524,64 @@ def decode_ops(body: bytes) -> list[OpRecord]:
             raise WireError(f"{where}: the request id is not UTF-8") from None
         at += rid_len
         keys, at = _unpack_keys(body, at, n_keys, width, where)
-        if n_extra:
-            if op is not Op.PREPARE_LOAD or n_extra != n_keys:
-                raise WireError(f"{where}: field n_extra = {n_extra}: only PREPARE_LOAD carries "
-                                f"extra bytes, one count flag per key ({n_keys})")
+        if op is Op.RETAIN and flag not in (1, 2):
+            raise WireError(f"{where}: field flag = {flag} (1: retain, 2: unpin)")
+        if n_extra or op is Op.RETAIN:
+            _check_extra(op, flag, n_keys, n_extra, where)
             if at + n_extra > len(body):
-                raise WireError(f"{where}: truncated count flags")
+                raise WireError(f"{where}: truncated extra bytes ({n_extra} announced)")
         extra = body[at:at + n_extra]
         at += n_extra
+        if op in (Op.PREPARE_STORE, Op.RETAIN):
+            try:
+                (extra[_RETAIN.size:] if op is Op.RETAIN and flag == 1 else extra).decode()
+            except UnicodeDecodeError:
+                raise WireError(f"{where}: the tenant is not UTF-8") from None
         if op in ASKING and i != count - 1:
             raise WireError(f"{where}: an asking op must be the frame's last record")
         out.append(OpRecord(op, keys, rid, flag, value, extra))
     if at != len(body):
         raise WireError(f"OPS: {len(body) - at} bytes after the last record")
     return out
+
+
+def _check_extra(op: Op, flag: int, n_keys: int, n_extra: int, where: str) -> None:
+    if op is Op.PREPARE_LOAD:
+        if n_extra != n_keys:
+            raise WireError(f"{where}: field n_extra = {n_extra}, one count flag per key "
+                            f"({n_keys})")
+    elif op is Op.PREPARE_STORE:
+        if n_extra > MAX_TENANT_BYTES:
+            raise WireError(f"{where}: field n_extra = {n_extra}, a tenant of at most "
+                            f"{MAX_TENANT_BYTES} bytes")
+    elif op is Op.RETAIN:
+        lo, hi = (_RETAIN.size, _RETAIN.size + MAX_TENANT_BYTES) if flag == 1 else (0, 0)
+        if not lo <= n_extra <= hi:
+            raise WireError(f"{where}: field n_extra = {n_extra}, must be in [{lo}, {hi}]")
+    else:
+        raise WireError(f"{where}: field n_extra = {n_extra}: only PREPARE_LOAD, "
+                        "PREPARE_STORE and RETAIN carry extra bytes")
+
+
+def store_record(hashes: list[bytes], tenant: str = "") -> OpRecord:
+    """A PREPARE_STORE of `tenant`'s blocks."""
+    return OpRecord(Op.PREPARE_STORE, hashes, extra=tenant.encode())
+
+
+def retain_record(hashes: list[bytes], *, pin: bool = False, ttl_s: float = 0.0,
+                  priority: int = 0, tenant: str = "", unpin: bool = False) -> OpRecord:
+    """A RETAIN of these blocks (the `kvtier.retain` v1 payload), or their unpin."""
+    if unpin:
+        return OpRecord(Op.RETAIN, hashes, flag=2)
+    return OpRecord(Op.RETAIN, hashes, flag=1, value=priority,
+                    extra=_RETAIN.pack(ttl_s, int(pin)) + tenant.encode())
+
+
+def decode_retain(r: OpRecord) -> tuple[bool, float, int, str]:
+    """(pin, ttl_s, priority, tenant) of a RETAIN retain record (checked by `decode_ops`;
+    the values' ranges are the receiver's to check)."""
+    ttl, pin = _RETAIN.unpack_from(r.extra)
+    return bool(pin), ttl, r.value, r.extra[_RETAIN.size:].decode()
 
 
 def encode_reply(r: Reply, seq: int) -> bytes:
