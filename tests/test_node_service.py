@@ -483,7 +483,7 @@ def test_an_engine_removes_a_block_it_loaded_from_every_tier_of_the_node(
 
         wait_until(stored_everywhere, 20, "4 pages in storage and announced")
         loaded = keys[:2]
-        assert len(a.client.prepare_load(loaded)) == 2
+        assert len(a.client.prepare_load(loaded).host_ids) == 2
         # hostile REMOVEs: refused whole, one line each, nothing removed
         refusals = []
         for who, ks in ((a, [keys[2]]), (a, [loaded[0], key(999)]), (b, [loaded[0]])):

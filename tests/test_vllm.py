@@ -269,16 +269,40 @@ def test_the_audit_samples_its_share_of_the_requests_that_hit_kvtier(
 def _file_storage(models: Models, tmp: Path) -> list[dict[str, Any]]:
     args = ("--storage", "file", "--storage-path", str(tmp / "storage"),
             "--reference", str(tmp / "cold.json"))
-    return [run_example(models("llama"), *args), run_example(models("llama"), *args)]
+    # the third process audits every hit: A's blocks come from the first process's pages
+    return [run_example(models("llama"), *args), run_example(models("llama"), *args),
+            run_example(models("llama"), *args, "--audit", "1")]
 
 
 def test_a_new_vllm_process_finds_the_prefix_in_file_storage(my_runs: Callable[[], Any]
                                                              ) -> None:
-    first, second = my_runs()
+    first, second, _ = my_runs()
     assert first["identical"] is True and first["reference"] == "this run", first
     assert second["reference"] == "file", second
     assert second["tokens_by_tier"] == {"host": 0, "storage": PREFIX_TOKENS}, second
     assert second["identical"] is True and second["max_abs_logprob_diff"] == 0.0, second
+
+
+SHARES["test_a_storage_hit_in_a_new_vllm_process_is_audited_alike"] = (
+    "test_a_new_vllm_process_finds_the_prefix_in_file_storage")
+
+
+def test_a_storage_hit_in_a_new_vllm_process_is_audited_alike(my_runs: Callable[[], Any]
+                                                              ) -> None:
+    """The audit through a storage hit: a third vLLM process, audit at 1 in 1, finds A only
+    in the first process's file pages; vLLM recomputes each block and kvtier compares it with
+    the page it read from storage, under `tier="storage"`: all alike, the output exact.
+    (A storage page that differs is the negative control of the audit test above, whose
+    mismatches also delete the pages.)"""
+    *_, audited = my_runs()
+    blocks = PREFIX_TOKENS // 32
+    clean = audited["audit_clean"]
+    assert clean["identical"] is True and clean["vllm_num_cached_tokens"] == 0, audited
+    assert clean["blocks"]["mismatch"] == 0, audited
+    assert clean["blocks"]["equal"] + clean["blocks"]["within_tolerance"] == blocks, audited
+    vllm = audited["vllm_audit_metrics"]
+    assert (vllm.get("equal/storage", 0) + vllm.get("within_tolerance/storage", 0)
+            == blocks), audited
 
 
 @runs("test_two_vllm_instances_share_one_redis")
