@@ -527,6 +527,7 @@ def test_an_engine_removes_a_block_it_loaded_from_every_tier_of_the_node(
     finally:
         for cl in clients:
             cl.close()
+        n.close()  # the service and its workers (left running before: 2 GiB of pools)
 
 
 def test_the_host_eviction_policy_reaches_a_namespace(tmp_path: Path) -> None:
