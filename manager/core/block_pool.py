@@ -96,15 +96,8 @@ class BlockPool:
         # declines (changing nothing) whenever an error is due, which is raised below.
         if native.pool_free is not None and native.pool_free(self._used, self._free, ids):
             return
+        self._check(ids, out=True, what="freed twice")
         used = self._used
-        cap = self.capacity
-        seen: set[int] = set()
-        for i in ids:
-            if type(i) is not int or not 0 <= i < cap:
-                raise BlockPoolError(f"{self.tier} tier: block id {i!r} is not in 0..{cap - 1}")
-            if not used[i] or i in seen:
-                raise BlockPoolError(f"{self.tier} tier: block {i} freed twice")
-            seen.add(i)
         for i in ids:
             used[i] = 0
         self._free.extend(ids)
@@ -122,15 +115,9 @@ class BlockPool:
         copies its predecessor handed over, issue 37). All or nothing: an id out of range,
         repeated or not free raises BlockPoolError and nothing is taken. O(capacity)."""
         ids = list(ids)
+        self._check(ids, out=False, what="is not free")
         used = self._used
         cap = self.capacity
-        seen: set[int] = set()
-        for i in ids:
-            if type(i) is not int or not 0 <= i < cap:
-                raise BlockPoolError(f"{self.tier} tier: block id {i!r} is not in 0..{cap - 1}")
-            if used[i] or i in seen:
-                raise BlockPoolError(f"{self.tier} tier: block {i} is not free")
-            seen.add(i)
         for i in ids:
             used[i] = 1
         if self._next < cap:  # the never-used ids are free unlisted: list them first (in
@@ -138,6 +125,19 @@ class BlockPool:
             self._free = [*range(cap - 1, self._next - 1, -1), *self._free]
             self._next = cap
         self._free = [i for i in self._free if not used[i]]
+
+    def _check(self, ids: list[int], *, out: bool, what: str) -> None:
+        """Raise BlockPoolError (before anything changes) unless every id is in range, named
+        once, and out of the pool (`out`, a free) or in it (a take)."""
+        used = self._used
+        cap = self.capacity
+        seen: set[int] = set()
+        for i in ids:
+            if type(i) is not int or not 0 <= i < cap:
+                raise BlockPoolError(f"{self.tier} tier: block id {i!r} is not in 0..{cap - 1}")
+            if bool(used[i]) is not out or i in seen:
+                raise BlockPoolError(f"{self.tier} tier: block {i} {what}")
+            seen.add(i)
 
     def is_free(self, i: int) -> bool:
         return not self._used[i]
