@@ -323,6 +323,8 @@ class Worker:
                 self._prefetches.add(task.seq)
         elif task.kind == TaskKind.H2D:
             self.executor.load_gate.enter()  # backups step aside until it is answered
+        if task.kind in (TaskKind.D2H, TaskKind.H2D):
+            self.executor.precheck(task)  # off the lane's copy path
         self._lanes[TASK_CLASSES[task.kind]].put(task, next(self._arrival))
 
     def _cancel(self, task: Task) -> None:
