@@ -25,7 +25,8 @@ CUDA paths (`cuda_path`), chosen once per engine:
     auto --host pool mapped?--no--> staged (CPU gather into pinned buffers, one DMA)
       |yes
       +--Triton runs here?--yes--> fused (fused_copy.py: one kernel per backup, per load
-      |                                   layer group; the default)
+      |                                   layer group; the default; tasks of up to 256
+      |                                   pairs replay CUDA graphs of those launches)
       +--no--> zero_copy (eager index_select / index_copy_ through the mapped pool)
 """
 
@@ -229,9 +230,11 @@ class CopyEngine:
     Data structures: `_dev_w` is the device pool as `[layers, 2, device_blocks, row]` and
     `_host_w` the host pool as `[host_blocks, layers, 2, row]`, both in the wide dtype (a row
     is one block of one layer's K or V); one staging buffer per direction (CPU path), reused
-    across calls; on CUDA one stream per direction. Invariants: ids are fully validated before
-    the first byte moves; H2D callbacks fire once per layer, in layer order, only after that
-    layer's bytes are in place.
+    across calls; on CUDA one stream per direction; on the fused path an `IdRing` and a
+    `GraphLaunches` per direction (`_rings`, `_graph_sets`: small tasks replay graphs).
+    Invariants: ids are fully validated before the first byte moves (by `check`, ahead of
+    `d2h_checked` / `h2d_checked`, or by `d2h` / `h2d` themselves); H2D callbacks fire
+    once per layer, in layer order, only after that layer's bytes are in place.
 
     Concurrency (a worker runs loads and backups on two threads): on CPU, loads go first.
     While a load is pending on `gate` (a `LoadGate`: an `h2d` call, or a load the worker has

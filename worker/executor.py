@@ -109,6 +109,11 @@ class TaskExecutor:
     read, `storage_write_delay_s` every BACKUP and CLEAR, `prefetch_page_delay_s` every page
     a PREFETCH reads (one page a batch then), `backup_delay_s` every D2H batch.
 
+    `_checked` (under `_checked_lock`): seq -> `CheckedIds` of D2H/H2D tasks checked on
+    receipt (`precheck`, the receiver thread), taken by `device_batch` (a batch of one
+    task); at most `CHECKED_KEPT`, oldest dropped; a missing or stale entry only means the
+    copy checks its ids itself.
+
     Thread safety: the worker runs each `TaskClass` on its own thread, so `device_batch` may
     run a D2H and an H2D at once (the copy engine orders their steps) and `storage_task` a
     read and a write at once (backends are thread-safe).
