@@ -21,8 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtier.worker import content
 from kvtier.worker.copy_engine import LAYER_DELAY_ENV, CopyEngine, plan_copy, wide_dtype
+from kvtier.worker.executor import TaskExecutor
 from kvtier.worker.fused_copy import fused_unavailable
 from kvtier.worker.kv_pools import BlockIdError, DevicePool, HostPool, KVShape
+from kvtier.worker.wire import Task, TaskKind
 from support import examples, new_segment_name
 
 pytestmark = pytest.mark.fast
@@ -408,6 +410,35 @@ def test_ids_checked_ahead_copy_alike_and_are_rechecked_for_another_engine() -> 
     finally:
         big.close()
         small_host.close()
+
+
+def test_worker_checks_ids_on_receipt_and_its_lane_copies_them_unchecked() -> None:
+    """`TaskExecutor.precheck` (the receiver thread) leaves a task's checked ids for its
+    lane; bad ids leave nothing and the lane's copy fails with the same one-line error;
+    a merged batch is checked whole (two tasks naming one destination)."""
+    rig = Rig(SHAPES["wide"], "cpu")
+    try:
+        ex = TaskExecutor(0, rig.dev, rig.host, None)
+        randomize(rig.dev.data, torch.Generator().manual_seed(5))
+        good = Task(1, TaskKind.D2H, src=[3, 4], dst=[7, 8])
+        ex.precheck(good)
+        assert list(ex._checked) == [1]
+        assert ex.device_batch(TaskKind.D2H, [good]) == [(0, [])]
+        assert not ex._checked  # taken by the lane
+        assert torch.equal(rig.host_block(7), rig.dev_block(3))
+        bad = Task(2, TaskKind.H2D, src=[HOST_BLOCKS], dst=[1])
+        ex.precheck(bad)
+        assert not ex._checked
+        with pytest.raises(BlockIdError, match=f"h2d: host ids: block id {HOST_BLOCKS} out"):
+            ex.device_batch(TaskKind.H2D, [bad])
+        a, b = Task(3, TaskKind.D2H, [1], [9]), Task(4, TaskKind.D2H, [2], [9])
+        ex.precheck(a)
+        ex.precheck(b)
+        with pytest.raises(BlockIdError, match="block id 9 appears more than once"):
+            ex.device_batch(TaskKind.D2H, [a, b])
+        assert not ex._checked
+    finally:
+        rig.close()
 
 
 def test_engine_rejects_mismatched_pools_and_strategy() -> None:
