@@ -74,16 +74,18 @@ def test_file_pinned_page_survives_pressure_and_unpin_lets_it_go(tmp_path: Path)
 
 
 def test_file_ttl_keeps_a_page_at_least_its_ttl_then_lets_it_go(tmp_path: Path) -> None:
-    with file_store(tmp_path, 3) as store:
-        kept = keys_of("kept", 1)
-        assert store.set(kept, pages(1)) == 1
+    with file_store(tmp_path, 2) as store:
+        kept, pinned = keys_of("kept", 1), keys_of("pinned", 1)
+        assert store.set(kept + pinned, pages(2)) == 2
+        assert store.retain(pinned, pin=True) == 1
         assert store.retain(kept, ttl_s=0.6) == 1
         deadline = time.monotonic() + 0.6
-        assert store.set(keys_of("a", 6), pages(6)) == 6
+        # the store is full of held pages: a write is refused, the TTL page stays
+        assert store.set(keys_of("a", 1), pages(1)) == 0
         assert present(store, kept) == [True], "a page within its TTL was evicted"
         time.sleep(max(0.0, deadline - time.monotonic()) + 0.05)
-        assert store.set(keys_of("b", 3), pages(3)) == 3
-        assert present(store, kept) == [False], "the TTL kept the page past its end"
+        assert store.set(keys_of("b", 1), pages(1)) == 1
+        assert present(store, kept + pinned) == [False, True], "the TTL outlived its end"
 
 
 def test_file_evicts_lower_priority_first(tmp_path: Path) -> None:
