@@ -157,6 +157,7 @@ def expiring(redis_url: str) -> Iterator[RedisBackend]:
         yield store
 
 
+@pytest.mark.slow
 def test_redis_pin_survives_expiry_and_unpin_restores_it(expiring: RedisBackend) -> None:
     store = expiring
     now_keys, later = keys_of("now", 2), keys_of("later", 1)
@@ -173,22 +174,24 @@ def test_redis_pin_survives_expiry_and_unpin_restores_it(expiring: RedisBackend)
                "the unpinned pages expired")
 
 
-def test_redis_ttl_lifts_expiry_never_shortens_it(expiring: RedisBackend,
-                                                  redis_url: str) -> None:
-    store = expiring
-    k, later = keys_of("ttl", 2), keys_of("ttl-later", 1)
-    assert store.set(k, pages(2)) == 2
-    assert store.retain(k[:1] + later, ttl_s=2.0) == 2
-    assert ttl_of(store, k[0]) > 1000, "the TTL did not lift the expiry"
-    assert store.set(later, pages(1)) == 1
-    assert ttl_of(store, later[0]) > 1000, "a page written within a TTL got the ordinary expiry"
-    wait_until(lambda: not store.exists(k[1:])[0], 5.0, "the plain page expired")
-    assert store.exists(k[:1] + later) == [True, True], "a page within its TTL expired"
-    wait_until(lambda: not any(store.exists(k[:1] + later)), 5.0, "the TTL ended")
-    with RedisBackend(redis_url, "ret/r0", secret=SECRET, ttl_s=100) as long_lived:
-        assert long_lived.set(k[:1], pages(1)) == 1
-        assert long_lived.retain(k[:1], ttl_s=5.0) == 1
-        assert ttl_of(long_lived, k[0]) > 90_000, "a shorter retention TTL shortened the expiry"
+@pytest.mark.slow
+def test_redis_ttl_lifts_expiry_never_shortens_it(redis_server: RedisServer) -> None:
+    redis_url = redis_server.url
+    redis.Redis.from_url(redis_url).flushall()
+    with RedisBackend(redis_url, "ret/r0", secret=SECRET, ttl_s=1) as store:
+        k, later = keys_of("ttl", 2), keys_of("ttl-later", 1)
+        assert store.set(k, pages(2)) == 2
+        assert store.retain(k[:1] + later, ttl_s=2.0) == 2
+        assert ttl_of(store, k[0]) > 1000, "the TTL did not lift the expiry"
+        assert store.set(later, pages(1)) == 1
+        assert ttl_of(store, later[0]) > 1000, "a page written within a TTL: ordinary expiry"
+        wait_until(lambda: not store.exists(k[1:])[0], 5.0, "the plain page expired")
+        assert store.exists(k[:1] + later) == [True, True], "a page within its TTL expired"
+        wait_until(lambda: not any(store.exists(k[:1] + later)), 5.0, "the TTL ended")
+        with RedisBackend(redis_url, "ret/r0", secret=SECRET, ttl_s=100) as long_lived:
+            assert long_lived.set(k[:1], pages(1)) == 1
+            assert long_lived.retain(k[:1], ttl_s=5.0) == 1
+            assert ttl_of(long_lived, k[0]) > 90_000, "a shorter retention TTL shortened it"
 
 
 def test_redis_delete_and_clear_drop_marks(expiring: RedisBackend) -> None:
@@ -219,6 +222,7 @@ def test_redis_without_ordinary_ttl_sends_nothing(redis_server: RedisServer) -> 
 # ------------------------------------------------------------------------------ end to end
 
 
+@pytest.mark.slow
 def test_keyed_retain_reaches_pages_stored_now_and_backed_up_later(tmp_path: Path) -> None:
     """A pin set through the keyed surface (what /retain and kv_hints call) keeps a prefix's
     storage pages through a flood that overruns the file store's capacity: the pages stored
