@@ -222,37 +222,73 @@ def test_redis_without_ordinary_ttl_sends_nothing(redis_server: RedisServer) -> 
 # ------------------------------------------------------------------------------ end to end
 
 
+@pytest.fixture(scope="module")
+def keyed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One worker, 8 host blocks, a file store of 8 pages (tiny_config's page: 512 bytes +
+    96 of header and tag)."""
+    cfg = tiny_config(workers=1, device_blocks=2, host_blocks=8, storage="file",
+                      storage_dir=tmp_path_factory.mktemp("retention-storage"),
+                      extra={"KVTIER_STORAGE__CAPACITY_BYTES": str(8 * (512 + 96))})
+    with running_stack(cfg, keyed_namespace=b"ret") as stack:
+        yield stack
+
+
+@pytest.fixture
+def cache(keyed_stack: Stack) -> KeyedHostCache:
+    keyed_stack.reset(storage=True)
+    return KeyedHostCache(keyed_stack.require_manager(), keyed_stack.storage,
+                          namespace=b"ret", host_ready=keyed_stack.workers_ready)
+
+
+def in_storage(stack: Stack, cache: KeyedHostCache, hashes: list[bytes]) -> list[bool]:
+    return [page_file(stack, 0, cache.storage_key(h)).exists() for h in hashes]
+
+
 @pytest.mark.slow
-def test_keyed_retain_reaches_pages_stored_now_and_backed_up_later(tmp_path: Path) -> None:
+def test_keyed_retain_reaches_pages_stored_now_and_backed_up_later(
+        keyed_stack: Stack, cache: KeyedHostCache) -> None:
     """A pin set through the keyed surface (what /retain and kv_hints call) keeps a prefix's
     storage pages through a flood that overruns the file store's capacity: the pages stored
     before the pin and those backed up after it; the unpinned flood is evicted."""
-    cfg = tiny_config(workers=1, device_blocks=2, host_blocks=8, storage="file",
-                      storage_dir=tmp_path / "storage",
-                      extra={"KVTIER_STORAGE__CAPACITY_BYTES": str(8 * (512 + 96))})
-    with running_stack(cfg, keyed_namespace=b"ret") as stack:
-        cache = KeyedHostCache(stack.require_manager(), stack.storage, namespace=b"ret",
-                               host_ready=stack.workers_ready)
-        before, after = keys_of("before", 2), keys_of("after", 2)
-        written = store_blocks(stack, cache, before)
-        cache.retain(before + after, Retention(pin=True))
-        written += store_blocks(stack, cache, after)
-        floods = [keys_of(f"flood{i}", 2) for i in range(8)]
-        for f in floods:
-            written += store_blocks(stack, cache, f)
-        pinned = [page_file(stack, 0, cache.storage_key(h)).exists() for h in before + after]
-        flooded = sum(page_file(stack, 0, cache.storage_key(h)).exists()
-                      for f in floods for h in f)
-        assert pinned == [True] * 4, f"pinned pages lost in storage: {pinned}"
-        assert flooded == 4, f"the store holds {flooded} flood pages, expected 8 - 4 pinned"
-        assert stack.storage is not None
-        counters = stack.storage.counters
-        assert counters["retain_pages"] == 4 and counters["errors_retain"] == 0
+    stack = keyed_stack
+    before, after = keys_of("before", 2), keys_of("after", 2)
+    store_blocks(stack, cache, before)
+    cache.retain(before + after, Retention(pin=True))
+    store_blocks(stack, cache, after)
+    floods = [keys_of(f"flood{i}", 2) for i in range(8)]
+    for f in floods:
+        store_blocks(stack, cache, f)
+    pinned = in_storage(stack, cache, before + after)
+    flooded = sum(sum(in_storage(stack, cache, f)) for f in floods)
+    assert pinned == [True] * 4, f"pinned pages lost in storage: {pinned}"
+    assert flooded == 4, f"the store holds {flooded} flood pages, expected 8 - 4 pinned"
+    assert stack.storage is not None
+    counters = stack.storage.counters
+    assert counters["retain_pages"] == 4 and counters["errors_retain"] == 0
+    # unpinned through the keyed surface, the prefix goes under the next flood
+    cache.unpin(before + after)
+    for i in range(4):
+        store_blocks(stack, cache, keys_of(f"again{i}", 2))
+    assert in_storage(stack, cache, before + after) == [False] * 4
 
 
-def store_blocks(stack: Stack, cache: KeyedHostCache, hashes: list[bytes]) -> int:
+def test_clear_by_tenant_deletes_that_tenants_pages_only(keyed_stack: Stack,
+                                                         cache: KeyedHostCache) -> None:
+    stack = keyed_stack
+    x, y = keys_of("x", 3), keys_of("y", 3)
+    store_blocks(stack, cache, x, "x")
+    store_blocks(stack, cache, y, "y")
+    assert in_storage(stack, cache, x + y) == [True] * 6
+    out = cache.clear(tenant="x", storage=True, wait_s=20.0)
+    assert out == {"host_blocks_removed": 3, "storage_pages_asked": 3,
+                   "storage_pages_deleted": 3}, out
+    assert in_storage(stack, cache, x + y) == [False] * 3 + [True] * 3
+
+
+def store_blocks(stack: Stack, cache: KeyedHostCache, hashes: list[bytes],
+                 tenant: str = "") -> None:
     """Store these blocks on the host (write_through backs them up) and wait for it."""
-    plan = cache.prepare_store(hashes)
+    plan = cache.prepare_store(hashes, tenant=tenant)
     assert plan is not None
     cache.complete_store(plan.keys)
     storage = stack.storage
@@ -260,4 +296,3 @@ def store_blocks(stack: Stack, cache: KeyedHostCache, hashes: list[bytes]) -> in
     target = storage.counters["backup_pages"] + len(hashes)
     wait_until(lambda: storage.counters["backup_pages"] >= target, 20.0,
                f"{len(hashes)} pages backed up ({storage.counters})", interval=0.01)
-    return len(hashes)
