@@ -219,6 +219,21 @@ def test_redis_without_ordinary_ttl_sends_nothing(redis_server: RedisServer) -> 
         assert ttl_of(store, k[0]) == -1
 
 
+def test_redis_allkeys_policy_is_reported_at_the_first_pin(redis_server: RedisServer) -> None:
+    """Under an allkeys-* maxmemory policy Redis may evict a pinned page: the backend says
+    so (`pins_evictable`); under the default (noeviction) it does not."""
+    k = keys_of("policy", 1)
+    with RedisBackend(redis_server.url, "policy/r0", secret=SECRET) as store:
+        store.retain(k, pin=True)
+        assert store.stats()["pins_evictable"] == 0
+    with RedisServer(extra_args=["--maxmemory-policy", "allkeys-lru"]) as lru, \
+            RedisBackend(lru.url, "policy/r0", secret=SECRET) as store:
+        store.retain(k, ttl_s=5)
+        assert store.stats()["pins_evictable"] == 0  # asked at the first pin only
+        store.retain(k, pin=True)
+        assert store.stats()["pins_evictable"] == 1
+
+
 # ------------------------------------------------------------------------------ end to end
 
 

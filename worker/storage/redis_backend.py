@@ -172,7 +172,8 @@ class RedisBackend(StorageBackend):
         self._failing = False
         self._closed = False
         self._warn = RateLimitedLog(log, log_interval_s)
-        self._stats.add(outages=0, fast_failed_calls=0)
+        self._policy: str | None = None  # the server's maxmemory-policy, read at the first pin
+        self._stats.add(outages=0, fast_failed_calls=0, pins_evictable=0)
 
     @property
     def client(self) -> RedisClient:
@@ -451,6 +452,9 @@ class RedisBackend(StorageBackend):
         an expiry to t seconds and never shortens one (a key without expiry keeps none).
         Without an ordinary TTL (`ttl_s` 0) keys never expire: nothing to send. Absent
         keys are untouched (their mark applies when they are written)."""
+        if self._policy is None and any(m.pin for h in hexkeys
+                                         if (m := self._marks.get(h, now)) is not None):
+            self._check_eviction_policy()
         if not self.ttl_s or self._in_backoff("retain"):
             return
         todo: list[tuple[bytes, int | None]] = []
@@ -463,6 +467,36 @@ class RedisBackend(StorageBackend):
             elif mark.until > now:
                 todo.append((self._prefix + h.encode(), math.ceil(mark.until - now)))
         self._send_expiries(todo, gt=True)
+
+    def _check_eviction_policy(self) -> None:
+        """Once, at the first pin: read the server's `maxmemory-policy`. Under an
+        `allkeys-*` policy Redis may evict any key when it is full, a pinned page included,
+        and kvtier cannot stop it: say so once in the log and in `stats()`
+        (`pins_evictable`). A server that refuses CONFIG (a managed Redis, an ACL) is not
+        asked again ("unknown")."""
+        policies: list[str] = []
+
+        def read() -> None:
+            found = self.client.config_get("maxmemory-policy")
+            stack: list[Any] = [found]
+            while stack:  # a cluster client answers per node: walk nested answers
+                item = stack.pop()
+                if isinstance(item, dict):
+                    stack.extend(item.values())
+                elif isinstance(item, bytes | str):
+                    policies.append(item.decode() if isinstance(item, bytes) else item)
+
+        try:  # not `_call`: a refused CONFIG is no storage error, nor an outage
+            read()
+        except (redis.RedisError, OSError):
+            policies.clear()
+        self._policy = ",".join(sorted(set(policies))) or "unknown"
+        if any(p.startswith("allkeys-") for p in policies):
+            self._stats.add(pins_evictable=1)
+            log.warning(
+                "redis storage %s: maxmemory-policy is %s, so Redis may evict pinned pages "
+                "when it is full; use a volatile-* policy (pinned keys have no expiry and "
+                "are then never evicted) or noeviction", self._shown_url, self._policy)
 
     def _apply_unpin(self, hexkeys: list[str], now: float) -> None:
         """Unpinned pages get an expiry again: the ordinary TTL, or what their mark's TTL
