@@ -83,8 +83,8 @@ class RetentionMarks:
         now = time.monotonic() if now is None else now
         until = now + ttl_s if ttl_s > 0 else 0.0
         out: list[str] = []
+        changed = False
         with self._lock:
-            self._gen += 1
             marks = self._marks
             for h in hexkeys:
                 m = marks.get(h)
@@ -95,14 +95,23 @@ class RetentionMarks:
                         self.refused += 1
                         continue
                     m = marks[h] = Mark()
+                    changed = True
+                was_held = m.held(now)
                 m.pin = m.pin or pin
                 m.until = max(m.until, until)
+                # a TTL refreshed on a page still held changes no eviction plan: the
+                # per-request refreshes of a kv_hints retention do not make it recomputed
+                changed = changed or was_held != m.held(now)
                 if m.priority != priority:
                     self._seq += 1
                     m.priority, m.seq = priority, self._seq
+                    changed = True
                 if not m.live(now):
                     del marks[h]
+                    changed = True
                 out.append(h)
+            if changed:
+                self._gen += 1
         return out
 
     def unpin(self, hexkeys: Iterable[str], now: float | None = None) -> list[str]:
@@ -110,7 +119,7 @@ class RetentionMarks:
         now = time.monotonic() if now is None else now
         out: list[str] = []
         with self._lock:
-            self._gen += 1
+            self._gen += 1  # (a no-op unpin recomputes the plan once: unpins are rare)
             for h in hexkeys:
                 m = self._marks.get(h)
                 if m is None or not m.pin:
@@ -139,10 +148,11 @@ class RetentionMarks:
         take after it: priority > 0, the same order). Held pages are in neither list; dead
         marks are dropped. The plan is cached until a mark changes or the first TTL in it
         passes: an eviction per page write then costs O(1) here, not O(marks). Measured
-        on the shared 2-core box (/tmp/i36s/bench_marks.py, the i36s report): 131,072 marks
+        on the shared 2-core box (a micro-benchmark quoted in the i36s note): 131,072 marks
         take 109 ms to plan afresh (after any retain), 22 us when cached; a file write under
         capacity pressure costs 75 us a page without marks, 86 us with 64 pinned pages and
-        99 us with 1,024 (2,048-page capacity, 1 KiB pages)."""
+        99 us with 1,024 (2,048-page capacity, 1 KiB pages). The plan's validity: a pinned
+        or TTL-held page whose TTL is refreshed stays held, so that changes nothing."""
         with self._lock:
             plan = self._plan
             if plan is not None and plan[0] == self._gen and now < plan[1]:
