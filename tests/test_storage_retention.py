@@ -24,6 +24,7 @@ from kvtier.manager.stack import Stack
 from kvtier.manager.tenants import Retention
 from kvtier.worker.storage.file_backend import FileBackend
 from kvtier.worker.storage.redis_backend import RedisBackend
+from kvtier.worker.storage.retention import RetentionMarks
 from redis_server import RedisClusterServers, RedisServer
 from stack_support import running_stack
 from storage_support import page_file
@@ -131,6 +132,20 @@ def test_retention_bad_arguments_raise_and_change_nothing(tmp_path: Path) -> Non
         with pytest.raises(ValueError, match="key 0 is 3 bytes"):
             store.retain([b"abc"], pin=True)
         assert store.stats()["retention_marks"] == 0
+
+
+def test_marks_are_bounded_and_never_shorten_a_ttl() -> None:
+    marks = RetentionMarks(limit=2)
+    assert marks.retain(["a", "b", "c"], pin=False, ttl_s=10, priority=0, now=0) == ["a", "b"]
+    assert marks.counts(0)["retain_refused_pages"] == 1 and len(marks) == 2
+    assert marks.retain(["a"], pin=False, ttl_s=1, priority=0, now=0) == ["a"]
+    a = marks.get("a", 5)
+    assert a is not None and a.until == 10, "a shorter TTL shortened a mark"
+    assert marks.retain(["b"], pin=True, ttl_s=0, priority=2, now=0) == ["b"]
+    assert marks.unpin(["a", "b"], now=20) == ["b"]
+    assert marks.get("a", 20) is None  # its TTL passed: dropped when met
+    b = marks.get("b", 20)
+    assert b is not None and not b.pin and b.priority == 2  # unpin keeps the priority
 
 
 # ------------------------------------------------------------------------------ redis
