@@ -29,13 +29,13 @@ from kvtier.worker.kv_pools import DeviceKV, DevicePool, HostPool
 from kvtier.worker.spec import WorkerSpec
 from kvtier.worker.storage.backend import StorageBackend
 from kvtier.worker.storage.factory import make_backend
-from kvtier.worker.wire import Task, TaskKind, key_tag
+from kvtier.worker.wire import RETAIN_SET, RETAIN_UNPIN, Task, TaskKind, key_tag
 
 log = logging.getLogger("kvtier.worker")
 
 DEVICE_KINDS = frozenset({TaskKind.D2H, TaskKind.H2D, TaskKind.FILL, TaskKind.CHECK})
 STORAGE_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP, TaskKind.CLEAR,
-                           TaskKind.LIST, TaskKind.DELETE})
+                           TaskKind.LIST, TaskKind.DELETE, TaskKind.RETAIN})
 MERGEABLE = frozenset({TaskKind.D2H, TaskKind.H2D})
 
 
@@ -52,7 +52,7 @@ class TaskClass(IntEnum):
     LOAD = 1  # H2D, and the FILL / CHECK diagnostics (a request waits on them)
     BACKUP = 2  # D2H: write-through backups and write-back demotions
     STORAGE_READ = 3  # QUERY, PREFETCH
-    STORAGE_WRITE = 4  # BACKUP (host -> storage), CLEAR, DELETE, LIST (background work)
+    STORAGE_WRITE = 4  # BACKUP (host -> storage), CLEAR, DELETE, LIST, RETAIN (background)
 
 
 TASK_CLASSES: dict[TaskKind, TaskClass] = {
@@ -71,6 +71,9 @@ TASK_CLASSES: dict[TaskKind, TaskClass] = {
     # shard, or SCAN round trips) must not hold up the queries and prefetches a request
     # waits on, so it runs on the niced write lane, never on the read lane.
     TaskKind.LIST: TaskClass.STORAGE_WRITE,
+    # A RETAIN runs in order with the backups (same lane, FIFO within a priority): one sent
+    # before a page's backup marks it first, so the backup is written with its retention.
+    TaskKind.RETAIN: TaskClass.STORAGE_WRITE,
 }
 """The lane of every task kind but REVOKE, which a worker applies as it receives it."""
 
@@ -89,6 +92,7 @@ _TASK_OPS: dict[TaskKind, tuple[str, ...]] = {
     TaskKind.CLEAR: ("clear", "delete"),
     TaskKind.DELETE: ("delete",),
     TaskKind.LIST: ("list",),
+    TaskKind.RETAIN: ("retain",),
 }
 
 # A LIST reads the backend's listing in batches of this many keys (one scandir of a few
@@ -276,7 +280,7 @@ class TaskExecutor:
         store = self.storage
         if store is None:
             if task.kind in (TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.CLEAR,
-                             TaskKind.DELETE):
+                             TaskKind.DELETE, TaskKind.RETAIN):
                 return 0
             raise RuntimeError("no storage tier is configured on this rank")
         if self.storage_delay_s and task.kind in (TaskKind.QUERY, TaskKind.PREFETCH):
@@ -289,6 +293,8 @@ class TaskExecutor:
             return store.clear()
         if task.kind == TaskKind.DELETE:
             return store.delete(task.keys)
+        if task.kind == TaskKind.RETAIN:
+            return _retain(store, task)
         host = self.host
         if host is None:
             if self.freed:
@@ -329,6 +335,19 @@ class TaskExecutor:
             if lead < len(part):
                 break
         return n
+
+
+def _retain(store: StorageBackend, task: Task) -> int:
+    """RETAIN (`kvtier.worker.wire`): mark or unpin the task's pages; the pages marked."""
+    if len(task.src) != 4:
+        raise ValueError(f"RETAIN needs [mode, pin, ttl_ms, priority], got {len(task.src)} "
+                         "values")
+    mode, pin, ttl_ms, priority = (int(v) for v in task.src)
+    if mode == RETAIN_UNPIN:
+        return store.unpin(task.keys)
+    if mode != RETAIN_SET:
+        raise ValueError(f"RETAIN mode {mode} is unknown (1: retain, 2: unpin)")
+    return store.retain(task.keys, pin=bool(pin), ttl_s=ttl_ms / 1000, priority=priority)
 
 
 class RankResources:

@@ -140,6 +140,9 @@ class Namespace:
                            "held_hashes": self.fanout.held, "resyncs": self.fanout.resyncs,
                            "trimmed": self.fanout.trimmed},
                 "counters": dict(self.keyed.counters),
+                # the namespace's storage tier: backups, deletions, retention sent to it
+                "storage_counters": (None if self.stack.storage is None
+                                     else dict(self.stack.storage.counters)),
                 "tenants": self.tenant_figures(STATUS_TENANTS)}
 
     def tenant_figures(self, top: int) -> dict[str, Any]:
