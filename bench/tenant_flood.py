@@ -9,8 +9,9 @@ blocks of 64 tokens, vLLM's device pool 12 blocks). Each namespace holds `--host
 
 Workload (ours, seeded): B sends its system prompt once (8 blocks), then per round
 (`--rounds`, 30) A scans `--docs` (4) one-shot documents of 8 blocks and B asks one short
-question behind the system prompt (1 block + 16 tokens). A round's documents (32 blocks) fill the namespace and vLLM's
-device pool alike, so B's system prompt is gone from both unless something keeps it.
+question behind the system prompt (1 block + 16 tokens). A round's documents (32 blocks)
+fill the namespace and vLLM's device pool alike, so B's system prompt is gone from both
+unless something keeps it.
 
     none     no quotas, no kv_hints: the namespace's own eviction order (LRU)
     steered  quotas A 20, B 12 blocks (POST /tenants/quota), every request carries a
