@@ -41,8 +41,6 @@ import signal
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -307,38 +305,13 @@ def _drain(stack: Stack) -> None:
 # -------------------------------------------------------------------------------- status
 
 
-def admin_request(url: str, path: str, *, token: str | None, method: str = "GET",
-                  data: bytes | None = None) -> urllib.request.Request:
-    """A request to the admin at `url`, carrying the bearer token when there is one (the
-    admin's client side: every command that talks to the admin builds its requests here)."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    if data is not None:
-        headers["Content-Type"] = "application/json"
-    return urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers,
-                                  method=method)
-
-
 def fetch_status(url: str, timeout: float, token: str | None = None) -> dict[str, Any]:
-    """GET <url>/status as JSON. Raises RuntimeError with one readable line."""
-    request = admin_request(url, "/status", token=token)
-    target = request.full_url
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            status: dict[str, Any] = json.loads(response.read())  # the admin API's object
-            return status
-    except urllib.error.HTTPError as e:
-        try:
-            detail = json.loads(e.read()).get("detail", "")
-        except (ValueError, AttributeError):
-            detail = ""
-        raise RuntimeError(f"{target} answered {e.code} {e.reason}"
-                           + (f": {detail}" if detail else "")) from None
-    except urllib.error.URLError as e:
-        raise RuntimeError(f"cannot reach the admin at {url}: {e.reason}") from None
-    except (OSError, TimeoutError) as e:
-        raise RuntimeError(f"cannot reach the admin at {url}: {e}") from None
-    except ValueError as e:
-        raise RuntimeError(f"{target} did not answer JSON: {e}") from None
+    """GET <url>/status as JSON. Raises RuntimeError (`client.AdminCallError`) with one
+    readable line."""
+    from kvtier.admin.client import call_json
+
+    status: dict[str, Any] = call_json(url, "/status", token=token, timeout=timeout)
+    return status
 
 
 def _bytes(n: object) -> str:

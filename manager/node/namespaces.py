@@ -83,6 +83,9 @@ class Namespace:
         self.ranks = cfg.workers.count
         self.host_blocks = cfg.cache.host_blocks
         self.page_bytes = page_bytes(cfg)
+        # the first engine's tokens per block hash (HELLO): token-id steering needs it equal
+        # to `geometry["block_size"]` (`Steering.hashes` refuses otherwise)
+        self.hash_block_size = int(geometry["block_size"])
         self.sessions: set[int] = set()
         self.engines_seen = 0
         self.created = time.time()
@@ -313,6 +316,11 @@ class Namespaces:
         finally:
             stack.adopt_host = False  # a worker restarted later creates a fresh pool
         ns = Namespace(hello.namespace, cfg, geometry, quota, stack)
+        ns.hash_block_size = hello.hash_block_size or hello.block_size
+        if ns.hash_block_size != hello.block_size:
+            log.warning("namespace %r: the engine hashes blocks of %d tokens, kvtier's are %d: "
+                        "token-id steering (lookup, retain, warm, clear by tokens) is refused "
+                        "for it", hello.namespace, ns.hash_block_size, hello.block_size)
         if adoption is not None and rec is not None:
             try:
                 inodes = [i for _, _, i in host_segments(did, ranks)]
