@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from kvtier.manager.node.handover import (
 )
 from kvtier.manager.node.namespaces import namespace_deployment_id
 from kvtier.worker.spec import SHM_DIR, kept_segment_name
-from support import wait_until
+from support import clean_env, kvtier_script, wait_until
 from test_node_service import NS_A, PAGE, EngineProc, Node
 
 pytestmark = pytest.mark.fast
@@ -218,3 +219,73 @@ def test_hostile_hand_overs_give_one_line_and_a_cold_start(node: Node, tmp_path:
     assert _kept(node).stat().st_ino != old_pool, "the old pool adopted"
     assert not path.exists()
     assert _namespace(node)["restart"]["adopted"] == 0
+
+
+@pytest.fixture
+def plain_node(tmp_path: Path) -> Iterator[Node]:
+    """A service without node.handover: a take-over hands over all the same."""
+    n = Node(tmp_path, node_toml=f'quotas = {{"{NS_A}" = {QUOTA_BLOCKS * PAGE}}}\n')
+    try:
+        yield n.start()
+    finally:
+        n.close()
+
+
+def test_a_takeover_keeps_every_block_and_the_engine(plain_node: Node, tmp_path: Path
+                                                     ) -> None:
+    """`kvtier serve --takeover` beside the running service (node.handover off: asked,
+    it hands over all the same): the old one is asked over the socket, hands over and
+    exits 0; the engine attached before reattaches by itself and every block it stored
+    loads from the new service's host tier, byte for byte. Refusals first, each one line
+    while the old service keeps serving: nothing to take over on a socket path, another
+    deployment on the same socket, a service that does not answer within
+    --takeover-timeout. Break check: the old service's stop not handing over when taken
+    over (node.handover alone decides), "AssertionError: {... 'hits': 0 ...}"."""
+    node = plain_node
+    a = node.engine()
+    keys = list(range(100))
+    for i in range(0, 100, 50):
+        assert a.call(op="store", keys=keys[i:i + 50])["stored"] == 50
+    kvtier = str(kvtier_script())
+    # nothing listens on another socket path
+    nowhere = tmp_path / "nowhere.toml"
+    nowhere.write_text(node.toml.read_text().replace(str(node.sock),
+                                                     str(node.dir / "x" / "node.sock")))
+    other = tmp_path / "other.toml"  # the same socket, another deployment
+    other.write_text(node.toml.read_text().replace(node.did, node.did + "x", 1))
+    for toml, code, line in ((nowhere, 2, "no kvtier serve to take over"),
+                             (other, 2, "refused: TAKEOVER: this service is deployment")):
+        run = subprocess.run([kvtier, "serve", "--config", str(toml), "--takeover"],
+                             capture_output=True, text=True, timeout=60, env=clean_env())
+        err = run.stderr.strip().splitlines()
+        assert run.returncode == code and line in err[-1], (run.returncode, run.stderr)
+        assert "Traceback" not in run.stderr
+    # a service that does not answer (stopped) within the bound
+    old = node.serve
+    assert old is not None and old.proc is not None
+    os.kill(old.proc.pid, signal.SIGSTOP)
+    try:
+        run = subprocess.run([kvtier, "serve", "--config", str(node.toml), "--takeover",
+                              "--takeover-timeout", "1"],
+                             capture_output=True, text=True, timeout=60, env=clean_env())
+    finally:
+        os.kill(old.proc.pid, signal.SIGCONT)
+    assert run.returncode == 1 and "did not answer" in run.stderr, run.stderr
+    assert a.call(op="load", keys=keys[:1])["hits"] == 1  # the old one still serves
+    before = a.call(op="status")["nonce"]
+    try:
+        node.start("--takeover")
+        assert old.proc.wait(30) == 0, old.log()
+    finally:
+        if old.proc.poll() is not None:
+            old.proc.wait()
+        else:  # a failed take-over: the old one and its workers go with the test
+            old.close()
+    assert "taken over by kvtier serve pid" in old.log(), old.log()
+    assert "took over kvtier serve pid" in node.log(), node.log()
+    wait_until(lambda: (s := a.call(op="status"))["connected"] and s["nonce"] != before,
+               30, "the engine reattached to the new service")
+    got = a.call(op="load", keys=keys)
+    assert got["hits"] == 100 and got["identical"] is True, got
+    assert _namespace(node)["restart"] == {"handed_over": 100, "recovered": 0,
+                                           "adopted": 100, "discarded": 0}

@@ -53,6 +53,7 @@ from typing import Annotated, Any
 import msgspec
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.keyed import KeyedHostCache, engine_key
+from kvtier.manager.node.wire import Hello
 from kvtier.worker.spec import KEPT_PREFIX, SHM_DIR, host_segment_name, kept_segment_name
 
 log = logging.getLogger("kvtier.node")
@@ -298,6 +299,21 @@ class Adoption:
                                          "discarded": 0}
         log.info("hand-over read: %d namespace(s), %d block(s)", len(doc.namespaces),
                  sum(len(r.pages) for r in doc.namespaces))
+
+    def hellos(self) -> list[Hello]:
+        """A HELLO for each namespace still to adopt, from its recorded geometry: its stack
+        is started at once (`NodeServer._prestart`), not at its first engine's attach. A
+        geometry that does not read back is skipped (its engines' HELLO starts it)."""
+        out = []
+        for rec in self._records.values():
+            try:
+                g = json.loads(rec.geometry)
+                out.append(Hello(rec.namespace, dict(g["shape"]), int(g["block_size"]),
+                                 str(g["hash_algo"]), str(g["hash_seed"]), int(g["ranks"]),
+                                 0))
+            except (ValueError, TypeError, KeyError):
+                continue
+        return out
 
     def take(self, namespace: str, deployment_id: str, geometry: dict[str, Any],
              page_bytes: int, host_blocks: int, ranks: int) -> NamespaceRecord | None:

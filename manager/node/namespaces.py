@@ -212,8 +212,10 @@ class Namespaces:
             raise NamespaceRefused(f"namespace {hello.namespace!r}: the engine's geometry "
                                    f"is not one kvtier can hold: {e}") from None
 
-    def attach(self, hello: Hello, session: int) -> Namespace:
-        """The namespace of this engine, started on its first attach. NamespaceRefused."""
+    def attach(self, hello: Hello, session: int | None) -> Namespace:
+        """The namespace of this engine, started on its first attach. NamespaceRefused.
+        `session` None: only started (a hand-over's namespace, before its engines
+        reattach), no engine joins."""
         geometry = hello.geometry()
         while True:
             with self._lock:
@@ -253,7 +255,7 @@ class Namespaces:
             return self._join(ns, hello, geometry, session)
 
     def _join(self, ns: Namespace, hello: Hello, geometry: dict[str, Any],
-              session: int) -> Namespace:
+              session: int | None) -> Namespace:
         """The engine joins a started namespace (under the lock)."""
         if ns.geometry != geometry:
             diff = sorted(k for k in geometry if geometry[k] != ns.geometry.get(k))
@@ -261,8 +263,9 @@ class Namespaces:
                 f"namespace {hello.namespace!r} is attached with another geometry "
                 f"({', '.join(diff)} differ: {[ns.geometry[k] for k in diff]} there, "
                 f"{[geometry[k] for k in diff]} here)")
-        ns.sessions.add(session)
-        ns.engines_seen += 1
+        if session is not None:
+            ns.sessions.add(session)
+            ns.engines_seen += 1
         return ns
 
     def _reserve(self, hello: Hello) -> tuple[KvtierConfig, int, int]:

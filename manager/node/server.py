@@ -42,6 +42,13 @@ hand-over file in the socket's folder and keeps the pools (`handover`); a start 
 store is checksummed into the namespace's crash journal before it is published
 (`journal`).
 
+`kvtier serve --takeover` (`take_over`): the new service connects like an engine and sends
+TAKEOVER instead of HELLO (`wire`); the old one checks the peer's uid and the deployment,
+answers TAKEN and stops (`on_takeover`), handing over whatever `node.handover` says; the
+new one waits for the old one's `node.lock` (bounded), then starts as after any restart. A
+start that found a hand-over starts its namespaces at once (`_prestart`), so their stacks
+are up, or starting, when the engines reattach.
+
 Request ids are the engine's; they are kept apart per session (`<session>:<id>`), so two
 engines using the same ids never share a storage query.
 
@@ -65,7 +72,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, overload
 
@@ -91,6 +98,20 @@ _CODES = {Lookup.HIT: wire.LookupCode.HIT, Lookup.PENDING: wire.LookupCode.PENDI
 
 class NodeSocketError(KvtierError):
     """The engine socket cannot be opened (path, directory, another live service)."""
+
+
+class NodeLockHeld(NodeSocketError):
+    """Another live service holds the socket's lock."""
+
+
+class TakeoverError(KvtierError):
+    """`kvtier serve --takeover` cannot take the running service over (one line);
+    `usage`: nothing or the wrong thing to take over (exit 2), else the running service did
+    not answer or hand over in time (exit 1)."""
+
+    def __init__(self, message: str, *, usage: bool = True) -> None:
+        super().__init__(message)
+        self.usage = usage
 
 
 def socket_path(cfg: KvtierConfig, env: Mapping[str, str] | None = None) -> Path:
@@ -195,10 +216,17 @@ class NodeServer:
         self._threads: list[threading.Thread] = []
         self.dropped = 0  # connections refused or dropped
         self.events: EventPublisher | None = None  # node.events: started by `start`
+        # `kvtier serve --takeover` (issue 37): what stops this service when a new one asks
+        # (the serve command's stop), and who asked
+        self.on_takeover: Callable[[], None] | None = None
+        self.taken_over: wire.Takeover | None = None
+        self._taking = False  # a TAKEN being sent (one take-over at a time)
 
     # ------------------------------------------------------------------ life cycle
 
-    def _open_dir(self) -> None:
+    def _open_dir(self, wait_until: float | None = None) -> None:
+        """The socket's private folder, and its lock taken (`wait_until`, monotonic: polled
+        until then while another service holds it; NodeLockHeld after)."""
         d = self.path.parent
         gid = self.cfg.node.allowed_gid
         mode = 0o700 if gid < 0 else 0o710
@@ -218,16 +246,75 @@ class NodeServer:
             fd = os.open(d / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise NodeSocketError(f"node.socket: cannot prepare {d}: {e.strerror}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise NodeSocketError(f"node.socket = {str(self.path)!r}: another kvtier serve "
-                                  "holds it (its node.lock is locked)") from None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                # a take-over waits here for the old service's stop: polled, a 2 ms step is
+                # nothing next to the hand-over it waits for
+                if wait_until is not None and time.monotonic() < wait_until:
+                    time.sleep(0.002)
+                    continue
+                os.close(fd)
+                raise NodeLockHeld(f"node.socket = {str(self.path)!r}: another kvtier serve "
+                                   "holds it (its node.lock is locked)") from None
         self._lock_fd = fd
 
-    def start(self) -> NodeServer:
-        self._open_dir()
+    def take_over(self, timeout_s: float) -> wire.Taken:
+        """`kvtier serve --takeover`: ask the service on this socket to hand over (TAKEOVER,
+        see `wire`), wait for its stop (its lock released) within `timeout_s`, then
+        `start` as usual (the hand-over read, the socket bound). TakeoverError, one line:
+        nothing listens there, a service of another uid or deployment, a refusal, no
+        answer, or the lock still held at the bound (the old service is still stopping:
+        this one gives up rather than start beside it)."""
+        deadline = time.monotonic() + timeout_s
+        where = f"--takeover: {self.path}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout_s)
+            try:
+                sock.connect(str(self.path))
+            except (FileNotFoundError, ConnectionRefusedError):
+                raise TakeoverError(f"{where}: no kvtier serve to take over (nothing listens "
+                                    "there)") from None
+            except OSError as e:
+                raise TakeoverError(f"{where}: cannot connect ({e.strerror})") from None
+            pid, uid, _ = _UCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            if uid != os.getuid():
+                raise TakeoverError(f"{where}: the service there (pid {pid}) runs as uid {uid}, "
+                                    f"this one as {os.getuid()}: not taken over")
+            sock.sendall(wire.encode_takeover(wire.Takeover(self.cfg.deployment_id,
+                                                            os.getpid())))
+            prefix = self._recv_exact(sock, wire.LEN_BYTES, deadline, "TAKEN")
+            ftype, _, body = wire.decode_takeover_head(
+                self._recv_exact(sock, wire.frame_length(prefix), deadline, "TAKEN"))
+            if ftype is wire.FrameType.ERROR:
+                raise TakeoverError(f"{where}: the service there (pid {pid}) refused: "
+                                    f"{body.decode('utf-8', 'replace')}")
+            if ftype is not wire.FrameType.TAKEN:
+                raise TakeoverError(f"{where}: the service there answered {ftype.name}, not "
+                                    "TAKEN")
+            taken = wire.decode_taken(body)
+        except (OSError, wire.WireError) as e:
+            raise TakeoverError(f"{where}: the service there did not answer ({e})",
+                                usage=False) from None
+        finally:
+            sock.close()
+        log.info("taking over kvtier serve pid %d (instance %s): waiting for its hand-over",
+                 taken.pid, taken.nonce[:8])
+        try:
+            self.start(lock_until=deadline)
+        except NodeLockHeld:
+            raise TakeoverError(
+                f"{where}: kvtier serve pid {taken.pid} did not hand over within "
+                f"{timeout_s:g} s (--takeover-timeout); it still holds the socket, so this "
+                "service exits rather than start beside it", usage=False) from None
+        return taken
+
+    def start(self, lock_until: float | None = None) -> NodeServer:
+        self._open_dir(lock_until)
         self.adoption.load(self.path.parent)  # ours alone now (the lock is held)
         try:
             with contextlib.suppress(FileNotFoundError):
@@ -260,7 +347,20 @@ class NodeServer:
             t.start()
             self._threads.append(t)
         log.info("node socket listening on %s (instance %s)", self.path, self.nonce[:8])
+        # the handed-over namespaces' stacks started now, not at their first engine's HELLO:
+        # the engines reattach to a namespace already starting (its workers adopting)
+        for hello in self.adoption.hellos():
+            threading.Thread(target=self._prestart, args=(hello,), daemon=True,
+                             name="kvtier-node-prestart").start()
         return self
+
+    def _prestart(self, hello: wire.Hello) -> None:
+        try:
+            self.namespaces.attach(hello, None)
+        except NamespaceRefused as e:
+            log.warning("namespace %r: not started from the hand-over: %s", hello.namespace, e)
+        except Exception:
+            log.exception("namespace %r: not started from the hand-over", hello.namespace)
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
@@ -289,7 +389,7 @@ class NodeServer:
         self._bury(all_=True)
         if self.events is not None:
             self.events.stop()  # a last batch while the stacks are still there
-        if self.cfg.node.handover:
+        if self.cfg.node.handover or self.taken_over is not None:
             self._hand_over()
         self.namespaces.close()
         self.adoption.close()
@@ -480,7 +580,7 @@ class NodeServer:
             body = self._recv_exact(sock, n, deadline, what)
         finally:
             sock.settimeout(None)
-        return wire.decode_head(body)
+        return wire.decode_takeover_head(body)
 
     def _read_frame(self, sock: socket.socket) -> tuple[wire.FrameType, int, bytes] | None:
         """The next frame: waited for as long as the engine likes, then whole within
@@ -505,6 +605,8 @@ class NodeServer:
         if got is None:
             return "closed before HELLO"
         ftype, seq, body = got
+        if ftype is wire.FrameType.TAKEOVER:
+            return self._give_over(s, seq, wire.decode_takeover(body))
         if ftype is not wire.FrameType.HELLO:
             raise wire.WireError(f"{ftype.name}: the first frame must be HELLO")
         hello = wire.decode_hello(body)
@@ -538,6 +640,39 @@ class NodeServer:
             if reply is not None:
                 s.sock.sendall(wire.encode_reply(reply, seq))
         return "service stopping"
+
+    def _give_over(self, s: Session, seq: int, req: wire.Takeover) -> str:
+        """A new service's TAKEOVER: only from this uid and deployment, once; answered
+        TAKEN, then this service stops (`on_takeover`) and `stop` hands over."""
+        if s.uid != os.getuid():
+            raise NamespaceRefused(f"TAKEOVER: only uid {os.getuid()} may take this service "
+                                   f"over, not uid {s.uid}")
+        if req.pid != s.peer_pid:
+            raise NamespaceRefused(f"TAKEOVER: pid {req.pid} asked, the peer is pid "
+                                   f"{s.peer_pid}")
+        if req.deployment_id != self.cfg.deployment_id:
+            raise NamespaceRefused(f"TAKEOVER: this service is deployment "
+                                   f"{self.cfg.deployment_id!r}, not {req.deployment_id!r}")
+        with self._lock:
+            why = ("it is stopping already" if self._stop.is_set() or self.taken_over
+                   or self._taking else
+                   "nothing here can stop it (no kvtier serve owns it)"
+                   if self.on_takeover is None else "")
+            if why:
+                raise NamespaceRefused(f"TAKEOVER: refused, {why}")
+            self._taking = True
+        try:
+            # the asker may have given up (its --takeover-timeout) and closed: the send
+            # fails and this service keeps serving
+            s.sock.sendall(wire.encode_taken(wire.Taken(self.cfg.deployment_id, os.getpid(),
+                                                        self.nonce), seq))
+        finally:
+            self._taking = False
+        self.taken_over = req
+        log.info("taken over by kvtier serve pid %d: stopping, handing over", req.pid)
+        assert self.on_takeover is not None
+        self.on_takeover()
+        return f"took this service over (kvtier serve pid {req.pid})"
 
     # ------------------------------------------------------------------ ops
 
