@@ -104,7 +104,7 @@ def phases(logs: list[Path], since: float) -> dict[str, float]:
     lines.sort()
     out = {}
     patterns = dict(PHASES)
-    for name, pattern in PHASES.items():
+    for name in PHASES:
         for t, ln in lines:
             if re.search(patterns[name], ln):
                 out[name] = round(t - since, 3)
