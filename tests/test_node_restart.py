@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
+from kvtier.manager.config import load_config
 from kvtier.manager.node.handover import (
     HANDOVER_NAME,
     HandOver,
@@ -32,8 +32,9 @@ from kvtier.manager.node.handover import (
     read_handover,
 )
 from kvtier.manager.node.namespaces import namespace_deployment_id
+from kvtier.manager.node.server import NodeServer, TakeoverError
 from kvtier.worker.spec import SHM_DIR, kept_segment_name
-from support import clean_env, kvtier_script, wait_until
+from support import wait_until
 from test_node_service import NS_A, PAGE, EngineProc, Node
 
 pytestmark = pytest.mark.fast
@@ -223,8 +224,13 @@ def test_hostile_hand_overs_give_one_line_and_a_cold_start(node: Node, tmp_path:
 
 @pytest.fixture
 def plain_node(tmp_path: Path) -> Iterator[Node]:
-    """A service without node.handover: a take-over hands over all the same."""
-    n = Node(tmp_path, node_toml=f'quotas = {{"{NS_A}" = {QUOTA_BLOCKS * PAGE}}}\n')
+    """A node service alone (no scheduler-API stack: no worker of its own to start) without
+    node.handover: a take-over hands over all the same."""
+    n = Node(tmp_path)
+    n.toml.write_text(f'deployment_id = "{n.did}"\n[storage]\nbackend = "none"\n'
+                      '[admin]\nhost = "127.0.0.1"\nport = 0\n'
+                      f'[node]\nsocket = "{n.sock}"\nabandon_grace_s = 0.5\n'
+                      f'quotas = {{"{NS_A}" = {QUOTA_BLOCKS * PAGE}}}\n')
     try:
         yield n.start()
     finally:
@@ -246,31 +252,27 @@ def test_a_takeover_keeps_every_block_and_the_engine(plain_node: Node, tmp_path:
     keys = list(range(100))
     for i in range(0, 100, 50):
         assert a.call(op="store", keys=keys[i:i + 50])["stored"] == 50
-    kvtier = str(kvtier_script())
-    # nothing listens on another socket path
-    nowhere = tmp_path / "nowhere.toml"
-    nowhere.write_text(node.toml.read_text().replace(str(node.sock),
-                                                     str(node.dir / "x" / "node.sock")))
-    other = tmp_path / "other.toml"  # the same socket, another deployment
-    other.write_text(node.toml.read_text().replace(node.did, node.did + "x", 1))
-    for toml, code, line in ((nowhere, 2, "no kvtier serve to take over"),
-                             (other, 2, "refused: TAKEOVER: this service is deployment")):
-        run = subprocess.run([kvtier, "serve", "--config", str(toml), "--takeover"],
-                             capture_output=True, text=True, timeout=60, env=clean_env())
-        err = run.stderr.strip().splitlines()
-        assert run.returncode == code and line in err[-1], (run.returncode, run.stderr)
-        assert "Traceback" not in run.stderr
-    # a service that does not answer (stopped) within the bound
+    # the refusals, in this process (the server's own `take_over`, as `serve --takeover`
+    # calls it; no process start each): nothing listens on another socket path; the same
+    # socket, another deployment; a service that does not answer (stopped) within the bound
+    cfg = load_config(node.toml)
+    nowhere = cfg.model_copy(update={"node": cfg.node.model_copy(
+        update={"socket": str(node.dir / "x" / "node.sock")})})
+    other = cfg.model_copy(update={"deployment_id": node.did + "x"})
+    for c, line in ((nowhere, "no kvtier serve to take over"),
+                    (other, "refused: TAKEOVER: this service is deployment")):
+        with pytest.raises(TakeoverError, match=line) as refused:
+            NodeServer(c).take_over(10.0)
+        assert refused.value.usage and "\n" not in str(refused.value)
     old = node.serve
     assert old is not None and old.proc is not None
     os.kill(old.proc.pid, signal.SIGSTOP)
     try:
-        run = subprocess.run([kvtier, "serve", "--config", str(node.toml), "--takeover",
-                              "--takeover-timeout", "1"],
-                             capture_output=True, text=True, timeout=60, env=clean_env())
+        with pytest.raises(TakeoverError, match="did not answer") as refused:
+            NodeServer(cfg).take_over(1.0)
+        assert not refused.value.usage
     finally:
         os.kill(old.proc.pid, signal.SIGCONT)
-    assert run.returncode == 1 and "did not answer" in run.stderr, run.stderr
     assert a.call(op="load", keys=keys[:1])["hits"] == 1  # the old one still serves
     before = a.call(op="status")["nonce"]
     try:

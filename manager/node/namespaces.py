@@ -40,6 +40,7 @@ from typing import Any
 from kvtier.manager.config import ConfigError, KvtierConfig, page_bytes, with_sections
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.keyed import KeyedHostCache
+from kvtier.manager.launcher import WarmWorkers
 from kvtier.manager.node.fanout import EventFanout
 from kvtier.manager.node.handover import Adoption, unlink_kept
 from kvtier.manager.node.journal import Journal, adopt_recovered, recover
@@ -179,6 +180,9 @@ class Namespaces:
         self._lock = threading.Lock()
         self._closed = False
         self.adoption: Adoption | None = None  # the node server's (a hand-over to adopt)
+        # worker processes started warm for a take-over's namespaces (their imports done
+        # while the old service still served), taken by the stacks started from it
+        self.warm: WarmWorkers | None = None
 
     def namespace_config(self, hello: Hello) -> tuple[KvtierConfig, int]:
         """The configuration of a namespace's stack and its quota in bytes."""
@@ -303,6 +307,7 @@ class Namespaces:
         stack = Stack(cfg, keyed_namespace=hello.namespace.encode())
         # its workers adopt the kept segments (a fresh pool where there is none)
         stack.adopt_host = rec is not None or bool(slots)
+        stack.warm = self.warm
         try:
             stack.start()
         except KvtierError as e:
@@ -380,6 +385,8 @@ class Namespaces:
             self._closed = True
             stacks = list(self._by_name.values())
             self._by_name.clear()
+        if self.warm is not None:
+            self.warm.close()
         for ns in stacks:
             ns.stack.close()
             if ns.journal is not None:  # kept for the next service with node.handover

@@ -79,6 +79,7 @@ from typing import Any, overload
 from kvtier.manager.config import KvtierConfig
 from kvtier.manager.errors import InvalidRequestError, KvtierError
 from kvtier.manager.keyed import KeyedHostCache, Lookup
+from kvtier.manager.launcher import WarmWorkers
 from kvtier.manager.node import wire
 from kvtier.manager.node.events import EventPublisher
 from kvtier.manager.node.handover import Adoption, snapshot, write_handover
@@ -262,17 +263,47 @@ class NodeServer:
         self._lock_fd = fd
 
     def take_over(self, timeout_s: float) -> wire.Taken:
-        """`kvtier serve --takeover`: ask the service on this socket to hand over (TAKEOVER,
-        see `wire`), wait for its stop (its lock released) within `timeout_s`, then
-        `start` as usual (the hand-over read, the socket bound). TakeoverError, one line:
+        """`kvtier serve --takeover`: ask the service on this socket what it runs (TAKEOVER
+        `prepare`, see `wire`), start that many worker processes warm (their imports done
+        while it still serves), ask it to hand over, wait for its stop (its lock released)
+        within `timeout_s` in all, then `start` as usual (the hand-over read, the socket
+        bound, its namespaces started on the warm workers). TakeoverError, one line:
         nothing listens there, a service of another uid or deployment, a refusal, no
         answer, or the lock still held at the bound (the old service is still stopping:
         this one gives up rather than start beside it)."""
         deadline = time.monotonic() + timeout_s
+        asked = self._ask(wire.Takeover(self.cfg.deployment_id, os.getpid(), True), deadline)
+        if asked.workers:
+            warm = self.namespaces.warm = WarmWorkers()
+            warm.start(asked.workers)
+            t0 = time.monotonic()
+            # a bounded share of the time left: the rest is the old one's stop
+            n = warm.wait_warm(max(0.0, (deadline - t0) / 2))
+            log.info("%d of %d worker process(es) warm in %.2f s", n, asked.workers,
+                     time.monotonic() - t0)
+        try:
+            taken = self._ask(wire.Takeover(self.cfg.deployment_id, os.getpid()), deadline)
+            log.info("taking over kvtier serve pid %d (instance %s): waiting for its "
+                     "hand-over", taken.pid, taken.nonce[:8])
+            self.start(lock_until=deadline)
+        except BaseException as e:
+            if self.namespaces.warm is not None:
+                self.namespaces.warm.close()
+            if isinstance(e, NodeLockHeld):
+                raise TakeoverError(
+                    f"--takeover: {self.path}: kvtier serve pid {taken.pid} did not hand "
+                    f"over within {timeout_s:g} s (--takeover-timeout); it still holds the "
+                    "socket, so this service exits rather than start beside it",
+                    usage=False) from None
+            raise
+        return taken
+
+    def _ask(self, req: wire.Takeover, deadline: float) -> wire.Taken:
+        """One TAKEOVER on a connection of its own, its TAKEN (TakeoverError otherwise)."""
         where = f"--takeover: {self.path}"
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(timeout_s)
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
             try:
                 sock.connect(str(self.path))
             except (FileNotFoundError, ConnectionRefusedError):
@@ -285,8 +316,7 @@ class NodeServer:
             if uid != os.getuid():
                 raise TakeoverError(f"{where}: the service there (pid {pid}) runs as uid {uid}, "
                                     f"this one as {os.getuid()}: not taken over")
-            sock.sendall(wire.encode_takeover(wire.Takeover(self.cfg.deployment_id,
-                                                            os.getpid())))
+            sock.sendall(wire.encode_takeover(req))
             prefix = self._recv_exact(sock, wire.LEN_BYTES, deadline, "TAKEN")
             ftype, _, body = wire.decode_takeover_head(
                 self._recv_exact(sock, wire.frame_length(prefix), deadline, "TAKEN"))
@@ -296,22 +326,12 @@ class NodeServer:
             if ftype is not wire.FrameType.TAKEN:
                 raise TakeoverError(f"{where}: the service there answered {ftype.name}, not "
                                     "TAKEN")
-            taken = wire.decode_taken(body)
+            return wire.decode_taken(body)
         except (OSError, wire.WireError) as e:
             raise TakeoverError(f"{where}: the service there did not answer ({e})",
                                 usage=False) from None
         finally:
             sock.close()
-        log.info("taking over kvtier serve pid %d (instance %s): waiting for its hand-over",
-                 taken.pid, taken.nonce[:8])
-        try:
-            self.start(lock_until=deadline)
-        except NodeLockHeld:
-            raise TakeoverError(
-                f"{where}: kvtier serve pid {taken.pid} did not hand over within "
-                f"{timeout_s:g} s (--takeover-timeout); it still holds the socket, so this "
-                "service exits rather than start beside it", usage=False) from None
-        return taken
 
     def start(self, lock_until: float | None = None) -> NodeServer:
         self._open_dir(lock_until)
@@ -349,10 +369,21 @@ class NodeServer:
         log.info("node socket listening on %s (instance %s)", self.path, self.nonce[:8])
         # the handed-over namespaces' stacks started now, not at their first engine's HELLO:
         # the engines reattach to a namespace already starting (its workers adopting)
-        for hello in self.adoption.hellos():
-            threading.Thread(target=self._prestart, args=(hello,), daemon=True,
-                             name="kvtier-node-prestart").start()
+        starts = [threading.Thread(target=self._prestart, args=(hello,), daemon=True,
+                                   name="kvtier-node-prestart")
+                  for hello in self.adoption.hellos()]
+        for t in starts:
+            t.start()
+        if self.namespaces.warm is not None:  # the warm workers no stack took: stopped
+            threading.Thread(target=self._close_warm, args=(starts,), daemon=True,
+                             name="kvtier-node-warm").start()
         return self
+
+    def _close_warm(self, starts: list[threading.Thread]) -> None:
+        for t in starts:
+            t.join()
+        if self.namespaces.warm is not None:
+            self.namespaces.warm.close()
 
     def _prestart(self, hello: wire.Hello) -> None:
         try:
@@ -653,6 +684,12 @@ class NodeServer:
         if req.deployment_id != self.cfg.deployment_id:
             raise NamespaceRefused(f"TAKEOVER: this service is deployment "
                                    f"{self.cfg.deployment_id!r}, not {req.deployment_id!r}")
+        if req.prepare:  # what to start warm; nothing changes here
+            s.sock.sendall(wire.encode_taken(wire.Taken(
+                self.cfg.deployment_id, os.getpid(), self.nonce,
+                min(wire.MAX_TAKEOVER_WORKERS, sum(ns.ranks for ns in self.namespaces.all())),
+                stopping=False), seq))
+            return f"told kvtier serve pid {req.pid} what it runs (a take-over prepared)"
         with self._lock:
             why = ("it is stopping already" if self._stop.is_set() or self.taken_over
                    or self._taking else
@@ -665,7 +702,7 @@ class NodeServer:
             # the asker may have given up (its --takeover-timeout) and closed: the send
             # fails and this service keeps serving
             s.sock.sendall(wire.encode_taken(wire.Taken(self.cfg.deployment_id, os.getpid(),
-                                                        self.nonce), seq))
+                                                        self.nonce, 0, True), seq))
         finally:
             self._taking = False
         self.taken_over = req
