@@ -387,7 +387,16 @@ class Namespaces:
             self._by_name.clear()
         if self.warm is not None:
             self.warm.close()
-        for ns in stacks:
+
+        def close(ns: Namespace) -> None:
             ns.stack.close()
             if ns.journal is not None:  # kept for the next service with node.handover
                 ns.journal.close(keep=self.base.node.handover)
+
+        # side by side: each waits for its workers' exit, and a take-over waits for all
+        closing = [threading.Thread(target=close, args=(ns,), name="kvtier-node-close")
+                   for ns in stacks]
+        for t in closing:
+            t.start()
+        for t in closing:
+            t.join()

@@ -402,13 +402,18 @@ class NodeServer:
         """Close every connection, free what they held, stop every namespace's stack."""
         if self._stop.is_set():
             return
+        t0 = time.monotonic()
         self._stop.set()
-        for t in self._threads:
-            t.join(2.0)
+        # the listener first: an engine dropped below must not reattach to this service
+        # while it stops (it waits for the next one: a take-over's, a restart's)
         if self._listener is not None:
+            with contextlib.suppress(OSError):  # wakes the accept loop now (not at its
+                self._listener.shutdown(socket.SHUT_RDWR)  # 0.2 s timeout)
             self._listener.close()
             with contextlib.suppress(OSError):
                 self.path.unlink()
+        for t in self._threads:
+            t.join(2.0)
         with self._lock:
             socks = [s.sock for s in self._sessions.values()] + list(self._connecting.values())
         for sock in socks:
@@ -420,11 +425,16 @@ class NodeServer:
         self._bury(all_=True)
         if self.events is not None:
             self.events.stop()  # a last batch while the stacks are still there
+        t1 = time.monotonic()
         if self.cfg.node.handover or self.taken_over is not None:
             self._hand_over()
+        t2 = time.monotonic()
         self.namespaces.close()
         self.adoption.close()
         self._release_lock()
+        log.info("node service stopped in %.0f ms (sessions ended %.0f ms, hand-over %.0f "
+                 "ms, namespaces closed %.0f ms)", (time.monotonic() - t0) * 1e3,
+                 (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.monotonic() - t2) * 1e3)
 
     def _hand_over(self) -> None:
         """Every namespace's ready host copies and segments kept for the next service
@@ -649,6 +659,8 @@ class NodeServer:
                 raise NamespaceRefused(f"engine pid {s.pid}: refused, node.max_engines = "
                                        f"{self.cfg.node.max_engines} engines are attached")
             self._sessions[s.sid] = s
+        if self._stop.is_set():
+            raise NamespaceRefused("the node service is stopping")
         ns = self.namespaces.attach(hello, s.sid)
         s.ns = ns
         s.engine = EngineSession(ns.keyed, s.sid)
