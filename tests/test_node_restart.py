@@ -35,7 +35,7 @@ from kvtier.manager.node.namespaces import namespace_deployment_id
 from kvtier.manager.node.server import NodeServer, TakeoverError
 from kvtier.worker.spec import SHM_DIR, kept_segment_name
 from support import wait_until
-from test_node_service import NS_A, PAGE, EngineProc, Node
+from test_node_service import NS_A, NS_B, PAGE, EngineProc, Node
 
 pytestmark = pytest.mark.fast
 
@@ -245,7 +245,8 @@ def test_a_takeover_keeps_every_block_and_the_engine(plain_node: Node, tmp_path:
     loads from the new service's host tier, byte for byte. Refusals first, each one line
     while the old service keeps serving: nothing to take over on a socket path, another
     deployment on the same socket, a service that does not answer within
-    --takeover-timeout. Break check: the old service's stop not handing over when taken
+    --takeover-timeout. A kept pool of the deployment no hand-over names is swept at the
+    new one's start. Break check: the old service's stop not handing over when taken
     over (node.handover alone decides), "AssertionError: {... 'hits': 0 ...}"."""
     node = plain_node
     a = node.engine()
@@ -274,6 +275,10 @@ def test_a_takeover_keeps_every_block_and_the_engine(plain_node: Node, tmp_path:
     finally:
         os.kill(old.proc.pid, signal.SIGCONT)
     assert a.call(op="load", keys=keys[:1])["hits"] == 1  # the old one still serves
+    # a kept pool no hand-over names (an earlier final stop's, of another namespace): swept
+    # by the new service's start, node.handover being off
+    stale = Path(SHM_DIR + kept_segment_name(namespace_deployment_id(node.did, NS_B), 0))
+    stale.write_bytes(b"\0" * PAGE)
     before = a.call(op="status")["nonce"]
     try:
         node.start("--takeover")
@@ -285,6 +290,7 @@ def test_a_takeover_keeps_every_block_and_the_engine(plain_node: Node, tmp_path:
             old.close()
     assert "taken over by kvtier serve pid" in old.log(), old.log()
     assert "took over kvtier serve pid" in node.log(), node.log()
+    assert not stale.exists() and "swept 1 kept segment(s)" in node.log(), node.log()
     wait_until(lambda: (s := a.call(op="status"))["connected"] and s["nonce"] != before,
                30, "the engine reattached to the new service")
     got = a.call(op="load", keys=keys)

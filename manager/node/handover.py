@@ -47,6 +47,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -134,15 +135,18 @@ def _kept_prefix(base_deployment_id: str) -> str:
     return f"{KEPT_PREFIX[1:]}{base_deployment_id[:19].rstrip('-')}-n"
 
 
-def unlink_kept(base_deployment_id: str, only: str | None = None) -> list[str]:
+def unlink_kept(base_deployment_id: str, only: str | None = None,
+                keep: Collection[str] = ()) -> list[str]:
     """Unlink this user's kept segments of deployment `base` (`only`: of that namespace
-    deployment id); returns their names."""
+    deployment id; `keep`: not those of these namespace deployment ids); returns their
+    names."""
     prefix = (_kept_prefix(base_deployment_id) if only is None
               else kept_segment_name(only, 0)[1:].rsplit("_host_r", 1)[0] + "_host_r")
+    spared = tuple(f"{KEPT_PREFIX[1:]}{did}_" for did in keep)
     gone = []
     with contextlib.suppress(OSError), os.scandir(SHM_DIR) as entries:
         for e in entries:
-            if not e.name.startswith(prefix):
+            if not e.name.startswith(prefix) or e.name.startswith(spared):
                 continue
             with contextlib.suppress(OSError):
                 if e.stat(follow_symlinks=False).st_uid == os.geteuid():
@@ -299,6 +303,19 @@ class Adoption:
                                          "discarded": 0}
         log.info("hand-over read: %d namespace(s), %d block(s)", len(doc.namespaces),
                  sum(len(r.pages) for r in doc.namespaces))
+
+    def sweep(self, handover: bool) -> None:
+        """At start: with `node.handover` off nothing will adopt a kept segment the
+        hand-over does not name (no crash journal is read), so every other one of the
+        deployment is unlinked now (a hand-over's are adopted as its namespaces start,
+        at once). With it on they stay: a crashed namespace's journal needs them when it
+        attaches again."""
+        if handover:
+            return
+        gone = unlink_kept(self.base, keep={r.deployment_id for r in self._records.values()})
+        if gone:
+            log.info("swept %d kept segment(s) of deployment %r no hand-over names (left by "
+                     "an earlier stop or crash; node.handover is off)", len(gone), self.base)
 
     def hellos(self) -> list[Hello]:
         """A HELLO for each namespace still to adopt, from its recorded geometry: its stack

@@ -336,6 +336,7 @@ class NodeServer:
     def start(self, lock_until: float | None = None) -> NodeServer:
         self._open_dir(lock_until)
         self.adoption.load(self.path.parent)  # ours alone now (the lock is held)
+        self.adoption.sweep(self.cfg.node.handover)
         try:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()  # a dead service's socket (we hold the lock)
