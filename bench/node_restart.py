@@ -166,6 +166,7 @@ def main() -> int:
     ap.add_argument("--mode", choices=("planned", "crash", "takeover"), default="planned")
     ap.add_argument("--check", type=int, default=256, help="pages compared whole")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--logs", default="", help="a folder to copy the services' logs to")
     args = ap.parse_args()
     blocks = int(args.gib * (1 << 30)) // PAGE
     work = Path(tempfile.mkdtemp(prefix="kvr", dir="/tmp"))
@@ -265,6 +266,10 @@ def main() -> int:
         for name in os.listdir("/dev/shm"):
             if did in name:
                 os.unlink("/dev/shm/" + name)
+        if args.logs:
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            for f in work.glob("serve*.log"):
+                shutil.copy(f, Path(args.logs) / f.name)
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
     return 0

@@ -337,6 +337,8 @@ class NodeServer:
         self._open_dir(lock_until)
         self.adoption.load(self.path.parent)  # ours alone now (the lock is held)
         self.adoption.sweep(self.cfg.node.handover)
+        # read before any engine can attach: an attach takes its namespace's record
+        handed_over = self.adoption.hellos()
         try:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()  # a dead service's socket (we hold the lock)
@@ -370,9 +372,11 @@ class NodeServer:
         log.info("node socket listening on %s (instance %s)", self.path, self.nonce[:8])
         # the handed-over namespaces' stacks started now, not at their first engine's HELLO:
         # the engines reattach to a namespace already starting (its workers adopting)
+        # (a prestart whose namespace an engine's HELLO is starting waits for that start:
+        # when these threads are done, every handed-over namespace is up or refused)
         starts = [threading.Thread(target=self._prestart, args=(hello,), daemon=True,
                                    name="kvtier-node-prestart")
-                  for hello in self.adoption.hellos()]
+                  for hello in handed_over]
         for t in starts:
             t.start()
         if self.namespaces.warm is not None:  # the warm workers no stack took: stopped
