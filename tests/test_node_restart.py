@@ -291,6 +291,8 @@ def test_a_takeover_keeps_every_block_and_the_engine(plain_node: Node, tmp_path:
     assert "taken over by kvtier serve pid" in old.log(), old.log()
     assert "took over kvtier serve pid" in node.log(), node.log()
     assert not stale.exists() and "swept 1 kept segment(s)" in node.log(), node.log()
+    # the namespace's worker was one started warm before the old service was asked
+    assert "1 of 1 worker process(es) warm" in node.log() and ", warm, log " in node.log()
     wait_until(lambda: (s := a.call(op="status"))["connected"] and s["nonce"] != before,
                30, "the engine reattached to the new service")
     got = a.call(op="load", keys=keys)
