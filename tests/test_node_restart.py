@@ -92,7 +92,10 @@ def test_a_planned_restart_keeps_every_block_byte_for_byte(node: Node) -> None:
             in metrics), [ln for ln in metrics.splitlines() if "restart" in ln]
     # renamed back to the pool's name, and kept again (the crash journal's link)
     did = namespace_deployment_id(node.did, NS_A)
-    assert _kept(node).stat().st_ino == os.stat(f"{SHM_DIR}/kvtier_{did}_host_r0").st_ino
+    pool = os.stat(f"{SHM_DIR}/kvtier_{did}_host_r0").st_ino
+    # (the journal, and so the link, is made in the background)
+    wait_until(lambda: _kept(node).exists() and _kept(node).stat().st_ino == pool, 10,
+               "the adopted pool kept again")
     # new stores land in the free blocks: the adopted ones are left as they are
     more = list(range(1000, 1040))
     assert a.call(op="store", keys=more)["stored"] == 40
