@@ -139,13 +139,16 @@ def take_over(client: NodeClient, old: subprocess.Popen[bytes], toml: Path,
     since = time.time()
     t = time.perf_counter()
     proc = launch_serve(toml, env, log2, "--takeover")
-    last_old = first_new = None
+    last_old = first_new = reattached = None
     while first_new is None:
         now = time.perf_counter()
         if now - t > 120 or proc.poll() is not None:
             raise SystemExit(f"no hit from the new service:\n{log2.read_text()[-2000:]}")
         hit = client.lookup(key(0)) is Lookup.HIT
         now = time.perf_counter()
+        if reattached is None and client.attaches != attaches:
+            reattached = now
+            out["reattached_s"] = round(now - t, 3)
         if hit and client.attaches == attaches:
             last_old = now
         elif hit:
