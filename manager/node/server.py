@@ -437,6 +437,7 @@ class NodeServer:
         self.namespaces.close()
         self.adoption.close()
         self._release_lock()
+        self.namespaces.close_journals()  # a take-over does not wait for the unmapping
         log.info("node service stopped in %.0f ms (sessions ended %.0f ms, hand-over %.0f "
                  "ms, namespaces closed %.0f ms)", (time.monotonic() - t0) * 1e3,
                  (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.monotonic() - t2) * 1e3)
