@@ -185,7 +185,8 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
     # `status` never loads FastAPI or uvicorn.
     from kvtier.admin.app import create_app
     from kvtier.manager.errors import KvtierError
-    from kvtier.manager.node.server import NodeServer, NodeSocketError, TakeoverError
+    from kvtier.manager.node.server import NodeServer, NodeSocketError
+    from kvtier.manager.node.takeover import TakeoverError
     from kvtier.manager.stack import Stack
 
     node = NodeServer(cfg) if cfg.node.enabled else None

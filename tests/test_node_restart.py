@@ -32,7 +32,8 @@ from kvtier.manager.node.handover import (
     read_handover,
 )
 from kvtier.manager.node.namespaces import namespace_deployment_id
-from kvtier.manager.node.server import NodeServer, TakeoverError
+from kvtier.manager.node.server import NodeServer
+from kvtier.manager.node.takeover import TakeoverError
 from kvtier.worker.spec import SHM_DIR, kept_segment_name
 from support import wait_until
 from test_node_service import NS_A, NS_B, PAGE, EngineProc, Node

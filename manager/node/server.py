@@ -43,11 +43,11 @@ store is checksummed into the namespace's crash journal before it is published
 (`journal`).
 
 `kvtier serve --takeover` (`take_over`): the new service connects like an engine and sends
-TAKEOVER instead of HELLO (`wire`); the old one checks the peer's uid and the deployment,
-answers TAKEN and stops (`on_takeover`), handing over whatever `node.handover` says; the
-new one waits for the old one's `node.lock` (bounded), then starts as after any restart. A
-start that found a hand-over starts its namespaces at once (`_prestart`), so their stacks
-are up, or starting, when the engines reattach.
+TAKEOVER instead of HELLO (`wire`, `takeover.ask`); the old one checks the peer's uid and
+the deployment, answers TAKEN and stops (`on_takeover`), handing over whatever
+`node.handover` says; the new one waits for the old one's `node.lock` (bounded), then
+starts as after any restart. A start that found a hand-over starts its namespaces at once
+(`_prestart`), so their stacks are up, or starting, when the engines reattach.
 
 Request ids are the engine's; they are kept apart per session (`<session>:<id>`), so two
 engines using the same ids never share a storage query.
@@ -84,6 +84,7 @@ from kvtier.manager.node import wire
 from kvtier.manager.node.events import EventPublisher
 from kvtier.manager.node.handover import Adoption, snapshot, write_handover
 from kvtier.manager.node.namespaces import Namespace, NamespaceRefused, Namespaces
+from kvtier.manager.node.takeover import TakeoverError, ask
 from kvtier.manager.sessions import EngineSession, Graves
 from kvtier.manager.tenants import Retention, SteeringError
 
@@ -105,14 +106,6 @@ class NodeLockHeld(NodeSocketError):
     """Another live service holds the socket's lock."""
 
 
-class TakeoverError(KvtierError):
-    """`kvtier serve --takeover` cannot take the running service over (one line);
-    `usage`: nothing or the wrong thing to take over (exit 2), else the running service did
-    not answer or hand over in time (exit 1)."""
-
-    def __init__(self, message: str, *, usage: bool = True) -> None:
-        super().__init__(message)
-        self.usage = usage
 
 
 def socket_path(cfg: KvtierConfig, env: Mapping[str, str] | None = None) -> Path:
@@ -272,7 +265,8 @@ class NodeServer:
         answer, or the lock still held at the bound (the old service is still stopping:
         this one gives up rather than start beside it)."""
         deadline = time.monotonic() + timeout_s
-        asked = self._ask(wire.Takeover(self.cfg.deployment_id, os.getpid(), True), deadline)
+        asked = ask(self.path, wire.Takeover(self.cfg.deployment_id, os.getpid(), True),
+                    deadline)
         if asked.workers:
             warm = self.namespaces.warm = WarmWorkers()
             warm.start(asked.workers)
@@ -282,7 +276,8 @@ class NodeServer:
             log.info("%d of %d worker process(es) warm in %.2f s", n, asked.workers,
                      time.monotonic() - t0)
         try:
-            taken = self._ask(wire.Takeover(self.cfg.deployment_id, os.getpid()), deadline)
+            taken = ask(self.path, wire.Takeover(self.cfg.deployment_id, os.getpid()),
+                        deadline)
             log.info("taking over kvtier serve pid %d (instance %s): waiting for its "
                      "hand-over", taken.pid, taken.nonce[:8])
             self.start(lock_until=deadline)
@@ -297,41 +292,6 @@ class NodeServer:
                     usage=False) from None
             raise
         return taken
-
-    def _ask(self, req: wire.Takeover, deadline: float) -> wire.Taken:
-        """One TAKEOVER on a connection of its own, its TAKEN (TakeoverError otherwise)."""
-        where = f"--takeover: {self.path}"
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                sock.connect(str(self.path))
-            except (FileNotFoundError, ConnectionRefusedError):
-                raise TakeoverError(f"{where}: no kvtier serve to take over (nothing listens "
-                                    "there)") from None
-            except OSError as e:
-                raise TakeoverError(f"{where}: cannot connect ({e.strerror})") from None
-            pid, uid, _ = _UCRED.unpack(
-                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-            if uid != os.getuid():
-                raise TakeoverError(f"{where}: the service there (pid {pid}) runs as uid {uid}, "
-                                    f"this one as {os.getuid()}: not taken over")
-            sock.sendall(wire.encode_takeover(req))
-            prefix = self._recv_exact(sock, wire.LEN_BYTES, deadline, "TAKEN")
-            ftype, _, body = wire.decode_takeover_head(
-                self._recv_exact(sock, wire.frame_length(prefix), deadline, "TAKEN"))
-            if ftype is wire.FrameType.ERROR:
-                raise TakeoverError(f"{where}: the service there (pid {pid}) refused: "
-                                    f"{body.decode('utf-8', 'replace')}")
-            if ftype is not wire.FrameType.TAKEN:
-                raise TakeoverError(f"{where}: the service there answered {ftype.name}, not "
-                                    "TAKEN")
-            return wire.decode_taken(body)
-        except (OSError, wire.WireError) as e:
-            raise TakeoverError(f"{where}: the service there did not answer ({e})",
-                                usage=False) from None
-        finally:
-            sock.close()
 
     def start(self, lock_until: float | None = None) -> NodeServer:
         self._open_dir(lock_until)
