@@ -38,6 +38,10 @@ is checked or made on the engine side and they start all the same (`unowned_host
   reconnects (backoff at most 5 s), stores anew and hits again (`after_restart_*`).
 * `--restart-serve`: `kvtier serve` is stopped with SIGTERM (a planned restart) and started
   again on the same socket.
+* `--takeover-serve`: last, `kvtier serve --takeover` starts beside the running service
+  and takes its place (a planned upgrade): B serves T cold before it and from the new
+  service's host tier after it (`takeover_tokens_from_host`, exact: `takeover_identical`;
+  `takeover_kept_blocks`).
 * With either, the service runs with `node.handover = true` (issue 37): B serves K cold
   before the restart and pushes it out of its device cache; after it, B serves K from the
   new service's host tier
@@ -391,7 +395,7 @@ class Serve:
         self.url = ""
         self.starts = 0
 
-    def start(self, timeout: float = 90.0) -> None:
+    def start(self, timeout: float = 90.0, *extra: str) -> None:
         self.starts += 1
         log_path = self.workdir / f"serve-{self.starts}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
@@ -399,7 +403,8 @@ class Serve:
         env["TMPDIR"] = str(self.workdir)
         kvtier = Path(sys.executable).parent / "kvtier"
         with log_path.open("wb") as log:
-            self.proc = subprocess.Popen([str(kvtier), "serve", "--config", str(self.toml)],
+            self.proc = subprocess.Popen([str(kvtier), "serve", "--config", str(self.toml),
+                                          *extra],
                                          stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
@@ -412,6 +417,15 @@ class Serve:
                 break
             time.sleep(0.2)
         raise RuntimeError(f"kvtier serve did not start:\n{log_path.read_text()[-3000:]}")
+
+    def take_over(self) -> float:
+        """`kvtier serve --takeover` beside the running service (a planned upgrade): the
+        new one is up, the old one handed over and exited; the seconds it took."""
+        old, t = self.proc, time.monotonic()
+        self.start(90.0, "--takeover")
+        if old is not None:
+            old.wait(60)
+        return round(time.monotonic() - t, 2)
 
     def status(self) -> dict[str, Any]:
         with urllib.request.urlopen(self.url + "/status", timeout=10) as r:
@@ -640,6 +654,24 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             report["after_restart_attempts"] = attempts
             report["after_restart_tokens_from_host"] = second["num_cached_tokens"]
             report["after_restart_identical"] = vllm_offload.compare(first, second)[0]
+        if args.takeover_serve:
+            # T, served cold by B and pushed out of its device cache; then a new service
+            # takes this one over (`kvtier serve --takeover`): B reattaches by itself and
+            # can have T only from the new service's host tier
+            tt = prompt()
+            cold = b.generate(tt)
+            for _ in range(4):
+                b.generate(prompt())
+            time.sleep(0.5)  # the completions of T's stores ride with B's requests
+            report["takeover_seconds"] = serve.take_over()
+            wait_for(lambda: any(e.get("namespace") for e in engines(serve.status())), 120,
+                     "B attached to the service that took over")
+            time.sleep(1.0)
+            got = b.generate(tt)
+            ns = (serve.status().get("node") or {}).get("namespaces", [])
+            report["takeover_kept_blocks"] = ns[0]["restart"]["adopted"] if ns else 0
+            report["takeover_tokens_from_host"] = got["num_cached_tokens"]
+            report["takeover_identical"] = vllm_offload.compare(cold, got)[0]
         report["seconds"] = round(time.monotonic() - t0, 1)
         return report
     finally:
@@ -663,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restart-serve", action="store_true",
                     help="SIGTERM kvtier serve (a planned restart, node.handover) and start "
                     "it again: B must load what A stored before, from the host tier")
+    ap.add_argument("--takeover-serve", action="store_true",
+                    help="then start `kvtier serve --takeover` beside the running service: "
+                    "B must load what it stored before, from the new one's host tier")
     ap.add_argument("--tenants", action="store_true",
                     help="tenants by cache_salt: B's pinned prompt survives A's flood")
     ap.add_argument("--seed", type=int, default=1)

@@ -111,9 +111,10 @@ class Node:
         self.engines: list[EngineProc] = []
         self.logs = 0
 
-    def start(self) -> Node:
+    def start(self, *extra: str) -> Node:
         self.logs += 1
-        self.serve = ServeProcess([str(kvtier_script())], ["serve", "--config", str(self.toml)],
+        self.serve = ServeProcess([str(kvtier_script())],
+                                  ["serve", "--config", str(self.toml), *extra],
                                   deployment_id=self.did,
                                   log_path=self.tmp / f"serve{self.logs}.log").start()
         return self

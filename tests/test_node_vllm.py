@@ -1,5 +1,6 @@
 """Two real vLLM processes (the CPU build) attached to one real `kvtier serve`, end to end:
-`examples/node_service.py --kill-a --kill-serve` in vLLM's own environment (the service
+`examples/node_service.py --kill-a --kill-serve --tenants --takeover-serve` in vLLM's own
+environment (the service
 with `node.handover = true`: its journal vouches for what was stored before the kill), run
 once and asserted on from several tests (a vLLM start costs tens of seconds on two cores).
 
@@ -48,7 +49,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     proc = subprocess.run(
         [str(VLLM_PYTHON), str(EXAMPLE), "--json", "--model-dir", str(model_dir),
-         "--kill-a", "--kill-serve", "--tenants"],
+         "--kill-a", "--kill-serve", "--tenants", "--takeover-serve"],
         capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=ROOT)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -129,6 +130,17 @@ def test_a_killed_service_keeps_the_host_blocks_its_journal_vouches_for(
     assert r["kept_identical"] is True, r
     fig = r["restart_figures"]
     assert fig["adopted"] >= PREFIX_TOKENS // 32 and fig["discarded"] >= 1, r
+
+
+def test_a_service_taken_over_hands_its_host_tier_to_the_new_one(
+        report: dict[str, Any]) -> None:
+    """Issue 37 (`--takeover-serve`, last in the same run): T, stored before a new service
+    took the running one over (`kvtier serve --takeover`) and out of B's device cache,
+    comes back from the new service's host tier, exactly; B reattached by itself."""
+    r = report
+    assert r["takeover_tokens_from_host"] == PREFIX_TOKENS, r
+    assert r["takeover_identical"] is True, r
+    assert r["takeover_kept_blocks"] >= PREFIX_TOKENS // 32, r
 
 
 def test_a_tenants_pinned_prompt_survives_another_tenants_flood(report: dict[str, Any]) -> None:
