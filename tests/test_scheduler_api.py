@@ -31,7 +31,7 @@ from kvtier.manager.errors import (
 )
 from kvtier.manager.keys import chain_keys
 from kvtier.manager.scheduler import KVCacheManager, MatchResult
-from kvtier.manager.storage_tier import StorageTier
+from kvtier.manager.storage_tier import PROBE_STALE_S, StorageTier
 from kvtier.manager.transfers import ImmediateDispatcher, ManualDispatcher
 from kvtier.worker.wire import Priority, Task, TaskKind, key_tag
 from support import tiny_config
@@ -1156,6 +1156,35 @@ def test_backup_rate_limit_writes_what_the_budget_allows(make: Factory,
     serve(m, "b", prompt(12, 4 * BS))
     land(d)
     assert backed_up(d) == 2 and tier.counters["backup_skipped_pages"] == 4
+
+
+def test_slow_writes_send_one_probe_at_a_time(make: Factory, tmp_path: Path) -> None:
+    """Back-pressure (storage.slow_write_ms): while writes are slow, one probe batch a
+    second goes through, and not while the last probe is unanswered (a store slower than a
+    batch a second would pile probes up in its lane, each holding its host copies), unless
+    that probe is PROBE_STALE_S old (an answer that never comes must not end the probes)."""
+    m, d, tier = storage_manager(make, tmp_path, slow_write_ms="100")
+    tier.write_latency = 10.0  # the store takes 10 s a batch: slow
+    serve(m, "a", prompt(31, 4 * BS))
+    land(d)
+    [probe] = tasks_of(d, TaskKind.BACKUP)  # the first batch probes
+    tier._probed_at -= 2.0  # the interval passed, the probe still unanswered
+    serve(m, "b", prompt(32, 4 * BS))
+    land(d)
+    assert tasks_of(d, TaskKind.BACKUP) == [probe], "a second probe while one is waiting"
+    assert tier.counters["backup_slow_skipped_pages"] == 4
+    d.complete(probe.seq, result=len(probe.keys))  # answered (10 s by the average's count)
+    tier._probed_at -= 2.0
+    serve(m, "c", prompt(33, 4 * BS))
+    land(d)
+    assert len(tasks_of(d, TaskKind.BACKUP)) == 1  # answered: the next probe went
+    tier._probed_at -= 2.0
+    tier._probe_sent -= PROBE_STALE_S  # type: ignore[operator]
+    serve(m, "e", prompt(34, 4 * BS))  # a probe never answered: stale, the next one goes
+    land(d)
+    assert len(tasks_of(d, TaskKind.BACKUP)) == 2 and tier.counters["backup_probes"] == 3
+    assert tier.counters["backup_slow_skipped_pages"] == 4 and tier.writes_slow()
+    backed_up(d)
 
 
 # ---------------------------------------------------------------------- lose_device (engine KV)
