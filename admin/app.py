@@ -724,4 +724,28 @@ def create_app(stack: Stack, *, token: str | None = None,
         add_steering_routes(app, node, post_security, POST_RESPONSES,
                             _error("the namespace is not served by this node (no engine of "
                                    "it attached)"))
+    else:
+        _steering_needs_a_node(app)
     return app
+
+
+# The steering routes (kvtier.admin.steering) and their methods: an admin without a node (an
+# embedded kvtier's, in a vLLM process) answers them with one line instead of a bare 404
+STEERING_ROUTES = (("GET", "/tenants"), ("POST", "/tenants/quota"), ("POST", "/lookup"),
+                   ("POST", "/retain"), ("POST", "/retain/unpin"), ("POST", "/warm"),
+                   ("POST", "/clear"))
+
+
+def _steering_needs_a_node(app: FastAPI) -> None:
+    """Mount STEERING_ROUTES as a 409 whose detail says where they are served (out of the
+    OpenAPI document: this admin does not serve them). Embedded, the quotas, retention and
+    kv_hints work all the same; only these REST routes need `kvtier serve`."""
+
+    async def needs_a_node(request: Request) -> JSONResponse:
+        return JSONResponse({"detail": (
+            f"{request.method} {request.url.path}: steering by token ids is served by "
+            "`kvtier serve` (the node service, engines attached with kvtier_serve); this "
+            "admin has no node (an embedded kvtier)")}, status_code=409)
+
+    for method, path in STEERING_ROUTES:
+        app.add_api_route(path, needs_a_node, methods=[method], include_in_schema=False)

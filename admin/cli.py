@@ -1,6 +1,8 @@
 """The `kvtier` command: `serve`, `status`, `replay` and `plan`.
 
-    kvtier serve [--config FILE]           manager + workers + admin, in the foreground
+    kvtier serve [--config FILE] [--takeover [--takeover-timeout S]]
+                                           manager + workers + admin, in the foreground
+                                           (--takeover: in place of the running one)
     kvtier status [--url URL] [--json]     the admin's /status as tables (or JSON)
     kvtier replay ...                      drive a trace or workload through a stack
     kvtier plan ...                        size the tiers for a trace or workload (one pass)
@@ -14,9 +16,12 @@ printed as one line naming the key and the value.
     config loaded and checked (file, env, machine, storage reachable)  -> "config: ..."
     admin socket bound (port 0: a free port)                           -> fails fast, exit 2
     node socket bound (node.enabled; another live serve holds it)      -> fails fast, exit 2
+      --takeover: the serve on that socket asked to hand over (TAKEOVER), its lock
+      waited for, its hand-over adopted                   -> "took over kvtier serve pid N"
+      (nothing there, another uid or deployment: exit 2; no hand-over in time: exit 1)
     workers started, each ready                                        -> the launcher's lines
     admin serving                                                      -> "admin listening on URL"
-    SIGTERM / SIGINT                                                   -> "stopping"
+    SIGTERM / SIGINT, or a new serve's TAKEOVER (node stopped first)   -> "stopping"
       POSTs refused (503), /readyz 503; transfers drained (bounded); admin stopped;
       stack closed: workers stopped, every segment and queue unlinked  -> "stopped", exit 0
       (node.handover: the namespaces' host pools kept and their index handed over to the
@@ -41,8 +46,6 @@ import signal
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -157,14 +160,22 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
     from kvtier.admin.auth import TokenFileError
     from kvtier.admin.server import AdminBindError, AdminServer, AdminStartError, bind_socket
 
+    takeover = bool(getattr(args, "takeover", False))
+    if takeover and not cfg.node.enabled:
+        return _fail("serve", "--takeover: node.enabled is false, there is no node service "
+                     "to take over", EXIT_USAGE)
+    sock = None
     try:  # before any worker exists: a taken port is a configuration error
         sock = bind_socket(cfg.admin.host, cfg.admin.port)
     except AdminBindError as e:
-        return _fail("serve", f"admin.port = {cfg.admin.port}: {e}", EXIT_USAGE)
+        # the old service's admin holds the port until it exits: bound after the take-over
+        if not takeover:
+            return _fail("serve", f"admin.port = {cfg.admin.port}: {e}", EXIT_USAGE)
     try:  # its directory only: the file is written once the deployment is ours (issue 27)
         token, token_file = _admin_token(cfg)
     except TokenFileError as e:
-        sock.close()
+        if sock is not None:
+            sock.close()
         return _token_failure(e)
     log.info("%s", config_line(cfg))
 
@@ -173,15 +184,36 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
     from kvtier.admin.app import create_app
     from kvtier.manager.errors import KvtierError
     from kvtier.manager.node.server import NodeServer, NodeSocketError
+    from kvtier.manager.node.takeover import TakeoverError
     from kvtier.manager.stack import Stack
 
     node = NodeServer(cfg) if cfg.node.enabled else None
     if node is not None:
+        node.on_takeover = stop.set  # a new service's --takeover stops this one
         try:  # before any worker exists: a socket another serve holds is a usage error
-            node.start()
+            if takeover:
+                taken = _take_over(node, args.takeover_timeout)
+            else:
+                node.start()
         except NodeSocketError as e:
-            sock.close()
+            if sock is not None:
+                sock.close()
             return _fail("serve", e, EXIT_USAGE)
+        except TakeoverError as e:
+            if sock is not None:
+                sock.close()
+            return _fail("serve", e, EXIT_USAGE if e.usage else EXIT_FAILURE)
+        if takeover and (sock is None or not alone):
+            # the old process's admin port and scheduler-API stack (its deployment's IPC
+            # names) are its own until it exits; the node socket is served meanwhile
+            _wait_exit(taken.pid, args.takeover_timeout)
+        if sock is None:
+            try:
+                sock = bind_socket(cfg.admin.host, cfg.admin.port)
+            except AdminBindError as e:
+                node.stop()
+                return _fail("serve", f"admin.port = {cfg.admin.port}: {e}", EXIT_USAGE)
+    assert sock is not None
     stack = Stack(cfg)
     server = AdminServer(app := create_app(stack, token=token, node=node, node_only=alone),
                          cfg.admin.host,
@@ -227,6 +259,8 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
                 code = EXIT_FAILURE
                 break
         phase[0] = "stopping"
+        if node is not None and node.taken_over is not None:
+            node.stop()  # first: the new service waits for this (its hand-over)
         app.state.admin.stop_accepting("kvtier is shutting down")
         _drain(stack)
     finally:
@@ -239,6 +273,31 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
             _forget_token(token, token_file)
     log.info("stopped: workers gone, every shared-memory segment and queue removed")
     return code
+
+
+def _take_over(node: Any, timeout_s: float) -> Any:
+    """`--takeover`: the running service asked to hand over, this one started in its place
+    (`NodeServer.take_over`); everything slow before this (config, imports, the admin
+    app) is done while the old one still serves."""
+    t0 = time.monotonic()
+    taken = node.take_over(timeout_s)
+    log.info("took over kvtier serve pid %d: its hand-over adopted, the node socket bound "
+             "%.0f ms after the request", taken.pid, (time.monotonic() - t0) * 1e3)
+    return taken
+
+
+def _wait_exit(pid: int, timeout_s: float) -> None:
+    """Until process `pid` has exited (at most `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:  # gone, or a zombie its parent has not reaped yet (state Z): exited
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[-1].split()[0] == b"Z":
+                    return
+        except (OSError, IndexError):
+            return
+        time.sleep(0.01)
+    log.warning("kvtier serve pid %d still running %.0f s after its hand-over", pid, timeout_s)
 
 
 def _admin_token(cfg: KvtierConfig) -> tuple[str | None, Path | None]:
@@ -307,38 +366,13 @@ def _drain(stack: Stack) -> None:
 # -------------------------------------------------------------------------------- status
 
 
-def admin_request(url: str, path: str, *, token: str | None, method: str = "GET",
-                  data: bytes | None = None) -> urllib.request.Request:
-    """A request to the admin at `url`, carrying the bearer token when there is one (the
-    admin's client side: every command that talks to the admin builds its requests here)."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    if data is not None:
-        headers["Content-Type"] = "application/json"
-    return urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers,
-                                  method=method)
-
-
 def fetch_status(url: str, timeout: float, token: str | None = None) -> dict[str, Any]:
-    """GET <url>/status as JSON. Raises RuntimeError with one readable line."""
-    request = admin_request(url, "/status", token=token)
-    target = request.full_url
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            status: dict[str, Any] = json.loads(response.read())  # the admin API's object
-            return status
-    except urllib.error.HTTPError as e:
-        try:
-            detail = json.loads(e.read()).get("detail", "")
-        except (ValueError, AttributeError):
-            detail = ""
-        raise RuntimeError(f"{target} answered {e.code} {e.reason}"
-                           + (f": {detail}" if detail else "")) from None
-    except urllib.error.URLError as e:
-        raise RuntimeError(f"cannot reach the admin at {url}: {e.reason}") from None
-    except (OSError, TimeoutError) as e:
-        raise RuntimeError(f"cannot reach the admin at {url}: {e}") from None
-    except ValueError as e:
-        raise RuntimeError(f"{target} did not answer JSON: {e}") from None
+    """GET <url>/status as JSON. Raises RuntimeError (`client.AdminCallError`) with one
+    readable line."""
+    from kvtier.admin.client import call_json
+
+    status: dict[str, Any] = call_json(url, "/status", token=token, timeout=timeout)
+    return status
 
 
 def _bytes(n: object) -> str:
@@ -531,6 +565,14 @@ def build_parser(with_replay_arguments: bool = False) -> argparse.ArgumentParser
         "segment and queue. Without --config the embedded defaults are used; "
         "KVTIER_<SECTION>__<KEY> variables override the file.")
     serve.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    serve.add_argument(
+        "--takeover", action="store_true",
+        help="start beside the kvtier serve running on the same node socket, then ask it to "
+             "hand over its host tier and take its place (issue 37)")
+    serve.add_argument(
+        "--takeover-timeout", type=float, default=30.0, metavar="S",
+        help="seconds the running service has to hand over (default 30); past them this "
+             "one exits (status 1) and the old one finishes its stop")
     serve.set_defaults(func=cmd_serve)
 
     status = sub.add_parser(

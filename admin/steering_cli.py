@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -31,27 +29,17 @@ def _tokens(spec: str) -> list[int]:
 def _call(args: argparse.Namespace, method: str, path: str,
           body: dict[str, Any] | None = None) -> int:
     from kvtier.admin.auth import client_token
+    from kvtier.admin.client import AdminCallError, call_json
 
-    data = None if body is None else json.dumps(body).encode()
-    token = client_token(args.deployment_id)
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    if data is not None:
-        headers["Content-Type"] = "application/json"
-    req = urllib.request.Request(args.url.rstrip("/") + path, data=data, headers=headers,
-                                 method=method)
     try:
-        with urllib.request.urlopen(req, timeout=args.timeout) as r:
-            print(json.dumps(json.loads(r.read()), indent=2, sort_keys=True))
-            return EXIT_OK
-    except urllib.error.HTTPError as e:
-        try:
-            detail = json.loads(e.read()).get("detail", "")
-        except (ValueError, AttributeError):
-            detail = ""
-        print(f"kvtier {args.command}: {e.code} {detail or e.reason}")
-    except (urllib.error.URLError, OSError, TimeoutError) as e:
-        print(f"kvtier {args.command}: cannot reach the admin at {args.url}: {e}")
-    return EXIT_FAILURE
+        answer = call_json(args.url, path, token=client_token(args.deployment_id),
+                           timeout=args.timeout, method=method, body=body)
+    except AdminCallError as e:
+        said = f"{e.code} {e.detail}" if e.code is not None and e.detail else str(e)
+        print(f"kvtier {args.command}: {said}")
+        return EXIT_FAILURE
+    print(json.dumps(answer, indent=2, sort_keys=True))
+    return EXIT_OK
 
 
 def _prompt(args: argparse.Namespace) -> dict[str, Any]:

@@ -6,8 +6,10 @@ the host rather than the bus (README "Transfers").
 
 Steps timed (host, medians after 10 warm-up iterations): the two id checks (`pairs`), the
 wait for the compute stream, the ids' ring (pinned row + DMA), the launch, the wait for the
-copy; then the whole `d2h` and `h2d` calls, a contiguous copy of the same bytes, and the
-kernel alone on the GPU's clock. CUDA with Triton only."""
+copy; the same backup through its CUDA graph (`g_`: ids into the graph's pinned row, the
+wait, the replay, the wait for the copy); then the whole `d2h` and `h2d` calls (ids checked
+inside, and `checked_`: checked beforehand, as a worker does), a contiguous copy of the
+same bytes, and the kernel alone on the GPU's clock. CUDA with Triton only."""
 
 from __future__ import annotations
 
@@ -46,8 +48,13 @@ def main() -> int:
         nbytes = n * shape.page_bytes
         dev_bytes, host_bytes = dev.data.view(-1).view(torch.uint8), host.data.view(-1)
         steps = ("pairs", "wait_compute", "ring", "launch", "sync")
+        gsteps = ("g_stage", "g_wait_compute", "g_replay", "g_sync")
+        graphs = e._graph_sets[0]
+        cap = graphs.cap_for(n)
+        got = graphs.graphs("d2h", cap, [[launch]]) if cap else None
         t: dict[str, list[float]] = {k: [] for k in
-                                     (*steps, "whole_d2h", "whole_h2d", "contig")}
+                                     (*steps, *gsteps, "whole_d2h", "whole_h2d",
+                                      "checked_d2h", "checked_h2d", "contig")}
         ring_ids = None
         for _ in range(args.iters):
             a, b = ids()
@@ -64,17 +71,37 @@ def main() -> int:
                 marks.append(time.perf_counter())
             stream.synchronize()
             marks.append(time.perf_counter())
-            for k, t0, t1 in zip(steps, marks, marks[1:], strict=True):
+            for k, t0, t1 in zip(steps, marks[:-1], marks[1:], strict=True):
                 t[k].append((t1 - t0) * 1e6)
+            if got is not None:  # the same backup through its CUDA graph
+                torch.cuda.synchronize()
+                marks = [time.perf_counter()]
+                graphs.stage(src, dst, cap)
+                marks.append(time.perf_counter())
+                e._after_compute(stream)
+                marks.append(time.perf_counter())
+                with torch.cuda.stream(stream):
+                    got[0].replay()
+                marks.append(time.perf_counter())
+                stream.synchronize()
+                marks.append(time.perf_counter())
+                for k, t0, t1 in zip(gsteps, marks[:-1], marks[1:], strict=True):
+                    t[k].append((t1 - t0) * 1e6)
+            cd, ch = e.check("d2h", *ids()), e.check("h2d", *ids())
             for key, fn in (("whole_d2h", lambda: e.d2h(*ids())),
                             ("whole_h2d", lambda: e.h2d(*reversed(ids()))),
+                            ("checked_d2h", lambda cd=cd: e.d2h_checked(cd)),
+                            ("checked_h2d", lambda ch=ch: e.h2d_checked(ch)),
                             ("contig", lambda: host_bytes[:nbytes].copy_(dev_bytes[:nbytes]))):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 fn()
                 torch.cuda.synchronize()
                 t[key].append((time.perf_counter() - t0) * 1e6)
+        print(f"graphs: cap {cap}, {'captured' if got else graphs.broken or 'off'}")
         for k, v in t.items():
+            if not v:
+                continue
             print(f"{k:>14} {statistics.median(v[10:]):8.1f} us (host)")
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         gpu: list[float] = []

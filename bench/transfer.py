@@ -113,6 +113,11 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
         variants = {f"fused{bb}": CopyEngine(dev, host, cuda_path="fused", fused_block_bytes=bb)
                     for bb in args.fused_block_bytes[1:]} if eager is not None else {}
         if eager is not None:
+            # the same engine with its small-task CUDA graphs off (Triton's dispatch and the
+            # id ring for every task)
+            variants["nograph"] = CopyEngine(dev, host, cuda_path="fused",
+                                             fused_block_bytes=args.fused_block_bytes[0],
+                                             fused_graph_max_ids=0)
             for order in args.fused_orders:
                 variants[f"fused_{order}"] = CopyEngine(
                     dev, host, cuda_path="fused", fused_block_bytes=args.fused_block_bytes[0],
@@ -133,9 +138,19 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
             b = int(torch.randint(span, (1,), generator=gen)) * page
             return a, b
 
-        def engine_d2h() -> None:
-            d, h = ids()
-            engine.d2h(d, h)
+        # A worker checks a task's ids when it receives it (`TaskExecutor.precheck`), so
+        # the measured engine's copies get checked ids, drawn and checked before the clock
+        # starts; every other op draws its ids outside the clock too (`prep`). The
+        # `checking` rows time the same engine with the check inside the call.
+        def checked(op: str) -> Callable[[], tuple[object, ...]]:
+            def prep() -> tuple[object, ...]:
+                d, h = ids()
+                return (engine.check("d2h", d, h),) if op == "d2h" else \
+                    (engine.check("h2d", h, d),)
+            return prep
+
+        def engine_d2h(c: object) -> None:
+            engine.d2h_checked(c)  # type: ignore[arg-type]
 
         # CUDA only: GPU-side marks of each load, in ms from an event recorded on the compute
         # stream just before the call (the copy stream waits on it): layer 0's copies done, a
@@ -146,21 +161,19 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
         probe = torch.zeros(1024, device=dev.device)
         last_layer = shape.total_layers - 1
 
-        def engine_h2d() -> None:
+        def engine_h2d(c: object) -> None:
             # the load as a runner issues it; layer 0's host-side readiness from its callback
-            d, h = ids()
             t0 = time.perf_counter()
 
             def on_layer(layer: int) -> None:
                 if layer == 0:
                     layer0.append(time.perf_counter() - t0)
 
-            engine.h2d(h, d, on_layer)
+            engine.h2d_checked(c, on_layer)  # type: ignore[arg-type]
 
-        def engine_h2d_marks() -> None:
+        def engine_h2d_marks(c: object) -> None:
             # the same load with GPU-side probes (events, a kernel on the compute stream):
             # timed apart, so the probes' host cost stays out of the ratio
-            d, h = ids()
             compute = torch.cuda.current_stream(dev.device)
             start = torch.cuda.Event(enable_timing=True)
             start.record(compute)
@@ -183,48 +196,56 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
                     host_us.append((time.perf_counter() - t) * 1e6)
                     events["layer0"], events["compute"] = ev, done
 
-            engine.h2d(h, d, _ignore_layer, enqueued)
+            engine.h2d_checked(c, _ignore_layer, enqueued)  # type: ignore[arg-type]
             events["end"].synchronize()
             events["compute"].synchronize()
             marks.append({k: start.elapsed_time(e) for k, e in events.items()}
                          | {"wait_host_us": host_us[0]})
 
-        def contig_d2h() -> None:
-            a, b = offset()
+        def contig_d2h(a: int, b: int) -> None:
             host_bytes[b : b + nbytes].copy_(dev_bytes[a : a + nbytes])
 
-        def contig_h2d() -> None:
-            a, b = offset()
+        def contig_h2d(a: int, b: int) -> None:
             dev_bytes[a : a + nbytes].copy_(host_bytes[b : b + nbytes])
 
-        ops: dict[str, Callable[[], None]] = {
-            "d2h": engine_d2h,
-            "d2h_contig": contig_d2h,
-            "h2d": engine_h2d,
-            "h2d_contig": contig_h2d,
+        def h2d_ids() -> tuple[object, ...]:
+            d, h = ids()
+            return h, d
+
+        # name -> (prep: draws the op's arguments, untimed; run: the timed call)
+        Op = tuple[Callable[[], tuple[object, ...]], Callable[..., None]]
+        ops: dict[str, Op] = {
+            "d2h": (checked("d2h"), engine_d2h),
+            "d2h_contig": (offset, contig_d2h),
+            "h2d": (checked("h2d"), engine_h2d),
+            "h2d_contig": (offset, contig_h2d),
         }
         if cuda:
-            ops["h2d_marks"] = engine_h2d_marks
+            ops["h2d_marks"] = (checked("h2d"), engine_h2d_marks)
+            ops["d2h_checking"] = (ids, engine.d2h)
+            ops["h2d_checking"] = (h2d_ids, engine.h2d)
         if staged is not None:
-            ops["d2h_staged"] = lambda: staged.d2h(*ids())
-            ops["h2d_staged"] = lambda: staged.h2d(*reversed(ids()))
+            ops["d2h_staged"] = (ids, staged.d2h)
+            ops["h2d_staged"] = (h2d_ids, staged.h2d)
         if eager is not None:
-            ops["d2h_eager"] = lambda: eager.d2h(*ids())
-            ops["h2d_eager"] = lambda: eager.h2d(*reversed(ids()))
+            ops["d2h_eager"] = (ids, eager.d2h)
+            ops["h2d_eager"] = (h2d_ids, eager.h2d)
         for name, other in variants.items():
-            ops[f"d2h_{name}"] = lambda o=other: o.d2h(*ids())  # type: ignore[misc]
-            ops[f"h2d_{name}"] = lambda o=other: o.h2d(*reversed(ids()))  # type: ignore[misc]
+            ops[f"d2h_{name}"] = (ids, other.d2h)
+            ops[f"h2d_{name}"] = (h2d_ids, other.h2d)
         times: dict[str, list[float]] = {k: [] for k in ops}
-        for fn in ops.values():  # warm-up: staging buffers, thread pools, first-touch
-            fn()
+        for prep, fn in ops.values():  # warm-up: staging buffers, graphs, first-touch
+            fn(*prep())
         layer0.clear()
         marks.clear()
         order = list(ops)
         for rep in range(args.reps):
             for key in order if rep % 2 == 0 else reversed(order):
+                prep, fn = ops[key]
+                call_args = prep()
                 _sync(dev.device)
                 t0 = time.perf_counter()
-                ops[key]()
+                fn(*call_args)
                 _sync(dev.device)
                 times[key].append(time.perf_counter() - t0)
         for direction in ("d2h", "h2d"):
@@ -246,7 +267,7 @@ def run_case(case: Case, args: argparse.Namespace, gen: torch.Generator) -> list
                 other = nbytes / statistics.median(times[direction + "_eager"]) / 1e9
                 row["eager_gbps"] = round(other, 2)
                 row["eager_ratio"] = round(other / base, 3)
-            for name in variants:
+            for name in [*variants, *(["checking"] if cuda else [])]:
                 other = nbytes / statistics.median(times[f"{direction}_{name}"]) / 1e9
                 row[f"{name}_ratio"] = round(other / base, 3)
             if direction == "h2d":

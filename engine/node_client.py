@@ -15,7 +15,8 @@ The engine's scheduler calls this client exactly as it would call the embedded c
 
 Connection states (one owner: this client, under `_lock`)::
 
-    DOWN --(background thread: connect + HELLO + WELCOME, backoff 0.05 s doubling to 5 s)--> UP
+    DOWN --(background thread: connect + HELLO + WELCOME, backoff 0.05 s doubling to 5 s,
+            cut short when the socket path is bound anew)--> UP
     UP   --(send/receive error, timeout (`call_timeout_s`), ERROR frame, bad frame,
             or, while idle, the service closed the socket: seen within 0.5 s)--> DOWN
 
@@ -52,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import select
 import socket
 import threading
@@ -87,6 +89,8 @@ MAX_OUTBOX = 4096  # one-way records queued before they are sent without waiting
 # this long: replies of the step's own questions carry the events, so a busy step pays
 # nothing and a step that asked nothing pays one round trip per EVENTS_POLL_S at most
 EVENTS_POLL_S = 0.02
+# While DOWN, how often the socket path is looked at for a new service (one stat)
+SOCKET_POLL_S = 0.02
 
 
 class NodeUnavailable(Exception):
@@ -242,11 +246,30 @@ class NodeClient:
                 self._notice_closed()
                 delay = self._backoff[0]
                 continue
+            seen = self._socket_id()
             if self._try_attach():
                 delay = self._backoff[0]
                 continue
-            self._closed.wait(delay)
+            self._wait_for_socket(seen, delay)
             delay = min(self._backoff[1], delay * 2)
+
+    def _socket_id(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_ctime_ns
+
+    def _wait_for_socket(self, seen: tuple[int, int] | None, delay: float) -> None:
+        """The backoff's `delay`, cut short when the socket path changes (a new service
+        bound it: a restart or a take-over is then seen within SOCKET_POLL_S, not after a
+        backoff grown to seconds while the old one was stopping). A stat per step."""
+        end = time.monotonic() + delay
+        while (left := end - time.monotonic()) > 0:
+            if self._closed.wait(min(SOCKET_POLL_S, left)):
+                return
+            if self._socket_id() != seen:
+                return
 
     def _notice_closed(self) -> None:
         """UP and idle: a service that ended (kill -9 included) has closed the socket. Notice

@@ -1,8 +1,8 @@
 """One `kvtier serve` as the node's KV cache, two vLLM processes attached to it, checked exactly.
 
 Runs in the vLLM environment (`make vllm-env` builds `.venv-vllm`). It starts `kvtier serve`
-(storage off: every hit below comes from the node's host tier) with its engine socket in a
-private folder, then two vLLM engine processes, A and B, each with
+(storage off unless `--tenants`: every hit below comes from the node's host tier) with its
+engine socket in a private folder, then two vLLM engine processes, A and B, each with
 `kv_connector_extra_config = {"kvtier_serve": "<socket>", ...}` (attached mode) and the tiny
 random Llama of `examples/vllm_offload.py` (12 device blocks of 32 tokens, so nothing is
 shared through vLLM itself). Each engine's KVTIER_CACHE__HOST_BLOCKS asks for a host tier
@@ -20,18 +20,28 @@ is checked or made on the engine side and they start all the same (`unowned_host
   serving it (right after the batch's first prompt); a new A' serves R and the batch's first
   prompt: it hits what A stored, exactly (`after_kill_a_*`), and the service lists only the
   engines alive.
-* `--tenants` (issue 36): tenants by cache_salt with quotas (POST /tenants/quota): B serves
-  its system prompt with salt "b" and a kv_hints `kvtier.retain` v1 {pin, tenant "b"} (no
-  REST call for the pin); A floods the namespace with salt "a" (2.5x its quota); B's
-  device cache is flushed; /lookup by token ids says how much of B's prompt the host holds;
-  B's next request must load exactly that from the host, identical to its first run
-  (`b_pinned_tokens_after_flood`, `lookup_equals_load`), and A's evictions are A's only
-  (`a_evicted_only_a`).
+* `--tenants` (issue 36): the service with file storage and its event stream on; tenants by
+  cache_salt with host quotas of 12 blocks each (POST /tenants/quota). B serves its system
+  prompt with salt "b" and a kv_hints `kvtier.retain` v1 {pin, tenant "b"} (no REST call for
+  the pin), then two documents of its own: the second takes B past its quota, and B's
+  oldest unpinned blocks go (without the pin, the system prompt's). A floods the namespace
+  with salt "a" (2.5x its quota). B's device cache is flushed; /lookup by token ids says how
+  much of B's prompt the host holds; B's next request must load exactly that from the host,
+  identical to its first run (`b_pinned_tokens_after_flood`, `lookup_equals_load`); A's
+  flood evicted A's blocks only (`a_evicted_only_a`). Then tenant A is cleared over REST:
+  B's blocks stay (`clear_left_other_tenant`) and the event stream announces each of A's
+  removals (`clear_removals_announced`); A's first document is warmed from storage and A's
+  next request loads it from the host tier, exactly (`warm_first_request_host_tokens`:
+  the service's count of its loads, at most what /lookup saw on the host before it).
 * `--kill-serve`: `kvtier serve` is killed (SIGKILL) while B serves; B's requests complete
   (recomputed) within `SERVE_DOWN_BOUND_S` each; serve is started again on the same socket, B
   reconnects (backoff at most 5 s), stores anew and hits again (`after_restart_*`).
 * `--restart-serve`: `kvtier serve` is stopped with SIGTERM (a planned restart) and started
   again on the same socket.
+* `--takeover-serve`: last, `kvtier serve --takeover` starts beside the running service
+  and takes its place (a planned upgrade): B serves T cold before it and from the new
+  service's host tier after it (`takeover_tokens_from_host`, exact: `takeover_identical`;
+  `takeover_kept_blocks`).
 * With either, the service runs with `node.handover = true` (issue 37): B serves K cold
   before the restart and pushes it out of its device cache; after it, B serves K from the
   new service's host tier
@@ -79,6 +89,10 @@ PREFIX_TOKENS = (PROMPT_TOKENS // vllm_offload.BLOCK) * vllm_offload.BLOCK
 START_TIMEOUT_S = 300.0  # a vLLM engine process starting on a loaded 2-core machine
 ANSWER_TIMEOUT_S = 120.0  # one generate command
 SERVE_DOWN_BOUND_S = 30.0  # a request of an attached engine while its service is dead
+# --tenants: host quotas in blocks. B's is two documents' worth: its pinned system prompt
+# plus one document of its own; its second document evicts its oldest unpinned blocks
+A_QUOTA_BLOCKS = 12
+B_QUOTA_BLOCKS = 12
 URL_LINE = re.compile(r"admin listening on (http://\S+)")
 MARK = "@@ "
 
@@ -176,29 +190,97 @@ def admin_json(url: str, path: str, body: dict[str, Any] | None = None) -> Any:
 
 def tenant_phase(serve: Serve, a: Engine, b: Engine, prompt: Any) -> dict[str, Any]:
     """The `--tenants` steps (see the module docstring)."""
+    from kv_events import ServiceSubscriber
+
     ns = serve.status()["node"]["namespaces"][0]["namespace"]
-    for tenant, blocks in (("a", 12), ("b", 8)):
+    sub = ServiceSubscriber(f"ipc://{Path(serve.socket_path).parent / 'events.pub'}")
+    try:
+        return _tenant_steps(serve, ns, sub, a, b, prompt)
+    finally:
+        sub.close()
+
+
+def _tenant_steps(serve: Serve, ns: str, sub: Any, a: Engine, b: Engine,
+                  prompt: Any) -> dict[str, Any]:
+    def lookup(tokens: list[int], salt: str) -> dict[str, int]:
+        found: dict[str, int] = admin_json(serve.url, "/lookup", {
+            "namespace": ns, "token_ids": tokens, "cache_salt": salt})["matched_tokens"]
+        return found
+
+    def figures() -> dict[str, Any]:
+        out: dict[str, Any] = admin_json(serve.url, f"/tenants?namespace={ns}")[ns]
+        return out
+
+    def loads(e: Engine) -> int:
+        [mine] = [s for s in engines(serve.status()) if s.get("pid") == e.pid]
+        return int(mine["loads"])
+
+    for tenant, blocks in (("a", A_QUOTA_BLOCKS), ("b", B_QUOTA_BLOCKS)):
         admin_json(serve.url, "/tenants/quota", {"namespace": ns, "tenant": tenant,
                                                  "quota_blocks": blocks})
     system = prompt()
     first = b.steer(system, "b", {"pin": True, "tenant": "b"})
-    for _ in range(5):  # A's flood: 30 one-shot blocks, its quota 12
-        a.steer(prompt(), "a", {"tenant": "a"})
+    # B's own one-shot documents (salt b) fill B's quota twice over: its oldest unpinned
+    # blocks go first, and without the pin those are the system prompt's (unused since)
+    for _ in range(2):
+        b.steer(prompt(), "b", {"tenant": "b"})
+    before_flood = figures()
+    flood = [prompt() for _ in range(5)]  # A's flood: 30 one-shot blocks, its quota 12
+    cold_doc = a.steer(flood[0], "a", {"tenant": "a"})
+    for doc in flood[1:]:
+        a.steer(doc, "a", {"tenant": "a"})
+    after_flood = figures()
     for _ in range(4):  # push the system prompt out of B's 12-block device cache
         b.generate(prompt())
-    found = admin_json(serve.url, "/lookup", {"namespace": ns, "token_ids": system,
-                                              "cache_salt": "b"})
+    found = lookup(system, "b")
     again = b.steer(system, "b", {"pin": True, "tenant": "b"})
-    figs = admin_json(serve.url, f"/tenants?namespace={ns}")[ns]
-    return {
+    figs = figures()
+    out: dict[str, Any] = {
         "b_pinned_tokens_after_flood": again["num_cached_tokens"],
         "b_identical_after_flood": vllm_offload.compare(first, again)[0],
-        "lookup_host_tokens": found["matched_tokens"]["host"],
-        "lookup_equals_load": found["matched_tokens"]["host"] == again["num_cached_tokens"],
-        "lookup_us": found["lookup_us"], "lookup_hash_us": found["hash_us"],
-        "a_evicted_only_a": figs["b"]["evictions"] == 0 and figs["a"]["evictions"] > 0,
+        "lookup_host_tokens": found["host"],
+        "lookup_equals_load": found["host"] == again["num_cached_tokens"],
+        # A's flood evicted A's own blocks and not one of B's (B is within its quota)
+        "a_evicted_only_a": (after_flood["a"]["evictions"] > 0 and after_flood["b"]["evictions"]
+                             == before_flood["b"]["evictions"]),
+        "b_own_evictions": figs["b"]["evictions"],
         "tenants": figs,
     }
+
+    # clear tenant A (host tier, over REST): B's blocks stay, the event stream announces
+    # every one of A's removals
+    topic = f"kvtier/host/{ns}"
+    wait_for(lambda: len(sub.topics().get(topic, ())) >= figs["a"]["host_blocks"]
+             + figs["b"]["host_blocks"], 20, "the event stream to show both tenants' blocks")
+    held = sub.topics().get(topic, set())
+    cleared = admin_json(serve.url, "/clear", {"namespace": ns, "tenant": "a"})
+    removed = cleared["host_blocks_removed"]
+    wait_for(lambda: len(held - sub.topics().get(topic, set())) >= removed, 20,
+             "the event stream to announce the clear's removals")
+    after = sub.topics().get(topic, set())
+    out["clear_left_other_tenant"] = (
+        removed == figs["a"]["host_blocks"] > 0 and lookup(system, "b")["host"] == PREFIX_TOKENS
+        and lookup(flood[-1], "a")["host"] == 0)
+    out["clear_removals_announced"] = len(held - after) == removed and after <= held
+
+    # warm: A's first document (out of A's host share since the flood, still in storage)
+    # brought back to the host tier ahead of traffic; A's next request loads it from there.
+    # Every kvtier load is a copy out of the host pool; a block warmed from storage is
+    # counted by the service as a storage hit on its first load, so the figure is the loads
+    # of the request, bounded by what /lookup saw on the host before it was sent.
+    doc = flood[0]
+    wait_for(lambda: lookup(doc, "a")["storage"] == PREFIX_TOKENS, 20,
+             "A's first document backed up to storage")
+    admin_json(serve.url, "/warm", {"namespace": ns, "token_ids": doc, "cache_salt": "a"})
+    wait_for(lambda: lookup(doc, "a")["host"] == PREFIX_TOKENS, 20, "the warm to land")
+    on_host = lookup(doc, "a")["host"]
+    before = loads(a)
+    warmed = a.steer(doc, "a", {"tenant": "a"})
+    out["warm_first_request_cached_tokens"] = warmed["num_cached_tokens"]
+    out["warm_first_request_host_tokens"] = min(on_host,
+                                                (loads(a) - before) * vllm_offload.BLOCK)
+    out["warm_first_request_identical"] = vllm_offload.compare(cold_doc, warmed)[0]
+    return out
 
 
 def die_with_parent() -> None:
@@ -293,6 +375,7 @@ class Serve:
         storage = (f'[storage]\nbackend = "file"\npath = "{storage_path}"\n' if storage_path
                    else '[storage]\nbackend = "none"\n')
         self.workdir = workdir
+        self.socket_path = socket_path
         self.toml = workdir / "kvtier.toml"
         self.toml.write_text(
             f'deployment_id = "{deployment_id}"\n'
@@ -312,7 +395,7 @@ class Serve:
         self.url = ""
         self.starts = 0
 
-    def start(self, timeout: float = 90.0) -> None:
+    def start(self, timeout: float = 90.0, *extra: str) -> None:
         self.starts += 1
         log_path = self.workdir / f"serve-{self.starts}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
@@ -320,7 +403,8 @@ class Serve:
         env["TMPDIR"] = str(self.workdir)
         kvtier = Path(sys.executable).parent / "kvtier"
         with log_path.open("wb") as log:
-            self.proc = subprocess.Popen([str(kvtier), "serve", "--config", str(self.toml)],
+            self.proc = subprocess.Popen([str(kvtier), "serve", "--config", str(self.toml),
+                                          *extra],
                                          stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
@@ -333,6 +417,15 @@ class Serve:
                 break
             time.sleep(0.2)
         raise RuntimeError(f"kvtier serve did not start:\n{log_path.read_text()[-3000:]}")
+
+    def take_over(self) -> float:
+        """`kvtier serve --takeover` beside the running service (a planned upgrade): the
+        new one is up, the old one handed over and exited; the seconds it took."""
+        old, t = self.proc, time.monotonic()
+        self.start(90.0, "--takeover")
+        if old is not None:
+            old.wait(60)
+        return round(time.monotonic() - t, 2)
 
     def status(self) -> dict[str, Any]:
         with urllib.request.urlopen(self.url + "/status", timeout=10) as r:
@@ -412,8 +505,12 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     sock_dir = work / "run"
     sock_dir.mkdir(mode=0o700)
     socket_path = str(sock_dir / "node.sock")
+    # --tenants: file storage (the warm and the clear) and the service's event stream (the
+    # clear's removals announced)
     serve = Serve(work, socket_path, f"nodeex{os.getpid()}",
-                  handover=args.kill_serve or args.restart_serve)
+                  handover=args.kill_serve or args.restart_serve,
+                  storage_path=str(work / "storage") if args.tenants else "",
+                  events=args.tenants)
     started: list[Engine] = []
     report: dict[str, Any] = {}
     rng = random.Random(args.seed)
@@ -557,6 +654,24 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             report["after_restart_attempts"] = attempts
             report["after_restart_tokens_from_host"] = second["num_cached_tokens"]
             report["after_restart_identical"] = vllm_offload.compare(first, second)[0]
+        if args.takeover_serve:
+            # T, served cold by B and pushed out of its device cache; then a new service
+            # takes this one over (`kvtier serve --takeover`): B reattaches by itself and
+            # can have T only from the new service's host tier
+            tt = prompt()
+            cold = b.generate(tt)
+            for _ in range(4):
+                b.generate(prompt())
+            time.sleep(0.5)  # the completions of T's stores ride with B's requests
+            report["takeover_seconds"] = serve.take_over()
+            wait_for(lambda: any(e.get("namespace") for e in engines(serve.status())), 120,
+                     "B attached to the service that took over")
+            time.sleep(1.0)
+            got = b.generate(tt)
+            ns = (serve.status().get("node") or {}).get("namespaces", [])
+            report["takeover_kept_blocks"] = ns[0]["restart"]["adopted"] if ns else 0
+            report["takeover_tokens_from_host"] = got["num_cached_tokens"]
+            report["takeover_identical"] = vllm_offload.compare(cold, got)[0]
         report["seconds"] = round(time.monotonic() - t0, 1)
         return report
     finally:
@@ -580,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restart-serve", action="store_true",
                     help="SIGTERM kvtier serve (a planned restart, node.handover) and start "
                     "it again: B must load what A stored before, from the host tier")
+    ap.add_argument("--takeover-serve", action="store_true",
+                    help="then start `kvtier serve --takeover` beside the running service: "
+                    "B must load what it stored before, from the new one's host tier")
     ap.add_argument("--tenants", action="store_true",
                     help="tenants by cache_salt: B's pinned prompt survives A's flood")
     ap.add_argument("--seed", type=int, default=1)

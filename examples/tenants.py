@@ -9,8 +9,15 @@ the tenant figures printed, one JSON line last:
     b_pinned_tokens_after_flood   B's system prompt tokens vLLM loaded from kvtier after the flood
     b_identical_after_flood       B's tokens and logprobs equal its first (cold) run
     lookup_equals_load            /lookup's host tokens == what vLLM then loaded
-    a_evicted_only_a              A evicted its own blocks (> 0), B none
+    a_evicted_only_a              A's flood evicted A's own blocks (> 0), not one of B's
+    clear_left_other_tenant       a clear of tenant A (REST) removed A's host blocks only
+    clear_removals_announced      the service's event stream announced each removal
+    warm_first_request_host_tokens  A's first request after a warm from storage: tokens
+                                  it loaded out of the host tier (the service's count of
+                                  its loads, at most what /lookup saw there before it)
     tenants                       the service's per-tenant figures (GET /tenants)
+
+The last line is the figures the issue names, each computed by the run.
 """
 
 from __future__ import annotations
@@ -24,8 +31,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import node_service
 
-KEYS = ("b_pinned_tokens_after_flood", "b_identical_after_flood", "lookup_host_tokens",
-        "lookup_equals_load", "lookup_us", "lookup_hash_us", "a_evicted_only_a", "tenants")
+KEYS = ("b_identical_after_flood", "lookup_host_tokens", "b_own_evictions",
+        "clear_removals_announced", "warm_first_request_cached_tokens",
+        "warm_first_request_identical", "tenants")
+# the issue's figures: the last line of output
+FIGURES = ("b_pinned_tokens_after_flood", "a_evicted_only_a", "warm_first_request_host_tokens",
+           "lookup_equals_load", "clear_left_other_tenant")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,11 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
     run_args = argparse.Namespace(model_dir=args.model_dir, seed=args.seed, tenants=True,
-                                  kill_a=False, kill_serve=False)
+                                  kill_a=False, kill_serve=False, restart_serve=False)
     with tempfile.TemporaryDirectory(prefix="kvtier-tenants-") as tmp:
         report = node_service.run(run_args, Path(tmp))
     out = {k: report[k] for k in KEYS}
-    print(json.dumps(out) if args.json else json.dumps(out, indent=2), flush=True)
+    figures = {k: report[k] for k in FIGURES}
+    if args.json:
+        print(json.dumps(out), flush=True)
+        print(json.dumps(figures), flush=True)
+    else:
+        print(json.dumps({**out, **figures}, indent=2), flush=True)
     return 0
 
 

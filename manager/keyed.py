@@ -748,14 +748,25 @@ class KeyedHostCache:
     def retain(self, hashes: Sequence[bytes], retention: Retention,
                tenant: str | None = None) -> dict[str, int]:
         """Pin / TTL / priority for these blocks (`TenantBook.retain`: a pin over quota is
-        refused whole, nothing changed)."""
+        refused whole, nothing changed). With a storage tier the same retention goes to the
+        blocks' storage pages, stored now or written later (`StorageTier.retain`), once the
+        book accepted it."""
         with self._lock:
             items = [(k, self.m.lookup(k)) for k in map(engine_key, hashes)]
-            return self.tenants.retain(items, tenant, retention, _monotonic())
+            out = self.tenants.retain(items, tenant, retention, _monotonic())
+            if self.storage is not None and hashes:
+                self.storage.retain([self.storage_key(h) for h in hashes],
+                                    pin=retention.pin, ttl_s=retention.ttl_s,
+                                    priority=retention.priority)
+            return out
 
     def unpin(self, hashes: Sequence[bytes]) -> int:
+        """Unpin these blocks in the host tier and, with a storage tier, their pages."""
         with self._lock:
-            return self.tenants.unpin(map(engine_key, hashes))
+            n = self.tenants.unpin(map(engine_key, hashes))
+            if self.storage is not None and hashes:
+                self.storage.unpin([self.storage_key(h) for h in hashes])
+            return n
 
     def set_quota(self, tenant: str | None, blocks: int | None) -> None:
         with self._lock:

@@ -52,7 +52,13 @@ from kvtier.manager.errors import KvtierError, TransferTimeoutError
 from kvtier.manager.transfers import ProcessDispatcher, TransferObserver
 from kvtier.worker.ipc import MAX_RANKS, ManagerIPC
 from kvtier.worker.kvreg import EngineKVError, read_record, remove_dead_registrations
-from kvtier.worker.spec import REFUSED_EXIT, REFUSED_PREFIX, WorkerSpec, host_segment_name
+from kvtier.worker.spec import (
+    REFUSED_EXIT,
+    REFUSED_PREFIX,
+    WARM_LINE,
+    WorkerSpec,
+    host_segment_name,
+)
 from kvtier.worker.wire import (
     MIN_RESULT_KINDS,
     SUM_RESULT_KINDS,
@@ -95,6 +101,91 @@ class WorkerStatus(TypedDict):
     next_start_in_s: float | None  # state start_failed: seconds to the next try
     last_error: str  # why the last start failed ("" if none did)
     host_numa_node: int | None  # NUMA node its host pool is bound to (workers.host_numa)
+
+
+def _worker_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("KVTIER_") or k in NON_CONFIG_ENV}
+    # torch's OpenMP threads spin while they wait; a worker shares its cores with the
+    # engine and the other ranks, and spinning threads stall everybody's short copies.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
+class WarmWorkers:
+    """Worker processes started before their specs are known (issue 37's take-over): each
+    does its imports (torch: seconds) and waits for its spec on stdin
+    (`kvtier.worker.process --spec-stdin`); a supervisor's `_spawn` takes one and sends it
+    the spec, so a stack started then does not pay for the imports.
+
+    Data structures: `_procs`, the warm processes not taken yet, each with its log file (in
+    `_dir`, a temporary folder; a taken one's log is moved into its supervisor's folder).
+    Invariant: a process here has had no spec; `close` kills them (a warm process whose
+    launcher dies reads an EOF and exits by itself)."""
+
+    def __init__(self) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="kvtier-warm-"))
+        self._procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+        self._lock = threading.Lock()
+        self._ids = 0
+
+    def start(self, n: int) -> None:
+        """`n` more warm processes."""
+        with self._lock:
+            for _ in range(n):
+                self._ids += 1
+                path = self._dir / f"warm-{self._ids}.log"
+                with path.open("ab") as logf:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "kvtier.worker.process", "--spec-stdin"],
+                        stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT,
+                        env=_worker_env(), start_new_session=True)
+                self._procs.append((proc, path))
+
+    def wait_warm(self, timeout: float) -> int:
+        """Until every process here has done its imports (WARM_LINE in its log), at most
+        `timeout` seconds; how many are warm."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                procs = list(self._procs)
+            warm = 0
+            for _, path in procs:
+                with contextlib.suppress(OSError):
+                    warm += WARM_LINE in path.read_text(errors="replace")
+            if warm == len(procs) or time.monotonic() > deadline:
+                return warm
+            time.sleep(0.02)
+
+    def take(self) -> tuple[subprocess.Popen[bytes], Path] | None:
+        """A live warm process and its log, or None."""
+        with self._lock:
+            while self._procs:
+                proc, path = self._procs.pop(0)
+                if proc.poll() is None:
+                    return proc, path
+        return None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._procs)
+
+    def close(self) -> None:
+        """The processes not taken: stopped (their stdin closed: they exit at the EOF; killed
+        if they do not)."""
+        with self._lock:
+            procs, self._procs = self._procs, []
+        for proc, _ in procs:
+            with contextlib.suppress(OSError):
+                assert proc.stdin is not None
+                proc.stdin.close()
+        for proc, _ in procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 @dataclass
@@ -171,6 +262,8 @@ class WorkerSupervisor:
         self._log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvtier-{deployment_id}-"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self._monitor: threading.Thread | None = None
+        # warm processes to take before starting new ones (issue 37's take-over), or None
+        self.warm: WarmWorkers | None = None
 
     @property
     def log_dir(self) -> Path:
@@ -241,12 +334,10 @@ class WorkerSupervisor:
         self._unlink_host_segment(w.rank)
         spec = dataclasses.replace(self.spec_for_rank(w.rank), ipc_instance=self.ipc.instance)
         w.log_path = self._log_dir / f"worker-r{w.rank}.log"
+        if self.warm is not None and self._spawn_warm(w, spec):
+            return
         logf = w.log_path.open("ab")
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("KVTIER_") or k in NON_CONFIG_ENV}
-        # torch's OpenMP threads spin while they wait; a worker shares its cores with the
-        # engine and the other ranks, and spinning threads stall everybody's short copies.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        env = _worker_env()
         # In the environment, not on the command line: the spec may carry a Redis password.
         env[SPEC_ENV] = spec.to_json()
         w.proc = subprocess.Popen(
@@ -258,6 +349,33 @@ class WorkerSupervisor:
         w.state = "starting"
         w.started_at = time.monotonic()
         log.info("worker rank %d starting (pid %d, log %s)", w.rank, w.proc.pid, w.log_path)
+
+    def _spawn_warm(self, w: WorkerHandle, spec: WorkerSpec) -> bool:
+        """A warm process (`warm`) made this rank's worker: its log moved into this run's
+        folder (the file it writes to), the spec sent on its stdin (a pipe: never on a
+        command line). False when none is left or it died meanwhile."""
+        assert self.warm is not None
+        got = self.warm.take()
+        if got is None:
+            return False
+        proc, path = got
+        assert proc.stdin is not None and w.log_path is not None
+        try:
+            os.replace(path, w.log_path)
+            proc.stdin.write(spec.to_json().encode())
+            proc.stdin.close()
+        except OSError as e:
+            log.warning("worker rank %d: the warm process %d failed (%s); starting one",
+                        w.rank, proc.pid, e)
+            proc.kill()
+            proc.wait(5)
+            return False
+        w.proc = proc
+        w.state = "starting"
+        w.started_at = time.monotonic()
+        log.info("worker rank %d starting (pid %d, warm, log %s)", w.rank, proc.pid,
+                 w.log_path)
+        return True
 
     def _wait_ready(self, workers: list[WorkerHandle], timeout: float) -> None:
         deadline = time.monotonic() + timeout

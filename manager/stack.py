@@ -74,7 +74,7 @@ from kvtier.manager.config import (
 from kvtier.manager.core.cache import CacheCore
 from kvtier.manager.errors import AsleepError, KvtierError, TransferTimeoutError
 from kvtier.manager.keyed import KeyedHostCache
-from kvtier.manager.launcher import WorkerSupervisor
+from kvtier.manager.launcher import WarmWorkers, WorkerSupervisor
 from kvtier.manager.private_state import storage_secret
 from kvtier.manager.scheduler import TREE_CLEARED, KVCacheManager
 from kvtier.manager.storage_tier import StorageTier
@@ -217,6 +217,9 @@ class Stack:
         # them (the node service sets it for the start that takes a hand-over, then clears
         # it: a worker restarted later creates a fresh pool).
         self.adopt_host = False
+        # Warm worker processes its first start takes before starting new ones (a node
+        # service's take-over, issue 37); a worker replaced later is a new process.
+        self.warm: WarmWorkers | None = None
 
     # ------------------------------------------------------------------ life cycle
 
@@ -255,7 +258,11 @@ class Stack:
                     device_copy_mark=self._device_copy_mark,
                     on_device_confirmed=self._on_device_confirmed)
                 dispatcher = self.supervisor.make_dispatcher(on_transfer=self._observe_transfer)
-                self.supervisor.start()
+                self.supervisor.warm = self.warm
+                try:
+                    self.supervisor.start()
+                finally:
+                    self.supervisor.warm = None
             # engine KV: host copies read from the model runner's memory are trusted once a
             # registration check confirms that memory (see WorkerSupervisor._check_engine_kv)
             parts = assemble(c, dispatcher, transfer_timeout_s=self.transfer_timeout_s,

@@ -3,8 +3,8 @@ backup from the host tier.
 
 Pages are named by SHA-256 storage keys (`kvtier.manager.keys.storage_keys`), so any manager
 instance serving the same model finds the pages another one wrote. Nothing here touches bytes:
-it emits QUERY, PREFETCH, BACKUP, CLEAR and DELETE tasks and applies their outcomes under the
-manager's lock.
+it emits QUERY, PREFETCH, BACKUP, CLEAR, DELETE and RETAIN tasks and applies their outcomes
+under the manager's lock.
 
 The tier is a client of the cache core (`kvtier.manager.core.cache.CacheCore`): it asks the
 core for the prefetch and storage-backup transitions of a node (it never writes node state
@@ -104,7 +104,15 @@ from kvtier.manager.core.nodes import PREFETCHING, Node
 from kvtier.manager.errors import TransferTimeoutError
 from kvtier.manager.keys import storage_keys
 from kvtier.manager.policies import make_storage_write_policy
-from kvtier.worker.wire import Completion, Priority, Task, TaskKind, key_tag
+from kvtier.worker.wire import (
+    RETAIN_SET,
+    RETAIN_UNPIN,
+    Completion,
+    Priority,
+    Task,
+    TaskKind,
+    key_tag,
+)
 
 if TYPE_CHECKING:
     from kvtier.manager.config import KvtierConfig
@@ -208,7 +216,8 @@ class StorageTier:
             "errors_list", "index_misses", "backup_skipped_pages",
             "backup_slow_skipped_pages", "backup_probes", "query_slow_skips",
             "query_probes", "delete_tasks", "delete_pages_asked", "delete_pages",
-            "errors_delete"), 0)
+            "errors_delete", "retain_tasks", "retain_pages_asked", "retain_pages",
+            "errors_retain"), 0)
 
     # ------------------------------------------------------------------ keys
 
@@ -731,6 +740,40 @@ class StorageTier:
             except TransferTimeoutError:
                 return None
         return out[0] if out else None
+
+    def retain(self, skeys: Sequence[bytes], *, pin: bool, ttl_s: float,
+               priority: int) -> None:
+        """Send this retention for these pages to every rank (one RETAIN task on the
+        storage-write lane, not waited for): each backend keeps what it is told
+        (`kvtier.worker.storage.retention`) and applies it to the pages stored now and to
+        those written later. The retention's owner is the keyed surface's `TenantBook`;
+        this only carries it down. Lock may be held."""
+        self._send_retain(skeys, [RETAIN_SET, int(pin), round(ttl_s * 1000), priority])
+
+    def unpin(self, skeys: Sequence[bytes]) -> None:
+        """Take the pin off these pages on every rank (a RETAIN task, not waited for): they
+        get their ordinary expiry back."""
+        self._send_retain(skeys, [RETAIN_UNPIN, 0, 0, 0])
+
+    def _send_retain(self, skeys: Sequence[bytes], args: list[int]) -> None:
+        keys = list(dict.fromkeys(skeys))
+        if not keys:
+            return
+
+        def done(ok: bool, comp: Completion) -> None:  # lock held (the completion thread)
+            if not ok:
+                self.counters["errors_retain"] += 1
+                log.warning("retaining %d storage pages failed: %s", len(keys), comp.error)
+                return
+            self.counters["retain_pages"] += comp.result
+
+        m = self.m
+        with m.lock:
+            self.counters["retain_tasks"] += 1
+            self.counters["retain_pages_asked"] += len(keys)
+            m.track(Task(m.next_seq(), TaskKind.RETAIN, args, [], keys, Priority.BACKUP), [],
+                    on_done=done)
+            m.flush()
 
     def status(self) -> dict[str, Any]:
         c = dict(self.counters)

@@ -6,6 +6,9 @@
 - Tests marked `cuda` are skipped, with the reason shown, where torch sees no CUDA GPU.
 - Every test is in exactly one tier (`fast`, `engines`, `live`: tiers.py); collection fails,
   naming each test, when one has none or two. Every run writes .kvtier/test-durations.json.
+- At the session's end (`leaks`): a `kvtier serve` or worker process a test left running, or
+  a /dev/shm name of one of the run's deployments, is killed or removed, listed loudly, and
+  fails the session.
 - Hypothesis profiles: `ci` (CI=true: the budgets written in the tests) and `dev` (the rest:
   a third of them), both without deadlines; `KVTIER_HYPOTHESIS_PROFILE` picks one. Tests scale
   their `max_examples` with `support.examples(n)`.
@@ -13,8 +16,11 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
+import leaks
 import posix_ipc
 import pytest
 from hypothesis import settings
@@ -50,6 +56,22 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for log in _DURATIONS:
         log.write(exitstatus)
+    root = Path(str(session.config.rootpath))
+    leaks.sweep(root)  # this process's (an xdist worker's, or the one process's)
+    if hasattr(session.config, "workerinput"):
+        return
+    found = leaks.report(root)  # the workers' too: they finished before the controller
+    if found:
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        text = (f"LEAKED by this run's tests ({len(found)}; killed and removed now):\n  "
+                + "\n  ".join(found))
+        if tr is not None:
+            tr.write_sep("!", "kvtier leaks", red=True, bold=True)
+            tr.write_line(text)
+        else:
+            print(text, file=sys.stderr)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(wrapper=True)

@@ -28,6 +28,7 @@ derived from its key, so any process can check any block.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -164,7 +165,10 @@ def _tensor(data: bytes) -> Any:
 def main() -> int:
     path, namespace = sys.argv[1], sys.argv[2]
     shape = json.loads(sys.argv[3]) if len(sys.argv) > 3 else SHAPE
-    client = NodeClient(path, hello(namespace, shape), call_timeout_s=1.0)
+    # the engine's tokens per block hash, when a test says (HELLO's hash_block_size)
+    said = dataclasses.replace(hello(namespace, shape), hash_block_size=int(
+        os.environ.get("NODE_ENGINE_HASH_BLOCK_SIZE") or 0))
+    client = NodeClient(path, said, call_timeout_s=1.0)
     engine = Engine(client, shape)
     print(json.dumps({"attached": client.connected, "error": client.last_error}), flush=True)
     for line in sys.stdin:

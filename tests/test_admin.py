@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 from compose_support import dashboard_metric_names
-from kvtier.admin.app import create_app
+from kvtier.admin.app import STEERING_ROUTES, create_app
 from kvtier.admin.server import AdminServer
 from kvtier.manager.config import KvtierConfig, page_bytes
 from kvtier.manager.scheduler import KVCacheManager
@@ -814,3 +814,15 @@ def test_urllib_hears_401_and_413_on_a_large_body(admin: AdminServer, auth: bool
     assert e.value.code == status, e.value
     assert str(status) in str(e.value.code)
     e.value.close()
+
+
+def test_steering_routes_answer_that_they_need_a_node(http: httpx.Client) -> None:
+    """Issue 36: this admin has no node (an embedded kvtier's): the steering routes answer a
+    one-line 409 naming `kvtier serve`, not a bare 404, and are not in its OpenAPI document."""
+    for method, path in STEERING_ROUTES:
+        r = http.request(method, path, json={} if method == "POST" else None)
+        assert r.status_code == 409, (path, r.status_code, r.text)
+        detail = r.json()["detail"]
+        assert detail.startswith(f"{method} {path}: ") and "`kvtier serve`" in detail, detail
+        assert "\n" not in detail
+    assert not set(http.get("/openapi.json").json()["paths"]) & {p for _, p in STEERING_ROUTES}

@@ -21,8 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtier.worker import content
 from kvtier.worker.copy_engine import LAYER_DELAY_ENV, CopyEngine, plan_copy, wide_dtype
+from kvtier.worker.executor import TaskExecutor
 from kvtier.worker.fused_copy import fused_unavailable
 from kvtier.worker.kv_pools import BlockIdError, DevicePool, HostPool, KVShape
+from kvtier.worker.wire import Task, TaskKind
 from support import examples, new_segment_name
 
 pytestmark = pytest.mark.fast
@@ -69,23 +71,27 @@ class Rig:
 
 
 # Every rig test runs on the CPU, and on a GPU through the three CUDA copy paths (fused:
-# Triton kernels through the mapped host pool; zero-copy: eager PyTorch kernels through it;
-# staged through pinned buffers).
+# Triton kernels through the mapped host pool, small tasks through CUDA graphs, and
+# `fused_ring`: the same with the graphs off, every task through the id ring and Triton's
+# dispatch; zero-copy: eager PyTorch kernels through it; staged through pinned buffers).
 RIG_PARAMS = [
     *((name, "cpu", "auto") for name in sorted(SHAPES)),
     *(pytest.param((name, "cuda", path), marks=pytest.mark.cuda)
-      for name in sorted(SHAPES) for path in ("fused", "zero_copy", "staged")),
+      for name in sorted(SHAPES) for path in ("fused", "fused_ring", "zero_copy", "staged")),
 ]
 
 
 @pytest.fixture(params=RIG_PARAMS, ids=lambda p: "-".join(p) if isinstance(p, tuple) else p)
 def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
     name, device, path = request.param
-    if path == "fused" and (why := fused_unavailable(torch.device(device))):
+    if path.startswith("fused") and (why := fused_unavailable(torch.device(device))):
         pytest.skip(f"fused copy path: {why}")
-    r = Rig(SHAPES[name], device, **({"cuda_path": path} if device == "cuda" else {}))
+    kwargs: dict[str, object] = {"cuda_path": path} if device == "cuda" else {}
+    if path == "fused_ring":
+        kwargs = {"cuda_path": "fused", "fused_graph_max_ids": 0}
+    r = Rig(SHAPES[name], device, **kwargs)
     if device == "cuda":
-        assert r.engine.cuda_path == path
+        assert r.engine.cuda_path == kwargs["cuda_path"]
     yield r
     r.close()
 
@@ -375,6 +381,64 @@ def test_bad_ids_are_rejected_before_any_copy(
     assert seen == []
     assert torch.equal(as_bytes(rig.dev.data), dev_before)
     assert torch.equal(rig.host.data, host_before)
+
+
+def test_ids_checked_ahead_copy_alike_and_are_rechecked_for_another_engine() -> None:
+    """A worker checks a task's ids on receipt (`CopyEngine.check`) and copies them later
+    (`d2h_checked`, `h2d_checked`); ids checked against a larger pool are checked again
+    by the engine that copies them, with the same one-line error."""
+    big = Rig(SHAPES["wide"], "cpu")
+    small_host = HostPool(SHAPES["wide"], 2, new_segment_name(SEGMENT_TAG))
+    try:
+        small = CopyEngine(DevicePool(SHAPES["wide"], 2, "cpu"), small_host)
+        gen = torch.Generator().manual_seed(3)
+        randomize(big.dev.data, gen)
+        ids = big.engine.check("d2h", [2, 0], [1, 3])
+        assert len(ids) == 2
+        big.engine.d2h_checked(ids)
+        assert torch.equal(big.host_block(1), big.dev_block(2))
+        assert torch.equal(big.host_block(3), big.dev_block(0))
+        seen: list[int] = []
+        big.engine.h2d_checked(big.engine.check("h2d", [3], [4]), seen.append)
+        assert seen == list(range(big.shape.num_layers))
+        assert torch.equal(big.dev_block(4), big.host_block(3))
+        with pytest.raises(BlockIdError, match="d2h: device ids: block id 2 out of range"):
+            small.d2h_checked(ids)
+        backup = big.engine.check("d2h", [0], [45])
+        with pytest.raises(BlockIdError, match="h2d: device ids: block id 45 out of range"):
+            big.engine.h2d_checked(backup)  # a backup's ids handed to a load: checked as such
+    finally:
+        big.close()
+        small_host.close()
+
+
+def test_worker_checks_ids_on_receipt_and_its_lane_copies_them_unchecked() -> None:
+    """`TaskExecutor.precheck` (the receiver thread) leaves a task's checked ids for its
+    lane; bad ids leave nothing and the lane's copy fails with the same one-line error;
+    a merged batch is checked whole (two tasks naming one destination)."""
+    rig = Rig(SHAPES["wide"], "cpu")
+    try:
+        ex = TaskExecutor(0, rig.dev, rig.host, None)
+        randomize(rig.dev.data, torch.Generator().manual_seed(5))
+        good = Task(1, TaskKind.D2H, src=[3, 4], dst=[7, 8])
+        ex.precheck(good)
+        assert list(ex._checked) == [1]
+        assert ex.device_batch(TaskKind.D2H, [good]) == [(0, [])]
+        assert not ex._checked  # taken by the lane
+        assert torch.equal(rig.host_block(7), rig.dev_block(3))
+        bad = Task(2, TaskKind.H2D, src=[HOST_BLOCKS], dst=[1])
+        ex.precheck(bad)
+        assert not ex._checked
+        with pytest.raises(BlockIdError, match=f"h2d: host ids: block id {HOST_BLOCKS} out"):
+            ex.device_batch(TaskKind.H2D, [bad])
+        a, b = Task(3, TaskKind.D2H, [1], [9]), Task(4, TaskKind.D2H, [2], [9])
+        ex.precheck(a)
+        ex.precheck(b)
+        with pytest.raises(BlockIdError, match="block id 9 appears more than once"):
+            ex.device_batch(TaskKind.D2H, [a, b])
+        assert not ex._checked
+    finally:
+        rig.close()
 
 
 def test_engine_rejects_mismatched_pools_and_strategy() -> None:

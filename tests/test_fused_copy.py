@@ -20,6 +20,7 @@ from kvtier.worker.fused_copy import (
     IdRing,
     element_dtype,
     fused_unavailable,
+    graph_cap,
     launch_shape,
     layer_groups,
 )
@@ -71,6 +72,14 @@ def test_unavailable_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_load_groups_start_with_layer_zero_alone_and_double(
         layers: int, groups: list[tuple[int, int]]) -> None:
     assert layer_groups(layers) == groups
+
+
+@pytest.mark.parametrize(("n", "limit", "cap"), [
+    (1, 256, 16), (16, 256, 16), (17, 256, 32), (64, 256, 64), (65, 256, 128),
+    (256, 256, 256), (257, 256, 0), (0, 256, 0), (8, 0, 0)])
+def test_graph_sizes_pad_to_a_power_of_two_up_to_the_limit(n: int, limit: int,
+                                                            cap: int) -> None:
+    assert graph_cap(n, limit) == cap
 
 
 def test_id_ring_reuses_rows_and_grows() -> None:
@@ -157,6 +166,15 @@ INTERPRETED = textwrap.dedent("""
         for _first, _end, launch in h2d:  # layer groups 1, 1, 2, ...
             launch.run(ids, n)
         assert torch.equal(dev, want_dev), ("h2d", shape)
+        # a graph's padded row (size 8: pairs 4..7 have source -1 and move nothing; their
+        # destination slots hold ids a stray write would be seen at)
+        want_dev = dev.clone()
+        want_dev[:, :, dst[:2] - 2] = pages[src[:2]].permute(1, 2, 0, 3)
+        row = torch.tensor([*src[:2].tolist(), -1, -1, -1, -1, -1, -1,
+                            *(dst[:2] - 2).tolist(), 0, 1, 2, 4, 5, 6])
+        for _first, _end, launch in h2d:
+            launch.run(row, 8, padded=True)
+        assert torch.equal(dev, want_dev), ("padded h2d", order, shape)
         # an engine's planes: K planes in one allocation, V planes in another
         ks, vs = rand(L, blocks, row_bytes), rand(L, blocks, row_bytes)
         planes = [p for layer in range(L) for p in (ks[layer], vs[layer])]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from kvtier.manager.config import load_config
 from kvtier.manager.node.handover import (
     HANDOVER_NAME,
     HandOver,
@@ -31,9 +32,11 @@ from kvtier.manager.node.handover import (
     read_handover,
 )
 from kvtier.manager.node.namespaces import namespace_deployment_id
+from kvtier.manager.node.server import NodeServer
+from kvtier.manager.node.takeover import TakeoverError
 from kvtier.worker.spec import SHM_DIR, kept_segment_name
 from support import wait_until
-from test_node_service import NS_A, PAGE, EngineProc, Node
+from test_node_service import NS_A, NS_B, PAGE, EngineProc, Node
 
 pytestmark = pytest.mark.fast
 
@@ -90,7 +93,10 @@ def test_a_planned_restart_keeps_every_block_byte_for_byte(node: Node) -> None:
             in metrics), [ln for ln in metrics.splitlines() if "restart" in ln]
     # renamed back to the pool's name, and kept again (the crash journal's link)
     did = namespace_deployment_id(node.did, NS_A)
-    assert _kept(node).stat().st_ino == os.stat(f"{SHM_DIR}/kvtier_{did}_host_r0").st_ino
+    pool = os.stat(f"{SHM_DIR}/kvtier_{did}_host_r0").st_ino
+    # (the journal, and so the link, is made in the background)
+    wait_until(lambda: _kept(node).exists() and _kept(node).stat().st_ino == pool, 10,
+               "the adopted pool kept again")
     # new stores land in the free blocks: the adopted ones are left as they are
     more = list(range(1000, 1040))
     assert a.call(op="store", keys=more)["stored"] == 40
@@ -218,3 +224,82 @@ def test_hostile_hand_overs_give_one_line_and_a_cold_start(node: Node, tmp_path:
     assert _kept(node).stat().st_ino != old_pool, "the old pool adopted"
     assert not path.exists()
     assert _namespace(node)["restart"]["adopted"] == 0
+
+
+@pytest.fixture
+def plain_node(tmp_path: Path) -> Iterator[Node]:
+    """A node service alone (no scheduler-API stack: no worker of its own to start) without
+    node.handover: a take-over hands over all the same."""
+    n = Node(tmp_path)
+    n.toml.write_text(f'deployment_id = "{n.did}"\n[storage]\nbackend = "none"\n'
+                      '[admin]\nhost = "127.0.0.1"\nport = 0\n'
+                      f'[node]\nsocket = "{n.sock}"\nabandon_grace_s = 0.5\n'
+                      f'quotas = {{"{NS_A}" = {QUOTA_BLOCKS * PAGE}}}\n')
+    try:
+        yield n.start()
+    finally:
+        n.close()
+
+
+def test_a_takeover_keeps_every_block_and_the_engine(plain_node: Node, tmp_path: Path
+                                                     ) -> None:
+    """`kvtier serve --takeover` beside the running service (node.handover off: asked,
+    it hands over all the same): the old one is asked over the socket, hands over and
+    exits 0; the engine attached before reattaches by itself and every block it stored
+    loads from the new service's host tier, byte for byte. Refusals first, each one line
+    while the old service keeps serving: nothing to take over on a socket path, another
+    deployment on the same socket, a service that does not answer within
+    --takeover-timeout. A kept pool of the deployment no hand-over names is swept at the
+    new one's start. Break check: the old service's stop not handing over when taken
+    over (node.handover alone decides), "AssertionError: {... 'hits': 0 ...}"."""
+    node = plain_node
+    a = node.engine()
+    keys = list(range(100))
+    for i in range(0, 100, 50):
+        assert a.call(op="store", keys=keys[i:i + 50])["stored"] == 50
+    # the refusals, in this process (the server's own `take_over`, as `serve --takeover`
+    # calls it; no process start each): nothing listens on another socket path; the same
+    # socket, another deployment; a service that does not answer (stopped) within the bound
+    cfg = load_config(node.toml)
+    nowhere = cfg.model_copy(update={"node": cfg.node.model_copy(
+        update={"socket": str(node.dir / "x" / "node.sock")})})
+    other = cfg.model_copy(update={"deployment_id": node.did + "x"})
+    for c, line in ((nowhere, "no kvtier serve to take over"),
+                    (other, "refused: TAKEOVER: this service is deployment")):
+        with pytest.raises(TakeoverError, match=line) as refused:
+            NodeServer(c).take_over(10.0)
+        assert refused.value.usage and "\n" not in str(refused.value)
+    old = node.serve
+    assert old is not None and old.proc is not None
+    os.kill(old.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TakeoverError, match="did not answer") as refused:
+            NodeServer(cfg).take_over(1.0)
+        assert not refused.value.usage
+    finally:
+        os.kill(old.proc.pid, signal.SIGCONT)
+    assert a.call(op="load", keys=keys[:1])["hits"] == 1  # the old one still serves
+    # a kept pool no hand-over names (an earlier final stop's, of another namespace): swept
+    # by the new service's start, node.handover being off
+    stale = Path(SHM_DIR + kept_segment_name(namespace_deployment_id(node.did, NS_B), 0))
+    stale.write_bytes(b"\0" * PAGE)
+    before = a.call(op="status")["nonce"]
+    try:
+        node.start("--takeover")
+        assert old.proc.wait(30) == 0, old.log()
+    finally:
+        if old.proc.poll() is not None:
+            old.proc.wait()
+        else:  # a failed take-over: the old one and its workers go with the test
+            old.close()
+    assert "taken over by kvtier serve pid" in old.log(), old.log()
+    assert "took over kvtier serve pid" in node.log(), node.log()
+    assert not stale.exists() and "swept 1 kept segment(s)" in node.log(), node.log()
+    # the namespace's worker was one started warm before the old service was asked
+    assert "1 of 1 worker process(es) warm" in node.log() and ", warm, log " in node.log()
+    wait_until(lambda: (s := a.call(op="status"))["connected"] and s["nonce"] != before,
+               30, "the engine reattached to the new service")
+    got = a.call(op="load", keys=keys)
+    assert got["hits"] == 100 and got["identical"] is True, got
+    assert _namespace(node)["restart"] == {"handed_over": 100, "recovered": 0,
+                                           "adopted": 100, "discarded": 0}

@@ -46,11 +46,12 @@ class EngineProc:
     """One `node_engine.py` child: commands in, JSON lines out (every read bounded)."""
 
     def __init__(self, sock: Path, namespace: str, shape: dict[str, Any] | None = None,
-                 user: list[str] | None = None) -> None:
+                 user: list[str] | None = None, hash_block_size: int = 0) -> None:
         argv = [sys.executable, str(ENGINE), str(sock), namespace]
         if shape is not None:
             argv.append(json.dumps(shape))
-        env = dict(os.environ, PYTHONPATH=str(ENGINE.parent))
+        env = dict(os.environ, PYTHONPATH=str(ENGINE.parent),
+                   NODE_ENGINE_HASH_BLOCK_SIZE=str(hash_block_size))
         self.proc = subprocess.Popen([*(user or []), *argv], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                      text=True)
@@ -110,9 +111,10 @@ class Node:
         self.engines: list[EngineProc] = []
         self.logs = 0
 
-    def start(self) -> Node:
+    def start(self, *extra: str) -> Node:
         self.logs += 1
-        self.serve = ServeProcess([str(kvtier_script())], ["serve", "--config", str(self.toml)],
+        self.serve = ServeProcess([str(kvtier_script())],
+                                  ["serve", "--config", str(self.toml), *extra],
                                   deployment_id=self.did,
                                   log_path=self.tmp / f"serve{self.logs}.log").start()
         return self
@@ -214,7 +216,17 @@ def test_namespaces_are_isolated_and_held_to_their_quota(tmp_path: Path) -> None
     try:
         n.start()
         a = n.engine(NS_A)
-        b = n.engine(NS_B)
+        # B's engine hashes blocks of 2 tokens (HELLO's hash_block_size; vLLM's can be finer
+        # than the block in a hybrid model): token ids cannot name B's blocks (issue 36)
+        b = n.engine(NS_B, hash_block_size=2)
+        assert n.serve is not None
+        with n.serve.client(n.serve.token()) as http:
+            body = {"token_ids": list(range(16)), "cache_salt": "s"}
+            r = http.post("/lookup", json={"namespace": NS_B, **body})
+            assert r.status_code == 422 and r.json()["detail"] == (
+                f"namespace '{NS_B}': its engine hashes blocks of 2 tokens, kvtier's blocks "
+                "are 4: token ids cannot name them"), r.text
+            assert http.post("/lookup", json={"namespace": NS_A, **body}).status_code == 200
         assert a.call(op="store", keys=list(range(8)))["stored"] == 8
         assert b.call(op="load", keys=list(range(8)))["hits"] == 0  # not B's namespace
         assert a.call(op="load", keys=list(range(8)))["hits"] == 8

@@ -57,6 +57,15 @@ def lookup(node: Node, tokens: list[int], salt: str | None) -> dict[str, int]:
     return out
 
 
+def storage_counters(node: Node) -> dict[str, int]:
+    assert node.serve is not None
+    with node.serve.client() as http:
+        spaces = http.get("/status").json()["node"]["namespaces"]
+        out: dict[str, int] = next(s for s in spaces if s["namespace"] == NS_A)[
+            "storage_counters"]
+        return out
+
+
 def test_pinned_tenant_survives_another_tenants_flood(node: Node) -> None:
     a, b = node.engine(), node.engine()
     assert a.first["attached"] and b.first["attached"]
@@ -180,6 +189,12 @@ def test_clear_by_tenant_and_warm_from_storage(tmp_path: Path) -> None:
         assert lookup(n, x, "x") == {"host": 0, "pending": 0, "storage": 0}
         assert lookup(n, y, "y") == {"host": 24, "pending": 0, "storage": 0}
         assert e.call(op="load", tokens=x, salt="x")["hits"] == 0
+        # retention reaches storage: a pin over REST goes to y's pages on every rank
+        r = post(n, "/retain", {"namespace": NS_A, "token_ids": y, "cache_salt": "y",
+                                "retention": {"pin": True}})
+        assert r.status_code == 200, r.text
+        wait_until(lambda: storage_counters(n)["retain_pages"] == 6, 20,
+                   "the pin reached y's storage pages")
         t0 = time.monotonic()
         out = subprocess.run([str(kvtier_script()), "tenants", "--url", n.serve.url,  # type: ignore[union-attr]
                               "--namespace", NS_A], capture_output=True, text=True, timeout=30)

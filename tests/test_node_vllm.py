@@ -1,9 +1,12 @@
 """Two real vLLM processes (the CPU build) attached to one real `kvtier serve`, end to end:
-`examples/node_service.py --kill-a --kill-serve` in vLLM's own environment (the service
+`examples/node_service.py --kill-a --kill-serve --tenants --takeover-serve` in vLLM's own
+environment (the service
 with `node.handover = true`: its journal vouches for what was stored before the kill), run
 once and asserted on from several tests (a vLLM start costs tens of seconds on two cores).
 
-Storage is off, so every hit comes from the node's host tier. The example reports vLLM's own
+`--tenants` turns on the service's file storage and event stream (for the warm and the
+clear); the hits asserted come from the node's host tier (the service's per-engine counters
+where the test reads them; the blocks are still on the host). The example reports vLLM's own
 `num_cached_tokens` of each request: an engine process that never saw a prompt and whose
 device cache is empty got those tokens from kvtier. Compared token for token and logprob for
 logprob with a cold run; the negative control (the namespace's host pages overwritten behind
@@ -46,7 +49,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     proc = subprocess.run(
         [str(VLLM_PYTHON), str(EXAMPLE), "--json", "--model-dir", str(model_dir),
-         "--kill-a", "--kill-serve", "--tenants"],
+         "--kill-a", "--kill-serve", "--tenants", "--takeover-serve"],
         capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=ROOT)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -129,15 +132,41 @@ def test_a_killed_service_keeps_the_host_blocks_its_journal_vouches_for(
     assert fig["adopted"] >= PREFIX_TOKENS // 32 and fig["discarded"] >= 1, r
 
 
+def test_a_service_taken_over_hands_its_host_tier_to_the_new_one(
+        report: dict[str, Any]) -> None:
+    """Issue 37 (`--takeover-serve`, last in the same run): T, stored before a new service
+    took the running one over (`kvtier serve --takeover`) and out of B's device cache,
+    comes back from the new service's host tier, exactly; B reattached by itself."""
+    r = report
+    assert r["takeover_tokens_from_host"] == PREFIX_TOKENS, r
+    assert r["takeover_identical"] is True, r
+    assert r["takeover_kept_blocks"] >= PREFIX_TOKENS // 32, r
+
+
 def test_a_tenants_pinned_prompt_survives_another_tenants_flood(report: dict[str, Any]) -> None:
     """Issue 36 (`--tenants`): B pinned its system prompt through a kv_hints kvtier.retain
-    action (no REST call); A (another cache_salt, quota 12 blocks) flooded 30 blocks; B's
-    next request loaded the whole prompt from the node's host tier, identical to its cold
-    run, as /lookup by token ids had said; only A's blocks were evicted."""
+    action (no REST call), then stored two documents of its own (salt b, quota 12 blocks:
+    the second evicts B's oldest unpinned blocks, which without the pin are the system
+    prompt's); A (salt a, quota 12) flooded 30 blocks. B's next request loaded the whole
+    prompt from the node's host tier, identical to its cold run, as /lookup by token ids had
+    said; A's flood evicted A's blocks only."""
     r = report
     assert r["b_pinned_tokens_after_flood"] == PREFIX_TOKENS, r
     assert r["b_identical_after_flood"] is True, r
     assert r["lookup_equals_load"] is True and r["lookup_host_tokens"] == PREFIX_TOKENS, r
     assert r["a_evicted_only_a"] is True, r["tenants"]
     b = r["tenants"]["b"]
-    assert b["pinned_blocks"] == PREFIX_TOKENS // 32 and b["evictions"] == 0, r["tenants"]
+    # B's own first document made room for its second: B's quota at work, not A's flood
+    assert b["pinned_blocks"] == PREFIX_TOKENS // 32 and b["evictions"] == 6, r["tenants"]
+
+
+def test_a_tenants_clear_and_warm(report: dict[str, Any]) -> None:
+    """Issue 36: clearing tenant A over REST left B's blocks on the host (by /lookup) and the
+    service's event stream announced each of A's removals; a warm from file storage then
+    made A's next request load its document from the host tier."""
+    r = report
+    assert r["clear_left_other_tenant"] is True, r
+    assert r["clear_removals_announced"] is True, r
+    assert r["warm_first_request_host_tokens"] == PREFIX_TOKENS, r
+    assert r["warm_first_request_cached_tokens"] == PREFIX_TOKENS, r
+    assert r["warm_first_request_identical"] is True, r

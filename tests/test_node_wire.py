@@ -158,3 +158,16 @@ def test_events_op_takes_on_or_off_only() -> None:
     keyed = wire.encode_ops([wire.OpRecord(wire.Op.EVENTS, [b"k"], flag=1)], 1)
     with pytest.raises(wire.WireError, match=r"\(EVENTS\): field n_keys = 1"):
         wire.decode_ops(_body(keyed)[wire.HEAD_BYTES:])
+
+
+def test_hello_carries_the_hash_block_size_and_an_older_one_reads_as_not_said() -> None:
+    h = wire.Hello("m", {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "float16",
+                         "num_extra_layers": 0, "kv_scales": "none"}, 16, "sha256", "0", 1, 7,
+                   hash_block_size=4)
+    ftype, _, body = wire.decode_head(_body(wire.encode_hello(h)))
+    assert ftype is wire.FrameType.HELLO and wire.decode_hello(body) == h
+    older = body.replace(b', "hash_block_size": 4', b"")
+    assert b"hash_block_size" not in older
+    assert wire.decode_hello(older).hash_block_size == 0  # the namespace takes block_size
+    with pytest.raises(wire.WireError, match="field 'hash_block_size'"):
+        wire.decode_hello(body.replace(b'"hash_block_size": 4', b'"hash_block_size": -1'))

@@ -447,6 +447,18 @@ def test_status_of_an_admin_nobody_runs_is_one_line_and_exit_1() -> None:
         "[Errno 111] Connection refused")
 
 
+def test_a_steering_command_of_an_admin_nobody_runs_is_one_line_and_exit_1() -> None:
+    """The steering commands call the admin through admin/client.py, as `kvtier status`."""
+    port = free_port()
+    result = subprocess.run([str(kvtier_script()), "lookup", "--url", f"http://127.0.0.1:{port}",
+                             "--namespace", "m", "--tokens", "1,2,3"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert result.stdout.strip() == (
+        f"kvtier lookup: cannot reach the admin at http://127.0.0.1:{port}: "
+        "[Errno 111] Connection refused"), result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["status", "--help"], ["plan", "--help"],
                                   ["status", "--url", "http://127.0.0.1:9", "--timeout", "1"]])
 def test_light_commands_load_neither_the_configuration_nor_numpy(argv: list[str]) -> None:

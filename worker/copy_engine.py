@@ -25,7 +25,8 @@ CUDA paths (`cuda_path`), chosen once per engine:
     auto --host pool mapped?--no--> staged (CPU gather into pinned buffers, one DMA)
       |yes
       +--Triton runs here?--yes--> fused (fused_copy.py: one kernel per backup, per load
-      |                                   layer group; the default)
+      |                                   layer group; the default; tasks of up to 256
+      |                                   pairs replay CUDA graphs of those launches)
       +--no--> zero_copy (eager index_select / index_copy_ through the mapped pool)
 """
 
@@ -34,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -43,10 +43,10 @@ import torch
 from kvtier.worker.delays import LAYER_DELAY_ENV, delay_from_env
 from kvtier.worker.fused_copy import (
     FUSED_ORDERS,
+    GraphLaunches,
     IdRing,
     Launch,
     fused_unavailable,
-    plane_launches,
     pool_launches,
 )
 from kvtier.worker.kv_pools import (
@@ -56,7 +56,12 @@ from kvtier.worker.kv_pools import (
     HostPool,
     as_block_ids,
     page_kv_view,
-    page_scale_view,
+)
+from kvtier.worker.plane_copy import (
+    ZERO_COPY_CHUNK_BYTES,
+    LayerEvents,
+    PlaneCopier,
+    ScaleCopier,
 )
 
 Strategy = Literal["auto", "runs", "gather"]
@@ -73,9 +78,6 @@ STAGE_BYTES = 4 << 20
 # A CPU D2H (backup) moves at most this much per locked step, so a load arriving meanwhile
 # waits for at most one such step (see bench/load_under_backup.py).
 BACKUP_STEP_BYTES = 1 << 20
-# CUDA zero-copy path: device-side temporaries of one gather are bounded by this much (the
-# gather reads the pinned host pool over the bus; the scatter is a device-memory copy).
-ZERO_COPY_CHUNK_BYTES = 64 << 20
 CudaPath = Literal["auto", "fused", "zero_copy", "staged"]
 
 _WIDE_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
@@ -126,6 +128,21 @@ class CopyPlan:
     @property
     def num_pairs(self) -> int:
         return sum(self.run_len) + int(self.gather_src.numel())
+
+
+@dataclass(frozen=True)
+class CheckedIds:
+    """A copy's block ids, validated (`CopyEngine.check`) against `engine`'s pools: `src`
+    and `dst` 1-D int64 CPU tensors of one length, in range, `dst` without repeats. `op`
+    is "d2h" (device -> host) or "h2d"."""
+
+    op: str
+    src: torch.Tensor
+    dst: torch.Tensor
+    engine: object
+
+    def __len__(self) -> int:
+        return int(self.src.numel())
 
 
 def plan_copy(
@@ -208,14 +225,16 @@ class LoadGate:
 
 class CopyEngine:
     """D2H and H2D block copies between one rank's device tier and `HostPool`: kvtier's own
-    `DevicePool` (the fast paths below) or any `PlanePool` (an engine's KV, `_PlaneCopier`).
+    `DevicePool` (the fast paths below) or any `PlanePool` (an engine's KV, `PlaneCopier`).
 
     Data structures: `_dev_w` is the device pool as `[layers, 2, device_blocks, row]` and
     `_host_w` the host pool as `[host_blocks, layers, 2, row]`, both in the wide dtype (a row
     is one block of one layer's K or V); one staging buffer per direction (CPU path), reused
-    across calls; on CUDA one stream per direction. Invariants: ids are fully validated before
-    the first byte moves; H2D callbacks fire once per layer, in layer order, only after that
-    layer's bytes are in place.
+    across calls; on CUDA one stream per direction; on the fused path an `IdRing` and a
+    `GraphLaunches` per direction (`_rings`, `_graph_sets`: small tasks replay graphs).
+    Invariants: ids are fully validated before the first byte moves (by `check`, ahead of
+    `d2h_checked` / `h2d_checked`, or by `d2h` / `h2d` themselves); H2D callbacks fire
+    once per layer, in layer order, only after that layer's bytes are in place.
 
     Concurrency (a worker runs loads and backups on two threads): on CPU, loads go first.
     While a load is pending on `gate` (a `LoadGate`: an `h2d` call, or a load the worker has
@@ -242,6 +261,7 @@ class CopyEngine:
         gate: LoadGate | None = None,
         fused_block_bytes: int = 0,
         fused_order: str = "",
+        fused_graph_max_ids: int = -1,
     ) -> None:
         if device_pool.shape != host_pool.shape:
             raise ValueError(
@@ -265,7 +285,7 @@ class CopyEngine:
         self.layer_delay_s = delay_from_env(LAYER_DELAY_ENV)
         # kvtier's own pool is one allocation: the fast paths below move a block of every
         # layer with one strided copy. Any other device tier (an engine's KV) is moved plane
-        # by plane (`_PlaneCopier`).
+        # by plane (`PlaneCopier`).
         planes: list[torch.Tensor] | None = None
         if isinstance(device_pool, DevicePool):
             self.wide = wide_dtype(shape.k_bytes)
@@ -324,6 +344,10 @@ class CopyEngine:
             if why is None:
                 self._fused = True
                 self._rings = (IdRing(device_pool.device), IdRing(device_pool.device))
+                # small tasks: CUDA graphs reading their ids in place (`GraphLaunches`),
+                # one set per direction; -1: fused_copy.GRAPH_MAX_IDS, 0: off
+                self._graph_sets = (GraphLaunches(device_pool.device, fused_graph_max_ids),
+                                    GraphLaunches(device_pool.device, fused_graph_max_ids))
                 # one reusable event per copy stream for "after compute's work so far"
                 # (`wait_stream` creates an event per call: ~40 us of an H100 host's time)
                 self._compute_marks = {id(s): torch.cuda.Event() for s in
@@ -337,12 +361,30 @@ class CopyEngine:
             "zero_copy" if self._host_dev is not None else ("staged" if self._cuda else "cpu"))
         self.bytes_d2h = 0
         self.bytes_h2d = 0
-        self._planes: _PlaneCopier | None = None
+        self._planes: PlaneCopier | None = None
         if planes is not None:
-            self._planes = _PlaneCopier(self, planes)
-        self._scales = _ScaleCopier(self, alias_pages) if shape.kv_scales else None
+            self._planes = PlaneCopier(self, planes)
+        self._scales = ScaleCopier(self, alias_pages) if shape.kv_scales else None
 
     # ---------------------------------------------------------------- validation / planning
+
+    def check(self, op: str, src_ids: BlockIds, dst_ids: BlockIds
+              ) -> CheckedIds:
+        """Validate a copy's ids now, so the copy itself (`d2h_checked`, `h2d_checked`)
+        starts without checking them: a worker checks a task when it receives it, before
+        its lane runs it (H100, 16 KiB x 64-block backup: the two checks were 41 us of the
+        ~200 us of host time before the first launch). Raises BlockIdError as the copy
+        would."""
+        src_pool = "device" if op == "d2h" else "host"
+        src, dst = self._pairs(op, src_ids, dst_ids, src_pool)
+        return CheckedIds(op, src, dst, self)
+
+    def _checked(self, op: str, ids: CheckedIds) -> tuple[torch.Tensor, torch.Tensor]:
+        """A `check` result's tensors; checked again when it was made for another copy
+        (another engine, whose pools may differ in size)."""
+        if ids.op == op and ids.engine is self:
+            return ids.src, ids.dst
+        return self._pairs(op, ids.src, ids.dst, "device" if op == "d2h" else "host")
 
     def _pairs(
         self, op: str, src_ids: BlockIds, dst_ids: BlockIds, src_pool: str
@@ -398,7 +440,11 @@ class CopyEngine:
     def d2h(self, dev_ids: BlockIds, host_ids: BlockIds) -> None:
         """Copy device blocks `dev_ids[i]` (all layers, K and V, and their scales) to host
         pages `host_ids[i]`. Returns when the bytes are in the host pool."""
-        src, dst = self._pairs("d2h", dev_ids, host_ids, "device")
+        self.d2h_checked(self.check("d2h", dev_ids, host_ids))
+
+    def d2h_checked(self, ids: CheckedIds) -> None:
+        """`d2h` of ids `check`ed beforehand."""
+        src, dst = self._checked("d2h", ids)
         if src.numel() == 0:
             return
         if self._scales is not None:
@@ -492,7 +538,17 @@ class CopyEngine:
         compute stream wait on it without a host sync (the engine's inter-process layer
         events: `kvtier.worker.engine_pool.WorkerLayerEvents`; bench/transfer.py's overlap
         figures); on the CPU and the staged path it is not called."""
-        src, dst = self._pairs("h2d", host_ids, dev_ids, "host")
+        self.h2d_checked(self.check("h2d", host_ids, dev_ids), on_layer_done,
+                         on_layer_enqueued)
+
+    def h2d_checked(
+        self,
+        ids: CheckedIds,
+        on_layer_done: Callable[[int], None] | None = None,
+        on_layer_enqueued: Callable[[int, torch.cuda.Stream], None] | None = None,
+    ) -> None:
+        """`h2d` of ids `check`ed beforehand."""
+        src, dst = self._checked("h2d", ids)
         done = on_layer_done if on_layer_done is not None else _ignore_layer
         with self.gate.load():
             if self._scales is not None and src.numel():
@@ -556,7 +612,7 @@ class CopyEngine:
         g = int(plan.gather_src.numel())
         c = max(1, min(max(g, 1), self.stage_bytes // self.shape.layer_bytes))
         gd_all = plan.gather_dst.to(dev.device)
-        layers = _LayerEvents(done)
+        layers = LayerEvents(done)
         stream.wait_stream(torch.cuda.current_stream(dev.device))  # readers of old content
         with torch.cuda.stream(stream):
             for layer in range(self.shape.total_layers):
@@ -610,7 +666,7 @@ class CopyEngine:
         stream = self._h2d_stream
         n = int(src.numel())
         c = max(1, ZERO_COPY_CHUNK_BYTES // self.shape.layer_bytes)
-        layers = _LayerEvents(done, enqueued)
+        layers = LayerEvents(done, enqueued)
         stream.wait_stream(torch.cuda.current_stream(self._dev_w.device))  # readers of old content
         with torch.cuda.stream(stream):
             s_all, d_all = _ids_on(self._dev_w.device, src, dst)
@@ -631,10 +687,23 @@ class CopyEngine:
         """Every layer's K and V rows of the blocks straight into the mapped pages: one
         kernel launch for the whole backup, no device temporary."""
         stream = self._d2h_stream
-        self._after_compute(stream)  # KV written by compute
         (launch,) = self._fused_launches("d2h")
+        n = int(src.numel())
+        graphs = self._graph_sets[0]
+        cap = graphs.cap_for(n)
+        if cap:  # a small backup: one graph replay reading the ids in place
+            with graphs.lock:
+                got = graphs.graphs("d2h", cap, [[launch]])
+                if got is not None:
+                    graphs.stage(src, dst, cap)
+                    self._after_compute(stream)  # KV written by compute
+                    with torch.cuda.stream(stream):
+                        got[0].replay()
+                    stream.synchronize()  # before the row is rewritten
+                    return
+        self._after_compute(stream)  # KV written by compute
         with torch.cuda.stream(stream):
-            launch.run(self._rings[0].put(src, dst, stream), int(src.numel()))
+            launch.run(self._rings[0].put(src, dst, stream), n)
         stream.synchronize()
 
     def _h2d_fused(
@@ -647,8 +716,22 @@ class CopyEngine:
         load through the pinned ring, before the first launch."""
         stream = self._h2d_stream
         launches = self._fused_h2d_groups()
-        layers = _LayerEvents(done, enqueued)
+        layers = LayerEvents(done, enqueued)
         n = int(src.numel())
+        graphs = self._graph_sets[1]
+        cap = 0 if self.layer_delay_s else graphs.cap_for(n)
+        if cap:  # a small load: per layer group one graph replay, ids read in place
+            with graphs.lock:
+                got = graphs.graphs("h2d", cap, [[launch] for _, _, launch in launches])
+                if got is not None:
+                    graphs.stage(src, dst, cap)
+                    self._after_compute(stream)  # readers of the old content
+                    with torch.cuda.stream(stream):
+                        for (first, end, _), graph in zip(launches, got, strict=True):
+                            graph.replay()
+                            layers.recorded_range(first, end, stream)
+                    layers.finish()  # the last replay has run: the row may be rewritten
+                    return
         self._after_compute(stream)  # readers of the old content
         with torch.cuda.stream(stream):
             ids = self._rings[1].put(src, dst, stream)
@@ -705,264 +788,6 @@ class CopyEngine:
             assert self._host_dev is not None
             self._zc_layers = (list(self._dev_w.unbind(0)), list(self._host_dev.unbind(1)))
         return self._zc_layers
-
-
-class _PlaneCopier:
-    """D2H and H2D for a device tier known only by its planes (`PlanePool`: an engine's KV
-    in its own layout), for one `CopyEngine` (its host views, lock, staging, streams and
-    layer delay).
-
-    CPU: per chunk of blocks, each plane's rows are gathered with `index_select` into one
-    staging buffer `[planes, blocks, row]` and scattered as whole host pages (D2H); per layer,
-    the layer's rows of the pages are gathered and `index_copy_`d into its K and V planes
-    (H2D). CUDA: the same per plane on the GPU, through the host pool aliased on the device
-    (zero-copy) when it can be, else staged through host memory; each H2D layer records an
-    event and its callback fires once the event completed, as on the fast paths."""
-
-    def __init__(self, engine: CopyEngine, planes: list[torch.Tensor]) -> None:
-        self.e = engine
-        self.planes = planes
-        self.device = planes[0].device
-        self._launches: dict[str, list[Launch] | None] = {}
-
-    def _fused(self, key: str) -> list[Launch] | None:
-        """Per layer one prepared launch between the layer's K and V planes and the mapped
-        pages (`key` "h2d" or "d2h"), or None when the engine has no fused path or a layer's
-        K and V planes differ in block stride (then the eager path moves them)."""
-        e = self.e
-        if not e._fused:
-            return None
-        if key not in self._launches:
-            assert e._host_dev is not None
-            self._launches[key] = plane_launches(self.planes, e._host_dev, e.shape.k_bytes,
-                                                 key == "h2d", e.fused_block_bytes,
-                                                 e.fused_order)
-        return self._launches[key]
-
-    def d2h(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        e, planes = self.e, self.planes
-        rows, row = len(planes), e._row
-        n = int(src.numel())
-        if e._cuda:
-            self._d2h_cuda(src, dst)
-            return
-        host3 = e._host_w.view(e.host_pool.num_blocks, rows, row)
-        c = max(1, min(n, e.backup_step_bytes // e.shape.page_bytes))
-        for i in range(0, n, c):
-            gs, gd = src[i : i + c], dst[i : i + c]
-            part = e._staging("d2h", (rows, gs.numel(), row), host3.device)
-            with e._backup_step():
-                for p, plane in enumerate(planes):
-                    torch.index_select(plane, 0, gs, out=part[p])
-                host3.index_put_((gd,), part.transpose(0, 1))
-
-    def h2d(self, src: torch.Tensor, dst: torch.Tensor, done: Callable[[int], None],
-            enqueued: Callable[[int, torch.cuda.Stream], None] | None = None) -> None:
-        e, planes = self.e, self.planes
-        if e._cuda:
-            self._h2d_cuda(src, dst, done, enqueued)
-            return
-        n = int(src.numel())
-        c = max(1, min(max(n, 1), e.stage_bytes // e.shape.layer_bytes))
-        stage = e._staging("h2d", (c, 2, e._row), e._host_w.device)
-        for layer in range(e.shape.total_layers):
-            host_l = e._host_w[:, layer]  # [pages, 2, row]
-            k, v = planes[2 * layer], planes[2 * layer + 1]
-            for i in range(0, n, c):
-                gs, gd = src[i : i + c], dst[i : i + c]
-                part = stage[: gs.numel()]
-                torch.index_select(host_l, 0, gs, out=part)
-                k.index_copy_(0, gd, part[:, 0])
-                v.index_copy_(0, gd, part[:, 1])
-            done(layer)
-            if e.layer_delay_s:
-                time.sleep(e.layer_delay_s)
-
-    def _host(self) -> torch.Tensor:
-        """The host pool as [pages, layers, 2, row]: aliased on the device, else the CPU's."""
-        e = self.e
-        return e._host_dev if e._host_dev is not None else e._host_w
-
-    def _d2h_cuda(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        e, planes, dev = self.e, self.planes, self.device
-        stream = e._d2h_stream
-        fused = self._fused("d2h")
-        if fused is not None:
-            e._after_compute(stream)  # KV written by compute
-        else:
-            stream.wait_stream(torch.cuda.current_stream(dev))
-        n = int(src.numel())
-        if fused is not None:  # one launch per layer, rows straight into the mapped pages
-            with torch.cuda.stream(stream):
-                ids = e._rings[0].put(src, dst, stream)
-                for launch in fused:
-                    launch.run(ids, n)
-            stream.synchronize()
-            return
-        host = self._host()
-        host3 = host.view(host.shape[0], len(planes), e._row)
-        c = max(1, ZERO_COPY_CHUNK_BYTES // e.shape.page_bytes)
-        with torch.cuda.stream(stream):
-            s_all, d_all = src.to(dev), dst.to(host.device)
-            for i in range(0, n, c):
-                s = s_all[i : i + c]
-                part = torch.empty((len(planes), s.numel(), e._row), dtype=e.wide, device=dev)
-                for p, plane in enumerate(planes):
-                    torch.index_select(plane, 0, s, out=part[p])
-                pages = part.transpose(0, 1)
-                if host.device != dev:  # staged: through host memory
-                    pages = pages.to("cpu")
-                host3.index_copy_(0, d_all[i : i + c], pages)
-        stream.synchronize()
-
-    def _h2d_cuda(self, src: torch.Tensor, dst: torch.Tensor, done: Callable[[int], None],
-                  enqueued: Callable[[int, torch.cuda.Stream], None] | None = None) -> None:
-        e, planes, dev = self.e, self.planes, self.device
-        host = self._host()
-        stream = e._h2d_stream
-        n = int(src.numel())
-        c = max(1, ZERO_COPY_CHUNK_BYTES // e.shape.layer_bytes)
-        layers = _LayerEvents(done, enqueued)
-        fused = self._fused("h2d")
-        if fused is not None:
-            e._after_compute(stream)  # readers of the old content
-        else:
-            stream.wait_stream(torch.cuda.current_stream(dev))
-        if fused is not None:  # per layer one launch from the mapped pages into K and V
-            with torch.cuda.stream(stream):
-                ids = e._rings[1].put(src, dst, stream)
-                for layer, launch in enumerate(fused):
-                    launch.run(ids, n)
-                    layers.recorded(layer, stream)
-                    if e.layer_delay_s:
-                        time.sleep(e.layer_delay_s)
-            layers.finish()
-            return
-        with torch.cuda.stream(stream):
-            s_all, d_all = src.to(host.device), dst.to(dev)
-            for layer in range(e.shape.total_layers):
-                host_l = host[:, layer]  # [pages, 2, row]
-                k, v = planes[2 * layer], planes[2 * layer + 1]
-                for i in range(0, n, c):
-                    rows = torch.index_select(host_l, 0, s_all[i : i + c])
-                    if rows.device != dev:  # staged: through host memory
-                        rows = rows.to(dev)
-                    d = d_all[i : i + c]
-                    k.index_copy_(0, d, rows[:, 0])
-                    v.index_copy_(0, d, rows[:, 1])
-                layers.recorded(layer, stream)
-                if e.layer_delay_s:
-                    time.sleep(e.layer_delay_s)
-        layers.finish()
-
-
-class _ScaleCopier:
-    """D2H and H2D of the blocks' scales (`shape.kv_scales`) for one `CopyEngine`: between
-    the device tier's scale planes (kvtier's own pool: one tensor `[planes, blocks, heads]`,
-    moved with one gather and one scatter; an engine's: plane by plane) and the scale
-    trailer of the host pages (`[pages, planes, heads]`, strided by the page). Scales are
-    moved as int32 words, so any bit pattern (NaN payloads included) survives.
-
-    Sizes: a block's scales are `planes * heads * 4` bytes (2 KiB for 32 layers x 8 heads),
-    under 1% of its K and V at any realistic block size, so D2H moves them in a step of their
-    own and H2D before the first layer, on the same stream as the K and V. Measured on the
-    2-vCPU build machine (CPU pools, float8, 32 layers x 8 KV heads x 128, 4-token blocks,
-    64 and 256 random blocks, medians of 15): the scale step took 1.2-2.1% of a D2H and
-    0.1% of an H2D."""
-
-    def __init__(self, engine: CopyEngine, alias_pages: torch.Tensor | None) -> None:
-        self.e = engine
-        shape = engine.shape
-        dev = engine.device_pool
-        self.stacked: torch.Tensor | None = None
-        if isinstance(dev, DevicePool):
-            assert dev.scales is not None
-            self.stacked = dev.scales.view(torch.int32)
-        self.planes = [p.view(torch.int32) for p in dev.scale_planes]
-        host = engine.host_pool.scales
-        assert host is not None
-        self.host = host.view(torch.int32)  # [pages, planes, heads] on the CPU
-        alias = None if alias_pages is None else page_scale_view(alias_pages, shape)
-        self.host_dev = None if alias is None else alias.view(torch.int32)
-        self.device = dev.device
-
-    def _gather_device(self, src: torch.Tensor) -> torch.Tensor:
-        """`[n, planes, heads]` of device blocks `src` (on the device)."""
-        if self.stacked is not None:
-            return torch.index_select(self.stacked, 1, src).transpose(0, 1)
-        return torch.stack([torch.index_select(p, 0, src) for p in self.planes], dim=1)
-
-    def _scatter_device(self, dst: torch.Tensor, rows: torch.Tensor) -> None:
-        if self.stacked is not None:
-            self.stacked.index_copy_(1, dst, rows.transpose(0, 1))
-            return
-        for p, plane in enumerate(self.planes):
-            plane.index_copy_(0, dst, rows[:, p])
-
-    def d2h(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        e = self.e
-        if not e._cuda:
-            with e._lock:
-                self.host.index_copy_(0, dst, self._gather_device(src))
-            return
-        stream = e._d2h_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # scales set by compute
-        with torch.cuda.stream(stream):
-            rows = self._gather_device(src.to(self.device))
-            if self.host_dev is not None:
-                self.host_dev.index_copy_(0, dst.to(self.device), rows)
-            else:
-                self.host.index_copy_(0, dst, rows.to("cpu"))
-        stream.synchronize()
-
-    def h2d(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        e = self.e
-        if not e._cuda:
-            with e._lock:
-                self._scatter_device(dst, torch.index_select(self.host, 0, src))
-            return
-        stream = e._h2d_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # readers of old scales
-        with torch.cuda.stream(stream):
-            if self.host_dev is not None:
-                rows = torch.index_select(self.host_dev, 0, src.to(self.device))
-            else:
-                rows = torch.index_select(self.host, 0, src).to(self.device)
-            self._scatter_device(dst.to(self.device), rows)
-        # No synchronize: the layers' K and V follow on the same stream, and each layer's
-        # event (what `done(layer)` waits for) is recorded after these copies.
-
-
-class _LayerEvents:
-    """Per-layer completion of a CUDA load: an event recorded on the copy stream after each
-    layer; `done(layer)` fires once that layer's event has completed, in layer order, as early
-    as the enqueueing loop notices (queried after every layer) and at the latest in `finish`."""
-
-    def __init__(self, done: Callable[[int], None],
-                 enqueued: Callable[[int, torch.cuda.Stream], None] | None = None) -> None:
-        self.done = done
-        self.enqueued = enqueued
-        self.pending: deque[tuple[int, torch.cuda.Event]] = deque()
-
-    def recorded(self, layer: int, stream: torch.cuda.Stream) -> None:
-        self.recorded_range(layer, layer + 1, stream)
-
-    def recorded_range(self, first: int, end: int, stream: torch.cuda.Stream) -> None:
-        """Layers `first..end-1` were enqueued together: one event completes them all."""
-        event = torch.cuda.Event()
-        event.record(stream)
-        for layer in range(first, end):
-            if self.enqueued is not None:  # the engine's inter-process event, no host sync
-                self.enqueued(layer, stream)
-            self.pending.append((layer, event))
-        while self.pending and self.pending[0][1].query():
-            self.done(self.pending.popleft()[0])
-
-    def finish(self) -> None:
-        while self.pending:
-            layer, event = self.pending.popleft()
-            event.synchronize()
-            self.done(layer)
 
 
 def _ids_on(device: torch.device, *ids: torch.Tensor) -> list[torch.Tensor]:

@@ -8,12 +8,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from enum import IntEnum
 
 from kvtier.worker import content, numa
-from kvtier.worker.copy_engine import CopyEngine, LoadGate
+from kvtier.worker.copy_engine import CheckedIds, CopyEngine, LoadGate
 from kvtier.worker.delays import (
     BACKUP_DELAY_ENV,
     PREFETCH_PAGE_DELAY_ENV,
@@ -27,14 +29,19 @@ from kvtier.worker.kv_pools import DeviceKV, DevicePool, HostPool
 from kvtier.worker.spec import WorkerSpec
 from kvtier.worker.storage.backend import StorageBackend
 from kvtier.worker.storage.factory import make_backend
-from kvtier.worker.wire import Task, TaskKind, key_tag
+from kvtier.worker.wire import RETAIN_SET, RETAIN_UNPIN, Task, TaskKind, key_tag
 
 log = logging.getLogger("kvtier.worker")
 
 DEVICE_KINDS = frozenset({TaskKind.D2H, TaskKind.H2D, TaskKind.FILL, TaskKind.CHECK})
 STORAGE_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP, TaskKind.CLEAR,
-                           TaskKind.LIST, TaskKind.DELETE})
+                           TaskKind.LIST, TaskKind.DELETE, TaskKind.RETAIN})
 MERGEABLE = frozenset({TaskKind.D2H, TaskKind.H2D})
+
+
+CHECKED_KEPT = 1024
+"""Prechecked tasks kept at most (`TaskExecutor.precheck`): far more than a worker has in
+flight; tasks cancelled before they ran leave theirs until they age out."""
 
 
 class TaskClass(IntEnum):
@@ -45,7 +52,7 @@ class TaskClass(IntEnum):
     LOAD = 1  # H2D, and the FILL / CHECK diagnostics (a request waits on them)
     BACKUP = 2  # D2H: write-through backups and write-back demotions
     STORAGE_READ = 3  # QUERY, PREFETCH
-    STORAGE_WRITE = 4  # BACKUP (host -> storage), CLEAR, DELETE, LIST (background work)
+    STORAGE_WRITE = 4  # BACKUP (host -> storage), CLEAR, DELETE, LIST, RETAIN (background)
 
 
 TASK_CLASSES: dict[TaskKind, TaskClass] = {
@@ -64,6 +71,9 @@ TASK_CLASSES: dict[TaskKind, TaskClass] = {
     # shard, or SCAN round trips) must not hold up the queries and prefetches a request
     # waits on, so it runs on the niced write lane, never on the read lane.
     TaskKind.LIST: TaskClass.STORAGE_WRITE,
+    # A RETAIN runs in order with the backups (same lane, FIFO within a priority): one sent
+    # before a page's backup marks it first, so the backup is written with its retention.
+    TaskKind.RETAIN: TaskClass.STORAGE_WRITE,
 }
 """The lane of every task kind but REVOKE, which a worker applies as it receives it."""
 
@@ -82,6 +92,7 @@ _TASK_OPS: dict[TaskKind, tuple[str, ...]] = {
     TaskKind.CLEAR: ("clear", "delete"),
     TaskKind.DELETE: ("delete",),
     TaskKind.LIST: ("list",),
+    TaskKind.RETAIN: ("retain",),
 }
 
 # A LIST reads the backend's listing in batches of this many keys (one scandir of a few
@@ -101,6 +112,11 @@ class TaskExecutor:
     from the environment (`kvtier.worker.delays`): `storage_delay_s` slows every storage
     read, `storage_write_delay_s` every BACKUP and CLEAR, `prefetch_page_delay_s` every page
     a PREFETCH reads (one page a batch then), `backup_delay_s` every D2H batch.
+
+    `_checked` (under `_checked_lock`): seq -> `CheckedIds` of D2H/H2D tasks checked on
+    receipt (`precheck`, the receiver thread), taken by `device_batch` (a batch of one
+    task); at most `CHECKED_KEPT`, oldest dropped; a missing or stale entry only means the
+    copy checks its ids itself.
 
     Thread safety: the worker runs each `TaskClass` on its own thread, so `device_batch` may
     run a D2H and an H2D at once (the copy engine orders their steps) and `storage_task` a
@@ -122,6 +138,10 @@ class TaskExecutor:
         self.prefetch_page_delay_s = delay_from_env(PREFETCH_PAGE_DELAY_ENV)
         self.backup_delay_s = delay_from_env(BACKUP_DELAY_ENV)
         self.freed = False  # the pools were released (sleep): no task may run on them
+        # D2H/H2D ids checked on receipt (`precheck`), by seq; bounded (oldest dropped): an
+        # entry only saves the copy its check, a missing one is checked on the copy path
+        self._checked: OrderedDict[int, CheckedIds] = OrderedDict()
+        self._checked_lock = threading.Lock()
 
     def release_pools(self) -> None:
         """Drop every reference to the device and host pools (a sleep frees them); from now
@@ -143,6 +163,32 @@ class TaskExecutor:
         self.engine = (CopyEngine(device, self.host, gate=self.load_gate)
                        if self.host is not None else None)
 
+    def precheck(self, task: Task) -> None:
+        """Check a D2H or H2D task's block ids when the worker receives it (the receiver
+        thread), so its lane's copy starts without checking them (H100: the two checks of
+        a 64-block copy were 41 us of the ~200 us of host time before its first launch).
+        Bad ids are left to the copy path, which fails the task with the same one-line
+        error; other kinds are ignored."""
+        engine = self.engine
+        if engine is None or task.kind not in (TaskKind.D2H, TaskKind.H2D):
+            return
+        op = "d2h" if task.kind == TaskKind.D2H else "h2d"
+        try:
+            checked = engine.check(op, task.src, task.dst)
+        except ValueError:
+            return
+        with self._checked_lock:
+            self._checked[task.seq] = checked
+            while len(self._checked) > CHECKED_KEPT:
+                self._checked.popitem(last=False)
+
+    def _take_checked(self, batch: list[Task]) -> CheckedIds | None:
+        """The ids `precheck` left for a batch of one task (merged batches are checked
+        whole: two tasks' destinations must not overlap either)."""
+        with self._checked_lock:
+            got = [self._checked.pop(t.seq, None) for t in batch]
+        return got[0] if len(got) == 1 else None
+
     def device_batch(self, kind: TaskKind, batch: list[Task],
                      on_layer_done: Callable[[list[int], int], None] | None = None,
                      ) -> list[tuple[int, list[int]]]:
@@ -155,17 +201,20 @@ class TaskExecutor:
             if self.engine is None:
                 raise RuntimeError(f"{kind.name} needs a host tier, and this rank has none")
             engine = self.engine  # set_device may swap it; this batch keeps its own
-            src = [i for t in batch for i in t.src]
-            dst = [i for t in batch for i in t.dst]
+            checked = self._take_checked(batch)
+            if checked is None:  # re-checked by the engine if made against another one
+                src = [i for t in batch for i in t.src]
+                dst = [i for t in batch for i in t.dst]
+                checked = engine.check("d2h" if kind == TaskKind.D2H else "h2d", src, dst)
             if kind == TaskKind.D2H:
                 if self.backup_delay_s:
                     time.sleep(self.backup_delay_s)
-                engine.d2h(src, dst)
+                engine.d2h_checked(checked)
             else:
                 seqs = [t.seq for t in batch]
                 cb = None if on_layer_done is None else (lambda layer: on_layer_done(seqs, layer))
                 events = getattr(self.device, "layer_events", None)  # an engine's CUDA KV
-                engine.h2d(src, dst, cb, None if events is None else events.hook(seqs))
+                engine.h2d_checked(checked, cb, None if events is None else events.hook(seqs))
             return [(0, [])] * len(batch)
         if len(batch) != 1:
             raise ValueError(f"{kind.name} tasks are not merged")
@@ -231,7 +280,7 @@ class TaskExecutor:
         store = self.storage
         if store is None:
             if task.kind in (TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.CLEAR,
-                             TaskKind.DELETE):
+                             TaskKind.DELETE, TaskKind.RETAIN):
                 return 0
             raise RuntimeError("no storage tier is configured on this rank")
         if self.storage_delay_s and task.kind in (TaskKind.QUERY, TaskKind.PREFETCH):
@@ -244,6 +293,8 @@ class TaskExecutor:
             return store.clear()
         if task.kind == TaskKind.DELETE:
             return store.delete(task.keys)
+        if task.kind == TaskKind.RETAIN:
+            return _retain(store, task)
         host = self.host
         if host is None:
             if self.freed:
@@ -284,6 +335,19 @@ class TaskExecutor:
             if lead < len(part):
                 break
         return n
+
+
+def _retain(store: StorageBackend, task: Task) -> int:
+    """RETAIN (`kvtier.worker.wire`): mark or unpin the task's pages; the pages marked."""
+    if len(task.src) != 4:
+        raise ValueError(f"RETAIN needs [mode, pin, ttl_ms, priority], got {len(task.src)} "
+                         "values")
+    mode, pin, ttl_ms, priority = (int(v) for v in task.src)
+    if mode == RETAIN_UNPIN:
+        return store.unpin(task.keys)
+    if mode != RETAIN_SET:
+        raise ValueError(f"RETAIN mode {mode} is unknown (1: retain, 2: unpin)")
+    return store.retain(task.keys, pin=bool(pin), ttl_s=ttl_ms / 1000, priority=priority)
 
 
 class RankResources:

@@ -85,7 +85,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n"])  # type: ignore[untyped-decorator]
     def _move_rows(src, dst, ids, n,  # type: ignore[no-untyped-def]
                    s_block, s_layer, s_kv, d_block, d_layer, d_kv, row, chunks,
-                   BLOCK: tl.constexpr, EVEN: tl.constexpr, PAGE_ORDER: tl.constexpr):
+                   BLOCK: tl.constexpr, EVEN: tl.constexpr, PAGE_ORDER: tl.constexpr,
+                   PADDED: tl.constexpr):
         if PAGE_ORDER:  # grid (chunks * planes, pairs): one block's rows in address order
             pair = tl.program_id(1)
             flat = tl.program_id(0)
@@ -102,7 +103,10 @@ if triton is not None:
         offs = chunk * BLOCK + tl.arange(0, BLOCK)
         s_ptr = src + (s_id * s_block + layer * s_layer + kv * s_kv) + offs
         d_ptr = dst + (d_id * d_block + layer * d_layer + kv * d_kv) + offs
-        if EVEN:
+        if PADDED:  # a graph's launch over a padded id row: pairs with a source id < 0 idle
+            mask = (offs < row) & (s_id >= 0)
+            tl.store(d_ptr, tl.load(s_ptr, mask=mask), mask=mask)
+        elif EVEN:
             tl.store(d_ptr, tl.load(s_ptr))
         else:
             mask = offs < row
@@ -168,19 +172,20 @@ class Launch:
     even: bool
     order: str = "pair"
 
-    def run(self, ids: torch.Tensor, n: int) -> None:
+    def run(self, ids: torch.Tensor, n: int, padded: bool = False) -> None:
         """Copy the planes' rows of pairs `ids[i] -> ids[n + i]` (`ids`: int64, `2n` long,
-        on the device) on the current stream, one launch: a program per (pair, plane,
-        chunk of the row). Order `pair`: the pair on the grid's first dimension (up to
-        2**31 - 1); `page` (up to 65,535 pairs, else `pair`): a block's chunks and planes
-        flattened on the first."""
+        on the device or pinned and mapped) on the current stream, one launch: a program
+        per (pair, plane, chunk of the row). Order `pair`: the pair on the grid's first
+        dimension (up to 2**31 - 1); `page` (up to 65,535 pairs, else `pair`): a block's
+        chunks and planes flattened on the first. `padded`: pairs whose source id is
+        negative move nothing (a graph's row padded to its size)."""
         if not n:
             return
         page = self.order == "page" and n <= MAX_GRID_YZ
         grid = (self.chunks * self.planes, n, 1) if page else (n, self.planes, self.chunks)
         _move_rows[grid](self.src, self.dst, ids, n, *self.strides, self.row, self.chunks,
                          BLOCK=self.block, EVEN=self.even, PAGE_ORDER=page,
-                         num_warps=self.warps)
+                         PADDED=padded, num_warps=self.warps)
 
 
 def prepare(src: Side, dst: Side, row_bytes: int, planes: int, block_bytes: int = 0,
@@ -337,3 +342,111 @@ class IdRing:
             done.record(stream if stream is not None else torch.cuda.current_stream(self.device))
             self._events[slot] = done
             return dev
+
+
+GRAPH_ENV = "KVTIER_FUSED_GRAPH_MAX_IDS"
+GRAPH_MAX_IDS = int(os.environ.get(GRAPH_ENV, 256))
+"""Tasks of up to this many pairs replay CUDA graphs that read their ids in place from a
+pinned row (`GraphLaunches`); larger ones go through the `IdRing` and Triton's dispatch.
+Why by size: a small copy is bound by the host time before its first launch (H100, 16 KiB
+x 64-block backup: ring 88 us, launch 50 us of about 200 us of host time, the kernel itself
+as fast as a memcpy), a large one by the bus, where every program reading its two ids over
+the bus cost the 256 KiB x 512-block copies 0.02-0.05 of a pinned copy's rate. `0` turns
+the graphs off."""
+GRAPH_MIN_IDS = 16
+"""The smallest padded size: every task of up to 16 pairs shares one set of graphs."""
+
+
+def graph_cap(n: int, max_ids: int = -1) -> int:
+    """The padded size whose graphs replay a task of `n` pairs (the next power of two, at
+    least `GRAPH_MIN_IDS`), or 0 when the task goes through the ring (`n` over `max_ids`,
+    default `GRAPH_MAX_IDS`, or no pairs)."""
+    limit = GRAPH_MAX_IDS if max_ids < 0 else max_ids
+    if n <= 0 or n > limit:
+        return 0
+    cap = GRAPH_MIN_IDS
+    while cap < n:
+        cap *= 2
+    return cap
+
+
+class GraphLaunches:
+    """CUDA graphs of prepared launches, replayed with a new task's ids: the host writes the
+    ids into a pinned row and replays, two cheap calls where the dispatch path pays an id
+    DMA, its event and Triton's argument handling per launch.
+
+    Data: `_rows[cap]` one pinned int64 row `[2 * cap]` per padded size (`graph_cap`):
+    sources, padded with -1, then destinations; the graphs' kernels read it in place through
+    the mapped address (`Launch.run(..., padded=True)`: a pair with a negative source moves
+    nothing). `_graphs[(key, cap)]` the graphs of one launch sequence (`key` names it: a
+    direction, a layer group list), one graph per group, so a caller can record an event
+    between two replays (a load's layer 0).
+
+    Invariants: a row is rewritten only when no replay that reads it can still run: callers
+    hold `lock` from `stage` until the copy stream has passed the last replay (a backup
+    synchronises, a load waits for its last layer's event). A capture that fails sets
+    `broken` (the reason) and every later call answers None: the caller keeps the dispatch
+    path, which moves the same bytes."""
+
+    def __init__(self, device: torch.device, max_ids: int = -1) -> None:
+        self.device = device
+        self.max_ids = GRAPH_MAX_IDS if max_ids < 0 else max_ids
+        self.lock = threading.Lock()
+        self.broken: str | None = None
+        self._rows: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple[str, int], list[torch.cuda.CUDAGraph]] = {}
+
+    def cap_for(self, n: int) -> int:
+        """The padded size for `n` pairs, or 0 when the graphs are off or broken for it."""
+        return 0 if self.broken is not None else graph_cap(n, self.max_ids)
+
+    def _row(self, cap: int) -> torch.Tensor:
+        row = self._rows.get(cap)
+        if row is None:
+            row = torch.full((2 * cap,), -1, dtype=torch.int64, pin_memory=True)
+            self._rows[cap] = row
+        return row
+
+    def graphs(self, key: str, cap: int, groups: list[list[Launch]]
+               ) -> list[torch.cuda.CUDAGraph] | None:
+        """The graphs of `groups` (each a list of launches replayed as one) at size `cap`,
+        captured on first use (under `lock`); None when capturing failed."""
+        got = self._graphs.get((key, cap))
+        if got is not None or self.broken is not None:
+            return got
+        row = self._row(cap)
+        row.fill_(-1)  # the warm-up launches move nothing
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        out: list[torch.cuda.CUDAGraph] = []
+        try:
+            with torch.cuda.stream(side):
+                for group in groups:  # compile outside the capture
+                    for launch in group:
+                        launch.run(row, cap, padded=True)
+                side.synchronize()
+                for group in groups:
+                    g = torch.cuda.CUDAGraph()
+                    # thread-local: the other direction's thread keeps working meanwhile
+                    g.capture_begin(capture_error_mode="thread_local")
+                    try:
+                        for launch in group:
+                            launch.run(row, cap, padded=True)
+                    finally:
+                        g.capture_end()
+                    out.append(g)
+            side.synchronize()
+        except RuntimeError as e:  # pragma: no cover - depends on the driver and Triton
+            self.broken = f"CUDA graph capture failed: {e}"
+            return None
+        self._graphs[(key, cap)] = out
+        return out
+
+    def stage(self, src: torch.Tensor, dst: torch.Tensor, cap: int) -> None:
+        """Write a task's ids (CPU int64, `n <= cap` each) into the row the graphs of size
+        `cap` read (the caller holds `lock` and the previous replays have finished)."""
+        n = int(src.numel())
+        row = self._row(cap).numpy()
+        row[:n] = src.numpy()
+        row[n:cap] = -1
+        row[cap : cap + n] = dst.numpy()

@@ -2,6 +2,7 @@
 
     python -m worker.process --spec '<json WorkerSpec>'
     python -m worker.process --spec-env NAME      (the JSON in environment variable NAME)
+    python -m worker.process --spec-stdin         (a warm worker: the JSON on stdin, later)
 
 The launcher uses `--spec-env`: a spec may hold secrets (a Redis URL with a password), and a
 process's environment is readable by its user only, its command line by everybody.
@@ -74,7 +75,13 @@ from collections.abc import Callable, Iterable, Iterator
 from kvtier.worker.errors import KvtierError
 from kvtier.worker.executor import MERGEABLE, TASK_CLASSES, RankResources, TaskClass
 from kvtier.worker.ipc import ManagerGone, WorkerIPC
-from kvtier.worker.spec import REFUSED_EXIT, REFUSED_PREFIX, WorkerSpec, host_segment_name
+from kvtier.worker.spec import (
+    REFUSED_EXIT,
+    REFUSED_PREFIX,
+    WARM_LINE,
+    WorkerSpec,
+    host_segment_name,
+)
 from kvtier.worker.wire import Completion, Task, TaskKind
 
 __all__ = ["Worker", "WorkerSpec", "host_segment_name", "main"]
@@ -323,6 +330,8 @@ class Worker:
                 self._prefetches.add(task.seq)
         elif task.kind == TaskKind.H2D:
             self.executor.load_gate.enter()  # backups step aside until it is answered
+        if task.kind in (TaskKind.D2H, TaskKind.H2D):
+            self.executor.precheck(task)  # off the lane's copy path
         self._lanes[TASK_CLASSES[task.kind]].put(task, next(self._arrival))
 
     def _cancel(self, task: Task) -> None:
@@ -499,8 +508,19 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--spec", help="WorkerSpec as JSON")
     src.add_argument("--spec-env", metavar="NAME",
                      help="environment variable holding the WorkerSpec as JSON")
+    src.add_argument("--spec-stdin", action="store_true",
+                     help="the WorkerSpec as JSON on stdin, read to its end: a warm worker "
+                          "(started before its spec was known, its imports done by then)")
     args = ap.parse_args(argv)
+    if args.spec_stdin:
+        # the imports above are done: say so (the launcher's `WarmWorkers` waits for this
+        # line), then wait for the spec; the launcher gone before sending it is an EOF
+        print(WARM_LINE, file=sys.stderr, flush=True)
+        text = sys.stdin.read()
+        if not text.strip():
+            return 0
     spec = WorkerSpec.from_json(args.spec if args.spec is not None
+                                else text if args.spec_stdin
                                 else os.environ.pop(args.spec_env))
     logging.basicConfig(level=os.environ.get("KVTIER_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s rank{spec.rank} %(levelname)s %(message)s",
@@ -534,5 +554,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _exit_now(code: int) -> None:
+    """Leave without the interpreter's teardown once everything is closed (pools, IPC,
+    storage): torch's modules and finalizers took 1.8 s of a worker's exit on the 2-core
+    box, all of it on a node take-over's path (the next service adopts the host pool only
+    once this process is gone, issue 37). The logs are flushed first."""
+    logging.shutdown()
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit_now(main())

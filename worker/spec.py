@@ -13,6 +13,10 @@ from typing import TYPE_CHECKING, Any
 from kvtier.worker.storage.backend import namespace_for
 from kvtier.worker.storage.page_crypto import PageKeys
 
+WARM_LINE = "kvtier worker: warm (imports done), waiting for its spec on stdin"
+"""What a warm worker (`--spec-stdin`, issue 37's take-over) prints once its imports are
+done; the launcher's `WarmWorkers` waits for it."""
+
 REFUSED_EXIT = 3
 """A worker's exit status when it refused to start (a deliberate KvtierError: a registration
 that does not fit, a pool that cannot be had): its stderr (the log) then ends with one line

@@ -21,12 +21,15 @@ Task kinds and what their fields mean:
                                                                         were not done yet
     LIST       [max pages]    -              -                          1: `detail` is the
                                                                         whole listing, 0: none
+    RETAIN     [mode, pin,    -              storage key per block      pages marked
+               ttl_ms, prio]                                            (mode 1: retain,
+                                                                        2: unpin)
 
 `priority`: larger runs first within a class of tasks (loads a request waits on outrank
 backups). A worker runs four classes side by side, each on its own thread, so no class waits
 behind another (`kvtier.worker.executor.TASK_CLASSES`): device loads (H2D, and the FILL and
 CHECK diagnostics), device backups (D2H), storage reads (QUERY, PREFETCH) and storage writes
-(BACKUP, CLEAR, DELETE, LIST). REVOKE is in no class: a worker applies it as it receives it
+(BACKUP, CLEAR, DELETE, LIST, RETAIN). REVOKE is in no class: a worker applies it as it receives it
 (a PREFETCH it names stops after the page batch it is reading and answers with the pages read
 so far; one not started reads none).
 
@@ -78,7 +81,7 @@ from typing import Any
 
 import numpy as np
 
-WIRE_VERSION = 4  # 2: TaskKind.REVOKE, 3: TaskKind.LIST, 4: TaskKind.DELETE
+WIRE_VERSION = 5  # 2: REVOKE, 3: LIST, 4: DELETE, 5: RETAIN
 SEQ_LIMIT = 1 << 47
 MAX_KEY_BYTES = 0xFFFF
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -98,6 +101,13 @@ class TaskKind(IntEnum):
     REVOKE = 9
     LIST = 10
     DELETE = 11
+    RETAIN = 12
+
+
+RETAIN_SET = 1
+"""RETAIN's mode (`src[0]`): mark the pages (pin, TTL, priority in `src[1:4]`)."""
+RETAIN_UNPIN = 2
+"""RETAIN's mode: take the pin off the pages."""
 
 
 class Priority(IntEnum):
@@ -559,7 +569,7 @@ def key_tag(skey: bytes) -> int:
 # mismatches) take the worst rank (maximum). A DELETE counts the blocks whose page every
 # rank deleted (minimum): a block is gone from storage once no rank can serve its page.
 MIN_RESULT_KINDS = frozenset({TaskKind.QUERY, TaskKind.PREFETCH, TaskKind.BACKUP,
-                              TaskKind.LIST, TaskKind.DELETE})
+                              TaskKind.LIST, TaskKind.DELETE, TaskKind.RETAIN})
 SUM_RESULT_KINDS = frozenset({TaskKind.CLEAR})
 
 

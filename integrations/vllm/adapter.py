@@ -404,6 +404,20 @@ class _Audit:
         return worst
 
 
+def _hash_block_size() -> int:
+    """vLLM's tokens per block hash (`cache_config.hash_block_size`, resolved with the KV
+    cache groups: a hybrid model's may be finer than kvtier's block), for HELLO: the service
+    refuses token-id steering where it differs from kvtier's block size. 0 when vLLM has not
+    said (the service then takes kvtier's)."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        found = getattr(get_current_vllm_config().cache_config, "hash_block_size", None)
+    except Exception:  # a vLLM without it
+        return 0
+    return int(found) if isinstance(found, int) and found > 0 else 0
+
+
 def _hash_seed(identity: Mapping[str, Any]) -> str:
     """The seed of the block hashes this engine will compute, for its HELLO (the service
     names blocks from token ids with it: lookup, retain, warm, clear). vLLM's NONE_HASH when
@@ -480,7 +494,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 update={"name": namespace})})
             self.cache: EngineCache = attach(
                 self.socket_path, namespace, self.cfg, hash_algo=str(identity.get("hash")),
-                hash_seed=_hash_seed(identity))
+                hash_seed=_hash_seed(identity), hash_block_size=_hash_block_size())
             log.info("kvtier offloading: attached to kvtier serve at %s (%s), namespace %s "
                      "(%s)", self.socket_path,
                      "connected" if self.cache.host_pools() is not None

@@ -123,6 +123,15 @@ class StorageHooks(Protocol):
         the pages every rank deleted when answered within `timeout`, else None."""
         ...
 
+    def retain(self, skeys: Sequence[bytes], *, pin: bool, ttl_s: float,
+               priority: int) -> None:
+        """Carry a retention down to these pages on every rank (stored now or later)."""
+        ...
+
+    def unpin(self, skeys: Sequence[bytes]) -> None:
+        """Take the pin off these pages on every rank."""
+        ...
+
     def revoke(self, keys: Iterable[int] | None = None) -> int:
         """Cancel the queries and prefetches in flight that fill only blocks of `keys` (every
         one when None), keeping the pages already read; returns how many."""

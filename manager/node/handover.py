@@ -47,12 +47,14 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.keyed import KeyedHostCache, engine_key
+from kvtier.manager.node.wire import Hello
 from kvtier.worker.spec import KEPT_PREFIX, SHM_DIR, host_segment_name, kept_segment_name
 
 log = logging.getLogger("kvtier.node")
@@ -133,15 +135,18 @@ def _kept_prefix(base_deployment_id: str) -> str:
     return f"{KEPT_PREFIX[1:]}{base_deployment_id[:19].rstrip('-')}-n"
 
 
-def unlink_kept(base_deployment_id: str, only: str | None = None) -> list[str]:
+def unlink_kept(base_deployment_id: str, only: str | None = None,
+                keep: Collection[str] = ()) -> list[str]:
     """Unlink this user's kept segments of deployment `base` (`only`: of that namespace
-    deployment id); returns their names."""
+    deployment id; `keep`: not those of these namespace deployment ids); returns their
+    names."""
     prefix = (_kept_prefix(base_deployment_id) if only is None
               else kept_segment_name(only, 0)[1:].rsplit("_host_r", 1)[0] + "_host_r")
+    spared = tuple(f"{KEPT_PREFIX[1:]}{did}_" for did in keep)
     gone = []
     with contextlib.suppress(OSError), os.scandir(SHM_DIR) as entries:
         for e in entries:
-            if not e.name.startswith(prefix):
+            if not e.name.startswith(prefix) or e.name.startswith(spared):
                 continue
             with contextlib.suppress(OSError):
                 if e.stat(follow_symlinks=False).st_uid == os.geteuid():
@@ -298,6 +303,34 @@ class Adoption:
                                          "discarded": 0}
         log.info("hand-over read: %d namespace(s), %d block(s)", len(doc.namespaces),
                  sum(len(r.pages) for r in doc.namespaces))
+
+    def sweep(self, handover: bool) -> None:
+        """At start: with `node.handover` off nothing will adopt a kept segment the
+        hand-over does not name (no crash journal is read), so every other one of the
+        deployment is unlinked now (a hand-over's are adopted as its namespaces start,
+        at once). With it on they stay: a crashed namespace's journal needs them when it
+        attaches again."""
+        if handover:
+            return
+        gone = unlink_kept(self.base, keep={r.deployment_id for r in self._records.values()})
+        if gone:
+            log.info("swept %d kept segment(s) of deployment %r no hand-over names (left by "
+                     "an earlier stop or crash; node.handover is off)", len(gone), self.base)
+
+    def hellos(self) -> list[Hello]:
+        """A HELLO for each namespace still to adopt, from its recorded geometry: its stack
+        is started at once (`NodeServer._prestart`), not at its first engine's attach. A
+        geometry that does not read back is skipped (its engines' HELLO starts it)."""
+        out = []
+        for rec in self._records.values():
+            try:
+                g = json.loads(rec.geometry)
+                out.append(Hello(rec.namespace, dict(g["shape"]), int(g["block_size"]),
+                                 str(g["hash_algo"]), str(g["hash_seed"]), int(g["ranks"]),
+                                 0))
+            except (ValueError, TypeError, KeyError):
+                continue
+        return out
 
     def take(self, namespace: str, deployment_id: str, geometry: dict[str, Any],
              page_bytes: int, host_blocks: int, ranks: int) -> NamespaceRecord | None:

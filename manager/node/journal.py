@@ -99,17 +99,22 @@ class Journal:
         self._pools: list[tuple[int, mmap.mmap] | None] = [None] * ranks
         self.recorded = 0
         self._lock = threading.Lock()  # mappings replaced or closed vs. slots written
+        # pools mapped populated (a recovery checksums every page at once); else faulted in
+        # as pages are checksummed: populating 4 GiB held the GIL 0.15-0.2 s (mmap() does
+        # not release it), stalling the service's every thread after a restart
+        self.populate = False
 
     # ------------------------------------------------------------------ life cycle
 
     @classmethod
     def create(cls, deployment_id: str, ranks: int, host_blocks: int, page_bytes: int,
-               geometry: dict[str, Any]) -> Journal:
+               geometry: dict[str, Any], populate: bool = False) -> Journal:
         """A fresh journal (the old one of this namespace replaced) and kept links of
         every rank's pool (OSError)."""
         if ranks > MAX_RANKS:
             raise OSError(0, f"{ranks} ranks, a journal holds at most {MAX_RANKS}")
         j = cls(deployment_id, ranks, host_blocks, page_bytes)
+        j.populate = populate
         path = SHM_DIR + journal_name(deployment_id)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -146,7 +151,8 @@ class Journal:
                 os.link(name, kept)
             have = self._pools[r]
             if have is None or have[0] != ino:
-                new = _map_pool(name, ino, self.host_blocks * self.page_bytes)
+                new = _map_pool(name, ino, self.host_blocks * self.page_bytes,
+                                self.populate)
                 with self._lock:
                     if self._jm is None:  # closed meanwhile
                         if new is not None:
@@ -244,7 +250,8 @@ class Journal:
                             for h, host, skey in keyed.open_store_pages(hashes, owner=owner)])
 
 
-def _map_pool(path: str, ino: int, size: int) -> tuple[int, mmap.mmap] | None:
+def _map_pool(path: str, ino: int, size: int,
+              populate: bool) -> tuple[int, mmap.mmap] | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -255,8 +262,8 @@ def _map_pool(path: str, ino: int, size: int) -> tuple[int, mmap.mmap] | None:
             return None
         # populated at once: a recovery checksums every page, and faulting 4 KiB at a time
         # made that 5x slower (4 GiB: 15 s against ~3 s of CRC-32 on a loaded 2-core box)
-        return ino, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                              prot=mmap.PROT_READ)
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        return ino, mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
 

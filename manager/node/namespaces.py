@@ -40,6 +40,7 @@ from typing import Any
 from kvtier.manager.config import ConfigError, KvtierConfig, page_bytes, with_sections
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.keyed import KeyedHostCache
+from kvtier.manager.launcher import WarmWorkers
 from kvtier.manager.node.fanout import EventFanout
 from kvtier.manager.node.handover import Adoption, unlink_kept
 from kvtier.manager.node.journal import Journal, adopt_recovered, recover
@@ -83,6 +84,9 @@ class Namespace:
         self.ranks = cfg.workers.count
         self.host_blocks = cfg.cache.host_blocks
         self.page_bytes = page_bytes(cfg)
+        # the first engine's tokens per block hash (HELLO): token-id steering needs it equal
+        # to `geometry["block_size"]` (`Steering.hashes` refuses otherwise)
+        self.hash_block_size = int(geometry["block_size"])
         self.sessions: set[int] = set()
         self.engines_seen = 0
         self.created = time.time()
@@ -140,6 +144,9 @@ class Namespace:
                            "held_hashes": self.fanout.held, "resyncs": self.fanout.resyncs,
                            "trimmed": self.fanout.trimmed},
                 "counters": dict(self.keyed.counters),
+                # the namespace's storage tier: backups, deletions, retention sent to it
+                "storage_counters": (None if self.stack.storage is None
+                                     else dict(self.stack.storage.counters)),
                 "tenants": self.tenant_figures(STATUS_TENANTS)}
 
     def tenant_figures(self, top: int) -> dict[str, Any]:
@@ -178,7 +185,11 @@ class Namespaces:
         self._starting: dict[str, _Starting] = {}  # namespaces whose stack is starting
         self._lock = threading.Lock()
         self._closed = False
+        self._stopped: list[Namespace] = []  # closed, their journals still mapped
         self.adoption: Adoption | None = None  # the node server's (a hand-over to adopt)
+        # worker processes started warm for a take-over's namespaces (their imports done
+        # while the old service still served), taken by the stacks started from it
+        self.warm: WarmWorkers | None = None
 
     def namespace_config(self, hello: Hello) -> tuple[KvtierConfig, int]:
         """The configuration of a namespace's stack and its quota in bytes."""
@@ -212,8 +223,10 @@ class Namespaces:
             raise NamespaceRefused(f"namespace {hello.namespace!r}: the engine's geometry "
                                    f"is not one kvtier can hold: {e}") from None
 
-    def attach(self, hello: Hello, session: int) -> Namespace:
-        """The namespace of this engine, started on its first attach. NamespaceRefused."""
+    def attach(self, hello: Hello, session: int | None) -> Namespace:
+        """The namespace of this engine, started on its first attach. NamespaceRefused.
+        `session` None: only started (a hand-over's namespace, before its engines
+        reattach), no engine joins."""
         geometry = hello.geometry()
         while True:
             with self._lock:
@@ -253,7 +266,7 @@ class Namespaces:
             return self._join(ns, hello, geometry, session)
 
     def _join(self, ns: Namespace, hello: Hello, geometry: dict[str, Any],
-              session: int) -> Namespace:
+              session: int | None) -> Namespace:
         """The engine joins a started namespace (under the lock)."""
         if ns.geometry != geometry:
             diff = sorted(k for k in geometry if geometry[k] != ns.geometry.get(k))
@@ -261,8 +274,9 @@ class Namespaces:
                 f"namespace {hello.namespace!r} is attached with another geometry "
                 f"({', '.join(diff)} differ: {[ns.geometry[k] for k in diff]} there, "
                 f"{[geometry[k] for k in diff]} here)")
-        ns.sessions.add(session)
-        ns.engines_seen += 1
+        if session is not None:
+            ns.sessions.add(session)
+            ns.engines_seen += 1
         return ns
 
     def _reserve(self, hello: Hello) -> tuple[KvtierConfig, int, int]:
@@ -300,6 +314,7 @@ class Namespaces:
         stack = Stack(cfg, keyed_namespace=hello.namespace.encode())
         # its workers adopt the kept segments (a fresh pool where there is none)
         stack.adopt_host = rec is not None or bool(slots)
+        stack.warm = self.warm
         try:
             stack.start()
         except KvtierError as e:
@@ -310,6 +325,11 @@ class Namespaces:
         finally:
             stack.adopt_host = False  # a worker restarted later creates a fresh pool
         ns = Namespace(hello.namespace, cfg, geometry, quota, stack)
+        ns.hash_block_size = hello.hash_block_size or hello.block_size
+        if ns.hash_block_size != hello.block_size:
+            log.warning("namespace %r: the engine hashes blocks of %d tokens, kvtier's are %d: "
+                        "token-id steering (lookup, retain, warm, clear by tokens) is refused "
+                        "for it", hello.namespace, ns.hash_block_size, hello.block_size)
         if adoption is not None and rec is not None:
             try:
                 inodes = [i for _, _, i in host_segments(did, ranks)]
@@ -328,24 +348,41 @@ class Namespaces:
     def _open_journal(self, ns: Namespace, geometry: dict[str, Any],
                       slots: list[tuple[bytes, int, bytes | None, bool, list[int]]]) -> None:
         """The namespace's crash journal (`journal`): the recovered pages that check
-        adopted; the handed-over ones recorded in the background."""
+        adopted; otherwise it is made in the background (mapping a 4 GiB pool populated took
+        0.2 s, on the path of the first engine's WELCOME after a restart): stores completed
+        before it exists are ready copies by then, which `record_ready` records."""
+        if slots:
+            if self._create_journal(ns, geometry, populate=True):
+                assert ns.journal is not None
+                t0 = time.perf_counter()
+                adopted, discarded = adopt_recovered(ns.journal, ns.keyed, slots)
+                ns.restart.update(recovered=len(slots), adopted=adopted, discarded=discarded)
+                log.info("namespace %r: after a crash, %d of %d journaled block(s) adopted "
+                         "(%d did not check; %.0f ms)", ns.name, adopted, len(slots),
+                         discarded, (time.perf_counter() - t0) * 1e3)
+            return
+        threading.Thread(target=self._journal_later, args=(ns, geometry), daemon=True,
+                         name="kvtier-journal").start()
+
+    def _create_journal(self, ns: Namespace, geometry: dict[str, Any],
+                        populate: bool = False) -> bool:
         try:
-            ns.journal = Journal.create(ns.cfg.deployment_id, ns.ranks, ns.host_blocks,
-                                        ns.page_bytes, geometry)
+            journal = Journal.create(ns.cfg.deployment_id, ns.ranks, ns.host_blocks,
+                                     ns.page_bytes, geometry, populate)
         except OSError as e:
             log.warning("namespace %r: no crash journal (%s): a crash will lose its host "
                         "tier", ns.name, e.strerror or e)
-            return
-        if slots:
-            t0 = time.perf_counter()
-            adopted, discarded = adopt_recovered(ns.journal, ns.keyed, slots)
-            ns.restart.update(recovered=len(slots), adopted=adopted, discarded=discarded)
-            log.info("namespace %r: after a crash, %d of %d journaled block(s) adopted "
-                     "(%d did not check; %.0f ms)", ns.name, adopted, len(slots), discarded,
-                     (time.perf_counter() - t0) * 1e3)
-        elif ns.restart["adopted"]:
-            threading.Thread(target=ns.journal.record_ready, args=(ns.keyed,), daemon=True,
-                             name="kvtier-journal").start()
+            return False
+        with self._lock:
+            if self._closed:  # the service stopped meanwhile: `close` did not see it
+                journal.close(keep=self.base.node.handover)
+                return False
+            ns.journal = journal
+        return True
+
+    def _journal_later(self, ns: Namespace, geometry: dict[str, Any]) -> None:
+        if self._create_journal(ns, geometry) and ns.journal is not None:
+            ns.journal.record_ready(ns.keyed)
 
     def refresh_journals(self) -> None:
         """Housekeeping: kept links and mappings of replaced workers' pools renewed."""
@@ -377,7 +414,27 @@ class Namespaces:
             self._closed = True
             stacks = list(self._by_name.values())
             self._by_name.clear()
-        for ns in stacks:
+        if self.warm is not None:
+            self.warm.close()
+
+        def close(ns: Namespace) -> None:
             ns.stack.close()
-            if ns.journal is not None:  # kept for the next service with node.handover
+
+        # side by side: each waits for its workers' exit, and a take-over waits for all
+        closing = [threading.Thread(target=close, args=(ns,), name="kvtier-node-close")
+                   for ns in stacks]
+        for t in closing:
+            t.start()
+        for t in closing:
+            t.join()
+        self._stopped = stacks
+
+    def close_journals(self) -> None:
+        """After `close`: the crash journals' mappings released, the journal and links kept
+        for the next service (a journal exists only with node.handover). Called once this
+        service's lock is released: unmapping 4 GiB of pool is tens of ms a take-over
+        need not wait for."""
+        for ns in self._stopped:
+            if ns.journal is not None:
                 ns.journal.close(keep=self.base.node.handover)
+        self._stopped = []

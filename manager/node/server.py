@@ -42,6 +42,13 @@ hand-over file in the socket's folder and keeps the pools (`handover`); a start 
 store is checksummed into the namespace's crash journal before it is published
 (`journal`).
 
+`kvtier serve --takeover` (`take_over`): the new service connects like an engine and sends
+TAKEOVER instead of HELLO (`wire`, `takeover.ask`); the old one checks the peer's uid and
+the deployment, answers TAKEN and stops (`on_takeover`), handing over whatever
+`node.handover` says; the new one waits for the old one's `node.lock` (bounded), then
+starts as after any restart. A start that found a hand-over starts its namespaces at once
+(`_prestart`), so their stacks are up, or starting, when the engines reattach.
+
 Request ids are the engine's; they are kept apart per session (`<session>:<id>`), so two
 engines using the same ids never share a storage query.
 
@@ -65,17 +72,19 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, overload
 
 from kvtier.manager.config import KvtierConfig
 from kvtier.manager.errors import InvalidRequestError, KvtierError
 from kvtier.manager.keyed import KeyedHostCache, Lookup
+from kvtier.manager.launcher import WarmWorkers
 from kvtier.manager.node import wire
 from kvtier.manager.node.events import EventPublisher
 from kvtier.manager.node.handover import Adoption, snapshot, write_handover
 from kvtier.manager.node.namespaces import Namespace, NamespaceRefused, Namespaces
+from kvtier.manager.node.takeover import TakeoverError, ask
 from kvtier.manager.sessions import EngineSession, Graves
 from kvtier.manager.tenants import Retention, SteeringError
 
@@ -91,6 +100,12 @@ _CODES = {Lookup.HIT: wire.LookupCode.HIT, Lookup.PENDING: wire.LookupCode.PENDI
 
 class NodeSocketError(KvtierError):
     """The engine socket cannot be opened (path, directory, another live service)."""
+
+
+class NodeLockHeld(NodeSocketError):
+    """Another live service holds the socket's lock."""
+
+
 
 
 def socket_path(cfg: KvtierConfig, env: Mapping[str, str] | None = None) -> Path:
@@ -195,10 +210,17 @@ class NodeServer:
         self._threads: list[threading.Thread] = []
         self.dropped = 0  # connections refused or dropped
         self.events: EventPublisher | None = None  # node.events: started by `start`
+        # `kvtier serve --takeover` (issue 37): what stops this service when a new one asks
+        # (the serve command's stop), and who asked
+        self.on_takeover: Callable[[], None] | None = None
+        self.taken_over: wire.Takeover | None = None
+        self._taking = False  # a TAKEN being sent (one take-over at a time)
 
     # ------------------------------------------------------------------ life cycle
 
-    def _open_dir(self) -> None:
+    def _open_dir(self, wait_until: float | None = None) -> None:
+        """The socket's private folder, and its lock taken (`wait_until`, monotonic: polled
+        until then while another service holds it; NodeLockHeld after)."""
         d = self.path.parent
         gid = self.cfg.node.allowed_gid
         mode = 0o700 if gid < 0 else 0o710
@@ -218,17 +240,65 @@ class NodeServer:
             fd = os.open(d / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise NodeSocketError(f"node.socket: cannot prepare {d}: {e.strerror}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise NodeSocketError(f"node.socket = {str(self.path)!r}: another kvtier serve "
-                                  "holds it (its node.lock is locked)") from None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                # a take-over waits here for the old service's stop: polled, a 2 ms step is
+                # nothing next to the hand-over it waits for
+                if wait_until is not None and time.monotonic() < wait_until:
+                    time.sleep(0.002)
+                    continue
+                os.close(fd)
+                raise NodeLockHeld(f"node.socket = {str(self.path)!r}: another kvtier serve "
+                                   "holds it (its node.lock is locked)") from None
         self._lock_fd = fd
 
-    def start(self) -> NodeServer:
-        self._open_dir()
+    def take_over(self, timeout_s: float) -> wire.Taken:
+        """`kvtier serve --takeover`: ask the service on this socket what it runs (TAKEOVER
+        `prepare`, see `wire`), start that many worker processes warm (their imports done
+        while it still serves), ask it to hand over, wait for its stop (its lock released)
+        within `timeout_s` in all, then `start` as usual (the hand-over read, the socket
+        bound, its namespaces started on the warm workers). TakeoverError, one line:
+        nothing listens there, a service of another uid or deployment, a refusal, no
+        answer, or the lock still held at the bound (the old service is still stopping:
+        this one gives up rather than start beside it)."""
+        deadline = time.monotonic() + timeout_s
+        asked = ask(self.path, wire.Takeover(self.cfg.deployment_id, os.getpid(), True),
+                    deadline)
+        if asked.workers:
+            warm = self.namespaces.warm = WarmWorkers()
+            warm.start(asked.workers)
+            t0 = time.monotonic()
+            # a bounded share of the time left: the rest is the old one's stop
+            n = warm.wait_warm(max(0.0, (deadline - t0) / 2))
+            log.info("%d of %d worker process(es) warm in %.2f s", n, asked.workers,
+                     time.monotonic() - t0)
+        try:
+            taken = ask(self.path, wire.Takeover(self.cfg.deployment_id, os.getpid()),
+                        deadline)
+            log.info("taking over kvtier serve pid %d (instance %s): waiting for its "
+                     "hand-over", taken.pid, taken.nonce[:8])
+            self.start(lock_until=deadline)
+        except BaseException as e:
+            if self.namespaces.warm is not None:
+                self.namespaces.warm.close()
+            if isinstance(e, NodeLockHeld):
+                raise TakeoverError(
+                    f"--takeover: {self.path}: kvtier serve pid {taken.pid} did not hand "
+                    f"over within {timeout_s:g} s (--takeover-timeout); it still holds the "
+                    "socket, so this service exits rather than start beside it",
+                    usage=False) from None
+            raise
+        return taken
+
+    def start(self, lock_until: float | None = None) -> NodeServer:
+        self._open_dir(lock_until)
         self.adoption.load(self.path.parent)  # ours alone now (the lock is held)
+        self.adoption.sweep(self.cfg.node.handover)
+        # read before any engine can attach: an attach takes its namespace's record
+        handed_over = self.adoption.hellos()
         try:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()  # a dead service's socket (we hold the lock)
@@ -260,7 +330,33 @@ class NodeServer:
             t.start()
             self._threads.append(t)
         log.info("node socket listening on %s (instance %s)", self.path, self.nonce[:8])
+        # the handed-over namespaces' stacks started now, not at their first engine's HELLO:
+        # the engines reattach to a namespace already starting (its workers adopting)
+        # (a prestart whose namespace an engine's HELLO is starting waits for that start:
+        # when these threads are done, every handed-over namespace is up or refused)
+        starts = [threading.Thread(target=self._prestart, args=(hello,), daemon=True,
+                                   name="kvtier-node-prestart")
+                  for hello in handed_over]
+        for t in starts:
+            t.start()
+        if self.namespaces.warm is not None:  # the warm workers no stack took: stopped
+            threading.Thread(target=self._close_warm, args=(starts,), daemon=True,
+                             name="kvtier-node-warm").start()
         return self
+
+    def _close_warm(self, starts: list[threading.Thread]) -> None:
+        for t in starts:
+            t.join()
+        if self.namespaces.warm is not None:
+            self.namespaces.warm.close()
+
+    def _prestart(self, hello: wire.Hello) -> None:
+        try:
+            self.namespaces.attach(hello, None)
+        except NamespaceRefused as e:
+            log.warning("namespace %r: not started from the hand-over: %s", hello.namespace, e)
+        except Exception:
+            log.exception("namespace %r: not started from the hand-over", hello.namespace)
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
@@ -271,13 +367,18 @@ class NodeServer:
         """Close every connection, free what they held, stop every namespace's stack."""
         if self._stop.is_set():
             return
+        t0 = time.monotonic()
         self._stop.set()
-        for t in self._threads:
-            t.join(2.0)
+        # the listener first: an engine dropped below must not reattach to this service
+        # while it stops (it waits for the next one: a take-over's, a restart's)
         if self._listener is not None:
+            with contextlib.suppress(OSError):  # wakes the accept loop now (not at its
+                self._listener.shutdown(socket.SHUT_RDWR)  # 0.2 s timeout)
             self._listener.close()
             with contextlib.suppress(OSError):
                 self.path.unlink()
+        for t in self._threads:
+            t.join(2.0)
         with self._lock:
             socks = [s.sock for s in self._sessions.values()] + list(self._connecting.values())
         for sock in socks:
@@ -289,11 +390,17 @@ class NodeServer:
         self._bury(all_=True)
         if self.events is not None:
             self.events.stop()  # a last batch while the stacks are still there
-        if self.cfg.node.handover:
+        t1 = time.monotonic()
+        if self.cfg.node.handover or self.taken_over is not None:
             self._hand_over()
+        t2 = time.monotonic()
         self.namespaces.close()
         self.adoption.close()
         self._release_lock()
+        self.namespaces.close_journals()  # a take-over does not wait for the unmapping
+        log.info("node service stopped in %.0f ms (sessions ended %.0f ms, hand-over %.0f "
+                 "ms, namespaces closed %.0f ms)", (time.monotonic() - t0) * 1e3,
+                 (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.monotonic() - t2) * 1e3)
 
     def _hand_over(self) -> None:
         """Every namespace's ready host copies and segments kept for the next service
@@ -480,7 +587,7 @@ class NodeServer:
             body = self._recv_exact(sock, n, deadline, what)
         finally:
             sock.settimeout(None)
-        return wire.decode_head(body)
+        return wire.decode_takeover_head(body)
 
     def _read_frame(self, sock: socket.socket) -> tuple[wire.FrameType, int, bytes] | None:
         """The next frame: waited for as long as the engine likes, then whole within
@@ -505,6 +612,8 @@ class NodeServer:
         if got is None:
             return "closed before HELLO"
         ftype, seq, body = got
+        if ftype is wire.FrameType.TAKEOVER:
+            return self._give_over(s, seq, wire.decode_takeover(body))
         if ftype is not wire.FrameType.HELLO:
             raise wire.WireError(f"{ftype.name}: the first frame must be HELLO")
         hello = wire.decode_hello(body)
@@ -516,6 +625,8 @@ class NodeServer:
                 raise NamespaceRefused(f"engine pid {s.pid}: refused, node.max_engines = "
                                        f"{self.cfg.node.max_engines} engines are attached")
             self._sessions[s.sid] = s
+        if self._stop.is_set():
+            raise NamespaceRefused("the node service is stopping")
         ns = self.namespaces.attach(hello, s.sid)
         s.ns = ns
         s.engine = EngineSession(ns.keyed, s.sid)
@@ -538,6 +649,45 @@ class NodeServer:
             if reply is not None:
                 s.sock.sendall(wire.encode_reply(reply, seq))
         return "service stopping"
+
+    def _give_over(self, s: Session, seq: int, req: wire.Takeover) -> str:
+        """A new service's TAKEOVER: only from this uid and deployment, once; answered
+        TAKEN, then this service stops (`on_takeover`) and `stop` hands over."""
+        if s.uid != os.getuid():
+            raise NamespaceRefused(f"TAKEOVER: only uid {os.getuid()} may take this service "
+                                   f"over, not uid {s.uid}")
+        if req.pid != s.peer_pid:
+            raise NamespaceRefused(f"TAKEOVER: pid {req.pid} asked, the peer is pid "
+                                   f"{s.peer_pid}")
+        if req.deployment_id != self.cfg.deployment_id:
+            raise NamespaceRefused(f"TAKEOVER: this service is deployment "
+                                   f"{self.cfg.deployment_id!r}, not {req.deployment_id!r}")
+        if req.prepare:  # what to start warm; nothing changes here
+            s.sock.sendall(wire.encode_taken(wire.Taken(
+                self.cfg.deployment_id, os.getpid(), self.nonce,
+                min(wire.MAX_TAKEOVER_WORKERS, sum(ns.ranks for ns in self.namespaces.all())),
+                stopping=False), seq))
+            return f"told kvtier serve pid {req.pid} what it runs (a take-over prepared)"
+        with self._lock:
+            why = ("it is stopping already" if self._stop.is_set() or self.taken_over
+                   or self._taking else
+                   "nothing here can stop it (no kvtier serve owns it)"
+                   if self.on_takeover is None else "")
+            if why:
+                raise NamespaceRefused(f"TAKEOVER: refused, {why}")
+            self._taking = True
+        try:
+            # the asker may have given up (its --takeover-timeout) and closed: the send
+            # fails and this service keeps serving
+            s.sock.sendall(wire.encode_taken(wire.Taken(self.cfg.deployment_id, os.getpid(),
+                                                        self.nonce, 0, True), seq))
+        finally:
+            self._taking = False
+        self.taken_over = req
+        log.info("taken over by kvtier serve pid %d: stopping, handing over", req.pid)
+        assert self.on_takeover is not None
+        self.on_takeover()
+        return f"took this service over (kvtier serve pid {req.pid})"
 
     # ------------------------------------------------------------------ ops
 

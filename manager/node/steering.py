@@ -4,7 +4,10 @@ clear, per-tenant figures, for the admin (`kvtier.admin.steering`) and the `kvti
 Token ids become the engine's own block hashes (`keys.engine_block_hashes`, with the
 hash algorithm, seed and block size the namespace's first engine announced in HELLO), so
 every operation names exactly the blocks the engines stored; the request's `cache_salt`
-(the tenant) is part of the first block's hash, as in vLLM. Each operation is one call into
+(the tenant) is part of the first block's hash, as in vLLM. That holds only where the
+engine hashes blocks of kvtier's block size: a namespace whose HELLO said otherwise (vLLM's
+`hash_block_size`, finer in a hybrid model) refuses every operation by token ids in one line.
+Each operation is one call into
 the namespace's `KeyedHostCache` under its lock; refusals are one-line `SteeringError`s and
 change nothing.
 
@@ -68,6 +71,10 @@ class Steering:
     def hashes(self, ns: Namespace, token_ids: Sequence[int],
                cache_salt: str | None) -> list[bytes]:
         g = ns.geometry
+        if ns.hash_block_size != g["block_size"]:
+            raise SteeringError(
+                f"namespace {ns.name!r}: its engine hashes blocks of {ns.hash_block_size} "
+                f"tokens, kvtier's blocks are {g['block_size']}: token ids cannot name them")
         if cache_salt is not None:
             check_tenant(cache_salt)
         try:

@@ -81,6 +81,23 @@ Frame types, service -> client:
              namespace's state.
     ERROR    the head, then UTF-8 text: why the service drops this connection.
 
+A new service takes over the running one (`kvtier serve --takeover`, issue 37) on the same
+socket instead of an engine's HELLO:
+
+    TAKEOVER client -> service, the head, then a UTF-8 JSON object (`Takeover`: the new
+             service's deployment id and pid, `prepare`). The first frame of a connection,
+             and only there; only a peer of the service's own uid may send it.
+    TAKEN    service -> client, the head, then a UTF-8 JSON object (`Taken`: the old
+             service's deployment id, pid and instance nonce, its worker processes over
+             every namespace, `stopping`). To a `prepare`: nothing else happens (the new
+             one starts that many workers warm, then asks again on a new connection).
+             Otherwise it stops taking work, ends its sessions, writes the hand-over and
+             releases the socket's lock. Or ERROR: why it will not (another deployment,
+             already stopping).
+
+These two frames are read whatever the head's wire version (`decode_head`): the point of a
+take-over is an upgrade, so a newer service must be able to ask an older one.
+
 No pickle and no eval: decoding builds only ints, bytes, str and the dataclasses below, and
 checks every length against the frame; a bad frame raises `WireError` naming the frame, the
 record and the field. Integers are little-endian.
@@ -118,6 +135,9 @@ MAX_TENANT_BYTES = 256  # kvtier.manager.tenants' bound
 MAX_REMOVE_KEYS = 1024
 # REMOVE's reason codes (the flag) -> the reason `KeyedHostCache.remove` counts
 REMOVE_REASONS = {1: "audit_mismatch"}
+# Warm workers a take-over starts at most (TAKEN's `workers`): a bound on what an answer
+# can make the new service spawn
+MAX_TAKEOVER_WORKERS = 256
 REPLY_EVENT_BYTES = 1 << 20  # hash bytes of tier events per REPLY (a chunk more at most)
 
 _LEN = struct.Struct("<I")
@@ -138,9 +158,11 @@ class WireError(KvtierError, ValueError):
 class FrameType(IntEnum):
     HELLO = 1
     OPS = 2
+    TAKEOVER = 3
     WELCOME = 101
     REPLY = 102
     ERROR = 103
+    TAKEN = 104
 
 
 class Op(IntEnum):
@@ -213,7 +235,10 @@ class Reply:
 class Hello:
     """Who an engine is. Engines of one `namespace` share blocks and must agree on the
     geometry (`shape`: KVShape's fields), `block_size`, the hash algorithm and its seed, and
-    the rank count; `pid` is shown to the operator."""
+    the rank count; `pid` is shown to the operator. `hash_block_size`: the tokens per block
+    hash of the engine (vLLM's `cache_config.hash_block_size`; 0 = not said, taken as
+    `block_size`): token-id steering names blocks only where the two are equal. Optional in
+    the frame (an engine of before it sends none)."""
 
     namespace: str
     shape: dict[str, Any]
@@ -222,6 +247,7 @@ class Hello:
     hash_seed: str
     ranks: int
     pid: int
+    hash_block_size: int = 0
 
     def geometry(self) -> dict[str, Any]:
         """What must be equal for two engines to share a namespace's blocks."""
@@ -308,7 +334,7 @@ def _json_body(body: bytes, frame: str) -> dict[str, Any]:
 def encode_hello(h: Hello, seq: int = 0) -> bytes:
     body = json.dumps({"namespace": h.namespace, "shape": h.shape, "block_size": h.block_size,
                        "hash_algo": h.hash_algo, "hash_seed": h.hash_seed, "ranks": h.ranks,
-                       "pid": h.pid}).encode()
+                       "pid": h.pid, "hash_block_size": h.hash_block_size}).encode()
     return _frame(FrameType.HELLO, seq, body)
 
 
@@ -326,13 +352,15 @@ def decode_hello(body: bytes) -> Hello:
     block = _field(obj, "HELLO", "block_size", int)
     ranks = _field(obj, "HELLO", "ranks", int)
     pid = _field(obj, "HELLO", "pid", int)
-    for name, v, lo in (("block_size", block, 1), ("ranks", ranks, 1), ("pid", pid, 0)):
+    hash_block = _field(obj, "HELLO", "hash_block_size", int) if "hash_block_size" in obj else 0
+    for name, v, lo in (("block_size", block, 1), ("ranks", ranks, 1), ("pid", pid, 0),
+                        ("hash_block_size", hash_block, 0)):
         if not lo <= v < 1 << 31:
             raise WireError(f"HELLO: field {name!r} = {v} is out of range")
     if not 1 <= ranks <= 64:
         raise WireError(f"HELLO: field 'ranks' = {ranks}: 1 to 64 ranks")
     return Hello(ns, dict(shape), block, _field(obj, "HELLO", "hash_algo", str)[:128],
-                 _field(obj, "HELLO", "hash_seed", str)[:256], ranks, pid)
+                 _field(obj, "HELLO", "hash_seed", str)[:256], ranks, pid, hash_block)
 
 
 def encode_welcome(w: Welcome, seq: int = 0) -> bytes:
@@ -357,6 +385,57 @@ def decode_welcome(body: bytes) -> Welcome:
                    _field(obj, "WELCOME", "generation", int),
                    _field(obj, "WELCOME", "quota_bytes", int), tuple(segs),
                    _field(obj, "WELCOME", "storage", str)[:64])
+
+
+@dataclass(frozen=True, slots=True)
+class Takeover:
+    """A new service asking the running one to hand over (TAKEOVER); `prepare`: only to
+    say what it runs (the new one starts its workers warm, then asks again)."""
+
+    deployment_id: str
+    pid: int
+    prepare: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """The running service's answer (TAKEN): who it is, its worker processes over every
+    namespace, and whether it is stopping now (False: a `prepare` answered)."""
+
+    deployment_id: str
+    pid: int
+    nonce: str
+    workers: int = 0
+    stopping: bool = True
+
+
+def encode_takeover(t: Takeover, seq: int = 0) -> bytes:
+    body = json.dumps({"deployment_id": t.deployment_id, "pid": t.pid,
+                       "prepare": t.prepare}).encode()
+    return _frame(FrameType.TAKEOVER, seq, body)
+
+
+def decode_takeover(body: bytes) -> Takeover:
+    obj = _json_body(body, "TAKEOVER")
+    return Takeover(_field(obj, "TAKEOVER", "deployment_id", str)[:256],
+                    _field(obj, "TAKEOVER", "pid", int),
+                    bool(_field(obj, "TAKEOVER", "prepare", bool)))
+
+
+def encode_taken(t: Taken, seq: int = 0) -> bytes:
+    body = json.dumps({"deployment_id": t.deployment_id, "pid": t.pid, "nonce": t.nonce,
+                       "workers": t.workers, "stopping": t.stopping}).encode()
+    return _frame(FrameType.TAKEN, seq, body)
+
+
+def decode_taken(body: bytes) -> Taken:
+    obj = _json_body(body, "TAKEN")
+    workers = _field(obj, "TAKEN", "workers", int)
+    if not 0 <= workers <= MAX_TAKEOVER_WORKERS:
+        raise WireError(f"TAKEN: field 'workers' = {workers}, 0 to {MAX_TAKEOVER_WORKERS}")
+    return Taken(_field(obj, "TAKEN", "deployment_id", str)[:256],
+                 _field(obj, "TAKEN", "pid", int), _field(obj, "TAKEN", "nonce", str)[:64],
+                 workers, bool(_field(obj, "TAKEN", "stopping", bool)))
 
 
 # ------------------------------------------------------------------------------ frames
@@ -391,6 +470,16 @@ def decode_head(body: bytes) -> tuple[FrameType, int, bytes]:
     if t is None:
         raise WireError(f"frame: unknown frame type {ftype}")
     return t, seq, body[HEAD_BYTES:]
+
+
+def decode_takeover_head(body: bytes) -> tuple[FrameType, int, bytes]:
+    """`decode_head`, except that TAKEOVER, TAKEN and ERROR frames are read whatever the
+    head's wire version (a newer service asks an older one to hand over)."""
+    if len(body) >= HEAD_BYTES:
+        _, ftype, _, seq = _HEAD.unpack_from(body)
+        if ftype in (FrameType.TAKEOVER, FrameType.TAKEN, FrameType.ERROR):
+            return FrameType(ftype), seq, body[HEAD_BYTES:]
+    return decode_head(body)
 
 
 def encode_error(text: str, seq: int = 0) -> bytes:

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from kvtier.worker.storage.page_format import KEY_BYTES
+from kvtier.worker.storage.retention import RetentionMarks
 
 if TYPE_CHECKING:
     import mmap
@@ -48,7 +49,7 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 )
 
-OPERATIONS = ("exists", "get", "set", "delete", "clear", "list")
+OPERATIONS = ("exists", "get", "set", "delete", "clear", "list", "retain")
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$")
 _SHAPE_VALUE_TYPES = (str, int, float, bool)
@@ -262,6 +263,51 @@ class StorageBackend(ABC):
             raise ValueError(f"page_bytes must be a positive int or None, got {page_bytes!r}")
         self.page_bytes = page_bytes
         self._stats = BackendStats()
+        self._marks = RetentionMarks()
+
+    # -- retention (issue 36; `kvtier.worker.storage.retention`) ---------------------------
+    def retain(self, keys: Sequence[bytes], *, pin: bool = False, ttl_s: float = 0.0,
+               priority: int = 0) -> int:
+        """Keep these pages: pinned (until `unpin`), at least `ttl_s` seconds from now, and
+        at `priority` (lower goes first where this backend evicts). Pages not stored yet get
+        it when written. Returns the pages marked (a full mark table refuses the rest)."""
+        self._ensure_open()
+        keys_b = check_keys(keys)
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not (
+                0 <= ttl_s < float("inf")):
+            raise ValueError(f"retain: ttl_s = {ttl_s!r}, must be finite seconds >= 0")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not (
+                -8 <= priority <= 8):
+            raise ValueError(f"retain: priority = {priority!r}, must be an int in [-8, 8]")
+        now = time.monotonic()
+        marked = self._marks.retain([k.hex() for k in keys_b], pin=bool(pin),
+                                    ttl_s=float(ttl_s), priority=priority, now=now)
+        if marked:
+            self._apply_retain(marked, now)
+        return len(marked)
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        """Take the pin off these pages (their TTL and priority stay); the ordinary expiry
+        applies again. Returns the pages that were pinned."""
+        self._ensure_open()
+        keys_b = check_keys(keys)
+        now = time.monotonic()
+        released = self._marks.unpin([k.hex() for k in keys_b], now)
+        if released:
+            self._apply_unpin(released, now)
+        return len(released)
+
+    def _apply_retain(self, hexkeys: list[str], now: float) -> None:  # noqa: B027 (optional)
+        """Apply the marks of these pages to what is stored now (a backend whose store
+        expires pages by itself: Redis). The default: the marks are read where the backend
+        evicts."""
+
+    def _apply_unpin(self, hexkeys: list[str], now: float) -> None:  # noqa: B027 (optional)
+        """These pages lost their pin: give them their ordinary expiry back (Redis)."""
+
+    @abstractmethod
+    def _ensure_open(self) -> None:
+        """Raise if the backend was closed."""
 
     # -- the operations -----------------------------------------------------------------
     @abstractmethod
@@ -313,8 +359,12 @@ class StorageBackend(ABC):
     def stats(self) -> dict[str, float]:
         """Counters since construction: pages/bytes read and written, misses, corrupt pages,
         `errors_<op>` for op in exists/get/set/delete/clear/list, `read_calls`,
-        `read_seconds_total`, `write_calls`, `write_seconds_total`, plus backend extras."""
-        return self._stats.snapshot()
+        `read_seconds_total`, `write_calls`, `write_seconds_total`, the retention marks
+        (`retained_pinned_pages`, `retained_ttl_pages`, `retention_marks`,
+        `retain_refused_pages`), plus backend extras."""
+        out = self._stats.snapshot()
+        out.update(self._marks.counts(time.monotonic()))
+        return out
 
     def latency_histograms(self) -> dict[str, dict[str, Any]]:
         """Per op ("read" = get_into calls, "write" = set calls): bucket bounds `le`,

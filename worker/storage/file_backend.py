@@ -157,7 +157,11 @@ class FileBackend(StorageBackend):
       the mtime at most once per `MTIME_REFRESH_S`, so recency survives a restart). Within
       one batch, earlier keys count as more recent (see `_touch_batch`).
     * `_used`: the sum of `_lru` sizes. Invariant after every call: `_used <= capacity_bytes`
-      when a capacity is set (0 = unlimited).
+      when a capacity is set (0 = unlimited), unless held pages alone (retention marks:
+      pinned or within their TTL, `_marks`) that another process wrote and this one read
+      exceed it; a write that cannot fit beside the held pages is refused.
+    * `_marks` (the base class's `RetentionMarks`): what the manager asked to keep; the
+      capacity eviction follows it (`_evict_locked`).
     * `_shards`: shard directories known to exist (saves a mkdir per write).
     Page bytes move outside the lock; a written page becomes visible (os.replace) and enters
     `_lru` under the lock, so the index and the directory agree for this process.
@@ -215,7 +219,7 @@ class FileBackend(StorageBackend):
         self._io_threads = io_threads
         self._closed = False
         self._warn = RateLimitedLog(log, 30.0)
-        self._stats.add(evicted_pages=0)
+        self._stats.add(evicted_pages=0, retained_full_refusals=0)
         self._rebuild()
 
     # -- start-up --------------------------------------------------------------------------
@@ -261,13 +265,29 @@ class FileBackend(StorageBackend):
         except FileNotFoundError:
             return False
 
-    def _evict_locked(self) -> int:
-        """Delete least recently used pages until the capacity holds. Caller holds `_lock`."""
-        if not self.capacity_bytes:
+    def _evict_locked(self, spare: str = "") -> int:
+        """Delete pages until the capacity holds. Caller holds `_lock`. Without retention
+        marks: least recently used first. With them (`_victims_locked`): pages of priority
+        < 0, then unmarked pages least recently used first, then pages of priority > 0;
+        never a held one (pinned or within its TTL), nor `spare` (the page being written:
+        if only it could go, the write is refused instead)."""
+        if not self.capacity_bytes or self._used <= self.capacity_bytes:
             return 0
         evicted = 0
-        while self._used > self.capacity_bytes and self._lru:
-            hexkey, page = self._lru.popitem(last=False)
+        if self._marks:
+            victims = self._victims_locked(self._used - self.capacity_bytes, spare)
+        else:
+            victims = []
+            need = self._used - self.capacity_bytes
+            for hexkey, page in self._lru.items():
+                if need <= 0:
+                    break
+                if hexkey == spare:
+                    continue
+                victims.append(hexkey)
+                need -= page.size
+        for hexkey in victims:
+            page = self._lru.pop(hexkey)
             self._used -= page.size
             # A page that cannot be deleted (permissions changed under us) leaves the index
             # anyway; the next start re-indexes it and tries again.
@@ -275,6 +295,44 @@ class FileBackend(StorageBackend):
                 self._unlink_quietly(self._page_path(hexkey))
             evicted += 1
         return evicted
+
+    def _victims_locked(self, need: int, spare: str) -> list[str]:
+        """The pages to delete to free `need` bytes, in retention order (see
+        `_evict_locked`); fewer when held pages are all that is left. Marked pages met in
+        the LRU walk move to its young end, so held pages at its old end are passed over
+        once, not at every eviction (a page whose retention ends re-enters LRU order from
+        about when it was last passed over)."""
+        marked, low, high = self._marks.eviction_plan(time.monotonic())
+        lru = self._lru
+        out: list[str] = []
+        passed: list[str] = []
+        for hexkey in low:
+            if need <= 0:
+                return out
+            page = lru.get(hexkey)
+            if page is not None and hexkey != spare:
+                out.append(hexkey)
+                need -= page.size
+        for hexkey, page in lru.items():
+            if need <= 0:
+                break
+            if hexkey in marked:
+                passed.append(hexkey)
+                continue
+            if hexkey == spare:
+                continue
+            out.append(hexkey)
+            need -= page.size
+        for hexkey in passed:
+            lru.move_to_end(hexkey)
+        for hexkey in high:
+            if need <= 0:
+                break
+            page = lru.get(hexkey)
+            if page is not None and hexkey != spare:
+                out.append(hexkey)
+                need -= page.size
+        return out
 
     def _forget_locked(self, hexkey: str) -> None:
         page = self._lru.pop(hexkey, None)
@@ -505,6 +563,7 @@ class FileBackend(StorageBackend):
                 self._shards.discard(hexkey[:2])
             self._ensure_shard(hexkey[:2])
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        full = False
         try:
             try:
                 _writev_full(fd, parts)
@@ -515,12 +574,22 @@ class FileBackend(StorageBackend):
                 self._forget_locked(hexkey)
                 self._lru[hexkey] = _Page(size, time.time())
                 self._used += size
-                evicted = self._evict_locked()
+                evicted = self._evict_locked(spare=hexkey)
+                if self.capacity_bytes and self._used > self.capacity_bytes:
+                    # every other page is held (pinned or within its TTL): refuse this one
+                    # rather than break the capacity (as a pin over quota is refused)
+                    self._forget_locked(hexkey)
+                    self._unlink_quietly(final)
+                    full = True
         except BaseException:
             self._unlink_quietly(temp)
             raise
         if evicted:
             self._stats.add(evicted_pages=evicted)
+        if full:
+            self._stats.add(retained_full_refusals=1)
+            raise OSError(f"capacity_bytes={self.capacity_bytes} is held by retained pages "
+                          "(pinned or within their TTL): page not written")
 
     def set(self, keys: Sequence[bytes], pages: Sequence[Buffer]) -> int:
         self._ensure_open()
@@ -568,6 +637,7 @@ class FileBackend(StorageBackend):
                     self._stats.add(errors_delete=1)
                     self._warn.warning(f"file storage {self.namespace}: delete failed: {exc}")
                 self._forget_locked(hexkey)
+        self._marks.drop(k.hex() for k in keys_b)
         self._stats.add(pages_deleted=removed)
         return removed
 
@@ -598,6 +668,7 @@ class FileBackend(StorageBackend):
                 self._warn.warning(f"file storage {self.namespace}: clear failed: {exc}")
             self._lru.clear()
             self._used = 0
+            self._marks.clear()
         self._stats.add(pages_deleted=removed)
         return removed
 

@@ -24,6 +24,7 @@ scheduler call. So nothing here may block for long or raise for an outage:
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -171,7 +172,8 @@ class RedisBackend(StorageBackend):
         self._failing = False
         self._closed = False
         self._warn = RateLimitedLog(log, log_interval_s)
-        self._stats.add(outages=0, fast_failed_calls=0)
+        self._policy: str | None = None  # the server's maxmemory-policy, read at the first pin
+        self._stats.add(outages=0, fast_failed_calls=0, pins_evictable=0)
 
     @property
     def client(self) -> RedisClient:
@@ -416,12 +418,115 @@ class RedisBackend(StorageBackend):
         return written
 
     def _set_batch(self, keys: list[bytes], views: list[memoryview]) -> list[object]:
-        ttl = self.ttl_s or None
         names = [self.redis_key(k) for k in keys]
         encode = self._codec.encode_page
+        if self._marks:  # a page written while a mark holds is written with its expiry
+            now = time.monotonic()
+            ttls = [self._expiry_of(k.hex(), now) for k in keys]
+            return self._pipelined(
+                names, lambda pipe, i: pipe.set(names[i], encode(keys[i], views[i]),
+                                                ex=ttls[i]),
+                raise_on_error=False)
+        ttl = self.ttl_s or None
         return self._pipelined(
             names, lambda pipe, i: pipe.set(names[i], encode(keys[i], views[i]), ex=ttl),
             raise_on_error=False)
+
+    # -- retention (`kvtier.worker.storage.retention`) --------------------------------------
+    def _expiry_of(self, hexkey: str, now: float) -> int | None:
+        """The expiry (seconds; None: none) a page gets when written now: none while
+        pinned or without an ordinary TTL (`ttl_s` 0), else the longer of the ordinary TTL
+        and what its mark's TTL has left."""
+        if not self.ttl_s:
+            return None
+        mark = self._marks.get(hexkey, now)
+        if mark is None:
+            return self.ttl_s
+        if mark.pin:
+            return None
+        return max(self.ttl_s, math.ceil(mark.until - now))
+
+    def _apply_retain(self, hexkeys: list[str], now: float) -> None:
+        """Pinned pages: PERSIST (their key never expires, so a `volatile-*` maxmemory
+        policy never evicts it either). Pages within a TTL: `EXPIRE key t GT`, which lifts
+        an expiry to t seconds and never shortens one (a key without expiry keeps none).
+        Without an ordinary TTL (`ttl_s` 0) keys never expire: nothing to send. Absent
+        keys are untouched (their mark applies when they are written)."""
+        if self._policy is None and any(m.pin for h in hexkeys
+                                         if (m := self._marks.get(h, now)) is not None):
+            self._check_eviction_policy()
+        if not self.ttl_s or self._in_backoff("retain"):
+            return
+        todo: list[tuple[bytes, int | None]] = []
+        for h in hexkeys:
+            mark = self._marks.get(h, now)
+            if mark is None:
+                continue
+            if mark.pin:
+                todo.append((self._prefix + h.encode(), None))
+            elif mark.until > now:
+                todo.append((self._prefix + h.encode(), math.ceil(mark.until - now)))
+        self._send_expiries(todo, gt=True)
+
+    def _check_eviction_policy(self) -> None:
+        """Once, at the first pin: read the server's `maxmemory-policy`. Under an
+        `allkeys-*` policy Redis may evict any key when it is full, a pinned page included,
+        and kvtier cannot stop it: say so once in the log and in `stats()`
+        (`pins_evictable`). A server that refuses CONFIG (a managed Redis, an ACL) is not
+        asked again ("unknown")."""
+        policies: list[str] = []
+
+        def read() -> None:
+            found = self.client.config_get("maxmemory-policy")
+            stack: list[Any] = [found]
+            while stack:  # a cluster client answers per node: walk nested answers
+                item = stack.pop()
+                if isinstance(item, dict):
+                    stack.extend(item.values())
+                elif isinstance(item, bytes | str):
+                    policies.append(item.decode() if isinstance(item, bytes) else item)
+
+        try:  # not `_call`: a refused CONFIG is no storage error, nor an outage
+            read()
+        except (redis.RedisError, OSError):
+            policies.clear()
+        self._policy = ",".join(sorted(set(policies))) or "unknown"
+        if any(p.startswith("allkeys-") for p in policies):
+            self._stats.add(pins_evictable=1)
+            log.warning(
+                "redis storage %s: maxmemory-policy is %s, so Redis may evict pinned pages "
+                "when it is full; use a volatile-* policy (pinned keys have no expiry and "
+                "are then never evicted) or noeviction", self._shown_url, self._policy)
+
+    def _apply_unpin(self, hexkeys: list[str], now: float) -> None:
+        """Unpinned pages get an expiry again: the ordinary TTL, or what their mark's TTL
+        has left if that is longer; `EXPIRE ... NX` sets it only on a key without one (a
+        key another writer re-wrote with its expiry keeps that)."""
+        if not self.ttl_s or self._in_backoff("retain"):
+            return
+        todo: list[tuple[bytes, int | None]] = [
+            (self._prefix + h.encode(), self._expiry_of(h, now) or self.ttl_s)
+            for h in hexkeys]
+        self._send_expiries(todo, gt=False)
+
+    def _send_expiries(self, todo: list[tuple[bytes, int | None]], *, gt: bool) -> None:
+        """PERSIST (seconds None) or `EXPIRE name seconds GT` (`gt`, else NX) per key, one
+        pipeline per `batch_keys` (per node on a cluster)."""
+        for lo in range(0, len(todo), self._batch_keys):
+            part = todo[lo:lo + self._batch_keys]
+
+            def queue(pipe: Pipeline, i: int, part: list[tuple[bytes, int | None]] = part
+                      ) -> object:
+                name, seconds = part[i]
+                if seconds is None:
+                    return pipe.persist(name)
+                return pipe.expire(name, max(1, seconds), gt=gt, nx=not gt)
+
+            names = [name for name, _ in part]
+            ok, _ = self._call("retain", partial(self._pipelined, names, queue,
+                                                 raise_on_error=True))
+            if not ok:
+                return
 
     def delete(self, keys: Sequence[bytes]) -> int:
         self._ensure_open()
@@ -435,6 +540,7 @@ class RedisBackend(StorageBackend):
             if not ok:
                 break
             removed += int(n or 0)
+        self._marks.drop(k.hex() for k in keys_b)
         self._stats.add(pages_deleted=removed)
         return removed
 
@@ -448,6 +554,7 @@ class RedisBackend(StorageBackend):
             return 0
         ok, removed = self._call("clear", self._clear_all)
         removed = int(removed or 0) if ok else 0
+        self._marks.clear()
         self._stats.add(pages_deleted=removed)
         return removed
 
