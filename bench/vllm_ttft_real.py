@@ -13,7 +13,9 @@ Workloads (ours, seeded):
 * low reuse: independent documents behind one 64-token system prompt (ideal reuse ~10%, all
   of it the system prompt vLLM keeps on its own device);
 * high reuse: multi-turn chats round-robin, each turn the whole history again (ideal reuse
-  65% with the defaults): by the time a chat comes back its history has left vLLM's device pool.
+  65% with the defaults): by the time a chat comes back its history has left vLLM's device pool;
+* hot set (`--workload hot`, alone): one-shot documents passing over a few hot documents, for
+  the host tier's eviction order (issue 38, the "kvtier host <policy>" configurations).
 
 TTFT is the wall time of a 1-token greedy generate. Reported per configuration: mean, p50, p90
 TTFT, the mean ratio vLLM alone / it, paired per-request ratios (median, p10), prompt tokens
@@ -24,6 +26,12 @@ against vLLM alone. The bound's drift is vLLM's own prefix-cache drift on the sa
 
     make vllm-env && .venv-vllm/bin/python bench/vllm_ttft_real.py            # ~15 min
     .venv-vllm/bin/python bench/vllm_ttft_real.py --quick                     # ~4 min
+    .venv-vllm/bin/python bench/vllm_ttft_real.py --workload hot \
+        --only "vllm,kvtier host lru,kvtier host duel"                        # ~6 min
+
+Storage back-pressure (issue 39): the configurations' kvtier counters also give the backups
+skipped by back-pressure (`kvtier_storage_backup_slow_skipped_pages_total`), printed under a
+workload's table when any were.
 """
 
 from __future__ import annotations
@@ -49,7 +57,12 @@ BLOCK = 64
 VOCAB = 8192
 SYSTEM = 64  # tokens of the system prompt both workloads share
 
+SLOW_WRITE_MS = 3000  # the slow store's delay per BACKUP batch (a store failing its job)
+SLOW_READ_MS = 300  # ... and before each storage query and read (the r+w configurations)
+HOT_PROMPTS, HOT_BLOCKS, HOT_HOST_BLOCKS = 4, 4, 24  # hot workload: 4 x 4 blocks, host 24
+
 # One entry per configuration: None is vLLM alone; {"device_blocks": n} changes vLLM's pool;
+# "toml": kvtier's TOML file's text; "env": variables for this configuration's process only;
 # any other key goes to kvtier's connector config. Add a configuration by adding an entry.
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "vllm": None,
@@ -65,6 +78,41 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     # attached to the node's `kvtier serve` (issue 19): the same 512-block host tier, as the
     # namespace's quota there (`attached_host_blocks`), storage off
     "kvtier attached": {"attached_host_blocks": 512},
+    # issue 39: host+file with its pages in clear (format 3, a MAC) instead of encrypted
+    "kvtier host+file clear": {
+        "host_blocks": 48, "storage_backend": "file", "prefetch_threshold": 2 * BLOCK,
+        "toml": "[storage]\nencrypt = false\n"},
+    # issue 39, back-pressure: host+file's 48-block host tier without storage, and with a
+    # store made slow ("env": this configuration's process only; every BACKUP batch sleeps
+    # SLOW_WRITE_MS in the worker's write lane) with back-pressure at 200 ms, and the same
+    # slow store with back-pressure off (0: off), the negative control
+    "kvtier host 48": {"host_blocks": 48, "storage_backend": "none"},
+    "kvtier host+file slow": {
+        "host_blocks": 48, "storage_backend": "file", "prefetch_threshold": 2 * BLOCK,
+        "env": {"KVTIER_TEST_STORAGE_WRITE_DELAY_MS": str(SLOW_WRITE_MS)},
+        "toml": "[storage]\nslow_write_ms = 200.0\n"},
+    "kvtier host+file slow no back-pressure": {
+        "host_blocks": 48, "storage_backend": "file", "prefetch_threshold": 2 * BLOCK,
+        "env": {"KVTIER_TEST_STORAGE_WRITE_DELAY_MS": str(SLOW_WRITE_MS)},
+        "toml": "[storage]\nslow_write_ms = 0.0\nslow_read_ms = 0.0\n"},
+    # ... and a store slow both ways: also SLOW_READ_MS before every storage query and read,
+    # reads' back-pressure at 100 ms; then the same with back-pressure off
+    "kvtier host+file slow r+w": {
+        "host_blocks": 48, "storage_backend": "file", "prefetch_threshold": 2 * BLOCK,
+        "env": {"KVTIER_TEST_STORAGE_WRITE_DELAY_MS": str(SLOW_WRITE_MS),
+                "KVTIER_TEST_STORAGE_DELAY_MS": str(SLOW_READ_MS)},
+        "toml": "[storage]\nslow_write_ms = 200.0\nslow_read_ms = 100.0\n"},
+    "kvtier host+file slow r+w no back-pressure": {
+        "host_blocks": 48, "storage_backend": "file", "prefetch_threshold": 2 * BLOCK,
+        "env": {"KVTIER_TEST_STORAGE_WRITE_DELAY_MS": str(SLOW_WRITE_MS),
+                "KVTIER_TEST_STORAGE_DELAY_MS": str(SLOW_READ_MS)},
+        "toml": "[storage]\nslow_write_ms = 0.0\nslow_read_ms = 0.0\n"},
+    # issue 38: the host tier's eviction order (`host_eviction_policy`) under one-shot
+    # documents passing over a hot set (`--workload hot`): a host tier of HOT_HOST_BLOCKS,
+    # more than the hot set's blocks and less than the hot set plus the stream between reuses
+    **{f"kvtier host {policy}": {"host_blocks": HOT_HOST_BLOCKS, "storage_backend": "none",
+                                 "host_eviction_policy": policy}
+       for policy in ("lru", "duel", "hitboost", "arc", "s3fifo", "lfuda")},
 }
 
 
@@ -130,7 +178,8 @@ def child(extra_json: str, device_blocks: int, model_dir: str,
     for line in sys.stdin:
         req = json.loads(line)
         if "tokens" not in req:  # the driver's ask for the tier counters (between workloads)
-            print(json.dumps({"hits": tier_hits(url_file) if extra is not None else (0, 0)}),
+            print(json.dumps({"hits": tier_hits(url_file) if extra is not None
+                              else (0, 0, 0, 0)}),
                   flush=True)
             continue
         cpu = cpu_seconds(serve_pid)  # before the request: the deltas include its background
@@ -194,11 +243,12 @@ def cpu_seconds(extra_pid: int | None) -> tuple[float, float]:
     return own, helpers
 
 
-def tier_hits(url_file: Path) -> tuple[float, float]:
-    """kvtier's host and storage hit tokens so far, from its admin's Prometheus endpoint (the
-    admin starts with the connector's first lookup: zeros before)."""
+def tier_hits(url_file: Path) -> tuple[float, float, float, float]:
+    """kvtier's host and storage hit tokens so far, the storage backups back-pressure skipped
+    (pages) and the lookups it answered as misses without asking storage, from its admin's
+    Prometheus endpoint (the admin starts with the connector's first lookup: zeros before)."""
     if not url_file.exists():
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     url = url_file.read_text().strip()
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -209,8 +259,14 @@ def tier_hits(url_file: Path) -> tuple[float, float]:
     node = {m.group(1): float(m.group(2)) * BLOCK for m in re.finditer(
         r'^kvtier_node_engine_blocks_total\{[^}]*kind="loaded_(host|storage)"[^}]*\} '
         r'([0-9.e+]+)$', text, re.M)}
+    def counter(name: str) -> float:
+        m = re.search(rf'^{name}_total(?:\{{[^}}]*\}})? ([0-9.e+]+)$', text, re.M)
+        return float(m.group(1)) if m else 0.0
+
     return (tiers.get("host", 0.0) + node.get("host", 0.0),
-            tiers.get("storage", 0.0) + node.get("storage", 0.0))
+            tiers.get("storage", 0.0) + node.get("storage", 0.0),
+            counter("kvtier_storage_backup_slow_skipped_pages"),
+            counter("kvtier_storage_query_slow_skips"))
 
 
 def low_reuse(n: int, rng: random.Random) -> list[list[int]]:
@@ -230,6 +286,28 @@ def high_reuse(chats: int, turns: int, rng: random.Random) -> list[list[int]]:
             h.extend(rng.randrange(VOCAB) for _ in range(64))
             out.append(list(h))
             h.extend(rng.randrange(VOCAB) for _ in range(48))
+    return out
+
+
+def hot_set(n: int, rng: random.Random) -> list[list[int]]:
+    """One-shot documents passing over a hot set (issue 38): HOT_PROMPTS documents of
+    HOT_BLOCKS blocks behind the system prompt, each asked again and again with a fresh
+    32-token question (a hot document: its blocks are worth keeping), drawn for half the
+    requests; the other half are one-shot documents of 8 blocks behind the same system prompt
+    (never seen again: they only pass through). Between two uses of a hot document come a
+    median 5 requests, 26 new blocks (seed 0, 100 requests: 42 repeats, a quarter past 48
+    blocks): about the host tier (HOT_HOST_BLOCKS), which holds the hot set (HOT_PROMPTS x
+    HOT_BLOCKS) with 8 blocks to spare, so LRU keeps a hot document only through its shorter
+    gaps, and a policy that protects what was hit can keep it through most."""
+    system = [rng.randrange(VOCAB) for _ in range(SYSTEM)]
+    hot = [system + [rng.randrange(VOCAB) for _ in range(HOT_BLOCKS * BLOCK)]
+           for _ in range(HOT_PROMPTS)]
+    out: list[list[int]] = []
+    for _ in range(n):
+        if rng.random() < 0.5:
+            out.append(rng.choice(hot) + [rng.randrange(VOCAB) for _ in range(32)])
+        else:
+            out.append(system + [rng.randrange(VOCAB) for _ in range(8 * BLOCK)])
     return out
 
 
@@ -308,7 +386,7 @@ def profile_summary(name: str, path: Path, requests: int, top: int = 12) -> str:
 
 
 def report(name: str, requests: list[list[int]], res: dict[str, list[dict[str, Any]]],
-           tiers: dict[str, tuple[float, float]], loads: list[float],
+           tiers: dict[str, tuple[float, float, float, float]], loads: list[float],
            device_blocks: int) -> str:
     reuse, blocks = ideal_reuse(requests)
     lines = [f"### {name}: {len(requests)} requests, prompts "
@@ -341,6 +419,16 @@ def report(name: str, requests: list[list[int]], res: dict[str, list[dict[str, A
             f" | {computed:.0f} | {device:.0f} / {host:.0f} / {storage:.0f} | {same}/{n} | "
             f"{drift:.4f} | {same_as_bound(rs, res.get('vllm bound'))} | "
             f"{cpu_per_request(rs)} |")
+    skipped = {cfg: t[2] for cfg, t in tiers.items() if t[2]}
+    if skipped:
+        lines += ["", "storage backups skipped by back-pressure "
+                  "(kvtier_storage_backup_slow_skipped_pages_total, pages): " + ", ".join(
+                      f"{cfg} {n:.0f}" for cfg, n in skipped.items())]
+    missed = {cfg: t[3] for cfg, t in tiers.items() if t[3]}
+    if missed:
+        lines += ["", "lookups answered as misses by back-pressure, storage not asked "
+                  "(kvtier_storage_query_slow_skips_total): " + ", ".join(
+                      f"{cfg} {n:.0f}" for cfg, n in missed.items())]
     return "\n".join(lines)
 
 
@@ -352,7 +440,9 @@ def main() -> int:
     ap.add_argument("--chats", type=int, default=12)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--device-blocks", type=int, default=12)
-    ap.add_argument("--workload", choices=("both", "low", "high"), default="both")
+    ap.add_argument("--workload", choices=("both", "low", "high", "hot"), default="both",
+                    help="both: low then high reuse; hot: one-shot documents over a hot set")
+    ap.add_argument("--hot", type=int, default=100, help="hot-set workload requests")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=None, help="comma-separated configurations (vllm first)")
     ap.add_argument("--profile", default=None, metavar="DIR",
@@ -371,7 +461,9 @@ def main() -> int:
     rng = random.Random(args.seed)
     workloads = {"low reuse": low_reuse(args.low, rng),
                  "high reuse": high_reuse(args.chats, args.turns, rng)}
-    if args.workload != "both":
+    if args.workload == "hot":
+        workloads = {"hot set": hot_set(args.hot, rng)}
+    elif args.workload != "both":
         workloads = {k: v for k, v in workloads.items() if k.startswith(args.workload)}
     model = build_model(Path(tempfile.gettempdir()) / f"kvtier-llama-{layers}x1024", layers)
     configs = CONFIGS if args.only is None else {
@@ -386,6 +478,10 @@ def main() -> int:
     serve = None
     try:
         for name, extra in configs.items():
+            child_env = env
+            if extra is not None and "env" in extra:
+                child_env = dict(env, **extra["env"])
+                extra = {k: v for k, v in extra.items() if k != "env"}
             if extra is not None and extra.get("storage_backend") == "file":
                 extra = dict(extra, storage_path=os.path.join(tmp, name.replace(" ", "_")))
             if extra is not None and "toml" in extra:
@@ -402,7 +498,8 @@ def main() -> int:
             procs[name] = subprocess.Popen(
                 [sys.executable, __file__, "--child", json.dumps(extra), "--model-dir",
                  str(model), "--device-blocks", str(args.device_blocks), *prof_args],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                env=child_env)
             assert procs[name].stdout is not None
             if not procs[name].stdout.readline():  # one at a time: starts do not overlap
                 raise SystemExit(f"{name}: the vLLM process did not start (log: {log.name})")
@@ -419,15 +516,15 @@ def main() -> int:
             answer: dict[str, Any] = json.loads(line)
             return answer
 
-        def hits() -> dict[str, tuple[float, float]]:
+        def hits() -> dict[str, tuple[float, float, float, float]]:
             """Every configuration's host and storage hit tokens so far. Asked between
             workloads only: a scrape of kvtier's /metrics costs the vLLM process 10-15 ms of
             Python (embedded: its admin runs there), and two per request put 20-30 ms of
             CPU on kvtier's clock that no deployment pays (Prometheus scrapes every 15 s)."""
-            got: dict[str, tuple[float, float]] = {}
+            got: dict[str, tuple[float, float, float, float]] = {}
             for name in procs:
-                host, storage = ask(name, {"stats": True})["hits"]
-                got[name] = (float(host), float(storage))
+                host, storage, skipped, missed = ask(name, {"stats": True})["hits"]
+                got[name] = (float(host), float(storage), float(skipped), float(missed))
             return got
 
         for wname, requests in workloads.items():
@@ -442,7 +539,8 @@ def main() -> int:
                     res[name].append(ask(name, {"tokens": req}))
                 print(f"{wname}: {i + 1}/{len(requests)}", file=sys.stderr, flush=True)
             after = hits()
-            tiers = {n: (after[n][0] - before[n][0], after[n][1] - before[n][1])
+            tiers = {n: (after[n][0] - before[n][0], after[n][1] - before[n][1],
+                         after[n][2] - before[n][2], after[n][3] - before[n][3])
                      for n in procs}
             out.append(report(wname, requests, res, tiers, loads, args.device_blocks))
             print(out[-1] + "\n", flush=True)

@@ -22,6 +22,7 @@ ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 SETTINGS: dict[str, tuple[str, ...]] = {
     "host_blocks": ("cache", "host_blocks"),
+    "host_eviction_policy": ("cache", "host_eviction_policy"),
     "storage_backend": ("storage", "backend"),
     "storage_path": ("storage", "path"),
     "storage_url": ("storage", "url"),

@@ -77,15 +77,16 @@ queueing in the worker's storage-write lane included: that is what a slow backen
 batches pile up in the lane, holding their host copies in BACKING and the lane's thread
 busy). While it is above the threshold, writes are slow and `_write` skips every batch
 (`backup_slow_skipped_pages`; the nodes never enter BACKING, so no page is announced to the
-index or in events), except one probe batch at most every `PROBE_INTERVAL_S`, whose answer
-moves the average (without probes a skipping tier would never learn that the backend
-recovered). `read_latency` is the same average over QUERY tasks (a lookup's first round trip
-to storage): while it is above `storage.slow_read_ms`, a lookup that would ask storage
-(`on_miss`, the scheduler's `prefetch`, the keyed surface's queries) is a miss at once
-instead (`query_slow_skips`: the request recomputes rather than waits on a slow store),
-except one probe query a second. `prefetch_latency` (PREFETCH tasks) is reported only. Loads
-never wait on writes in any case: the worker runs storage reads and storage writes on lanes
-of their own.
+index or in events), except one probe batch at most every `PROBE_INTERVAL_S` and only once
+the last probe answered (or `PROBE_STALE_S` passed), whose answer moves the average (without
+probes a skipping tier would never learn that the backend recovered; without the wait, a
+store slower than the interval piles probes up in its lane). `read_latency` is the same
+average over QUERY tasks (a lookup's first round trip to storage): while it is above
+`storage.slow_read_ms`, a lookup that would ask storage (`on_miss`, the scheduler's
+`prefetch`, the keyed surface's queries) is a miss at once instead (`query_slow_skips`: the
+request recomputes rather than waits on a slow store), except one probe query a second.
+`prefetch_latency` (PREFETCH tasks) is reported only. Loads never wait on writes in any case:
+the worker runs storage reads and storage writes on lanes of their own.
 """
 
 from __future__ import annotations
@@ -125,8 +126,14 @@ the healthy figure, and one fast probe answer does not end a slow spell by itsel
 
 PROBE_INTERVAL_S = 1.0
 """While writes are slow, at most one probe batch a second measures whether the backend
-recovered (not gated on backups in flight: a task dropped without an answer must not stop
-the probes for good)."""
+recovered, and only once the previous probe answered or PROBE_STALE_S passed (a task dropped
+without an answer must not stop the probes for good)."""
+
+PROBE_STALE_S = 30.0
+"""A probe batch unanswered this long no longer holds the next one back. Without the wait for
+the answer, a store slower than a batch a second piled probes up in its write lane (one a
+second in, one per batch time out), each holding its host copies in BACKING: measured on
+vLLM with 3 s per batch, the 48-block host tier filled with waiting probes."""
 
 HELD_INDEX_MAX = 1 << 18
 """Storage keys the index of held pages keeps (64-bit tags, ~90 B each with the dict: 24 MB
@@ -180,6 +187,7 @@ class StorageTier:
         self.prefetch_latency: float | None = None
         self._read_probed_at = float("-inf")
         self._probed_at = float("-inf")
+        self._probe_sent: float | None = None  # the write probe in flight, sent then
         self.prefetching_blocks = 0
         self.clears_running = 0  # CLEAR tasks sent and not answered (a slow clear goes on)
         self._prefetch_of: dict[Node, int] = {}
@@ -594,12 +602,15 @@ class StorageTier:
         keys: list[bytes] = []
         batch: list[Node] = []
         wanted = [n for n in nodes if self.m.needs_storage_backup(n)]
+        probe = False
         if wanted and self.writes_slow():
             now = time.monotonic()
-            if now - self._probed_at < PROBE_INTERVAL_S:
+            if now - self._probed_at < PROBE_INTERVAL_S or (
+                    self._probe_sent is not None and now - self._probe_sent < PROBE_STALE_S):
                 self.counters["backup_slow_skipped_pages"] += len(wanted)
                 return 0
             self._probed_at = now  # this batch probes whether the backend recovered
+            probe = True
             self.counters["backup_probes"] += 1
         allowed = self._take_budget(len(wanted))
         self.counters["backup_skipped_pages"] += len(wanted) - allowed
@@ -615,7 +626,10 @@ class StorageTier:
         task = Task(seq, TaskKind.BACKUP, src, [], keys, Priority.BACKUP)
         self.counters["backup_tasks"] += 1
         sent = time.monotonic()
-        m.track(task, batch, on_done=lambda ok, comp: self._on_backup(batch, ok, comp, sent))
+        if probe:
+            self._probe_sent = sent
+        m.track(task, batch,
+                on_done=lambda ok, comp: self._on_backup(batch, ok, comp, sent, probe))
         return len(batch)
 
     def writes_slow(self) -> bool:
@@ -625,7 +639,9 @@ class StorageTier:
         return bool(self.slow_write_s) and ema is not None and ema > self.slow_write_s
 
     def _on_backup(self, nodes: list[Node], ok: bool, comp: Completion,
-                   sent: float | None = None) -> None:
+                   sent: float | None = None, probe: bool = False) -> None:
+        if probe and self._probe_sent == sent:
+            self._probe_sent = None  # answered: the next probe may go after the interval
         if sent is not None:
             was_slow = self.writes_slow()
             now = time.monotonic()

@@ -53,3 +53,17 @@ def test_an_override_of_no_key_is_refused() -> None:
                                           r"did you mean cache\.host_blocks\?\)"):
         load_config(None, {}, overrides=[Override(("cache", "host_block"), 1, "here")],
                     check_resources=False)
+
+
+def test_the_host_eviction_policy_is_an_engine_setting() -> None:
+    # issue 38: vLLM's connector config chooses the host tier's eviction order
+    # (`host_eviction_policy` in kv_connector_extra_config); an unknown name is one line
+    assert engine_config(G, "ovr-f", {}, attached=True).cache.host_eviction_policy == "lru"
+    for name in ("duel", "arc", "s3fifo"):
+        cfg = engine_config(G, "ovr-g", {"host_eviction_policy": name}, attached=True)
+        assert cfg.cache.host_eviction_policy == name
+    with pytest.raises(ConfigError) as e:
+        engine_config(G, "ovr-h", {"host_eviction_policy": "lfu"}, attached=True)
+    assert "\n" not in str(e.value), str(e.value)
+    assert str(e.value).startswith("cache.host_eviction_policy = 'lfu': "), str(e.value)
+    assert "(from the engine's setting 'host_eviction_policy')" in str(e.value)

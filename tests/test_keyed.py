@@ -301,6 +301,39 @@ def test_a_new_cache_finds_blocks_in_storage(keyed_stack: tuple[Stack, HostPool]
     fresh.check_invariants()
 
 
+def test_a_read_probe_of_a_slow_store_does_not_hold_its_request(
+        keyed_stack: tuple[Stack, HostPool]) -> None:
+    """Reads' back-pressure (storage.slow_read_ms) on the keyed surface: while storage reads
+    are slow, lookups miss at once, and the one a second that probes the store asks it in
+    the background: that request is answered a miss at once too (it recomputes, as every
+    other does while the store is slow), and the probe's answer still prefetches the pages,
+    so a later request finds them on the host."""
+    stack, pool = keyed_stack
+    cache = make_cache(stack)
+    hashes = chain(9, 4)
+    store(cache, pool, hashes)
+    settle(stack)
+    stack.reset()  # the host tier is emptied; storage is kept
+    tier = stack.storage
+    assert tier is not None
+    tier.slow_read_s, tier.read_latency = 0.1, 10.0  # reads measured at 10 s: slow
+    try:
+        fresh = KeyedHostCache(stack.require_manager(), tier, namespace=b"test-ns")
+        probes, queries = tier.counters["query_probes"], fresh.counters["storage_queries"]
+        assert fresh.lookup(hashes[0], "p1", hashes[1:]) is Lookup.MISS  # the probe
+        assert tier.counters["query_probes"] == probes + 1
+        assert fresh.counters["storage_queries"] == queries + 1  # asked, in the background
+        assert fresh.lookup(hashes[0], "p1", hashes[1:]) is Lookup.MISS  # settled for p1
+        fetched = min(len(hashes), tier.limit)  # prefetch_host_blocks_limit: host / 4
+        wait_until(lambda: leading_hits(fresh, hashes, "p2") == fetched, 10,
+                   "the probe's prefetch on the host")
+        fresh.forget_request("p1")
+        fresh.forget_request("p2")
+        fresh.check_invariants()
+    finally:
+        tier.slow_read_s, tier.read_latency = 0.0, None
+
+
 def lookups_until_settled(cache: KeyedHostCache, h: bytes, rid: str, following: list[bytes],
                           wait_s: float = 10.0) -> tuple[list[Lookup], float]:
     """The engine asking about one block every step (1 ms apart here) until the answer is
@@ -436,7 +469,13 @@ def test_without_a_listing_an_unlisted_block_waits_at_most_the_grace(
     monkeypatch.setenv(STORAGE_DELAY_ENV, "1500")
     cfg = tiny_config(workers=1, device_blocks=2, host_blocks=HOST_BLOCKS, storage="file",
                       storage_dir=tmp_path, extra={"KVTIER_STORAGE__PREFETCH_THRESHOLD": "4",
-                                                   "KVTIER_STORAGE__INDEX_REFRESH_S": "0"})
+                                                   "KVTIER_STORAGE__INDEX_REFRESH_S": "0",
+                                                   # three queries queue behind each other
+                                                   # (1.5, 3, 4.5 s): the latency average
+                                                   # passes the default 2 s, and back-pressure
+                                                   # (tests/test_storage_crypto.py) is not
+                                                   # what this test is about
+                                                   "KVTIER_STORAGE__SLOW_READ_MS": "0"})
     with (running_stack(cfg, keyed_namespace=b"test-ns") as stack,
           attached_host_pools(cfg) as pools):
         storage = stack.storage

@@ -31,7 +31,7 @@ from kvtier.manager.errors import (
 )
 from kvtier.manager.keys import chain_keys
 from kvtier.manager.scheduler import KVCacheManager, MatchResult
-from kvtier.manager.storage_tier import StorageTier
+from kvtier.manager.storage_tier import PROBE_STALE_S, StorageTier
 from kvtier.manager.transfers import ImmediateDispatcher, ManualDispatcher
 from kvtier.worker.wire import Priority, Task, TaskKind, key_tag
 from support import tiny_config
@@ -1114,6 +1114,35 @@ def test_write_back_writes_only_what_the_host_tier_evicts(make: Factory,
     assert tier.counters["backup_skipped_pages"] >= 2
 
 
+def test_write_back_demotion_writes_the_unwritten_host_copies_first(make: Factory,
+                                                                    tmp_path: Path) -> None:
+    """The scheduler's own demotion (cache write_back: a device victim moves to the host)
+    under storage write_back: when the host tier is full of unwritten copies, a demotion
+    writes them (one BACKUP, BACKING keeps them) instead of evicting one unwritten, and
+    drops its own victim; once written, the next demotion evicts written copies."""
+    d = ManualDispatcher()  # a demotion's D2H is waited for: the resolver lands it
+    m = make(device_blocks=5, host_blocks=4, write_policy="write_back", dispatcher=d,
+             page_bytes=4096)
+    cfg = tiny_config(workers=1, host_blocks=4, device_blocks=5, storage="file",
+                      storage_dir=tmp_path,
+                      extra={"KVTIER_STORAGE__WRITE_POLICY": "write_back"})
+    m.storage = StorageTier(m, cfg)
+    a, b = prompt(21, 4 * BS), prompt(22, 4 * BS)
+    serve(m, "a", a)
+    serve(m, "b", b)  # a's blocks leave the device for the host's 4 free blocks
+    assert where(m, a).count("host") >= 3 and not tasks_of(d, TaskKind.BACKUP)
+    demoted = m.counters.evicted_device_demote
+    serve(m, "c", prompt(23, 4 * BS))  # b's demotion finds the host full and unwritten
+    [backup] = tasks_of(d, TaskKind.BACKUP)  # a's copies, oldest first, all still held
+    backing = [n for n in (node(m, a, i) for i in range(4)) if n and n.flags & BACKING]
+    assert where(m, a) == ["host"] * 4 and len(backup.keys) == len(backing) >= 3
+    assert m.counters.evicted_host_unstored == 0 and m.counters.evicted_host_drop == 0
+    d.complete(backup.seq, result=len(backup.keys))
+    serve(m, "e", prompt(24, 4 * BS))  # written copies make room for c's demotion
+    assert m.counters.evicted_host_drop > 0 and m.counters.evicted_host_unstored == 0
+    assert m.counters.evicted_device_demote > demoted
+
+
 def test_backup_rate_limit_writes_what_the_budget_allows(make: Factory,
                                                          tmp_path: Path) -> None:
     """storage.max_backup_mb_s: a token bucket of one second's worth. A burst beyond it is
@@ -1127,6 +1156,35 @@ def test_backup_rate_limit_writes_what_the_budget_allows(make: Factory,
     serve(m, "b", prompt(12, 4 * BS))
     land(d)
     assert backed_up(d) == 2 and tier.counters["backup_skipped_pages"] == 4
+
+
+def test_slow_writes_send_one_probe_at_a_time(make: Factory, tmp_path: Path) -> None:
+    """Back-pressure (storage.slow_write_ms): while writes are slow, one probe batch a
+    second goes through, and not while the last probe is unanswered (a store slower than a
+    batch a second would pile probes up in its lane, each holding its host copies), unless
+    that probe is PROBE_STALE_S old (an answer that never comes must not end the probes)."""
+    m, d, tier = storage_manager(make, tmp_path, slow_write_ms="100")
+    tier.write_latency = 10.0  # the store takes 10 s a batch: slow
+    serve(m, "a", prompt(31, 4 * BS))
+    land(d)
+    [probe] = tasks_of(d, TaskKind.BACKUP)  # the first batch probes
+    tier._probed_at -= 2.0  # the interval passed, the probe still unanswered
+    serve(m, "b", prompt(32, 4 * BS))
+    land(d)
+    assert tasks_of(d, TaskKind.BACKUP) == [probe], "a second probe while one is waiting"
+    assert tier.counters["backup_slow_skipped_pages"] == 4
+    d.complete(probe.seq, result=len(probe.keys))  # answered (10 s by the average's count)
+    tier._probed_at -= 2.0
+    serve(m, "c", prompt(33, 4 * BS))
+    land(d)
+    assert len(tasks_of(d, TaskKind.BACKUP)) == 1  # answered: the next probe went
+    tier._probed_at -= 2.0
+    tier._probe_sent -= PROBE_STALE_S  # type: ignore[operator]
+    serve(m, "e", prompt(34, 4 * BS))  # a probe never answered: stale, the next one goes
+    land(d)
+    assert len(tasks_of(d, TaskKind.BACKUP)) == 2 and tier.counters["backup_probes"] == 3
+    assert tier.counters["backup_slow_skipped_pages"] == 4 and tier.writes_slow()
+    backed_up(d)
 
 
 # ---------------------------------------------------------------------- lose_device (engine KV)

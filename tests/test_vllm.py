@@ -543,7 +543,10 @@ ATTACHED_CHECK = (
     "                    ('clash', {'kvtier_serve': '/s', 'host_blocks': 8,\n"
     "                               'storage_backend': 'file'}),\n"
     "                    ('empty', {'kvtier_serve': ''}),\n"
-    "                    ('embedded', {'host_blocks': 8})):\n"
+    "                    ('embedded', {'host_blocks': 8}),\n"
+    "                    ('policy', {'host_eviction_policy': 'duel'}),\n"
+    "                    ('policy_attached', {'kvtier_serve': '/s',\n"
+    "                                         'host_eviction_policy': 'duel'})):\n"
     "    try:\n"
     "        check_extra_config(extra)\n"
     "        out[name] = 'accepted'\n"
@@ -563,6 +566,8 @@ def test_attached_mode_is_one_key_and_refuses_an_embedded_setting_in_one_line(
     (host_blocks, storage_*, admin*) is refused naming the key, as is an empty socket path."""
     r = my_runs()
     assert r["ok"] == "accepted" and r["embedded"] == "accepted", r
+    # the host tier's eviction order (issue 38) is a key of the embedded kvtier's own
+    assert r["policy"] == "accepted" and "host_eviction_policy" in r["policy_attached"], r
     for word in ("host_blocks", "storage_backend", "kvtier_serve = '/s'", "kvtier serve"):
         assert word in r["clash"], r["clash"]
     assert "kvtier_serve = ''" in r["empty"] and "\n" not in r["clash"] + r["empty"], r

@@ -35,6 +35,8 @@ KVTIER_KEYS: dict[str, str] = {
     "kvtier_config": "kvtier's TOML file",
     "deployment_id": "kvtier's deployment id (default: derived from vLLM's engine id)",
     "host_blocks": "cache.host_blocks",
+    # vLLM owns the device tier (kvtier's own is one unused block): no `eviction_policy` key
+    "host_eviction_policy": "cache.host_eviction_policy",
     "storage_backend": "storage.backend",
     "storage_path": "storage.path",
     "storage_url": "storage.url",
@@ -48,8 +50,8 @@ KVTIER_KEYS: dict[str, str] = {
 """The keys kvtier reads from `kv_connector_extra_config`, with what each sets."""
 
 EMBEDDED_ONLY = frozenset({
-    "deployment_id", "host_blocks", "storage_backend", "storage_path", "storage_url",
-    "admin", "admin_host", "admin_port", "admin_auth", "admin_url_file"})
+    "deployment_id", "host_blocks", "host_eviction_policy", "storage_backend", "storage_path",
+    "storage_url", "admin", "admin_host", "admin_port", "admin_auth", "admin_url_file"})
 """Keys of this instance's own kvtier: the node service's configuration decides them when the
 instance is attached (`kvtier_serve`)."""
 

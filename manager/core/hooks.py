@@ -99,6 +99,11 @@ class StorageHooks(Protocol):
         lookup must not ask storage (counted; True except for one probe a second)."""
         ...
 
+    def reads_slow(self) -> bool:
+        """Whether storage reads are slow (back-pressure): a lookup that asks anyway is the
+        probe, which the keyed surface sends without waiting on it."""
+        ...
+
     def backup(self, nodes: list[Node]) -> None:
         """Host copies landed: write those among `nodes` that the write policy wants now and
         storage does not hold yet."""
