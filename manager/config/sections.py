@@ -111,8 +111,9 @@ class CacheConfig(BaseModel):
     host_eviction_policy: Literal["lru", "lfuda", "hitboost", "arc", "s3fifo", "duel"] = Field(
         "lru",
         description="which evictable host copy leaves first, the same choices as "
-        "eviction_policy (lru: the host list's order, as before); not with "
-        "storage.write_policy = write_back, whose batches follow the host list",
+        "eviction_policy (lru: the host list's order, as before); with "
+        "storage.write_policy = write_back the batch written before an eviction is "
+        "this policy's next victims",
     )
     decode_reserve_blocks: int = Field(
         1, ge=0, description="extra device blocks allocate() reserves per request for decoding"
