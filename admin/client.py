@@ -18,8 +18,10 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from kvtier.manager.errors import KvtierError
 
-class AdminCallError(RuntimeError):
+
+class AdminCallError(KvtierError, RuntimeError):
     """A call the admin refused or did not answer: `str()` is one line. `code`: the HTTP
     status (None: no answer, or no JSON); `detail`: the admin's one-line reason, if it gave
     one."""

@@ -8,7 +8,8 @@ Errors defined elsewhere that also derive from `KvtierError`: `ConfigError`
 (`kvtier.manager.workloads`), `WorkerStartError` (`kvtier.manager.launcher`), `IPCError` and
 its subclasses, `SendTimeout`, `LayerWaitTimeout` (`kvtier.worker.ipc`), `StorageError`
 (`kvtier.worker.executor`), `PoolConfigError`, `BlockIdError` (`kvtier.worker.kv_pools`),
-`AdminBindError`, `AdminStartError` (`kvtier.admin.server`), `NumaError`
+`AdminBindError`, `AdminStartError` (`kvtier.admin.server`), `AdminCallError`
+(`kvtier.admin.client`), `NumaError`
 (`kvtier.worker.numa`), `PoolsFreedError` (`kvtier.worker.executor`), `DeploymentAsleep`
 (`kvtier.worker.ipc`). Each keeps its built-in base
 (`ValueError`, `TimeoutError`, `OSError`, `RuntimeError`) where it has one.

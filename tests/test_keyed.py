@@ -323,7 +323,10 @@ def test_a_read_probe_of_a_slow_store_does_not_hold_its_request(
         assert fresh.lookup(hashes[0], "p1", hashes[1:]) is Lookup.MISS  # the probe
         assert tier.counters["query_probes"] == probes + 1
         assert fresh.counters["storage_queries"] == queries + 1  # asked, in the background
-        assert fresh.lookup(hashes[0], "p1", hashes[1:]) is Lookup.MISS  # settled for p1
+        # p1's query is settled (never RETRY again); PENDING when the probe's answer came
+        # back at once and its prefetch already has the first page on its way to the host
+        # (the store here is fast, only its average says slow: CI's run saw that race)
+        assert fresh.lookup(hashes[0], "p1", hashes[1:]) in (Lookup.MISS, Lookup.PENDING)
         fetched = min(len(hashes), tier.limit)  # prefetch_host_blocks_limit: host / 4
         wait_until(lambda: leading_hits(fresh, hashes, "p2") == fetched, 10,
                    "the probe's prefetch on the host")

@@ -150,6 +150,14 @@ class TaskExecutor:
         self.device = None
         self.host = None
         self.engine = None
+        self._forget_checked()
+
+    def _forget_checked(self) -> None:
+        """Drop the prechecked ids: each holds the engine it was checked against, so an
+        entry left by a task cancelled before it ran (a sleep's held load) would keep the
+        freed pools mapped (tests/test_sleep.py saw the host pool stay mapped, deleted)."""
+        with self._checked_lock:
+            self._checked.clear()
 
     def _freed_error(self, kind: TaskKind) -> PoolsFreedError:
         return PoolsFreedError(
@@ -162,6 +170,7 @@ class TaskExecutor:
         self.device = device
         self.engine = (CopyEngine(device, self.host, gate=self.load_gate)
                        if self.host is not None else None)
+        self._forget_checked()  # checked against the old engine: rechecked, and let go
 
     def precheck(self, task: Task) -> None:
         """Check a D2H or H2D task's block ids when the worker receives it (the receiver
