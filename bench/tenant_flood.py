@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_ttft_real import BLOCK, VOCAB, build_model, tier_hits
+from vllm_ttft_real import BLOCK, VOCAB, build_model, stop_children, tier_hits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import node_service
@@ -222,15 +222,7 @@ def main() -> int:
         figs = get(url, f"/tenants?namespace={ns}")[ns]
         print(report(args, res, host, figs, loads, time.monotonic() - t0), flush=True)
     finally:
-        for p in procs.values():
-            if p.stdin is not None:
-                p.stdin.close()
-        for p in procs.values():
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_children(procs)
         for s in serves.values():
             s.stop()
         log.close()

@@ -545,15 +545,7 @@ def main() -> int:
             out.append(report(wname, requests, res, tiers, loads, args.device_blocks))
             print(out[-1] + "\n", flush=True)
     finally:
-        for p in procs.values():
-            if p.stdin is not None:
-                p.stdin.close()
-        for p in procs.values():
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_children(procs)
         if serve is not None:
             serve.stop()
         log.close()
@@ -568,6 +560,20 @@ def main() -> int:
                 print("  threads (CPU s since start): " + ", ".join(
                     f"{k} {v:.2f}" for k, v in list(threads.items())[:8]) + "\n", flush=True)
     return 0
+
+
+def stop_children(procs: dict[str, subprocess.Popen[str]]) -> None:
+    """End every configuration's vLLM process: stdin closed (its loop ends), 60 s to exit,
+    then killed."""
+    for p in procs.values():
+        if p.stdin is not None:
+            p.stdin.close()
+    for p in procs.values():
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 class _Serve:
