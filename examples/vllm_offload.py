@@ -261,7 +261,7 @@ def spy_vllm_stats(llm: Any) -> dict[str, float]:
     """The audit's series in what kvtier hands vLLM's metrics (its connector stats, taken by
     vLLM's scheduler every step), added up here as vLLM's Prometheus logger would:
     "result/tier" -> blocks, and the largest-difference gauges' last values."""
-    from kvtier.integrations.vllm import adapter
+    from kvtier.integrations.vllm import manager as adapter_manager
 
     manager = kvtier_manager(llm)
     seen: dict[str, float] = {}
@@ -270,10 +270,10 @@ def spy_vllm_stats(llm: Any) -> dict[str, float]:
     def spy() -> Any:
         stats = get_stats()
         values = stats._values if stats is not None else {}
-        for labels, n in values.get(adapter.METRIC_AUDIT, {}).items():
+        for labels, n in values.get(adapter_manager.METRIC_AUDIT, {}).items():
             key = "/".join(labels)
             seen[key] = seen.get(key, 0) + n
-        for name in (adapter.METRIC_AUDIT_MAX_ABS, adapter.METRIC_AUDIT_MAX_REL):
+        for name in (adapter_manager.METRIC_AUDIT_MAX_ABS, adapter_manager.METRIC_AUDIT_MAX_REL):
             for v in values.get(name, {}).values():
                 seen[name.rsplit("_audit_", 1)[1]] = v
         return stats
