@@ -101,8 +101,16 @@ test: install system-deps lint
 	$(PYTEST) -n $(FAST_WORKERS) --dist loadfile --basetemp=$$base/t -m fast; \
 	status=$$?; [ $$status -ne 0 ] || rm -rf $$base; exit $$status
 
+# The engines tier on ENGINES_WORKERS xdist workers, one module per worker at a time, the
+# longest modules first (tests/tiers.py ENGINES_ORDER); each worker's vLLMs run their OpenMP
+# threads on one CPU of their own (tiers.bind_vllm_to_one_cpu). Short base temp: as `test`.
+ENGINES_WORKERS ?= 2
+
 test-engines: install system-deps vllm-env lint-vllm consumers-env
-	$(PYTEST) -m engines
+	base=$$(mktemp -d /tmp/kvt.XXXXXX); \
+	$(PYTEST) -n $(ENGINES_WORKERS) --dist loadfile --no-loadscope-reorder --basetemp=$$base/t \
+		-m engines; \
+	status=$$?; [ $$status -ne 0 ] || rm -rf $$base; exit $$status
 
 test-live: install system-deps
 	$(PYTEST) -m live

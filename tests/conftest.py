@@ -26,7 +26,15 @@ import pytest
 from hypothesis import settings
 from redis_server import redis_cluster, redis_server
 from support import HYPOTHESIS_PROFILE, new_segment_name
-from tiers import DurationLog, dump_tiers, record_tiers, tag_report, tier_problems
+from tiers import (
+    DurationLog,
+    bind_vllm_to_one_cpu,
+    dump_tiers,
+    module_order,
+    record_tiers,
+    tag_report,
+    tier_problems,
+)
 
 __all__ = ["redis_cluster", "redis_server"]  # module-scoped fixtures, shared by every module
 
@@ -46,6 +54,8 @@ _DURATIONS: list[DurationLog] = []  # the controller's log (none in a pytest-xdi
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # the controller, or a run without pytest-xdist
         _DURATIONS[:] = [DurationLog()]
+    else:
+        bind_vllm_to_one_cpu(str(config.workerinput.get("workerid", "")))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -93,6 +103,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if problems:
         raise pytest.UsageError(
             f"{len(problems)} test(s) not in exactly one tier:\n" + "\n".join(problems))
+    module_order(items)
     cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
     if not cuda_items:
         return

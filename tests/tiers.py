@@ -38,6 +38,50 @@ FORMAT = 1
 TIER_PROPERTY = "kvtier_tier"
 
 
+# The engines tier runs on ENGINES_WORKERS pytest-xdist workers, one module per worker at a time
+# (--dist loadfile --no-loadscope-reorder): its modules are handed out in this order, the
+# longest first, so that the longest (test_vllm.py) does not start last and hold the tier's end
+# alone. Seconds: each module's tests summed in the serial clean-clone run of main 15bafaf.
+ENGINES_ORDER = (
+    "tests/test_vllm.py",              # 362
+    "tests/test_vllm_serve.py",        # 226
+    "tests/test_node_vllm.py",         # 95
+    "tests/test_real_model.py",        # 80
+    "tests/test_kv_routing.py",        # 60
+    "tests/test_kv_events.py",         # 45
+    "tests/test_kv_events_attached.py",  # 35
+)
+
+
+def module_order(items: list[pytest.Item]) -> None:
+    """Reorder `items` in place: the modules of ENGINES_ORDER first, in its order, the rest after
+    in collection order; the tests of one module keep theirs. Every xdist worker computes the
+    same order (the scheduler requires identical collections)."""
+    rank = {path: i for i, path in enumerate(ENGINES_ORDER)}
+    position = {id(item): i for i, item in enumerate(items)}
+
+    def key(item: pytest.Item) -> tuple[int, int]:
+        module = item.nodeid.split("::", 1)[0]
+        return rank.get(module, len(rank)), position[id(item)]
+
+    items.sort(key=key)
+
+
+def bind_vllm_to_one_cpu(workerid: str) -> None:
+    """In pytest-xdist worker `gwN`, the vLLM processes its tests start run their OpenMP threads
+    on one CPU of their own (the N-th allowed CPU, round robin), unless the caller chose:
+    vLLM's CPU build otherwise binds one spinning OpenMP thread to every CPU, and two workers'
+    vLLMs on the same 2 cores wait on each other's descheduled threads at every barrier (on a
+    machine loaded by other jobs, unbound, a test that takes 34 s alone took 178 s beside
+    another vLLM, and the two longest modules side by side took 14 min 43 s, as long as the
+    whole tier one module at a time; bound, the whole tier took 12 min 30 s on that machine).
+    The tiny models need no more than one thread."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or not workerid.startswith("gw"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[int(workerid[2:]) % len(cpus)])
+
+
 def tiers_of(item: pytest.Item) -> list[str]:
     """The distinct tier markers on `item` (module, class and function marks together)."""
     names = {mark.name for mark in item.iter_markers()}
