@@ -47,6 +47,12 @@ from kvtier.manager.errors import (
 from kvtier.manager.keys import MAX_CONTENT_HASH_BYTES
 from kvtier.manager.launcher import WorkerStartError
 from kvtier.manager.node.server import NodeServer
+from kvtier.manager.node.steering import (
+    NamespaceSource,
+    OneNamespace,
+    SteeredNamespace,
+    Steering,
+)
 from kvtier.manager.stack import Stack
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import (
@@ -472,9 +478,14 @@ def _typed(handler: Callable[..., Any], **annotations: Any) -> Callable[..., Any
 
 
 def create_app(stack: Stack, *, token: str | None = None,
-               node: NodeServer | None = None, node_only: bool = False) -> FastAPI:
+               node: NodeServer | None = None, node_only: bool = False,
+               steered: SteeredNamespace | None = None) -> FastAPI:
     """The admin app of `stack` (and of the node service `node`: its attached engines and
     namespaces in /status and /metrics, its namespaces emptied by /reset).
+
+    Steering by token ids (`kvtier.admin.steering`) acts on `node`'s namespaces, or on
+    `steered`, the one namespace of an embedded kvtier (`stack` keyed, inside an engine);
+    with neither, its routes answer a one-line 409.
 
     `node_only` (`kvtier serve` with a `[node]` section alone): `stack` is never started;
     the probes follow the node service, /status and /reset are the node's, and the
@@ -718,19 +729,23 @@ def create_app(stack: Stack, *, token: str | None = None,
              responses=POST_RESPONSES)(_typed(pin, body=body_model))
     app.post("/unpin", tags=["operations"], dependencies=post_security,
              response_model=UnpinResult, responses=POST_RESPONSES)(_typed(unpin, body=body_model))
-    if node is not None:  # tenants, retention, lookup, warm, clear (issue 36)
+    # tenants, retention, lookup, warm, clear (issue 36)
+    source: NamespaceSource | None = (node.namespaces if node is not None
+                                      else None if steered is None else OneNamespace(steered))
+    if source is not None:
         from kvtier.admin.steering import add_steering_routes
 
-        add_steering_routes(app, node, post_security, POST_RESPONSES,
-                            _error("the namespace is not served by this node (no engine of "
-                                   "it attached)"))
+        add_steering_routes(app, Steering(source), post_security, POST_RESPONSES,
+                            _error("the namespace is not served here (no engine of it "
+                                   "attached)"))
     else:
         _steering_needs_a_node(app)
     return app
 
 
-# The steering routes (kvtier.admin.steering) and their methods: an admin without a node (an
-# embedded kvtier's, in a vLLM process) answers them with one line instead of a bare 404
+# The steering routes (kvtier.admin.steering) and their methods: an admin with no keyed
+# namespace (a scheduler-API stack's `kvtier serve` without a node) answers them with one
+# line instead of a bare 404
 STEERING_ROUTES = (("GET", "/tenants"), ("POST", "/tenants/quota"), ("POST", "/lookup"),
                    ("POST", "/retain"), ("POST", "/retain/unpin"), ("POST", "/warm"),
                    ("POST", "/clear"))
@@ -738,14 +753,15 @@ STEERING_ROUTES = (("GET", "/tenants"), ("POST", "/tenants/quota"), ("POST", "/l
 
 def _steering_needs_a_node(app: FastAPI) -> None:
     """Mount STEERING_ROUTES as a 409 whose detail says where they are served (out of the
-    OpenAPI document: this admin does not serve them). Embedded, the quotas, retention and
-    kv_hints work all the same; only these REST routes need `kvtier serve`."""
+    OpenAPI document: this admin does not serve them): steering acts on engine blocks by
+    token ids, which a scheduler-API stack does not hold (its /pin and /unpin do)."""
 
     async def needs_a_node(request: Request) -> JSONResponse:
         return JSONResponse({"detail": (
             f"{request.method} {request.url.path}: steering by token ids is served by "
-            "`kvtier serve` (the node service, engines attached with kvtier_serve); this "
-            "admin has no node (an embedded kvtier)")}, status_code=409)
+            "`kvtier serve` with engines attached, or by an engine's embedded kvtier; this "
+            "admin runs a scheduler-API stack (no engine's namespace; see /pin, /unpin)")},
+            status_code=409)
 
     for method, path in STEERING_ROUTES:
         app.add_api_route(path, needs_a_node, methods=[method], include_in_schema=False)

@@ -150,6 +150,23 @@ def check_tenant(name: object) -> str:
     return name
 
 
+def top_tenants(figs: Mapping[str, Any], top: int) -> dict[str, Any]:
+    """Per-tenant figures (`KeyedHostCache.tenant_figures`) with bounded cardinality: the
+    `top` tenants with the most host blocks by name, the others summed as "(other)" (with
+    their count in `tenants`; quotas are not summed)."""
+    if len(figs) <= top:
+        return dict(figs)
+    ranked = sorted(figs.items(), key=lambda kv: (-int(kv[1]["host_blocks"]), kv[0]))
+    out: dict[str, Any] = dict(ranked[:top])
+    other: dict[str, Any] = {"tenants": len(ranked) - top}
+    for _, f in ranked[top:]:
+        for k, v in f.items():
+            if isinstance(v, int) and not isinstance(v, bool) and k != "quota_blocks":
+                other[k] = other.get(k, 0) + v
+    out["(other)"] = other
+    return out
+
+
 class Tenant:
     """One tenant's copies and figures. `order`: priority -> key -> node, oldest first;
     `count`: entries over every bucket; `quota`: host blocks, None = the default."""
