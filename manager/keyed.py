@@ -753,11 +753,13 @@ class KeyedHostCache:
         book accepted it."""
         with self._lock:
             items = [(k, self.m.lookup(k)) for k in map(engine_key, hashes)]
-            out = self.tenants.retain(items, tenant, retention, _monotonic())
+            now = _monotonic()
+            out = self.tenants.retain(items, tenant, retention, now)
             if self.storage is not None and hashes:
-                self.storage.retain([self.storage_key(h) for h in hashes],
-                                    pin=retention.pin, ttl_s=retention.ttl_s,
+                skeys = [self.storage_key(h) for h in hashes]
+                self.storage.retain(skeys, pin=retention.pin, ttl_s=retention.ttl_s,
                                     priority=retention.priority)
+                self.tenants.storage_marks.retain(skeys, retention, now)
             return out
 
     def unpin(self, hashes: Sequence[bytes]) -> int:
@@ -765,8 +767,29 @@ class KeyedHostCache:
         with self._lock:
             n = self.tenants.unpin(map(engine_key, hashes))
             if self.storage is not None and hashes:
-                self.storage.unpin([self.storage_key(h) for h in hashes])
+                skeys = [self.storage_key(h) for h in hashes]
+                self.storage.unpin(skeys)
+                self.tenants.storage_marks.unpin(skeys)
             return n
+
+    def resend_storage_retention(self) -> int:
+        """A worker was replaced: its storage marks died with it. Send again, to every rank,
+        the retention the book sent and that still holds (`StorageMarks.resend`: one RETAIN
+        task per kind of retention; the other ranks' marks merge it without change).
+        Returns the pages named."""
+        if self.storage is None:
+            return 0
+        with self._lock:
+            groups = self.tenants.storage_marks.resend(_monotonic())
+            for skeys, r in groups:
+                self.storage.retain(skeys, pin=r.pin, ttl_s=r.ttl_s, priority=r.priority)
+            return sum(len(k) for k, _ in groups)
+
+    def forget_storage_retention(self) -> None:
+        """Every storage page of the namespace was deleted (a storage reset): so were their
+        marks."""
+        with self._lock:
+            self.tenants.storage_marks.forget()
 
     def set_quota(self, tenant: str | None, blocks: int | None) -> None:
         with self._lock:
@@ -810,6 +833,7 @@ class KeyedHostCache:
             deleted: int | None = 0
             if storage and self.storage is not None and skeys:
                 deleted = self.storage.delete(skeys, wait_s)
+                self.tenants.storage_marks.forget(skeys)  # the worker drops their marks
             counts = self.removals.setdefault("clear", [0, 0])
             counts[0] += host
             counts[1] += len(skeys) if storage else 0
