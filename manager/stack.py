@@ -460,7 +460,7 @@ class Stack:
                     wait = timeout if storage_timeout is None else storage_timeout
                     pages = self.storage.clear(wait) if self.storage is not None else 0
                     if self.keyed is not None:
-                        self.keyed.forget_storage_retention()
+                        self.keyed.storage_emptied()
                     if pages is None:
                         cleared["storage_clear"] = "running"
                     else:

@@ -38,7 +38,9 @@ Data structures (the keyed surface's lock guards them all): `tenants`: name -> `
 hit or touch: O(1)); `_where`: key -> (tenant, priority); `_holds`: key -> `_Hold` (the
 node, pin flag, TTL deadline); `_deadlines`: heap of (deadline, key); `_pending`: key ->
 (tenant, Retention) for copies still being written; `storage_marks`: the retention sent
-to storage pages, by page key (`StorageMarks`: a replaced worker is told it again). Copies
+to storage pages, by page key (`StorageMarks`: a replaced worker is told it again);
+`stored_pages`: the tenant that stored each recent block with a storage page (`StoredPages`:
+a clear by tenant reaches pages whose host copy is gone). Copies
 that leave the tree without the book (a prefetch's eviction, a reset) are found stale
 (`m.lookup(key) is not node`) and purged when met: `Tenant.count` may over-count them until
 then, which can only make a tenant evict its own copies early, never another's.
@@ -259,6 +261,49 @@ class StorageMarks:
                 for (pin, left, prio), keys in groups.items()]
 
 
+MAX_STORED_PAGES = 1 << 16  # blocks whose storing tenant is remembered: 10 MB at most
+
+
+class StoredPages:
+    """Which tenant stored each recent block of a namespace with a storage tier, by engine
+    hash, so that a clear by tenant with `storage` reaches the pages of blocks no longer on
+    the host (storage pages carry no tenant).
+
+    Data structures: `_by_hash`: OrderedDict engine hash -> tenant, oldest store first (a
+    store moves its block to the young end). Invariant: at most `limit` entries: past it the
+    oldest is forgotten (`forgotten`), and a clear by tenant no longer reaches its page (the
+    backend's own capacity or TTL still ends it). A block stored by another tenant later
+    belongs to that tenant only. 65,536 entries measured 10.0 MB (tracemalloc)."""
+
+    def __init__(self, limit: int = MAX_STORED_PAGES) -> None:
+        self.limit = limit
+        self._by_hash: OrderedDict[bytes, str] = OrderedDict()
+        self.forgotten = 0
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def add(self, block_hash: bytes, tenant: str) -> None:
+        d = self._by_hash
+        d.pop(block_hash, None)
+        d[block_hash] = tenant
+        if len(d) > self.limit:
+            d.popitem(last=False)
+            self.forgotten += 1
+
+    def hashes(self, tenant: str | None) -> list[bytes]:
+        """The blocks `tenant` stored (None: every block remembered)."""
+        return [h for h, t in self._by_hash.items() if tenant is None or t == tenant]
+
+    def forget(self, hashes: Iterable[bytes] | None = None) -> None:
+        """These blocks' pages were deleted (None: every page, a storage reset)."""
+        if hashes is None:
+            self._by_hash.clear()
+            return
+        for h in hashes:
+            self._by_hash.pop(h, None)
+
+
 class TenantBook:
     """The tenants of one keyed namespace (see the module docstring). The caller holds the
     keyed surface's lock around every call."""
@@ -273,6 +318,8 @@ class TenantBook:
         self._pending: dict[int, tuple[str, Retention]] = {}
         # the retention sent to storage pages (re-sent to a replaced worker)
         self.storage_marks = StorageMarks()
+        # who stored which block with a storage page (clear by tenant in storage)
+        self.stored_pages = StoredPages()
 
     # ------------------------------------------------------------------ tenants
 

@@ -370,6 +370,24 @@ def test_a_replaced_worker_is_told_the_retention_again(keyed_stack: Stack) -> No
     assert len(keyed.tenants.storage_marks) == 0  # a storage reset forgets the marks
 
 
+def test_clear_by_tenant_reaches_pages_whose_host_copy_is_gone(keyed_stack: Stack,
+                                                                 cache: KeyedHostCache) -> None:
+    """Storage pages carry no tenant: the book remembers who stored each block
+    (`StoredPages`), so a clear by tenant with storage deletes x's pages after x's host
+    copies left (here a host-only clear), and y's stay."""
+    stack = keyed_stack
+    x, y = keys_of("gone-x", 3), keys_of("gone-y", 3)
+    store_blocks(stack, cache, x, "x")
+    store_blocks(stack, cache, y, "y")
+    assert cache.clear(tenant="x")["host_blocks_removed"] == 3  # host only: pages stay
+    assert in_storage(stack, cache, x) == [True] * 3
+    out = cache.clear(tenant="x", storage=True, wait_s=20.0)
+    assert out == {"host_blocks_removed": 0, "storage_pages_asked": 3,
+                   "storage_pages_deleted": 3}, out
+    assert in_storage(stack, cache, x + y) == [False] * 3 + [True] * 3
+    assert cache.tenants.stored_pages.hashes("x") == [] and len(cache.tenants.stored_pages) == 3
+
+
 def store_blocks(stack: Stack, cache: KeyedHostCache, hashes: list[bytes],
                  tenant: str = "") -> None:
     """Store these blocks on the host (write_through backs them up) and wait for it."""
