@@ -46,6 +46,7 @@ from kvtier.manager.errors import (
 )
 from kvtier.manager.keys import MAX_CONTENT_HASH_BYTES
 from kvtier.manager.launcher import WorkerStartError
+from kvtier.manager.node.namespaces import STATUS_TENANTS
 from kvtier.manager.node.server import NodeServer
 from kvtier.manager.node.steering import (
     NamespaceSource,
@@ -95,11 +96,12 @@ class AdminState:
     `accepting` only ever goes from True to False (the server is shutting down)."""
 
     def __init__(self, stack: Stack, token: str | None,
-                 node: NodeServer | None = None) -> None:
+                 node: NodeServer | None = None,
+                 steered: NamespaceSource | None = None) -> None:
         self.stack = stack
         self.node = node
         self.token = None if token is None else token.encode()
-        self.registry = build_registry(stack, node)
+        self.registry = build_registry(stack, node, steered)
         # name -> a section of /status an engine integration adds (the audit's figures)
         self.status_sections: dict[str, Callable[[], Any]] = {}
         self.started_at = time.monotonic()
@@ -509,7 +511,10 @@ def create_app(stack: Stack, *, token: str | None = None,
                          "to serve without authentication")
     else:
         token_or_none = token
-    state = AdminState(stack, token_or_none, node)
+    # the namespaces steered by token ids (issue 36): the node's, or an embedded kvtier's one
+    source: NamespaceSource | None = (node.namespaces if node is not None
+                                      else None if steered is None else OneNamespace(steered))
+    state = AdminState(stack, token_or_none, node, source)
     alone = node_only and node is not None
     app = FastAPI(
         title="kvtier admin",
@@ -577,7 +582,8 @@ def create_app(stack: Stack, *, token: str | None = None,
     def status() -> dict[str, Any]:
         """Tiers (capacity, free, cached, in use; blocks and bytes), workers (rank, pid, state,
         heartbeat age, tasks in flight), hit rates per tier, paused flag, storage counters and
-        the configuration summary (no secrets)."""
+        the configuration summary (no secrets); an embedded kvtier's tenants (`tenants`:
+        namespace -> the 32 tenants with the most host blocks, the rest as "(other)")."""
         if alone:
             out: dict[str, Any] = {"node_only": True, "deployment_id": stack.cfg.deployment_id}
             ready, why = True, "node service only"
@@ -589,6 +595,8 @@ def create_app(stack: Stack, *, token: str | None = None,
         out["uptime_s"] = round(time.monotonic() - state.started_at, 3)
         if node is not None:
             out["node"] = node.status()
+        elif steered is not None:  # embedded: its namespace's tenants (the node's are there)
+            out["tenants"] = {steered.name: steered.tenant_figures(STATUS_TENANTS)}
         for name, section in list(state.status_sections.items()):
             out[name] = section()
         return out
@@ -729,10 +737,7 @@ def create_app(stack: Stack, *, token: str | None = None,
              responses=POST_RESPONSES)(_typed(pin, body=body_model))
     app.post("/unpin", tags=["operations"], dependencies=post_security,
              response_model=UnpinResult, responses=POST_RESPONSES)(_typed(unpin, body=body_model))
-    # tenants, retention, lookup, warm, clear (issue 36)
-    source: NamespaceSource | None = (node.namespaces if node is not None
-                                      else None if steered is None else OneNamespace(steered))
-    if source is not None:
+    if source is not None:  # tenants, retention, lookup, warm, clear (issue 36)
         from kvtier.admin.steering import add_steering_routes
 
         add_steering_routes(app, Steering(source), post_security, POST_RESPONSES,

@@ -114,6 +114,10 @@ def test_lookup_retain_and_refusals_on_the_one_namespace(
     r = http.post("/retain", json={**base, "namespace": NS, "retention": {"pin": True}})
     assert r.status_code == 200, r.text
     assert http.get(f"/tenants?namespace={NS}").json()[NS]["b"]["pinned_blocks"] == 6
+    # the tenants in /status and /metrics too (bounded, as the node's)
+    assert http.get("/status").json()["tenants"][NS]["b"]["pinned_blocks"] == 6
+    assert (f'kvtier_node_tenant_host_blocks{{namespace="{NS}",state="pinned",tenant="b"}} '
+            "6.0") in http.get("/metrics").text
     r = http.post("/retain/unpin", json=base)
     assert r.status_code == 200 and r.json()["unpinned"] == 6, r.text
     # no token: 401, nothing read
