@@ -46,7 +46,14 @@ from kvtier.manager.errors import (
 )
 from kvtier.manager.keys import MAX_CONTENT_HASH_BYTES
 from kvtier.manager.launcher import WorkerStartError
+from kvtier.manager.node.namespaces import STATUS_TENANTS
 from kvtier.manager.node.server import NodeServer
+from kvtier.manager.node.steering import (
+    NamespaceSource,
+    OneNamespace,
+    SteeredNamespace,
+    Steering,
+)
 from kvtier.manager.stack import Stack
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import (
@@ -89,11 +96,12 @@ class AdminState:
     `accepting` only ever goes from True to False (the server is shutting down)."""
 
     def __init__(self, stack: Stack, token: str | None,
-                 node: NodeServer | None = None) -> None:
+                 node: NodeServer | None = None,
+                 steered: NamespaceSource | None = None) -> None:
         self.stack = stack
         self.node = node
         self.token = None if token is None else token.encode()
-        self.registry = build_registry(stack, node)
+        self.registry = build_registry(stack, node, steered)
         # name -> a section of /status an engine integration adds (the audit's figures)
         self.status_sections: dict[str, Callable[[], Any]] = {}
         self.started_at = time.monotonic()
@@ -472,9 +480,14 @@ def _typed(handler: Callable[..., Any], **annotations: Any) -> Callable[..., Any
 
 
 def create_app(stack: Stack, *, token: str | None = None,
-               node: NodeServer | None = None, node_only: bool = False) -> FastAPI:
+               node: NodeServer | None = None, node_only: bool = False,
+               steered: SteeredNamespace | None = None) -> FastAPI:
     """The admin app of `stack` (and of the node service `node`: its attached engines and
     namespaces in /status and /metrics, its namespaces emptied by /reset).
+
+    Steering by token ids (`kvtier.admin.steering`) acts on `node`'s namespaces, or on
+    `steered`, the one namespace of an embedded kvtier (`stack` keyed, inside an engine);
+    with neither, its routes answer a one-line 409.
 
     `node_only` (`kvtier serve` with a `[node]` section alone): `stack` is never started;
     the probes follow the node service, /status and /reset are the node's, and the
@@ -498,7 +511,10 @@ def create_app(stack: Stack, *, token: str | None = None,
                          "to serve without authentication")
     else:
         token_or_none = token
-    state = AdminState(stack, token_or_none, node)
+    # the namespaces steered by token ids (issue 36): the node's, or an embedded kvtier's one
+    source: NamespaceSource | None = (node.namespaces if node is not None
+                                      else None if steered is None else OneNamespace(steered))
+    state = AdminState(stack, token_or_none, node, source)
     alone = node_only and node is not None
     app = FastAPI(
         title="kvtier admin",
@@ -566,7 +582,8 @@ def create_app(stack: Stack, *, token: str | None = None,
     def status() -> dict[str, Any]:
         """Tiers (capacity, free, cached, in use; blocks and bytes), workers (rank, pid, state,
         heartbeat age, tasks in flight), hit rates per tier, paused flag, storage counters and
-        the configuration summary (no secrets)."""
+        the configuration summary (no secrets); an embedded kvtier's tenants (`tenants`:
+        namespace -> the 32 tenants with the most host blocks, the rest as "(other)")."""
         if alone:
             out: dict[str, Any] = {"node_only": True, "deployment_id": stack.cfg.deployment_id}
             ready, why = True, "node service only"
@@ -578,6 +595,8 @@ def create_app(stack: Stack, *, token: str | None = None,
         out["uptime_s"] = round(time.monotonic() - state.started_at, 3)
         if node is not None:
             out["node"] = node.status()
+        elif steered is not None:  # embedded: its namespace's tenants (the node's are there)
+            out["tenants"] = {steered.name: steered.tenant_figures(STATUS_TENANTS)}
         for name, section in list(state.status_sections.items()):
             out[name] = section()
         return out
@@ -718,19 +737,20 @@ def create_app(stack: Stack, *, token: str | None = None,
              responses=POST_RESPONSES)(_typed(pin, body=body_model))
     app.post("/unpin", tags=["operations"], dependencies=post_security,
              response_model=UnpinResult, responses=POST_RESPONSES)(_typed(unpin, body=body_model))
-    if node is not None:  # tenants, retention, lookup, warm, clear (issue 36)
+    if source is not None:  # tenants, retention, lookup, warm, clear (issue 36)
         from kvtier.admin.steering import add_steering_routes
 
-        add_steering_routes(app, node, post_security, POST_RESPONSES,
-                            _error("the namespace is not served by this node (no engine of "
-                                   "it attached)"))
+        add_steering_routes(app, Steering(source), post_security, POST_RESPONSES,
+                            _error("the namespace is not served here (no engine of it "
+                                   "attached)"))
     else:
         _steering_needs_a_node(app)
     return app
 
 
-# The steering routes (kvtier.admin.steering) and their methods: an admin without a node (an
-# embedded kvtier's, in a vLLM process) answers them with one line instead of a bare 404
+# The steering routes (kvtier.admin.steering) and their methods: an admin with no keyed
+# namespace (a scheduler-API stack's `kvtier serve` without a node) answers them with one
+# line instead of a bare 404
 STEERING_ROUTES = (("GET", "/tenants"), ("POST", "/tenants/quota"), ("POST", "/lookup"),
                    ("POST", "/retain"), ("POST", "/retain/unpin"), ("POST", "/warm"),
                    ("POST", "/clear"))
@@ -738,14 +758,15 @@ STEERING_ROUTES = (("GET", "/tenants"), ("POST", "/tenants/quota"), ("POST", "/l
 
 def _steering_needs_a_node(app: FastAPI) -> None:
     """Mount STEERING_ROUTES as a 409 whose detail says where they are served (out of the
-    OpenAPI document: this admin does not serve them). Embedded, the quotas, retention and
-    kv_hints work all the same; only these REST routes need `kvtier serve`."""
+    OpenAPI document: this admin does not serve them): steering acts on engine blocks by
+    token ids, which a scheduler-API stack does not hold (its /pin and /unpin do)."""
 
     async def needs_a_node(request: Request) -> JSONResponse:
         return JSONResponse({"detail": (
             f"{request.method} {request.url.path}: steering by token ids is served by "
-            "`kvtier serve` (the node service, engines attached with kvtier_serve); this "
-            "admin has no node (an embedded kvtier)")}, status_code=409)
+            "`kvtier serve` with engines attached, or by an engine's embedded kvtier; this "
+            "admin runs a scheduler-API stack (no engine's namespace; see /pin, /unpin)")},
+            status_code=409)
 
     for method, path in STEERING_ROUTES:
         app.add_api_route(path, needs_a_node, methods=[method], include_in_schema=False)

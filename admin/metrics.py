@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from kvtier.manager.node.server import NodeServer
+    from kvtier.manager.node.steering import NamespaceSource
     from kvtier.manager.scheduler import SchedulerStats
     from kvtier.manager.stack import Stack
 
@@ -477,33 +478,6 @@ class NodeCollector(Collector):
             "Engine connections refused or dropped (bad credentials, bad frames, not reading "
             "replies).")
         dropped.add_metric([], st["dropped"])
-        # per tenant (issue 36): label cardinality bounded by TOP_TENANTS named tenants per
-        # namespace (most host blocks first), the rest summed under tenant="(other)" (whose
-        # counters may step down when a tenant ranks into the named ones)
-        t_blocks = GaugeMetricFamily("kvtier_node_tenant_host_blocks",
-                                     "Host blocks a tenant holds in the namespace, by state "
-                                     "(all, pinned, held by a retention).",
-                                     labels=["namespace", "tenant", "state"])
-        t_quota = GaugeMetricFamily("kvtier_node_tenant_quota_blocks",
-                                    "A tenant's host quota in blocks.",
-                                    labels=["namespace", "tenant"])
-        t_events = CounterMetricFamily(
-            "kvtier_node_tenant_events",
-            "A tenant's hit tokens (host tier), stores, evictions and refused stores.",
-            labels=["namespace", "tenant", "kind"])
-        for nso in self.node.namespaces.all():
-            for tenant, f in nso.tenant_figures(TOP_TENANTS).items():
-                lab = [nso.name, tenant or "(default)"]  # "" would read as no label
-                t_blocks.add_metric([*lab, "all"], f.get("host_blocks", 0))
-                t_blocks.add_metric([*lab, "pinned"], f.get("pinned_blocks", 0))
-                t_blocks.add_metric([*lab, "held"], f.get("held_blocks", 0))
-                if "quota_blocks" in f:
-                    t_quota.add_metric(lab, f["quota_blocks"])
-                for kind in ("hit_tokens", "stores", "evictions", "stores_refused"):
-                    t_events.add_metric([*lab, kind], f.get(kind, 0))
-        yield t_blocks
-        yield t_quota
-        yield t_events
         for ns in st["namespaces"]:
             label = [ns["namespace"]]
             quota.add_metric(label, ns["quota_bytes"])
@@ -521,7 +495,45 @@ class NodeCollector(Collector):
         yield dropped
 
 
-def build_registry(stack: Stack, node: NodeServer | None = None) -> CollectorRegistry:
+class TenantCollector(Collector):
+    """Per tenant of each steered namespace (issue 36; the node's namespaces, or an embedded
+    kvtier's one): host blocks by state, quota, hit tokens, stores, evictions, refused
+    stores. Label cardinality is bounded by TOP_TENANTS named tenants per namespace (most
+    host blocks first), the rest summed under tenant="(other)" (whose counters may step
+    down when a tenant ranks into the named ones)."""
+
+    def __init__(self, source: NamespaceSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        t_blocks = GaugeMetricFamily("kvtier_node_tenant_host_blocks",
+                                     "Host blocks a tenant holds in the namespace, by state "
+                                     "(all, pinned, held by a retention).",
+                                     labels=["namespace", "tenant", "state"])
+        t_quota = GaugeMetricFamily("kvtier_node_tenant_quota_blocks",
+                                    "A tenant's host quota in blocks.",
+                                    labels=["namespace", "tenant"])
+        t_events = CounterMetricFamily(
+            "kvtier_node_tenant_events",
+            "A tenant's hit tokens (host tier), stores, evictions and refused stores.",
+            labels=["namespace", "tenant", "kind"])
+        for nso in self.source.all():
+            for tenant, f in nso.tenant_figures(TOP_TENANTS).items():
+                lab = [nso.name, tenant or "(default)"]  # "" would read as no label
+                t_blocks.add_metric([*lab, "all"], f.get("host_blocks", 0))
+                t_blocks.add_metric([*lab, "pinned"], f.get("pinned_blocks", 0))
+                t_blocks.add_metric([*lab, "held"], f.get("held_blocks", 0))
+                if "quota_blocks" in f:
+                    t_quota.add_metric(lab, f["quota_blocks"])
+                for kind in ("hit_tokens", "stores", "evictions", "stores_refused"):
+                    t_events.add_metric([*lab, kind], f.get(kind, 0))
+        yield t_blocks
+        yield t_quota
+        yield t_events
+
+
+def build_registry(stack: Stack, node: NodeServer | None = None,
+                   steered: NamespaceSource | None = None) -> CollectorRegistry:
     """A registry of its own (not the process-global default, so two stacks in one process
     never mix) with the stack's collector, the transfer histogram fed by the stack's transfer
     observer, and the process collector (CPU, memory, open files of the manager process)."""
@@ -541,5 +553,7 @@ def build_registry(stack: Stack, node: NodeServer | None = None) -> CollectorReg
     registry.register(StackCollector(stack))
     if node is not None:
         registry.register(NodeCollector(node))
+    if steered is not None:
+        registry.register(TenantCollector(steered))
     ProcessCollector(registry=registry)
     return registry

@@ -1,5 +1,7 @@
 """The admin's steering routes (issue 36): tenants, retention, lookup, warm and clear by
-token ids on `kvtier serve`'s namespaces (`kvtier.manager.node.steering`).
+token ids (`kvtier.manager.node.steering`) on `kvtier serve`'s namespaces, or on an embedded
+kvtier's one namespace (the vLLM instance's `vllm:<digest>`; `namespace` may be omitted
+wherever one namespace is served).
 
 Every POST goes through the admin's gate (bearer token, `admin.max_body_bytes`, 503 while
 shutting down); a bad body or a refusal (a pin over quota, an unknown namespace, a negative
@@ -8,15 +10,16 @@ no engine attached is a 404.
 
     GET  /tenants[?namespace=N]     per namespace, per tenant figures (1,024 at most, the
                                     rest summed as "(other)")
-    POST /tenants/quota             {namespace, tenant | null (the default), quota_blocks |
+    POST /tenants/quota             {namespace?, tenant | null (the default), quota_blocks |
                                      quota_bytes | null}
-    POST /lookup                    {namespace, token_ids, cache_salt?} -> matched tokens per tier
-    POST /retain                    {namespace, token_ids, cache_salt?, tenant?, retention:
+    POST /lookup                    {namespace?, token_ids, cache_salt?} -> matched tokens per
+                                    tier
+    POST /retain                    {namespace?, token_ids, cache_salt?, tenant?, retention:
                                      kvtier.retain v1 {pin, ttl_s, priority}}
-    POST /retain/unpin              {namespace, token_ids, cache_salt?}
-    POST /warm                      {namespace, token_ids, cache_salt?}: storage -> host,
+    POST /retain/unpin              {namespace?, token_ids, cache_salt?}
+    POST /warm                      {namespace?, token_ids, cache_salt?}: storage -> host,
                                     poll /lookup
-    POST /clear                     {namespace, tenant | token_ids (+ cache_salt) | all: true,
+    POST /clear                     {namespace?, tenant | token_ids (+ cache_salt) | all: true,
                                      storage?}
 """
 
@@ -27,7 +30,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from kvtier.manager.node.server import NodeServer
 from kvtier.manager.node.steering import MAX_STEER_TOKENS, NamespaceUnknown, Steering
 from kvtier.manager.tenants import (
     MAX_TENANT_BYTES,
@@ -61,8 +63,13 @@ class RetainV1(_Strict):
                                       "evicts it")
 
 
+_NAMESPACE = Field(None, max_length=512,
+                   description="the engines' namespace (`kvtier status` lists them); omit "
+                               "where one namespace is served (an embedded kvtier)")
+
+
 class TokensBody(_Strict):
-    namespace: str = Field(max_length=512)
+    namespace: str | None = _NAMESPACE
     token_ids: list[int] = _TOKENS
     cache_salt: str | None = _SALT
 
@@ -75,7 +82,7 @@ class RetainBody(TokensBody):
 
 
 class QuotaBody(_Strict):
-    namespace: str = Field(max_length=512)
+    namespace: str | None = _NAMESPACE
     tenant: str | None = Field(max_length=MAX_TENANT_BYTES,
                                description="null: the default quota of tenants without one")
     quota_blocks: int | None = Field(None, ge=0)
@@ -83,7 +90,7 @@ class QuotaBody(_Strict):
 
 
 class ClearBody(_Strict):
-    namespace: str = Field(max_length=512)
+    namespace: str | None = _NAMESPACE
     tenant: str | None = Field(None, max_length=MAX_TENANT_BYTES)
     token_ids: list[int] | None = Field(None, max_length=MAX_STEER_TOKENS)
     cache_salt: str | None = _SALT
@@ -91,12 +98,11 @@ class ClearBody(_Strict):
     storage: bool = Field(False, description="delete the blocks' storage pages too")
 
 
-def add_steering_routes(app: FastAPI, node: NodeServer, post_security: Sequence[Any],
+def add_steering_routes(app: FastAPI, steer: Steering, post_security: Sequence[Any],
                         post_responses: dict[int | str, dict[str, Any]],
                         not_found: dict[str, Any]) -> Steering:
-    """Mount the steering routes on `app` (see the module docstring). `not_found`: the 404
-    answer's OpenAPI entry (a namespace no engine attached)."""
-    steer = Steering(node.namespaces)
+    """Mount the steering routes of `steer` on `app` (see the module docstring).
+    `not_found`: the 404 answer's OpenAPI entry (a namespace not served here)."""
     deps = list(post_security)
     responses = {**post_responses, 404: not_found}
 

@@ -91,15 +91,15 @@ def cmd_tenants(args: argparse.Namespace) -> int:
 def add_steering_commands(sub: Any, default_url: str) -> None:
     """The five subcommands on the `kvtier` parser's subparsers `sub`."""
 
-    def common(p: argparse.ArgumentParser, *, prompt: bool, namespace_required: bool = True
-               ) -> None:
+    def common(p: argparse.ArgumentParser, *, prompt: bool) -> None:
         p.add_argument("--url", default=default_url, help=f"admin base URL ({default_url})")
         p.add_argument("--deployment-id",
                        default=os.environ.get("KVTIER_DEPLOYMENT_ID", "default"), metavar="ID",
                        help="whose generated admin token to present")
         p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS")
-        p.add_argument("--namespace", required=namespace_required,
-                       help="the engines' namespace (kvtier status lists them)")
+        p.add_argument("--namespace", default=None,
+                       help="the engines' namespace (kvtier status lists them); omit where "
+                            "the admin serves one (an embedded kvtier)")
         if prompt:
             p.add_argument("--tokens", required=True,
                            help="token ids: comma separated, or @FILE (a JSON list)")
@@ -128,7 +128,7 @@ def add_steering_commands(sub: Any, default_url: str) -> None:
     p.add_argument("--storage", action="store_true", help="delete the storage pages too")
     p.set_defaults(func=cmd_clear)
     p = sub.add_parser("tenants", help="per-tenant figures, or set a tenant's quota")
-    common(p, prompt=False, namespace_required=False)
+    common(p, prompt=False)
     p.add_argument("--tenant", default=None, help="with --set-quota: the tenant (none: the "
                                                   "default quota)")
     p.add_argument("--set-quota", type=int, default=None, metavar="BLOCKS",

@@ -6,6 +6,9 @@ of what dead deployments of the same id pattern left (kill -9 of everything), a 
 a watcher outside the engine's process tree (vLLM ends its tree with SIGKILL on Ctrl-C and
 SIGTERM), and kvtier's admin REST with its Prometheus metrics on a thread. The adapter calls
 its `cache` (`EmbeddedCache`, the embedded home of `kvtier.engine.cache_api.EngineCache`).
+The admin serves the steering routes (lookup, retain, warm, clear, tenants by token ids) on
+the stack's one namespace, `EmbeddedNamespace`: it names blocks as the engine does with the
+`naming` the engine gives (read at each request: vLLM sets its hash seed after start).
 
     start: sweep dead ids -> Stack.start -> watcher -> admin (its URL written if asked)
     close: admin stop -> stack close (workers stopped, segments unlinked) -> token folder
@@ -19,16 +22,46 @@ import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.engine.embedded_cache import EmbeddedCache
 from kvtier.manager import janitor
 from kvtier.manager.config import KvtierConfig
+from kvtier.manager.keyed import KeyedHostCache
+from kvtier.manager.keys import BlockNaming
 from kvtier.manager.stack import Stack
+from kvtier.manager.tenants import top_tenants
 
 __all__ = ["EmbeddedDeployment", "KvtierConfig"]
 
 log = logging.getLogger("kvtier.engine")
+
+
+# How the engine names blocks from token ids, asked at each steering request: (hash
+# algorithm, seed, tokens per block hash); None: it has not said (token-id steering refused)
+Naming = Callable[[], tuple[str, str, int]]
+
+
+class EmbeddedNamespace:
+    """The embedded stack as the one namespace the admin's steering acts on (the
+    `SteeredNamespace` protocol of `kvtier.manager.node.steering`). Holds no state: the
+    tenant book and the marks are the keyed surface's."""
+
+    def __init__(self, stack: Stack, name: str, naming: Naming | None) -> None:
+        self.name = name
+        self.keyed: KeyedHostCache = stack.require_keyed()
+        self.page_bytes = stack.page_bytes
+        self.ranks = stack.cfg.workers.count
+        self._naming = naming
+
+    def block_naming(self) -> BlockNaming:
+        if self._naming is None:  # refused by `engine_block_hashes` in one line
+            return BlockNaming("(not given by the engine)", "", self.keyed.block_size)
+        algo, seed, hash_block_size = self._naming()
+        return BlockNaming(algo, seed, hash_block_size or self.keyed.block_size)
+
+    def tenant_figures(self, top: int) -> dict[str, Any]:
+        return top_tenants(self.keyed.tenant_figures(), top)
 
 
 class EmbeddedDeployment:
@@ -36,11 +69,15 @@ class EmbeddedDeployment:
 
     Data structures: `stack` (tree, host LRU, storage tier, worker processes); `cache`, its
     `EngineCache`; `admin`, the admin server (or None) and `token_file`, a token generated
-    for this run. Invariant: everything started is stopped by `close` (idempotent), and a
-    failed start stops what it started."""
+    for this run; `steered`, the namespace its admin steers. Invariant: everything started
+    is stopped by `close` (idempotent), and a failed start stops what it started.
+
+    `naming`: how the engine names blocks from token ids (its hash algorithm, seed and
+    tokens per block hash; 0: kvtier's block size), for the admin's steering routes."""
 
     def __init__(self, cfg: KvtierConfig, namespace: bytes, *, sweep_pattern: str = "",
-                 admin: bool = True, admin_url_file: str = "") -> None:
+                 admin: bool = True, admin_url_file: str = "",
+                 naming: Naming | None = None) -> None:
         self.cfg = cfg
         self._sweep_pattern = sweep_pattern
         if sweep_pattern:
@@ -59,6 +96,8 @@ class EmbeddedDeployment:
             log.warning("kvtier: no watcher for deployment %s (%s): if the engine is killed, "
                         "the next start removes its names", cfg.deployment_id, e)
         self.cache = EmbeddedCache(self.stack)
+        self.steered = EmbeddedNamespace(self.stack, namespace.decode(errors="replace"),
+                                         naming)
         try:
             if admin:
                 self._start_admin(admin_url_file)
@@ -77,8 +116,8 @@ class EmbeddedDeployment:
             token = generate_token()
             self.token_file = token_path(self.cfg.deployment_id)
             write_token(self.token_file, token)
-        self.admin = AdminServer(create_app(self.stack, token=token), a.host, a.port,
-                                 limits=a).start()
+        self.admin = AdminServer(create_app(self.stack, token=token, steered=self.steered),
+                                 a.host, a.port, limits=a).start()
         self.admin_url = self.admin.url
         if url_file:  # for scripts and tests that start the engine with admin.port = 0
             Path(url_file).write_text(self.admin_url + "\n")
@@ -110,3 +149,10 @@ class EmbeddedDeployment:
                 self._sweep_pattern, self.cfg.deployment_id):
             # the id is this run's only: its token folder would never be read again
             shutil.rmtree(self.token_file.parent, ignore_errors=True)
+
+
+if TYPE_CHECKING:  # mypy holds the embedded namespace to the steering protocol
+    from kvtier.manager.node.steering import SteeredNamespace
+
+    def _steerable(ns: EmbeddedNamespace) -> SteeredNamespace:
+        return ns

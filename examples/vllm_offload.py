@@ -48,6 +48,7 @@ import signal
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,21 @@ def admin_post(url: str, path: str) -> str:
     req = urllib.request.Request(url + path, method="POST", data=b"")
     with urllib.request.urlopen(req, timeout=60) as r:
         return r.read().decode()
+
+
+def lookup(url: str, tokens: list[int]) -> dict[str, Any]:
+    """The admin's POST /lookup (issue 36): the prompt's matched tokens per tier, as the
+    embedded kvtier names vLLM's blocks; a refusal (a model whose blocks token ids cannot
+    name) as {"refused": its one line}."""
+    req = urllib.request.Request(url + "/lookup", method="POST",
+                                 data=json.dumps({"token_ids": tokens}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            found: dict[str, Any] = json.loads(r.read())["matched_tokens"]
+            return found
+    except urllib.error.HTTPError as e:
+        return {"refused": json.loads(e.read()).get("detail", str(e))}
 
 
 def hit_tokens(url: str) -> dict[str, float]:
@@ -438,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 time.sleep(0.1)
             before = hit_tokens(url)
+        # what the admin says the node holds of A, then what vLLM loads (equal, exactly)
+        report["lookup_before_load"] = lookup(url, prompt_a)
         warm = generate(llm, prompt_a)
         after = hit_tokens(url)
         loaded = sum(after.get(t, 0.0) - before.get(t, 0.0) for t in ("host", "storage"))

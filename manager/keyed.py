@@ -587,6 +587,8 @@ class KeyedHostCache:
                     key, hb, None if storage is None else self.storage_key(h), now)
                 writers[(owner, h)] = node
                 book.stored(key, node, tenant, now)
+                if storage is not None:
+                    book.stored_pages.add(h, tenant)
                 if events is not None:
                     events.name(key, h)
             self.counters["stores_prepared"] += len(todo)
@@ -753,11 +755,13 @@ class KeyedHostCache:
         book accepted it."""
         with self._lock:
             items = [(k, self.m.lookup(k)) for k in map(engine_key, hashes)]
-            out = self.tenants.retain(items, tenant, retention, _monotonic())
+            now = _monotonic()
+            out = self.tenants.retain(items, tenant, retention, now)
             if self.storage is not None and hashes:
-                self.storage.retain([self.storage_key(h) for h in hashes],
-                                    pin=retention.pin, ttl_s=retention.ttl_s,
+                skeys = [self.storage_key(h) for h in hashes]
+                self.storage.retain(skeys, pin=retention.pin, ttl_s=retention.ttl_s,
                                     priority=retention.priority)
+                self.tenants.storage_marks.retain(skeys, retention, now)
             return out
 
     def unpin(self, hashes: Sequence[bytes]) -> int:
@@ -765,8 +769,30 @@ class KeyedHostCache:
         with self._lock:
             n = self.tenants.unpin(map(engine_key, hashes))
             if self.storage is not None and hashes:
-                self.storage.unpin([self.storage_key(h) for h in hashes])
+                skeys = [self.storage_key(h) for h in hashes]
+                self.storage.unpin(skeys)
+                self.tenants.storage_marks.unpin(skeys)
             return n
+
+    def resend_storage_retention(self) -> int:
+        """A worker was replaced: its storage marks died with it. Send again, to every rank,
+        the retention the book sent and that still holds (`StorageMarks.resend`: one RETAIN
+        task per kind of retention; the other ranks' marks merge it without change).
+        Returns the pages named."""
+        if self.storage is None:
+            return 0
+        with self._lock:
+            groups = self.tenants.storage_marks.resend(_monotonic())
+            for skeys, r in groups:
+                self.storage.retain(skeys, pin=r.pin, ttl_s=r.ttl_s, priority=r.priority)
+            return sum(len(k) for k, _ in groups)
+
+    def storage_emptied(self) -> None:
+        """Every storage page of the namespace was deleted (a storage reset): so were their
+        marks, and no tenant's page is left to clear."""
+        with self._lock:
+            self.tenants.storage_marks.forget()
+            self.tenants.stored_pages.forget()
 
     def set_quota(self, tenant: str | None, blocks: int | None) -> None:
         with self._lock:
@@ -782,9 +808,11 @@ class KeyedHostCache:
         block of the namespace leave the host tier now (the core's write-off: a copy in
         flight keeps its block until its transfer ends, never served again); with `storage`
         their pages are deleted too (`StorageTier.delete`: one DELETE task behind earlier
-        backups; a clear by hashes deletes the pages of blocks not on the host as well).
-        With tier events on, every removal is announced at once (host, and storage where
-        reported), as `remove` does; counted in `removals["clear"]`."""
+        backups; a clear by hashes deletes the pages of blocks not on the host as well, and
+        so does a clear by tenant or of everything for the blocks the book remembers who
+        stored, `StoredPages`: the newest 65,536). With tier events on, every removal is
+        announced at once (host, and storage where reported), as `remove` does; counted in
+        `removals["clear"]`."""
         with self._lock:
             if hashes is not None:
                 named = [(engine_key(h), h) for h in dict.fromkeys(hashes)]
@@ -793,6 +821,11 @@ class KeyedHostCache:
                         [n.key for n in self.m.cached_nodes() if n.key is not None])
                 names = {} if self.events is None else self.events.names
                 named = [(k, names.get(k, b"")) for k in keys]
+                if storage and self.storage is not None:
+                    # the pages of the tenant's (every) blocks no longer on the host
+                    on_host = set(keys)
+                    named += [(k, h) for h in self.tenants.stored_pages.hashes(tenant)
+                              for k in (engine_key(h),) if k not in on_host]
             skeys: list[bytes] = []
             host = 0
             for k, h in named:
@@ -810,6 +843,8 @@ class KeyedHostCache:
             deleted: int | None = 0
             if storage and self.storage is not None and skeys:
                 deleted = self.storage.delete(skeys, wait_s)
+                self.tenants.storage_marks.forget(skeys)  # the worker drops their marks
+                self.tenants.stored_pages.forget(h for _, h in named if h)
             counts = self.removals.setdefault("clear", [0, 0])
             counts[0] += host
             counts[1] += len(skeys) if storage else 0

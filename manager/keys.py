@@ -31,7 +31,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 from kvtier.manager.core import native
@@ -253,6 +253,17 @@ def key_bytes(key: int) -> bytes:
 
 
 ENGINE_HASH_ALGOS = ("sha256",)
+
+
+class BlockNaming(NamedTuple):
+    """How an engine names its blocks from token ids: its hash algorithm (vLLM's
+    `prefix_caching_hash_algo`), its seed (the 64 hex digits of its NONE_HASH, or the seed
+    string NONE_HASH is the hash of) and its tokens per block hash (vLLM's `hash_block_size`:
+    token ids name kvtier's blocks only where it equals kvtier's block size)."""
+
+    algo: str
+    seed: str
+    hash_block_size: int
 
 
 def engine_block_hashes(algo: str, seed: str, block_size: int, token_ids: Sequence[int],

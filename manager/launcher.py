@@ -213,13 +213,17 @@ class WorkerSupervisor:
                  max_start_failures: int = 5, keep_logs: bool = False,
                  on_device_lost: Callable[[int, str], None] | None = None,
                  device_copy_mark: Callable[[], int] | None = None,
-                 on_device_confirmed: Callable[[int], None] | None = None) -> None:
+                 on_device_confirmed: Callable[[int], None] | None = None,
+                 on_worker_replaced: Callable[[int], None] | None = None) -> None:
         self.deployment_id = deployment_id
         self.num_ranks = num_ranks
         self.spec_for_rank = spec_for_rank
         self.ready_timeout_s = ready_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.on_worker_lost = on_worker_lost
+        # a replacement of a lost worker is ready (its rank's tasks run again): what lived
+        # only in the lost process (storage retention marks) is sent again
+        self.on_worker_replaced = on_worker_replaced
         # workers.engine_kv: a registration change costs the device tier only (the host pools
         # are the workers' own and live on); see _check_engine_kv
         self.on_device_lost = on_device_lost
@@ -588,6 +592,13 @@ class WorkerSupervisor:
         assert proc is not None
         st = self.ipc.rank_state(w.rank)
         if st.ready and st.pid == proc.pid:
+            if self.on_worker_replaced is not None:
+                # before the rank reads as ready: what it is told again is queued ahead of
+                # every task sent once it is ready
+                try:
+                    self.on_worker_replaced(w.rank)
+                except Exception:  # the watcher must go on watching
+                    log.exception("handling the replacement of rank %d failed", w.rank)
             w.state = "ready"
             if w.start_failures:
                 log.info("worker rank %d ready (pid %d) after %d failed start(s)", w.rank,

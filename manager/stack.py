@@ -254,6 +254,7 @@ class Stack:
                     ready_timeout_s=c.workers.ready_timeout_s,
                     heartbeat_timeout_s=c.workers.heartbeat_timeout_s, log_dir=self.log_dir,
                     on_worker_lost=self._on_worker_lost, keep_logs=self.keep_worker_logs,
+                    on_worker_replaced=self._on_worker_replaced,
                     on_device_lost=self._on_device_lost,
                     device_copy_mark=self._device_copy_mark,
                     on_device_confirmed=self._on_device_confirmed)
@@ -291,6 +292,15 @@ class Stack:
             cleared = self.manager.lose_all()
             log.error("rank %d lost (%s): every cached block is gone with its pools (%s)",
                       rank, reason, cleared)
+
+    def _on_worker_replaced(self, rank: int) -> None:
+        """A lost rank's replacement is ready: the storage retention its predecessor held
+        (in that process only) is sent again from the tenant book."""
+        if self.keyed is not None:
+            pages = self.keyed.resend_storage_retention()
+            if pages:
+                log.info("rank %d replaced: the retention of %d storage pages sent again",
+                         rank, pages)
 
     def _on_device_lost(self, rank: int, reason: str) -> None:
         """A model runner's KV registration changed: its device memory is gone, kvtier's own
@@ -449,6 +459,8 @@ class Stack:
                 if storage:
                     wait = timeout if storage_timeout is None else storage_timeout
                     pages = self.storage.clear(wait) if self.storage is not None else 0
+                    if self.keyed is not None:
+                        self.keyed.storage_emptied()
                     if pages is None:
                         cleared["storage_clear"] = "running"
                     else:

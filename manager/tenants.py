@@ -37,10 +37,13 @@ Data structures (the keyed surface's lock guards them all): `tenants`: name -> `
 `Tenant.order`: priority -> OrderedDict key -> Node (oldest first; `move_to_end` on every
 hit or touch: O(1)); `_where`: key -> (tenant, priority); `_holds`: key -> `_Hold` (the
 node, pin flag, TTL deadline); `_deadlines`: heap of (deadline, key); `_pending`: key ->
-(tenant, Retention) for copies still being written. Copies that leave the tree without the
-book (a prefetch's eviction, a reset) are found stale (`m.lookup(key) is not node`) and
-purged when met: `Tenant.count` may over-count them until then, which can only make a
-tenant evict its own copies early, never another's.
+(tenant, Retention) for copies still being written; `storage_marks`: the retention sent
+to storage pages, by page key (`StorageMarks`: a replaced worker is told it again);
+`stored_pages`: the tenant that stored each recent block with a storage page (`StoredPages`:
+a clear by tenant reaches pages whose host copy is gone). Copies
+that leave the tree without the book (a prefetch's eviction, a reset) are found stale
+(`m.lookup(key) is not node`) and purged when met: `Tenant.count` may over-count them until
+then, which can only make a tenant evict its own copies early, never another's.
 
 Invariants: a key is in at most one tenant's order, in the bucket of its priority; a held
 key's node carries exactly one hold of the book's; `Tenant.count` equals the entries of its
@@ -150,6 +153,23 @@ def check_tenant(name: object) -> str:
     return name
 
 
+def top_tenants(figs: Mapping[str, Any], top: int) -> dict[str, Any]:
+    """Per-tenant figures (`KeyedHostCache.tenant_figures`) with bounded cardinality: the
+    `top` tenants with the most host blocks by name, the others summed as "(other)" (with
+    their count in `tenants`; quotas are not summed)."""
+    if len(figs) <= top:
+        return dict(figs)
+    ranked = sorted(figs.items(), key=lambda kv: (-int(kv[1]["host_blocks"]), kv[0]))
+    out: dict[str, Any] = dict(ranked[:top])
+    other: dict[str, Any] = {"tenants": len(ranked) - top}
+    for _, f in ranked[top:]:
+        for k, v in f.items():
+            if isinstance(v, int) and not isinstance(v, bool) and k != "quota_blocks":
+                other[k] = other.get(k, 0) + v
+    out["(other)"] = other
+    return out
+
+
 class Tenant:
     """One tenant's copies and figures. `order`: priority -> key -> node, oldest first;
     `count`: entries over every bucket; `quota`: host blocks, None = the default."""
@@ -175,6 +195,115 @@ class _Hold:
         self.until = 0.0
 
 
+MAX_STORAGE_MARKS = 1 << 17  # as many pages as a worker's own table holds per rank
+
+
+class StorageMarks:
+    """The retention the book sent to storage, by page key, so that a replaced worker (whose
+    marks died with it) is told again: `resend` gives the RETAIN tasks of what still holds.
+
+    Data structures: `_marks`: storage key -> [pin, TTL deadline (monotonic), priority],
+    merged as the worker merges them (`worker/storage/retention.py`): a pin sticks until
+    unpinned, a deadline is never moved earlier, a priority is replaced; an unpin keeps the
+    rest. Invariant: at most `limit` keys (what the worker holds per rank); past it a new
+    key is not recorded (`unrecorded`), as the worker refuses it. A mark that holds nothing
+    any more (no pin, TTL passed, priority 0) is dropped when met; a page deleted (clear
+    with storage, a storage reset) is forgotten."""
+
+    def __init__(self, limit: int = MAX_STORAGE_MARKS) -> None:
+        self.limit = limit
+        self._marks: dict[bytes, list[Any]] = {}
+        self.unrecorded = 0  # keys not recorded: the table was full
+        self.resent = 0  # pages re-sent to replaced workers
+
+    def __len__(self) -> int:
+        return len(self._marks)
+
+    def retain(self, keys: Iterable[bytes], r: Retention, now: float) -> None:
+        until = now + r.ttl_s if r.ttl_s > 0 else 0.0
+        for k in keys:
+            m = self._marks.get(k)
+            if m is None:
+                if len(self._marks) >= self.limit:
+                    self.unrecorded += 1
+                    continue
+                m = self._marks[k] = [False, 0.0, 0]
+            m[0] = m[0] or r.pin
+            m[1] = max(m[1], until)
+            m[2] = r.priority
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        for k in keys:
+            m = self._marks.get(k)
+            if m is not None:
+                m[0] = False
+
+    def forget(self, keys: Iterable[bytes] | None = None) -> None:
+        """These pages were deleted (None: every page, a storage reset)."""
+        if keys is None:
+            self._marks.clear()
+            return
+        for k in keys:
+            self._marks.pop(k, None)
+
+    def resend(self, now: float) -> list[tuple[list[bytes], Retention]]:
+        """What still holds, as retentions to send again, grouped (pin, whole seconds of TTL
+        left rounded up, priority): one RETAIN task per group, not per page."""
+        groups: dict[tuple[bool, int, int], list[bytes]] = {}
+        for k, (pin, until, prio) in list(self._marks.items()):
+            left = math.ceil(until - now) if until > now else 0
+            if not pin and left == 0 and prio == 0:
+                del self._marks[k]
+                continue
+            groups.setdefault((pin, left, prio), []).append(k)
+        self.resent += sum(len(v) for v in groups.values())
+        return [(keys, Retention(pin, float(left), prio))
+                for (pin, left, prio), keys in groups.items()]
+
+
+MAX_STORED_PAGES = 1 << 16  # blocks whose storing tenant is remembered: 10 MB at most
+
+
+class StoredPages:
+    """Which tenant stored each recent block of a namespace with a storage tier, by engine
+    hash, so that a clear by tenant with `storage` reaches the pages of blocks no longer on
+    the host (storage pages carry no tenant).
+
+    Data structures: `_by_hash`: OrderedDict engine hash -> tenant, oldest store first (a
+    store moves its block to the young end). Invariant: at most `limit` entries: past it the
+    oldest is forgotten (`forgotten`), and a clear by tenant no longer reaches its page (the
+    backend's own capacity or TTL still ends it). A block stored by another tenant later
+    belongs to that tenant only. 65,536 entries measured 10.0 MB (tracemalloc)."""
+
+    def __init__(self, limit: int = MAX_STORED_PAGES) -> None:
+        self.limit = limit
+        self._by_hash: OrderedDict[bytes, str] = OrderedDict()
+        self.forgotten = 0
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def add(self, block_hash: bytes, tenant: str) -> None:
+        d = self._by_hash
+        d.pop(block_hash, None)
+        d[block_hash] = tenant
+        if len(d) > self.limit:
+            d.popitem(last=False)
+            self.forgotten += 1
+
+    def hashes(self, tenant: str | None) -> list[bytes]:
+        """The blocks `tenant` stored (None: every block remembered)."""
+        return [h for h, t in self._by_hash.items() if tenant is None or t == tenant]
+
+    def forget(self, hashes: Iterable[bytes] | None = None) -> None:
+        """These blocks' pages were deleted (None: every page, a storage reset)."""
+        if hashes is None:
+            self._by_hash.clear()
+            return
+        for h in hashes:
+            self._by_hash.pop(h, None)
+
+
 class TenantBook:
     """The tenants of one keyed namespace (see the module docstring). The caller holds the
     keyed surface's lock around every call."""
@@ -187,6 +316,10 @@ class TenantBook:
         self._holds: dict[int, _Hold] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._pending: dict[int, tuple[str, Retention]] = {}
+        # the retention sent to storage pages (re-sent to a replaced worker)
+        self.storage_marks = StorageMarks()
+        # who stored which block with a storage page (clear by tenant in storage)
+        self.stored_pages = StoredPages()
 
     # ------------------------------------------------------------------ tenants
 

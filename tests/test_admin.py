@@ -817,8 +817,10 @@ def test_urllib_hears_401_and_413_on_a_large_body(admin: AdminServer, auth: bool
 
 
 def test_steering_routes_answer_that_they_need_a_node(http: httpx.Client) -> None:
-    """Issue 36: this admin has no node (an embedded kvtier's): the steering routes answer a
-    one-line 409 naming `kvtier serve`, not a bare 404, and are not in its OpenAPI document."""
+    """Issue 36: this admin runs a scheduler-API stack (no node, no engine's namespace; an
+    embedded kvtier's admin serves them: tests/test_embedded_steering.py): the steering
+    routes answer a one-line 409 naming `kvtier serve`, not a bare 404, and are not in its
+    OpenAPI document."""
     for method, path in STEERING_ROUTES:
         r = http.request(method, path, json={} if method == "POST" else None)
         assert r.status_code == 409, (path, r.status_code, r.text)

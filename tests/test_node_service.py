@@ -227,6 +227,10 @@ def test_namespaces_are_isolated_and_held_to_their_quota(tmp_path: Path) -> None
                 f"namespace '{NS_B}': its engine hashes blocks of 2 tokens, kvtier's blocks "
                 "are 4: token ids cannot name them"), r.text
             assert http.post("/lookup", json={"namespace": NS_A, **body}).status_code == 200
+            # two namespaces served: a request must name one (one line, 422)
+            r = http.post("/lookup", json=body)
+            assert r.status_code == 422 and r.json()["detail"].startswith(
+                "give a namespace: 2 are served here"), r.text
         assert a.call(op="store", keys=list(range(8)))["stored"] == 8
         assert b.call(op="load", keys=list(range(8)))["hits"] == 0  # not B's namespace
         assert a.call(op="load", keys=list(range(8)))["hits"] == 8

@@ -92,6 +92,9 @@ def test_pinned_tenant_survives_another_tenants_flood(node: Node) -> None:
     assert lookup(node, system, "b")["host"] == 32
     assert lookup(node, system, "a")["host"] == 0  # another salt: other blocks
     assert lookup(node, system, None)["host"] == 0
+    # one namespace attached: a request may omit it (as an embedded admin's always may)
+    r = post(node, "/lookup", {"token_ids": system, "cache_salt": "b"})
+    assert r.status_code == 200 and r.json()["matched_tokens"]["host"] == 32, r.text
     # /metrics and `kvtier status` show the tenants
     assert node.serve is not None
     with node.serve.client() as http:

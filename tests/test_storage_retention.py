@@ -12,6 +12,8 @@ those backed up later, through a real worker process.
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,12 +23,12 @@ import pytest
 import redis
 from kvtier.manager.keyed import KeyedHostCache
 from kvtier.manager.stack import Stack
-from kvtier.manager.tenants import Retention
+from kvtier.manager.tenants import Retention, StorageMarks
 from kvtier.worker.storage.file_backend import FileBackend
 from kvtier.worker.storage.redis_backend import RedisBackend
 from kvtier.worker.storage.retention import RetentionMarks
 from redis_server import RedisClusterServers, RedisServer
-from stack_support import running_stack
+from stack_support import running_stack, worker_pids
 from storage_support import page_file
 from support import tiny_config, wait_until
 
@@ -146,6 +148,28 @@ def test_marks_are_bounded_and_never_shorten_a_ttl() -> None:
     assert marks.get("a", 20) is None  # its TTL passed: dropped when met
     b = marks.get("b", 20)
     assert b is not None and not b.pin and b.priority == 2  # unpin keeps the priority
+
+
+def test_the_books_record_of_storage_marks_merges_as_the_worker_and_resends_what_holds(
+) -> None:
+    """`StorageMarks` (the tenant book's record, re-sent to a replaced worker): merged as
+    the worker merges marks, bounded, grouped into one retention per kind when re-sent,
+    what holds nothing any more dropped, deleted pages forgotten."""
+    marks = StorageMarks(limit=4)
+    marks.retain([b"p1", b"p2"], Retention(pin=True), now=0)
+    marks.retain([b"t1", b"t2"], Retention(ttl_s=10), now=0)
+    marks.retain([b"x"], Retention(ttl_s=1), now=0)  # the table is full
+    assert marks.unrecorded == 1 and len(marks) == 4
+    marks.retain([b"t1"], Retention(ttl_s=1, priority=3), now=0)  # TTL kept, priority new
+    marks.unpin([b"p2"])
+    got = {tuple(sorted(k)): r for k, r in marks.resend(now=2.5)}
+    assert got == {(b"p1",): Retention(pin=True), (b"t1",): Retention(ttl_s=8.0, priority=3),
+                   (b"t2",): Retention(ttl_s=8.0)}, got  # p2 holds nothing: dropped
+    assert len(marks) == 3 and marks.resent == 3
+    assert {tuple(k) for k, _ in marks.resend(now=11)} == {(b"p1",), (b"t1",)}
+    marks.forget([b"p1"])
+    marks.forget()
+    assert len(marks) == 0 and marks.resend(now=11) == []
 
 
 # ------------------------------------------------------------------------------ redis
@@ -313,6 +337,55 @@ def test_clear_by_tenant_deletes_that_tenants_pages_only(keyed_stack: Stack,
     assert out == {"host_blocks_removed": 3, "storage_pages_asked": 3,
                    "storage_pages_deleted": 3}, out
     assert in_storage(stack, cache, x + y) == [False] * 3 + [True] * 3
+
+
+@pytest.mark.slow
+def test_a_replaced_worker_is_told_the_retention_again(keyed_stack: Stack) -> None:
+    """The storage marks live in the worker process: when it is killed, the tenant book's
+    record (`StorageMarks`) is sent to its replacement once ready, so a pinned page still
+    outlasts a flood of the file store afterwards. The stack's own keyed surface (the one
+    the supervisor's hook reaches)."""
+    stack = keyed_stack
+    keyed = stack.require_keyed()
+    stack.reset(storage=True)
+    storage = stack.storage
+    assert storage is not None
+    pinned = keys_of("survivor", 4)
+    store_blocks(stack, keyed, pinned)
+    asked = storage.counters["retain_pages"]
+    keyed.retain(pinned, Retention(pin=True))
+    wait_until(lambda: storage.counters["retain_pages"] >= asked + 4, 20.0, "the pin sent")
+    old = worker_pids(stack)[0]
+    os.kill(old, signal.SIGKILL)
+    wait_until(lambda: worker_pids(stack)[0] != old and stack.workers_ready(), 60.0,
+               "the replacement ready")
+    # the pin is queued before the rank reads as ready: ahead of the flood's backups
+    for i in range(8):  # 16 pages through a store of 8
+        store_blocks(stack, keyed, keys_of(f"after-restart{i}", 2))
+    kept = in_storage(stack, keyed, pinned)
+    assert kept == [True] * 4, f"the replaced worker forgot the pin: {kept}"
+    assert storage.counters["retain_pages"] == asked + 8  # sent once more, to the new one
+    keyed.unpin(pinned)
+    stack.reset(storage=True)
+    assert len(keyed.tenants.storage_marks) == 0  # a storage reset forgets the marks
+
+
+def test_clear_by_tenant_reaches_pages_whose_host_copy_is_gone(keyed_stack: Stack,
+                                                                 cache: KeyedHostCache) -> None:
+    """Storage pages carry no tenant: the book remembers who stored each block
+    (`StoredPages`), so a clear by tenant with storage deletes x's pages after x's host
+    copies left (here a host-only clear), and y's stay."""
+    stack = keyed_stack
+    x, y = keys_of("gone-x", 3), keys_of("gone-y", 3)
+    store_blocks(stack, cache, x, "x")
+    store_blocks(stack, cache, y, "y")
+    assert cache.clear(tenant="x")["host_blocks_removed"] == 3  # host only: pages stay
+    assert in_storage(stack, cache, x) == [True] * 3
+    out = cache.clear(tenant="x", storage=True, wait_s=20.0)
+    assert out == {"host_blocks_removed": 0, "storage_pages_asked": 3,
+                   "storage_pages_deleted": 3}, out
+    assert in_storage(stack, cache, x + y) == [False] * 3 + [True] * 3
+    assert cache.tenants.stored_pages.hashes("x") == [] and len(cache.tenants.stored_pages) == 3
 
 
 def store_blocks(stack: Stack, cache: KeyedHostCache, hashes: list[bytes],

@@ -167,6 +167,8 @@ def test_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(my_runs: Call
     r = my_runs()
     assert r["vllm_num_cached_tokens"] == PREFIX_TOKENS, r
     assert r["tokens_by_tier"] == {"host": PREFIX_TOKENS, "storage": 0}, r
+    # the embedded admin's /lookup (vLLM's own block names) saw exactly what vLLM then loaded
+    assert r["lookup_before_load"] == {"host": PREFIX_TOKENS, "pending": 0, "storage": 0}, r
     assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
     assert any('tier="host"' in ln and not ln.endswith(" 0.0") for ln in r["metrics_lines"])
     audit = [ln for ln in r["metrics_lines"] if ln.startswith("kvtier_audit_")]

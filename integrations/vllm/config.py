@@ -199,3 +199,21 @@ def hash_seed(identity: Mapping[str, Any]) -> str:
         return env_seed
     return str(identity.get("seed"))
 
+
+
+def block_naming(identity: Mapping[str, Any], hash_block: int) -> tuple[str, str, int]:
+    """How this engine names blocks now (hash algorithm, seed, tokens per block hash
+    `hash_block`, read at start: `hash_block_size()` needs vLLM's config context), for the
+    embedded admin's steering routes, asked at each request: vLLM's NONE_HASH is read again
+    (it is set once the engine core starts, after the connector may have been made), so the
+    seed is the one the engine's blocks were hashed with."""
+    try:
+        from vllm.v1.core import kv_cache_utils
+
+        none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
+    except Exception:  # a vLLM without it: the seed read at start
+        none_hash = None
+    now = dict(identity)
+    if none_hash is not None:
+        now["none_hash"] = bytes(none_hash).hex()
+    return str(identity.get("hash")), hash_seed(now), hash_block

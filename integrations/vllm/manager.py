@@ -5,6 +5,7 @@ state."""
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -26,7 +27,12 @@ from kvtier.engine.embedded import EmbeddedDeployment, KvtierConfig
 from kvtier.engine.errors import KvtierError
 from kvtier.engine.geometry import kv_shape
 from kvtier.integrations.vllm import defaults
-from kvtier.integrations.vllm.config import hash_block_size, hash_seed, storage_namespace
+from kvtier.integrations.vllm.config import (
+    block_naming,
+    hash_block_size,
+    hash_seed,
+    storage_namespace,
+)
 from kvtier.integrations.vllm.errors import VllmAdapterError
 from kvtier.integrations.vllm.kv_events import EventRelay
 from kvtier.integrations.vllm.kv_groups import KVGroup, primary_group
@@ -263,7 +269,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
             self.node = EmbeddedDeployment(
                 self.cfg, namespace.encode(), sweep_pattern=defaults.DEPLOYMENT_PATTERN,
                 admin=bool(extra.get("admin", True)),
-                admin_url_file=str(extra.get("admin_url_file") or ""))
+                admin_url_file=str(extra.get("admin_url_file") or ""),
+                naming=functools.partial(block_naming, identity, hash_block_size()))
             self.cache = self.node.cache
             self.admin_url = self.node.admin_url
             token_file = self.node.token_file

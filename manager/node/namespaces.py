@@ -40,12 +40,14 @@ from typing import Any
 from kvtier.manager.config import ConfigError, KvtierConfig, page_bytes, with_sections
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.keyed import KeyedHostCache
+from kvtier.manager.keys import BlockNaming
 from kvtier.manager.launcher import WarmWorkers
 from kvtier.manager.node.fanout import EventFanout
 from kvtier.manager.node.handover import Adoption, unlink_kept
 from kvtier.manager.node.journal import Journal, adopt_recovered, recover
 from kvtier.manager.node.wire import Hello, Segment
 from kvtier.manager.stack import Stack
+from kvtier.manager.tenants import top_tenants
 from kvtier.worker.spec import host_segments
 
 log = logging.getLogger("kvtier.node")
@@ -152,18 +154,12 @@ class Namespace:
     def tenant_figures(self, top: int) -> dict[str, Any]:
         """Per tenant figures (`KeyedHostCache.tenant_figures`): the `top` tenants with the
         most host blocks by name, the others summed as "(other)" (bounded cardinality)."""
-        figs = self.keyed.tenant_figures()
-        if len(figs) <= top:
-            return figs
-        ranked = sorted(figs.items(), key=lambda kv: (-int(kv[1]["host_blocks"]), kv[0]))
-        out: dict[str, Any] = dict(ranked[:top])
-        other: dict[str, Any] = {"tenants": len(ranked) - top}
-        for _, f in ranked[top:]:
-            for k, v in f.items():
-                if isinstance(v, int) and not isinstance(v, bool) and k != "quota_blocks":
-                    other[k] = other.get(k, 0) + v
-        out["(other)"] = other
-        return out
+        return top_tenants(self.keyed.tenant_figures(), top)
+
+    def block_naming(self) -> BlockNaming:
+        """How this namespace's engines name blocks from token ids (its first HELLO)."""
+        g = self.geometry
+        return BlockNaming(str(g["hash_algo"]), str(g["hash_seed"]), self.hash_block_size)
 
 
 class _Starting:

@@ -1,8 +1,14 @@
-"""Steering a node's cache by token ids (issue 36): lookup, retain, unpin, quotas, warm,
-clear, per-tenant figures, for the admin (`kvtier.admin.steering`) and the `kvtier` command.
+"""Steering a cache by token ids (issue 36): lookup, retain, unpin, quotas, warm, clear,
+per-tenant figures, for the admin (`kvtier.admin.steering`) and the `kvtier` command.
+
+What it steers is a set of `SteeredNamespace`s (a `NamespaceSource`): the node service's
+`Namespaces` (one per model namespace its engines attached), or an embedded kvtier's one
+keyed stack (`kvtier.engine.embedded`, the namespace of the vLLM instance it runs in). A
+request names its namespace, or omits it where exactly one is served.
 
 Token ids become the engine's own block hashes (`keys.engine_block_hashes`, with the
-hash algorithm, seed and block size the namespace's first engine announced in HELLO), so
+namespace's `BlockNaming`: the hash algorithm, seed and block size the node's first engine
+announced in HELLO, or the embedded engine's own), so
 every operation names exactly the blocks the engines stored; the request's `cache_salt`
 (the tenant) is part of the first block's hash, as in vLLM. That holds only where the
 engine hashes blocks of kvtier's block size: a namespace whose HELLO said otherwise (vLLM's
@@ -28,11 +34,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier.manager.errors import KvtierError
-from kvtier.manager.keys import TokenKeyError, engine_block_hashes
-from kvtier.manager.node.namespaces import Namespace, Namespaces
+from kvtier.manager.keyed import KeyedHostCache
+from kvtier.manager.keys import BlockNaming, TokenKeyError, engine_block_hashes
 from kvtier.manager.tenants import Retention, SteeringError, check_tenant
 
 MAX_STEER_TOKENS = 1 << 18  # 262,144 tokens: 16,384 blocks of 16
@@ -42,7 +48,47 @@ _warm_ids = itertools.count(1)
 
 
 class NamespaceUnknown(KvtierError):
-    """A namespace no engine attached to this node (the admin answers 404, one line)."""
+    """A namespace not served here (the admin answers 404, one line)."""
+
+
+class SteeredNamespace(Protocol):
+    """What steering acts on: one namespace's keyed surface (its tenant book inside), how
+    its engines name blocks, and its page size (quota bytes -> blocks). The node's
+    `Namespace` is one; an embedded kvtier supplies its own."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def keyed(self) -> KeyedHostCache: ...
+
+    @property
+    def page_bytes(self) -> int: ...
+
+    @property
+    def ranks(self) -> int: ...
+
+    def block_naming(self) -> BlockNaming:
+        """Read at each operation (an embedded engine may learn its seed after start)."""
+        ...
+
+    def tenant_figures(self, top: int) -> dict[str, Any]: ...
+
+
+class NamespaceSource(Protocol):
+    """The namespaces served now (`Namespaces.all`; an embedded kvtier: its one)."""
+
+    def all(self) -> Sequence[SteeredNamespace]: ...
+
+
+class OneNamespace:
+    """A `NamespaceSource` of one namespace (an embedded kvtier's)."""
+
+    def __init__(self, ns: SteeredNamespace) -> None:
+        self.ns = ns
+
+    def all(self) -> Sequence[SteeredNamespace]:
+        return (self.ns,)
 
 
 def _tokens(token_ids: Sequence[int]) -> list[int]:
@@ -56,34 +102,47 @@ def _tokens(token_ids: Sequence[int]) -> list[int]:
 
 
 class Steering:
-    """The node's steering operations over its `Namespaces` (see the module docstring)."""
+    """The steering operations over the namespaces of `source` (see the module docstring).
+    Holds no state of its own: every figure and mark lives in a namespace's keyed surface."""
 
-    def __init__(self, namespaces: Namespaces) -> None:
-        self.namespaces = namespaces
+    def __init__(self, source: NamespaceSource) -> None:
+        self.source = source
 
-    def namespace(self, name: str) -> Namespace:
-        for ns in self.namespaces.all():
+    def namespace(self, name: str | None) -> SteeredNamespace:
+        """The namespace `name`; None: the one served (refused in one line when there are
+        several or none)."""
+        served = self.source.all()
+        if name is None:
+            if len(served) == 1:
+                return served[0]
+            if not served:
+                raise NamespaceUnknown("no namespace is served here yet (no engine attached)")
+            raise SteeringError(f"give a namespace: {len(served)} are served here "
+                                f"({sorted(ns.name for ns in served)})")
+        for ns in served:
             if ns.name == name:
                 return ns
-        known = sorted(ns.name for ns in self.namespaces.all())
+        known = sorted(ns.name for ns in served)
         raise NamespaceUnknown(f"namespace {name!r}: not served here (attached: {known})")
 
-    def hashes(self, ns: Namespace, token_ids: Sequence[int],
+    def hashes(self, ns: SteeredNamespace, token_ids: Sequence[int],
                cache_salt: str | None) -> list[bytes]:
-        g = ns.geometry
-        if ns.hash_block_size != g["block_size"]:
+        naming = ns.block_naming()
+        bs = ns.keyed.block_size
+        if naming.hash_block_size != bs:
             raise SteeringError(
-                f"namespace {ns.name!r}: its engine hashes blocks of {ns.hash_block_size} "
-                f"tokens, kvtier's blocks are {g['block_size']}: token ids cannot name them")
+                f"namespace {ns.name!r}: its engine hashes blocks of "
+                f"{naming.hash_block_size} tokens, kvtier's blocks are {bs}: token ids "
+                "cannot name them")
         if cache_salt is not None:
             check_tenant(cache_salt)
         try:
-            return engine_block_hashes(str(g["hash_algo"]), str(g["hash_seed"]),
-                                       int(g["block_size"]), _tokens(token_ids), cache_salt)
+            return engine_block_hashes(naming.algo, naming.seed, bs, _tokens(token_ids),
+                                       cache_salt)
         except TokenKeyError as e:
             raise SteeringError(f"namespace {ns.name!r}: {e}") from None
 
-    def lookup(self, namespace: str, token_ids: Sequence[int],
+    def lookup(self, namespace: str | None, token_ids: Sequence[int],
                cache_salt: str | None = None) -> dict[str, Any]:
         ns = self.namespace(namespace)
         t0 = time.perf_counter()
@@ -96,7 +155,7 @@ class Steering:
                 "matched_tokens": {tier: n * bs for tier, n in found.items()},
                 "hash_us": round((t1 - t0) * 1e6, 1), "lookup_us": round((t2 - t1) * 1e6, 1)}
 
-    def retain(self, namespace: str, token_ids: Sequence[int], retention: Retention,
+    def retain(self, namespace: str | None, token_ids: Sequence[int], retention: Retention,
                cache_salt: str | None = None, tenant: str | None = None) -> dict[str, Any]:
         ns = self.namespace(namespace)
         hashes = self.hashes(ns, token_ids, cache_salt)
@@ -104,13 +163,13 @@ class Steering:
         return {"blocks": len(hashes), **ns.keyed.retain(hashes, retention, who),
                 "retention": retention.as_dict()}
 
-    def unpin(self, namespace: str, token_ids: Sequence[int],
+    def unpin(self, namespace: str | None, token_ids: Sequence[int],
               cache_salt: str | None = None) -> dict[str, Any]:
         ns = self.namespace(namespace)
         hashes = self.hashes(ns, token_ids, cache_salt)
         return {"blocks": len(hashes), "unpinned": ns.keyed.unpin(hashes)}
 
-    def set_quota(self, namespace: str, tenant: str | None, *, blocks: int | None = None,
+    def set_quota(self, namespace: str | None, tenant: str | None, *, blocks: int | None = None,
                   quota_bytes: int | None = None) -> dict[str, Any]:
         ns = self.namespace(namespace)
         if blocks is not None and quota_bytes is not None:
@@ -123,10 +182,10 @@ class Steering:
         return {"namespace": ns.name, "tenant": tenant, "quota_blocks": blocks}
 
     def tenants(self, namespace: str | None = None) -> dict[str, Any]:
-        nss = [self.namespace(namespace)] if namespace is not None else self.namespaces.all()
+        nss = [self.namespace(namespace)] if namespace is not None else self.source.all()
         return {ns.name: ns.tenant_figures(MAX_TENANTS_LISTED) for ns in nss}
 
-    def warm(self, namespace: str, token_ids: Sequence[int],
+    def warm(self, namespace: str | None, token_ids: Sequence[int],
              cache_salt: str | None = None) -> dict[str, Any]:
         ns = self.namespace(namespace)
         hashes = self.hashes(ns, token_ids, cache_salt)
@@ -140,7 +199,7 @@ class Steering:
                 "poll": "POST /lookup with the same tokens: matched_tokens.host grows to "
                         "the prefix storage held"}
 
-    def clear(self, namespace: str, *, tenant: str | None = None,
+    def clear(self, namespace: str | None, *, tenant: str | None = None,
               token_ids: Sequence[int] | None = None, cache_salt: str | None = None,
               everything: bool = False, storage: bool = False) -> dict[str, Any]:
         ns = self.namespace(namespace)
