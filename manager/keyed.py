@@ -811,8 +811,9 @@ class KeyedHostCache:
         backups; a clear by hashes deletes the pages of blocks not on the host as well, and
         so does a clear by tenant or of everything for the blocks the book remembers who
         stored, `StoredPages`: the newest 65,536). With tier events on, every removal is
-        announced at once (host, and storage where reported), as `remove` does; counted in
-        `removals["clear"]`."""
+        announced at once, each tier's only where it happened: with `storage`, host and
+        storage (where reported), as `remove` does; without, the host only, as an eviction
+        (the pages stay servable). Counted in `removals["clear"]`."""
         with self._lock:
             if hashes is not None:
                 named = [(engine_key(h), h) for h in dict.fromkeys(hashes)]
@@ -828,18 +829,29 @@ class KeyedHostCache:
                               for k in (engine_key(h),) if k not in on_host]
             skeys: list[bytes] = []
             host = 0
+            off: list[int] = []
+            backed: list[int] = []  # of them, with a storage page
             for k, h in named:
                 node = self.m.lookup(k)
                 self.tenants.forget(k)
                 if node is not None:
                     if node.skey is not None:
                         skeys.append(node.skey)
+                    if node.flags & STORED:
+                        backed.append(k)
                     self.m.write_off(node)
+                    off.append(k)
                     host += 1
                 elif h and storage and self.storage is not None:
                     skeys.append(self.storage_key(h))
             if self.events is not None:
-                self.events.removed([(k, h) for k, h in named if h])
+                if storage and self.storage is not None:
+                    self.events.removed([(k, h) for k, h in named if h])
+                else:
+                    # host only: the pages stay and still serve (a later request prefetches
+                    # them), so storage is announced only where it was not yet, as for an
+                    # eviction; announcing a storage removal here misled routers
+                    self.events.evicted(off, backed)
             deleted: int | None = 0
             if storage and self.storage is not None and skeys:
                 deleted = self.storage.delete(skeys, wait_s)

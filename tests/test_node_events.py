@@ -317,6 +317,43 @@ def test_a_gap_is_recovered_through_replay(service: tuple[NodeServer, Path]) -> 
             a.close()
 
 
+@pytest.mark.fast
+def test_a_host_only_clear_announces_no_storage_removal(
+        service: tuple[NodeServer, Path]) -> None:
+    """An operator's clear without `storage` takes blocks off the host only: the stream
+    removes them from the host topic and keeps them on the storage topic (their pages stay
+    and still serve); a clear with `storage` then removes them there too."""
+    srv, pages = service
+    assert srv.events is not None
+    ctx: zmq.Context[Any] = zmq.Context()
+    a: EngineProc | None = None
+    sub = Subscriber(ctx, srv.events.endpoint, srv.events.replay_endpoint)
+    try:
+        a = EngineProc(srv.path, NS_A)
+        wait_until(lambda: a.call(op="store", keys=list(range(4)))["stored"], 10.0,
+                   "a store of keys 0..3")
+        keys = {NS_A: list(range(4))}
+        host, disk = f"{PREFIX}/host/{NS_A}", f"{PREFIX}/storage/{NS_A}"
+        wait_until(lambda: len(_held(srv, pages, keys)[disk]) == 4, 10.0, "the backups")
+        _settled(srv, pages, [sub], keys, "after the stores")
+        [ns] = [n for n in srv.namespaces.all() if n.name == NS_A]
+        gone = [key(0), key(1)]
+        assert ns.keyed.clear(hashes=gone)["host_blocks_removed"] == 2
+        held = _settled(srv, pages, [sub], keys, "after a host-only clear")
+        assert not set(gone) & held[host] and set(gone) <= held[disk] == sub.sets[disk]
+        storage_removed = [h for t, e in sub.events if t == disk
+                           and isinstance(e, ew.BlockRemoved) for h in e.block_hashes]
+        assert not storage_removed, "a host-only clear announced storage removals"
+        ns.keyed.clear(hashes=gone, storage=True, wait_s=5.0)
+        held = _settled(srv, pages, [sub], keys, "after a clear with storage")
+        assert not set(gone) & (held.get(disk, set()) | sub.sets.get(disk, set()))
+    finally:
+        sub.close()
+        ctx.term()
+        if a is not None:
+            a.close()
+
+
 class OwnStream:
     """An attached engine's own stream as vLLM's connector gets it: `NodeClient.take_events`
     of a client in this process (the real socket), applied per tier; a removal must name a
