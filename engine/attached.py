@@ -25,12 +25,13 @@ __all__ = ["NodeClient", "attach"]
 
 
 def attach(socket_path: str, namespace: str, cfg: KvtierConfig, *, hash_algo: str,
-           hash_seed: str, hash_block_size: int = 0,
+           hash_seed: str, hash_block_size: int = 0, kv_groups: int = 1,
            call_timeout_s: float = 1.0) -> NodeClient:
     """The node client of an engine of this configuration (its geometry, block size, ranks)
     and storage namespace, attached to the service at `socket_path` (or attaching in the
     background while it does not answer). `hash_block_size`: the engine's tokens per block
-    hash (0: not known). `call_timeout_s` bounds every wait on the service."""
+    hash (0: not known); `kv_groups`: its KV cache groups. `call_timeout_s` bounds every
+    wait on the service."""
     m = cfg.model
     hello = wire.Hello(
         namespace=namespace,
@@ -38,5 +39,6 @@ def attach(socket_path: str, namespace: str, cfg: KvtierConfig, *, hash_algo: st
                "head_dim": m.head_dim, "dtype": m.dtype,
                "num_extra_layers": m.num_extra_layers, "kv_scales": m.kv_scales},
         block_size=cfg.cache.block_size, hash_algo=hash_algo, hash_seed=hash_seed,
-        ranks=cfg.workers.count, pid=os.getpid(), hash_block_size=hash_block_size)
+        ranks=cfg.workers.count, pid=os.getpid(), hash_block_size=hash_block_size,
+        kv_groups=kv_groups)
     return NodeClient(socket_path, hello, call_timeout_s=call_timeout_s)

@@ -47,18 +47,22 @@ class EmbeddedNamespace:
     `SteeredNamespace` protocol of `kvtier.manager.node.steering`). Holds no state: the
     tenant book and the marks are the keyed surface's."""
 
-    def __init__(self, stack: Stack, name: str, naming: Naming | None) -> None:
+    def __init__(self, stack: Stack, name: str, naming: Naming | None,
+                 kv_groups: int = 1) -> None:
         self.name = name
         self.keyed: KeyedHostCache = stack.require_keyed()
         self.page_bytes = stack.page_bytes
         self.ranks = stack.cfg.workers.count
         self._naming = naming
+        self.kv_groups = kv_groups  # several: token-id steering refused (`Steering.hashes`)
 
     def block_naming(self) -> BlockNaming:
         if self._naming is None:  # refused by `engine_block_hashes` in one line
-            return BlockNaming("(not given by the engine)", "", self.keyed.block_size)
+            return BlockNaming("(not given by the engine)", "", self.keyed.block_size,
+                               self.kv_groups)
         algo, seed, hash_block_size = self._naming()
-        return BlockNaming(algo, seed, hash_block_size or self.keyed.block_size)
+        return BlockNaming(algo, seed, hash_block_size or self.keyed.block_size,
+                           self.kv_groups)
 
     def tenant_figures(self, top: int) -> dict[str, Any]:
         return top_tenants(self.keyed.tenant_figures(), top)
@@ -73,11 +77,12 @@ class EmbeddedDeployment:
     is stopped by `close` (idempotent), and a failed start stops what it started.
 
     `naming`: how the engine names blocks from token ids (its hash algorithm, seed and
-    tokens per block hash; 0: kvtier's block size), for the admin's steering routes."""
+    tokens per block hash; 0: kvtier's block size), for the admin's steering routes;
+    `kv_groups`: its KV cache groups (several: those routes refuse token ids in one line)."""
 
     def __init__(self, cfg: KvtierConfig, namespace: bytes, *, sweep_pattern: str = "",
                  admin: bool = True, admin_url_file: str = "",
-                 naming: Naming | None = None) -> None:
+                 naming: Naming | None = None, kv_groups: int = 1) -> None:
         self.cfg = cfg
         self._sweep_pattern = sweep_pattern
         if sweep_pattern:
@@ -97,7 +102,7 @@ class EmbeddedDeployment:
                         "the next start removes its names", cfg.deployment_id, e)
         self.cache = EmbeddedCache(self.stack)
         self.steered = EmbeddedNamespace(self.stack, namespace.decode(errors="replace"),
-                                         naming)
+                                         naming, kv_groups)
         try:
             if admin:
                 self._start_admin(admin_url_file)

@@ -258,12 +258,14 @@ ENGINE_HASH_ALGOS = ("sha256",)
 class BlockNaming(NamedTuple):
     """How an engine names its blocks from token ids: its hash algorithm (vLLM's
     `prefix_caching_hash_algo`), its seed (the 64 hex digits of its NONE_HASH, or the seed
-    string NONE_HASH is the hash of) and its tokens per block hash (vLLM's `hash_block_size`:
-    token ids name kvtier's blocks only where it equals kvtier's block size)."""
+    string NONE_HASH is the hash of), its tokens per block hash (vLLM's `hash_block_size`:
+    token ids name kvtier's blocks only where it equals kvtier's block size) and its KV cache
+    groups (a hybrid model keys each block per group: token ids name none of them)."""
 
     algo: str
     seed: str
     hash_block_size: int
+    kv_groups: int = 1
 
 
 def engine_block_hashes(algo: str, seed: str, block_size: int, token_ids: Sequence[int],

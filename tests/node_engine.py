@@ -165,9 +165,11 @@ def _tensor(data: bytes) -> Any:
 def main() -> int:
     path, namespace = sys.argv[1], sys.argv[2]
     shape = json.loads(sys.argv[3]) if len(sys.argv) > 3 else SHAPE
-    # the engine's tokens per block hash, when a test says (HELLO's hash_block_size)
+    # the engine's tokens per block hash and KV cache groups, when a test says (HELLO's
+    # hash_block_size, kv_groups)
     said = dataclasses.replace(hello(namespace, shape), hash_block_size=int(
-        os.environ.get("NODE_ENGINE_HASH_BLOCK_SIZE") or 0))
+        os.environ.get("NODE_ENGINE_HASH_BLOCK_SIZE") or 0), kv_groups=int(
+        os.environ.get("NODE_ENGINE_KV_GROUPS") or 1))
     client = NodeClient(path, said, call_timeout_s=1.0)
     engine = Engine(client, shape)
     print(json.dumps({"attached": client.connected, "error": client.last_error}), flush=True)

@@ -154,8 +154,17 @@ def test_an_engine_naming_blocks_otherwise_is_refused_in_one_line(
         NAMING["now"] = ("xxhash", SEED, 0)
         refused(http, "/retain", {**tokens, "retention": {"pin": True}}, 422,
                 "hash algorithm 'xxhash': token-id steering supports ['sha256']")
+        # an engine of several KV cache groups (a hybrid model keys each block per group)
+        NAMING["now"] = ("sha256", SEED, 0)
+        dep.steered.kv_groups = 2
+        for path, extra in (("/lookup", {}), ("/retain", {"retention": {"pin": True}}),
+                            ("/warm", {}), ("/clear", {})):
+            refused(http, path, {**tokens, **extra}, 422, f"namespace '{NS}': its engine "
+                    "keeps 2 KV cache groups (a hybrid model), each keyed per group: token "
+                    "ids cannot name its blocks")
     finally:
         NAMING["now"] = ("sha256", SEED, 0)
+        dep.steered.kv_groups = 1
     assert http.post("/clear", json={"tenant": "nobody"}).json()["host_blocks_removed"] == 0
     silent = Steering(OneNamespace(EmbeddedNamespace(dep.stack, NS, None)))
     with pytest.raises(SteeringError, match="'\\(not given by the engine\\)'"):

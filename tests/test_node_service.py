@@ -46,12 +46,14 @@ class EngineProc:
     """One `node_engine.py` child: commands in, JSON lines out (every read bounded)."""
 
     def __init__(self, sock: Path, namespace: str, shape: dict[str, Any] | None = None,
-                 user: list[str] | None = None, hash_block_size: int = 0) -> None:
+                 user: list[str] | None = None, hash_block_size: int = 0,
+                 kv_groups: int = 1) -> None:
         argv = [sys.executable, str(ENGINE), str(sock), namespace]
         if shape is not None:
             argv.append(json.dumps(shape))
         env = dict(os.environ, PYTHONPATH=str(ENGINE.parent),
-                   NODE_ENGINE_HASH_BLOCK_SIZE=str(hash_block_size))
+                   NODE_ENGINE_HASH_BLOCK_SIZE=str(hash_block_size),
+                   NODE_ENGINE_KV_GROUPS=str(kv_groups))
         self.proc = subprocess.Popen([*(user or []), *argv], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                      text=True)
@@ -242,6 +244,14 @@ def test_namespaces_are_isolated_and_held_to_their_quota(tmp_path: Path) -> None
         assert b.call(op="load", keys=list(range(100, 108)))["hits"] == 0  # evicted
         assert b.call(op="load", keys=list(range(116, 124)))["hits"] == 8
         assert a.call(op="load", keys=list(range(8)))["hits"] == 8  # A untouched
+        # an engine of A's namespace says it keeps 3 KV cache groups (a hybrid model keys
+        # each block per group): token ids name none of A's blocks now, refused in one line
+        n.engine(NS_A, kv_groups=3)
+        with n.serve.client(n.serve.token()) as http:
+            r = http.post("/lookup", json={"namespace": NS_A, **body})
+            assert r.status_code == 422 and r.json()["detail"] == (
+                f"namespace '{NS_A}': its engine keeps 3 KV cache groups (a hybrid model), "
+                "each keyed per group: token ids cannot name its blocks"), r.text
         spaces = {s["namespace"]: s for s in n.status()["node"]["namespaces"]}
         assert spaces[NS_B]["quota_bytes"] == quota
         assert spaces[NS_B]["used_bytes"] <= quota and spaces[NS_B]["host_blocks"] == 16

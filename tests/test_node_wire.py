@@ -4,6 +4,7 @@ anything else."""
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import pytest
@@ -171,3 +172,9 @@ def test_hello_carries_the_hash_block_size_and_an_older_one_reads_as_not_said() 
     assert wire.decode_hello(older).hash_block_size == 0  # the namespace takes block_size
     with pytest.raises(wire.WireError, match="field 'hash_block_size'"):
         wire.decode_hello(body.replace(b'"hash_block_size": 4', b'"hash_block_size": -1'))
+    # the KV cache groups: 1 when not said, several carried, 0 refused
+    assert wire.decode_hello(body.replace(b', "kv_groups": 1', b"")).kv_groups == 1
+    hybrid = wire.encode_hello(dataclasses.replace(h, kv_groups=3))
+    assert wire.decode_hello(wire.decode_head(_body(hybrid))[2]).kv_groups == 3
+    with pytest.raises(wire.WireError, match="field 'kv_groups'"):
+        wire.decode_hello(body.replace(b'"kv_groups": 1', b'"kv_groups": 0'))

@@ -256,7 +256,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 update={"name": namespace})})
             self.cache: EngineCache = attach(
                 self.socket_path, namespace, self.cfg, hash_algo=str(identity.get("hash")),
-                hash_seed=hash_seed(identity), hash_block_size=hash_block_size())
+                hash_seed=hash_seed(identity), hash_block_size=hash_block_size(),
+                kv_groups=max(1, len(self._groups)))
             log.info("kvtier offloading: attached to kvtier serve at %s (%s), namespace %s "
                      "(%s)", self.socket_path,
                      "connected" if self.cache.host_pools() is not None
@@ -270,7 +271,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc,unused-ig
                 self.cfg, namespace.encode(), sweep_pattern=defaults.DEPLOYMENT_PATTERN,
                 admin=bool(extra.get("admin", True)),
                 admin_url_file=str(extra.get("admin_url_file") or ""),
-                naming=functools.partial(block_naming, identity, hash_block_size()))
+                naming=functools.partial(block_naming, identity, hash_block_size()),
+                kv_groups=max(1, len(self._groups)))
             self.cache = self.node.cache
             self.admin_url = self.node.admin_url
             token_file = self.node.token_file

@@ -89,6 +89,8 @@ class Namespace:
         # the first engine's tokens per block hash (HELLO): token-id steering needs it equal
         # to `geometry["block_size"]` (`Steering.hashes` refuses otherwise)
         self.hash_block_size = int(geometry["block_size"])
+        # its engines' KV cache groups (HELLO): several refuse token-id steering too
+        self.kv_groups = 1
         self.sessions: set[int] = set()
         self.engines_seen = 0
         self.created = time.time()
@@ -159,7 +161,8 @@ class Namespace:
     def block_naming(self) -> BlockNaming:
         """How this namespace's engines name blocks from token ids (its first HELLO)."""
         g = self.geometry
-        return BlockNaming(str(g["hash_algo"]), str(g["hash_seed"]), self.hash_block_size)
+        return BlockNaming(str(g["hash_algo"]), str(g["hash_seed"]), self.hash_block_size,
+                           self.kv_groups)
 
 
 class _Starting:
@@ -273,6 +276,9 @@ class Namespaces:
         if session is not None:
             ns.sessions.add(session)
             ns.engines_seen += 1
+            # an engine's own word (a namespace adopted from a hand-over had none): its
+            # engines share one identity, groups included
+            ns.kv_groups = max(ns.kv_groups, hello.kv_groups)
         return ns
 
     def _reserve(self, hello: Hello) -> tuple[KvtierConfig, int, int]:

@@ -12,7 +12,9 @@ announced in HELLO, or the embedded engine's own), so
 every operation names exactly the blocks the engines stored; the request's `cache_salt`
 (the tenant) is part of the first block's hash, as in vLLM. That holds only where the
 engine hashes blocks of kvtier's block size: a namespace whose HELLO said otherwise (vLLM's
-`hash_block_size`, finer in a hybrid model) refuses every operation by token ids in one line.
+`hash_block_size`, finer in a hybrid model), or whose engine keeps several KV cache groups
+(each block keyed per group: HELLO's `kv_groups`, the embedded adapter's naming), refuses
+every operation by token ids in one line (422).
 Each operation is one call into
 the namespace's `KeyedHostCache` under its lock; refusals are one-line `SteeringError`s and
 change nothing.
@@ -129,6 +131,10 @@ class Steering:
                cache_salt: str | None) -> list[bytes]:
         naming = ns.block_naming()
         bs = ns.keyed.block_size
+        if naming.kv_groups > 1:  # each group's keys are its own, not vLLM's block hash
+            raise SteeringError(
+                f"namespace {ns.name!r}: its engine keeps {naming.kv_groups} KV cache groups "
+                "(a hybrid model), each keyed per group: token ids cannot name its blocks")
         if naming.hash_block_size != bs:
             raise SteeringError(
                 f"namespace {ns.name!r}: its engine hashes blocks of "

@@ -237,8 +237,9 @@ class Hello:
     geometry (`shape`: KVShape's fields), `block_size`, the hash algorithm and its seed, and
     the rank count; `pid` is shown to the operator. `hash_block_size`: the tokens per block
     hash of the engine (vLLM's `cache_config.hash_block_size`; 0 = not said, taken as
-    `block_size`): token-id steering names blocks only where the two are equal. Optional in
-    the frame (an engine of before it sends none)."""
+    `block_size`): token-id steering names blocks only where the two are equal. `kv_groups`:
+    the engine's KV cache groups (a hybrid model's several are keyed per group, so token-id
+    steering is refused). Both optional in the frame (an engine of before them sends none)."""
 
     namespace: str
     shape: dict[str, Any]
@@ -248,6 +249,7 @@ class Hello:
     ranks: int
     pid: int
     hash_block_size: int = 0
+    kv_groups: int = 1
 
     def geometry(self) -> dict[str, Any]:
         """What must be equal for two engines to share a namespace's blocks."""
@@ -334,7 +336,8 @@ def _json_body(body: bytes, frame: str) -> dict[str, Any]:
 def encode_hello(h: Hello, seq: int = 0) -> bytes:
     body = json.dumps({"namespace": h.namespace, "shape": h.shape, "block_size": h.block_size,
                        "hash_algo": h.hash_algo, "hash_seed": h.hash_seed, "ranks": h.ranks,
-                       "pid": h.pid, "hash_block_size": h.hash_block_size}).encode()
+                       "pid": h.pid, "hash_block_size": h.hash_block_size,
+                       "kv_groups": h.kv_groups}).encode()
     return _frame(FrameType.HELLO, seq, body)
 
 
@@ -353,14 +356,16 @@ def decode_hello(body: bytes) -> Hello:
     ranks = _field(obj, "HELLO", "ranks", int)
     pid = _field(obj, "HELLO", "pid", int)
     hash_block = _field(obj, "HELLO", "hash_block_size", int) if "hash_block_size" in obj else 0
+    groups = _field(obj, "HELLO", "kv_groups", int) if "kv_groups" in obj else 1
     for name, v, lo in (("block_size", block, 1), ("ranks", ranks, 1), ("pid", pid, 0),
-                        ("hash_block_size", hash_block, 0)):
+                        ("hash_block_size", hash_block, 0), ("kv_groups", groups, 1)):
         if not lo <= v < 1 << 31:
             raise WireError(f"HELLO: field {name!r} = {v} is out of range")
     if not 1 <= ranks <= 64:
         raise WireError(f"HELLO: field 'ranks' = {ranks}: 1 to 64 ranks")
     return Hello(ns, dict(shape), block, _field(obj, "HELLO", "hash_algo", str)[:128],
-                 _field(obj, "HELLO", "hash_seed", str)[:256], ranks, pid, hash_block)
+                 _field(obj, "HELLO", "hash_seed", str)[:256], ranks, pid, hash_block,
+                 groups)
 
 
 def encode_welcome(w: Welcome, seq: int = 0) -> bytes:
