@@ -464,6 +464,8 @@ def render_status(data: dict[str, Any]) -> None:
     node = data.get("node")
     if node:
         _render_node(console, node)
+    elif data.get("tenants"):  # an embedded kvtier: its one namespace's tenants
+        _render_tenants(console, data["tenants"])
 
 
 def _render_node(console: Any, node: dict[str, Any]) -> None:
@@ -497,13 +499,23 @@ def _render_node(console: Any, node: dict[str, Any]) -> None:
                         str(e.get("lookups")), str(e.get("hit_host_blocks")),
                         str(e.get("hit_storage_blocks")), str(e.get("stores")))
     console.print(engines)
+    _render_tenants(console, {str(ns.get("namespace")): ns.get("tenants") or {}
+                              for ns in node.get("namespaces", [])})
+
+
+def _render_tenants(console: Any, by_namespace: dict[str, Any]) -> None:
+    """Per-tenant figures by namespace (the node's namespaces, or an embedded kvtier's one);
+    nothing when no namespace has a tenant yet."""
+    from rich import box
+    from rich.table import Table
+
     tenants = Table(title="tenants (host blocks, tokens)", box=box.SIMPLE)
     for col in ("namespace", "tenant", "blocks", "pinned", "quota", "hit tokens", "stores",
                 "evictions", "refused"):
         tenants.add_column(col, justify="left" if col in ("namespace", "tenant") else "right")
-    for ns in node.get("namespaces", []):
-        for name, f in (ns.get("tenants") or {}).items():
-            tenants.add_row(str(ns.get("namespace"))[:24], repr(name)[:24],
+    for ns, figs in by_namespace.items():
+        for name, f in (figs or {}).items():
+            tenants.add_row(ns[:24], repr(name)[:24],
                             str(f.get("host_blocks")), str(f.get("pinned_blocks", "-")),
                             str(f.get("quota_blocks", "-")), str(f.get("hit_tokens")),
                             str(f.get("stores")), str(f.get("evictions")),

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from kvtier.admin.cli import render_status
 from kvtier.engine.embedded import EmbeddedDeployment, EmbeddedNamespace
 from kvtier.manager.keys import engine_block_hashes
 from kvtier.manager.node.steering import OneNamespace, Steering
@@ -85,7 +86,7 @@ def refused(http: httpx.Client, path: str, body: dict[str, Any], status: int,
 
 
 def test_lookup_retain_and_refusals_on_the_one_namespace(
-        dep: EmbeddedDeployment, http: httpx.Client) -> None:
+        dep: EmbeddedDeployment, http: httpx.Client, capsys: pytest.CaptureFixture[str]) -> None:
     system = prompt(1, 6)
     store(dep, system, "b")
     # the engine's names: with or without the namespace, per salt
@@ -115,7 +116,11 @@ def test_lookup_retain_and_refusals_on_the_one_namespace(
     assert r.status_code == 200, r.text
     assert http.get(f"/tenants?namespace={NS}").json()[NS]["b"]["pinned_blocks"] == 6
     # the tenants in /status and /metrics too (bounded, as the node's)
-    assert http.get("/status").json()["tenants"][NS]["b"]["pinned_blocks"] == 6
+    status = http.get("/status").json()
+    assert status["tenants"][NS]["b"]["pinned_blocks"] == 6
+    render_status(status)  # `kvtier status`'s tables show them too, not only its --json
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert [NS[:24], "'b'", "6", "6", "8"] in [r[:5] for r in rows], rows
     assert (f'kvtier_node_tenant_host_blocks{{namespace="{NS}",state="pinned",tenant="b"}} '
             "6.0") in http.get("/metrics").text
     r = http.post("/retain/unpin", json=base)
