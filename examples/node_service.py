@@ -33,6 +33,12 @@ is checked or made on the engine side and they start all the same (`unowned_host
   removals (`clear_removals_announced`); A's first document is warmed from storage and A's
   next request loads it from the host tier, exactly (`warm_first_request_host_tokens`:
   the service's count of its loads, at most what /lookup saw on the host before it).
+  Then TTL and priority through kv_hints (`_retention_steps`), two more tenants with quotas
+  of 12 blocks: a prompt kept with `ttl_s` survives its tenant's flood while the TTL runs
+  (B then loads all of it from the host: `ttl_host_tokens_within`) and is evicted by the
+  flood after it (`ttl_host_tokens_after`: none); of two prompts of one tenant, a flood
+  evicts the lower priority one first although it is the younger
+  (`priority_high_host_tokens`, `priority_low_host_tokens`).
 * `--kill-serve`: `kvtier serve` is killed (SIGKILL) while B serves; B's requests complete
   (recomputed) within `SERVE_DOWN_BOUND_S` each; serve is started again on the same socket, B
   reconnects (backoff at most 5 s), stores anew and hits again (`after_restart_*`).
@@ -93,6 +99,11 @@ SERVE_DOWN_BOUND_S = 30.0  # a request of an attached engine while its service i
 # plus one document of its own; its second document evicts its oldest unpinned blocks
 A_QUOTA_BLOCKS = 12
 B_QUOTA_BLOCKS = 12
+# --tenants, TTL and priority: two documents' worth per tenant; the TTL outlasts three
+# requests on a loaded machine (0.15-0.63 s each measured) and the priority steps run
+# meanwhile, so waiting for it costs little
+RETAIN_QUOTA_BLOCKS = 12
+TTL_S = 5.0
 URL_LINE = re.compile(r"admin listening on (http://\S+)")
 MARK = "@@ "
 
@@ -280,6 +291,61 @@ def _tenant_steps(serve: Serve, ns: str, sub: Any, a: Engine, b: Engine,
     out["warm_first_request_host_tokens"] = min(on_host,
                                                 (loads(a) - before) * vllm_offload.BLOCK)
     out["warm_first_request_identical"] = vllm_offload.compare(cold_doc, warmed)[0]
+    out.update(_retention_steps(serve, ns, a, b, prompt, figures))
+    return out
+
+
+def _retention_steps(serve: Serve, ns: str, a: Engine, b: Engine, prompt: Any,
+                     figures: Any) -> dict[str, Any]:
+    """TTL and priority through kv_hints, each tenant with a quota of two documents (12
+    blocks); what a request loads from the host is the service's count for B (vLLM's
+    num_cached_tokens alone would include loads from storage). TTL: A stores X with
+    {ttl_s: TTL_S}; B floods two documents of X's tenant (the second must evict one of the
+    two oldest: X is held, so the first document goes) and then loads all of X from the host;
+    once X's hold expired, two more documents evict what is oldest (the first of them, then
+    X, whose hit made it the youngest) and B loads none of X from the host. Priority: A
+    stores HI (priority 2) before LO (priority 1), then one document of their tenant: it
+    evicts LO, younger but lower; B loads all of HI and none of LO from the host. The
+    priority steps run while X's TTL does."""
+    def host_tokens(e: Engine, tokens: list[int], salt: str) -> tuple[int, int]:
+        """(host tokens the service counted for this request, vLLM's num_cached_tokens)."""
+        [before] = [s for s in engines(serve.status()) if s.get("pid") == e.pid]
+        got = e.steer(tokens, salt, None)  # no hint: a hit would refresh a retention
+        [after] = [s for s in engines(serve.status()) if s.get("pid") == e.pid]
+        host = (after["hit_host_blocks"] - before["hit_host_blocks"]) * vllm_offload.BLOCK
+        return host, got["num_cached_tokens"]
+
+    for tenant in ("t", "p"):
+        admin_json(serve.url, "/tenants/quota", {"namespace": ns, "tenant": tenant,
+                                                 "quota_blocks": RETAIN_QUOTA_BLOCKS})
+    out: dict[str, Any] = {"ttl_s": TTL_S}
+    x = prompt()
+    t0 = time.monotonic()
+    a.steer(x, "t", {"ttl_s": TTL_S, "tenant": "t"})
+    for _ in range(2):
+        b.steer(prompt(), "t", {"tenant": "t"})
+    out["ttl_held_blocks_after_flood"] = figures()["t"]["held_blocks"]
+    out["ttl_host_tokens_within"], out["ttl_cached_tokens_within"] = host_tokens(b, x, "t")
+    out["ttl_flood_seconds"] = round(time.monotonic() - t0, 2)
+
+    hi, lo = prompt(), prompt()
+    a.steer(hi, "p", {"priority": 2, "tenant": "p"})
+    a.steer(lo, "p", {"priority": 1, "tenant": "p"})
+    a.steer(prompt(), "p", {"tenant": "p"})
+    out["priority_high_host_tokens"] = host_tokens(b, hi, "p")[0]
+    out["priority_low_host_tokens"] = host_tokens(b, lo, "p")[0]
+    out["priority_evictions"] = figures()["p"]["evictions"]
+
+    wait_for(lambda: figures()["t"]["held_blocks"] == 0, TTL_S + 20, "X's TTL to run out")
+    out["ttl_released_after_s"] = round(time.monotonic() - t0, 2)
+    for _ in range(2):
+        b.steer(prompt(), "t", {"tenant": "t"})
+    # B's device cache lost X to the six requests since (a device hit would count no host
+    # tokens either): /lookup says the host holds none of it before B asks
+    out["ttl_lookup_host_after"] = admin_json(serve.url, "/lookup", {
+        "namespace": ns, "token_ids": x, "cache_salt": "t"})["matched_tokens"]["host"]
+    out["ttl_host_tokens_after"] = host_tokens(b, x, "t")[0]
+    out["retention_steps_seconds"] = round(time.monotonic() - t0, 2)
     return out
 
 

@@ -15,6 +15,11 @@ the tenant figures printed, one JSON line last:
     warm_first_request_host_tokens  A's first request after a warm from storage: tokens
                                   it loaded out of the host tier (the service's count of
                                   its loads, at most what /lookup saw there before it)
+    ttl_host_tokens_within        a prompt kept with a kv_hints ttl_s (5 s), its tenant
+                                  flooded meanwhile: tokens B then loaded from the host (all)
+    ttl_host_tokens_after         the same after the TTL ran out and a flood: none
+    priority_high_host_tokens     of two prompts of one tenant (priority 2, then 1), a
+    priority_low_host_tokens      flood evicted the lower one: host tokens of each after
     tenants                       the service's per-tenant figures (GET /tenants)
 
 The last line is the figures the issue names, each computed by the run.
@@ -33,7 +38,8 @@ import node_service
 
 KEYS = ("b_identical_after_flood", "lookup_host_tokens", "b_own_evictions",
         "clear_removals_announced", "warm_first_request_cached_tokens",
-        "warm_first_request_identical", "tenants")
+        "warm_first_request_identical", "ttl_host_tokens_within", "ttl_host_tokens_after",
+        "priority_high_host_tokens", "priority_low_host_tokens", "tenants")
 # the issue's figures: the last line of output
 FIGURES = ("b_pinned_tokens_after_flood", "a_evicted_only_a", "warm_first_request_host_tokens",
            "lookup_equals_load", "clear_left_other_tenant")
@@ -46,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
     run_args = argparse.Namespace(model_dir=args.model_dir, seed=args.seed, tenants=True,
-                                  kill_a=False, kill_serve=False, restart_serve=False)
+                                  kill_a=False, kill_serve=False, restart_serve=False,
+                                  takeover_serve=False)
     with tempfile.TemporaryDirectory(prefix="kvtier-tenants-") as tmp:
         report = node_service.run(run_args, Path(tmp))
     out = {k: report[k] for k in KEYS}

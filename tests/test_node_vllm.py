@@ -170,3 +170,20 @@ def test_a_tenants_clear_and_warm(report: dict[str, Any]) -> None:
     assert r["warm_first_request_host_tokens"] == PREFIX_TOKENS, r
     assert r["warm_first_request_cached_tokens"] == PREFIX_TOKENS, r
     assert r["warm_first_request_identical"] is True, r
+
+
+def test_a_ttl_keeps_a_prompt_under_pressure_and_priority_orders_eviction(
+        report: dict[str, Any]) -> None:
+    """Issue 36 (`--tenants`, the same vLLM processes): X, stored with a kv_hints
+    kvtier.retain {ttl_s}, survived a flood of its tenant's quota while the TTL ran (B loaded
+    all of it from the node's host tier) and was evicted by the flood after it (none from the
+    host); of HI (priority 2) and the younger LO (priority 1), the flood evicted LO."""
+    r = report
+    assert r["ttl_held_blocks_after_flood"] == PREFIX_TOKENS // 32, r
+    assert r["ttl_host_tokens_within"] == PREFIX_TOKENS, r
+    assert r["ttl_cached_tokens_within"] == PREFIX_TOKENS, r
+    assert r["ttl_released_after_s"] >= r["ttl_s"], r
+    assert r["ttl_lookup_host_after"] == 0 and r["ttl_host_tokens_after"] == 0, r
+    assert r["priority_high_host_tokens"] == PREFIX_TOKENS, r
+    assert r["priority_low_host_tokens"] == 0, r
+    assert r["priority_evictions"] == PREFIX_TOKENS // 32, r
