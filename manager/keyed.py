@@ -219,6 +219,8 @@ class KeyedHostCache:
         self.events: TierEventLog | None = None
         # tenants, quotas and retention of the host copies (issue 36)
         self.tenants = TenantBook(manager)
+        if storage is not None:  # a page the worker deleted by itself keeps no mark here
+            storage.on_pages_gone = self.tenants.storage_marks.forget
 
     # ------------------------------------------------------------------ keys
 

@@ -194,6 +194,8 @@ class StorageTier:
         self._prefetches: dict[int, int] = {}
         self._queries: dict[int, int] = {}
         self._revoked: set[int] = set()
+        # told the storage keys of pages a prefetch found gone (`StorageHooks.on_pages_gone`)
+        self.on_pages_gone: Callable[[list[bytes]], None] | None = None
         self._held: dict[int, None] = {}
         # the listing: LIST in flight (seq), tags noted since it was sent (kept through the
         # refresh it answers), when the last whole listing was asked for, a generation that a
@@ -512,7 +514,15 @@ class StorageTier:
         # landed, so they stay (as SGLang's terminate_prefetch keeps completed pages).
         good = min(comp.result, len(nodes)) if ok else 0
         self._prefetches.pop(seq, None)
-        if seq in self._revoked:
+        revoked = seq in self._revoked
+        # answered, not revoked, short: the first page not read is gone (missing, or damaged
+        # and deleted by the worker; the next ones were not tried). An I/O error reads the
+        # same and may leave the page: its retention record is then lost, never the page
+        if ok and not revoked and good < len(nodes) and self.on_pages_gone is not None:
+            skey = nodes[good].skey
+            if skey is not None:
+                self.on_pages_gone([skey])
+        if revoked:
             self._revoked.discard(seq)
             self.counters["revoked_pages_kept"] += good
             self.counters["revoked_pages_dropped"] += len(nodes) - good

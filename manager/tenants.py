@@ -208,7 +208,8 @@ class StorageMarks:
     rest. Invariant: at most `limit` keys (what the worker holds per rank); past it a new
     key is not recorded (`unrecorded`), as the worker refuses it. A mark that holds nothing
     any more (no pin, TTL passed, priority 0) is dropped when met; a page deleted (clear
-    with storage, a storage reset) is forgotten."""
+    with storage, a storage reset) or found gone by a prefetch (missing, or damaged and
+    deleted by the worker itself: the storage tier's `on_pages_gone`) is forgotten."""
 
     def __init__(self, limit: int = MAX_STORAGE_MARKS) -> None:
         self.limit = limit

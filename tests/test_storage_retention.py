@@ -339,6 +339,29 @@ def test_clear_by_tenant_deletes_that_tenants_pages_only(keyed_stack: Stack,
     assert in_storage(stack, cache, x + y) == [False] * 3 + [True] * 3
 
 
+def test_a_page_the_worker_deletes_by_itself_drops_its_mark(keyed_stack: Stack,
+                                                            cache: KeyedHostCache) -> None:
+    """A pinned page found damaged by a prefetch is deleted by the worker itself: the book's
+    record of its mark goes with it (a re-send to a replaced worker would mark the key
+    again, and hold a later write of it); the other page's mark stays."""
+    stack = keyed_stack
+    x = keys_of("damaged", 2)
+    store_blocks(stack, cache, x, "x")
+    cache.retain(x, Retention(pin=True), "x")
+    marks = cache.tenants.storage_marks
+    assert len(marks) == 2
+    cache.clear(hashes=x)  # host only: the pages stay, the next lookup prefetches them
+    page = page_file(stack, 0, cache.storage_key(x[0]))
+    data = bytearray(page.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte of the payload: its MAC fails
+    page.write_bytes(bytes(data))
+    cache.lookup(x[0], "damaged-read", [x[1]], threshold_tokens=0)
+    wait_until(lambda: not page.exists(), 20.0, "the worker to delete the damaged page")
+    wait_until(lambda: len(marks) == 1, 5.0, "the damaged page's mark dropped")
+    assert in_storage(stack, cache, x) == [False, True]
+    assert marks.resend(time.monotonic())[0][0] == [cache.storage_key(x[1])]
+
+
 @pytest.mark.slow
 def test_a_replaced_worker_is_told_the_retention_again(keyed_stack: Stack) -> None:
     """The storage marks live in the worker process: when it is killed, the tenant book's

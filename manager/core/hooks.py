@@ -56,6 +56,9 @@ class StorageHooks(Protocol):
     """Misses shorter than this many tokens are not worth a storage query."""
     prefetching_blocks: int
     """Host blocks that prefetches in flight hold."""
+    on_pages_gone: Callable[[list[bytes]], None] | None
+    """Told (lock held) the storage keys of pages a prefetch found gone: missing, or damaged
+    and deleted by the worker itself (the keyed surface drops their retention record)."""
 
     def request_skeys(self, req: RequestState, token_ids: Sequence[int],
                       upto: int) -> list[bytes]:
