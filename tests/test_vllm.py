@@ -438,6 +438,9 @@ def test_hybrid_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly(
     # the whole prefix for the full-attention layers, only the window for the others
     assert r["blocks_loaded_by_group"] == {"0": SWA_WINDOW_BLOCKS, "1": PREFIX_TOKENS // 32}, r
     assert r["identical"] is True and r["max_abs_logprob_diff"] == 0.0, r
+    # the admin's /lookup by token ids is refused in one line (each block is keyed per
+    # group), not answered with nothing: the adapter told the embedded kvtier its 2 groups
+    assert "2 KV cache groups" in r["lookup_before_load"].get("refused", ""), r
 
 
 @runs("test_gemma2_a_prefix_evicted_from_vllm_comes_back_from_kvtier_exactly")
