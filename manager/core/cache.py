@@ -845,6 +845,14 @@ class CacheCore:
         return [(n.key, n.host, n.skey, bool(n.flags & STORED))  # type: ignore[misc]
                 for n in nodes]
 
+    def ready_host_copy(self, key: int) -> tuple[int, int, bytes | None, bool] | None:
+        """`key`'s host copy as `ready_host_copies` lists it, or None while it has no whole
+        one (not cached, not on the host, being written or prefetched)."""
+        n = self._map.get(key)
+        if n is None or n.host is None or n.flags & (ENGINE_WRITE | PREFETCHING):
+            return None
+        return (key, n.host, n.skey, bool(n.flags & STORED))
+
     @staticmethod
     def host_copy_ready(node: Node) -> bool:
         """Whether `node`'s host copy is whole (not being written by an engine nor
