@@ -853,6 +853,21 @@ class CacheCore:
             return None
         return (key, n.host, n.skey, bool(n.flags & STORED))
 
+    def adopt_abandoned_writes(self, pages: Sequence[tuple[int, int]],
+                               now: float) -> list[Node]:
+        """Engine stores a node service's predecessor had abandoned and still held when it
+        handed over (issue 37), as (key, host block): each a node marked ENGINE_WRITE (never
+        served; its block out of the free list) for the caller to hold until their deadline
+        and then drop (`drop_engine_io`): an engine's late copy may still land there. All or
+        nothing, as `adopt_host_copies`."""
+        keys = set()
+        for key, _ in pages:
+            if key in keys or self._map.get(key) is not None:
+                raise InvalidRequestError(f"held key {key:x}: twice, or already cached")
+            keys.add(key)
+        self._host_pool.take([hb for _, hb in pages])
+        return [self._new_host_node(key, hb, now, ENGINE_WRITE) for key, hb in pages]
+
     @staticmethod
     def host_copy_ready(node: Node) -> bool:
         """Whether `node`'s host copy is whole (not being written by an engine nor
