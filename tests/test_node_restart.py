@@ -100,6 +100,10 @@ def test_a_planned_restart_keeps_every_block_byte_for_byte(node: Node) -> None:
     assert ns["used_bytes"] == (STORED + HELD) * PAGE, ns
     log = node.log()
     assert f"{HELD} abandoned store(s) of the old service held until their deadline" in log
+    # the namespace's worker was started warm from the hand-over's count, before the
+    # service's own imports (`cli._warm_for_handover`)
+    assert "a hand-over is waiting: 1 worker process(es) started warm" in log, log
+    assert ", warm, log " in log, log
     with node.serve.client() as http:  # type: ignore[union-attr]
         metrics = http.get("/metrics").text
     assert (f'kvtier_node_restart_blocks{{kind="adopted",namespace="{NS_A}"}} {STORED}.0'

@@ -147,6 +147,18 @@ class HandOver(msgspec.Struct, forbid_unknown_fields=True):
     namespaces: Annotated[list[NamespaceRecord], msgspec.Meta(max_length=MAX_NAMESPACES)]
 
 
+class _PeekNamespace(msgspec.Struct):
+    ranks: Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
+
+
+class _Peek(msgspec.Struct):
+    """What `handover_workers` reads of a hand-over (the rest is skipped unread)."""
+
+    version: int
+    deployment_id: str
+    namespaces: Annotated[list[_PeekNamespace], msgspec.Meta(max_length=MAX_NAMESPACES)]
+
+
 class HandOverRefused(KvtierError):
     """A hand-over this service does not adopt; the message is the one log line."""
 
@@ -232,6 +244,32 @@ def write_handover(folder: Path, base_deployment_id: str,
 
 
 # ---------------------------------------------------------------------- the new service
+
+def handover_workers(folder: Path, base_deployment_id: str, most: int) -> int:
+    """How many worker processes the hand-over waiting in `folder` will start (its
+    namespaces' ranks, at most `most`), read without taking it: 0 when there is none or it
+    would be refused at a glance (another owner, version or deployment). The checks that
+    count are `read_handover`'s, at the start proper: this only lets a plain restart start
+    its workers warm before its own imports (a wrong count costs an idle process)."""
+    try:
+        fd = os.open(folder / HANDOVER_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        st = os.fstat(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+                or st.st_size > MAX_FILE_BYTES):
+            return 0
+        with open(fd, "rb", closefd=False) as f:
+            doc = msgspec.msgpack.decode(f.read(), type=_Peek)
+    except (OSError, msgspec.MsgspecError):
+        return 0
+    finally:
+        os.close(fd)
+    if doc.version not in READABLE_VERSIONS or doc.deployment_id != base_deployment_id:
+        return 0
+    return min(most, sum(ns.ranks for ns in doc.namespaces))
+
 
 def read_handover(folder: Path, base_deployment_id: str) -> HandOver:
     """The hand-over in `folder`, taken (unlinked whatever it holds: it is read once), and
