@@ -99,13 +99,14 @@ class EngineProc:
 class Node:
     """A `kvtier serve` child with its node socket in a short private folder."""
 
-    def __init__(self, tmp: Path, *, node_toml: str = "", storage: str = "none") -> None:
+    def __init__(self, tmp: Path, *, node_toml: str = "", storage: str = "none",
+                 abandon_grace_s: float = 0.5) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvn", dir="/tmp"))
         self.sock = self.dir / "s" / "node.sock"
         self.did = new_deployment_id("nd")
         self.toml = tiny_toml(tmp / "kvtier.toml", self.did, storage=storage,
-                              extra=f'[node]\nsocket = "{self.sock}"\nabandon_grace_s = 0.5\n'
-                              + node_toml)
+                              extra=f'[node]\nsocket = "{self.sock}"\n'
+                              f"abandon_grace_s = {abandon_grace_s}\n" + node_toml)
         self.tmp = tmp
         self.serve: ServeProcess | None = None
         self.engines: list[EngineProc] = []
