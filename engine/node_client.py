@@ -58,6 +58,7 @@ import select
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -97,6 +98,12 @@ class NodeUnavailable(Exception):
     """Internal: the service cannot be reached now (the caller answers a miss)."""
 
 
+OPEN_STORES_KEPT = 1 << 16
+"""Open stores the client remembers (about 10 MB of hashes at most). An engine has at most its
+device pool's blocks in flight, and vLLM completes every store it plans: the bound only matters
+for an engine that drops its completions (the oldest are forgotten first)."""
+
+
 class NodeClient:
     """`EngineCache` over a node service's socket (see the module docstring).
 
@@ -104,9 +111,11 @@ class NodeClient:
     `_answers`, request id -> block hash -> the lookup answer the last round trip gave for
     it (each used once); `_asked`, requests counted already; `_pools`, the segments of the
     current generation; `_events`, tier events not taken yet; `_announced`, tier -> hashes
-    reported stored there and not removed since. Invariant: `_outbox` and `_answers` are
+    reported stored there and not removed since; `_open_stores`, hash -> the attach its
+    store was planned under, until completed. Invariants: `_outbox` and `_answers` are
     empty while DOWN (they belong to a session the service has ended); `_announced` is empty
-    while DOWN (a DOWN withdraws it)."""
+    while DOWN (a DOWN withdraws it); a completion reaches the service only for a store planned
+    under the current attach, and a hash with an earlier attach's store open is never planned."""
 
     def __init__(self, path: str | Path, hello: wire.Hello, *, call_timeout_s: float = 1.0,
                  attach_timeout_s: float = 60.0, backoff_s: tuple[float, float] = (0.05, 5.0),
@@ -134,6 +143,10 @@ class NodeClient:
         self._events_on = False
         self._events: list[TierEvent] = []
         self._announced: dict[str, set[bytes]] = {HOST: set(), STORAGE: set()}
+        # hash -> the attach (`attaches`) its open store was planned under, until the engine
+        # completes it: a completion of an earlier attach's plan is dropped, and that hash is
+        # not planned again until it comes (see `prepare_store`); bounded by OPEN_STORES_KEPT
+        self._open_stores: OrderedDict[bytes, int] = OrderedDict()
         self._closed = threading.Event()
         self._wake = threading.Event()
         self.session = 0
@@ -487,7 +500,15 @@ class NodeClient:
             self._queue(wire.OpRecord(wire.Op.TOUCH, list(hashes)))
 
     def prepare_store(self, hashes: Sequence[bytes], tenant: str = "") -> PlannedStore | None:
+        """A plan for (some of) `hashes`. A hash whose store was planned under an earlier
+        attach and not completed yet is left out: the service ended that session and freed
+        the store, and the engine's completion of it is still to come. Were the hash planned
+        again now, that late completion (hashes only, no plan id on the wire) would complete
+        the new plan before its bytes were copied, and the node would serve a page never
+        written (issue 37: a restart or reattach mid-store)."""
         with self._lock:  # the reply and the pools it means read together
+            attach = self.attaches
+            hashes = [h for h in hashes if self._open_stores.get(h, attach) == attach]
             if not hashes:
                 pools = self.host_pools()
                 return None if pools is None else PlannedStore([], [], pools)
@@ -504,11 +525,25 @@ class NodeClient:
             if len(keys) != len(reply.ids) or pools is None:
                 self.complete_store(keys, ok=False)  # given back: never copied, never served
                 return None
+            attach = self.attaches  # the attach that answered (a reply may follow a DOWN)
+            for h in keys:
+                self._open_stores[h] = attach
+                self._open_stores.move_to_end(h)
+            while len(self._open_stores) > OPEN_STORES_KEPT:
+                self._open_stores.popitem(last=False)
         return PlannedStore(keys, reply.ids, pools, reply.evicted)
 
     def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
-        if hashes:
-            self._queue(wire.OpRecord(wire.Op.COMPLETE_STORE, list(hashes), flag=int(ok)))
+        """The engine's copies of a plan's blocks are done (`ok`) or given up. Completions of
+        stores planned under an earlier attach are dropped (that session's stores were
+        abandoned by the service when it ended; see `prepare_store`)."""
+        if not hashes:
+            return
+        with self._lock:
+            attach = self.attaches
+            current = [h for h in hashes if self._open_stores.pop(h, attach) == attach]
+        if current:
+            self._queue(wire.OpRecord(wire.Op.COMPLETE_STORE, current, flag=int(ok)))
 
     def retain(self, hashes: Sequence[bytes], retention: Retention, tenant: str = "") -> None:
         """One-way RETAIN (rides with the next question); the service checks the quota and

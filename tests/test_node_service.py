@@ -303,6 +303,32 @@ def test_a_killed_service_answers_misses_in_bound_and_a_new_one_is_reattached(
     assert got["hits"] == 8 and got["identical"] is True
 
 
+def test_a_store_planned_before_a_reattach_never_completes_a_plan_made_after_it(
+        node: Node) -> None:
+    """An engine's store in flight across a service restart: its completion names hashes
+    only, so arriving after the reattach it must not complete a new plan of the same hashes,
+    whose pages nobody wrote. The client leaves such hashes out of new plans until the old
+    completion comes, and drops that completion; the blocks are then planned and stored anew."""
+    a = node.engine()
+    keys = list(range(40, 44))
+    assert a.call(op="store", keys=keys, hold=True)["written"] == 4  # planned, written, open
+    assert node.serve is not None
+    node.serve.proc.kill()  # type: ignore[union-attr]
+    node.serve.proc.wait(10)  # type: ignore[union-attr]
+    node.serve.close()
+    node.start()
+    wait_until(lambda: a.call(op="status")["connected"], 30, "the engine reattached")
+    # a new plan of the same blocks, never written (an engine still copying, or one that died)
+    got = a.call(op="store", keys=keys, hang_after=0)
+    assert got.get("prepared", 0) == 0, got  # not planned while the old store is open
+    assert a.call(op="complete", ok=True)["completed"] == 4  # the late completion: dropped
+    served = node.engine().call(op="load", keys=keys)
+    assert served["hits"] == 0, served  # nothing of it is servable: no page was written
+    assert a.call(op="store", keys=keys)["stored"] == 4  # planned again once it completed
+    again = node.engine().call(op="load", keys=keys)
+    assert again["hits"] == 4 and again["identical"] is True, again
+
+
 def test_an_idle_engine_notices_a_killed_service_and_reattaches_by_itself(node: Node) -> None:
     """No call after the kill: the client's own thread notices the closed socket and attaches
     to the restarted service (live compose: an engine with no traffic was never listed
