@@ -58,7 +58,7 @@ import select
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -112,10 +112,12 @@ class NodeClient:
     it (each used once); `_asked`, requests counted already; `_pools`, the segments of the
     current generation; `_events`, tier events not taken yet; `_announced`, tier -> hashes
     reported stored there and not removed since; `_open_stores`, hash -> the attach its
-    store was planned under, until completed. Invariants: `_outbox` and `_answers` are
+    store was planned under, until completed; `_open_loads`, hash -> the attaches of its open
+    loads. Invariants: `_outbox` and `_answers` are
     empty while DOWN (they belong to a session the service has ended); `_announced` is empty
-    while DOWN (a DOWN withdraws it); a completion reaches the service only for a store planned
-    under the current attach, and a hash with an earlier attach's store open is never planned."""
+    while DOWN (a DOWN withdraws it); a completion reaches the service only for a store or load
+    planned under the current attach, and a hash with an earlier attach's store open is never
+    planned for storing."""
 
     def __init__(self, path: str | Path, hello: wire.Hello, *, call_timeout_s: float = 1.0,
                  attach_timeout_s: float = 60.0, backoff_s: tuple[float, float] = (0.05, 5.0),
@@ -147,6 +149,11 @@ class NodeClient:
         # completes it: a completion of an earlier attach's plan is dropped, and that hash is
         # not planned again until it comes (see `prepare_store`); bounded by OPEN_STORES_KEPT
         self._open_stores: OrderedDict[bytes, int] = OrderedDict()
+        # hash -> the attach of each of its open loads, oldest first (several requests may
+        # load one block): a completion is the oldest open load's, and one of an earlier
+        # attach is dropped (else it would unpin the new session's load of that hash while
+        # its copy still reads the page); bounded by OPEN_STORES_KEPT hashes
+        self._open_loads: dict[bytes, deque[int]] = {}
         self._closed = threading.Event()
         self._wake = threading.Event()
         self.session = 0
@@ -489,11 +496,31 @@ class NodeClient:
                 self.complete_load(hashes)
                 raise InvalidRequestError("prepare_load: the node's host pools of generation "
                                           f"{reply.generation} cannot be mapped here yet")
+            attach = self.attaches
+            for h in hashes:
+                self._open_loads.setdefault(h, deque()).append(attach)
+            while len(self._open_loads) > OPEN_STORES_KEPT:
+                del self._open_loads[next(iter(self._open_loads))]
         return PlannedLoad(reply.ids, pools, [bool(b) for b in reply.flags])
 
     def complete_load(self, hashes: Sequence[bytes]) -> None:
-        if hashes:
-            self._queue(wire.OpRecord(wire.Op.COMPLETE_LOAD, list(hashes)))
+        """The engine's copies out of these blocks are done. A completion of a load planned
+        under an earlier attach is dropped: that session's loads ended with it, and the hash
+        may be loaded again in this one (a completion names the hash, not the load)."""
+        if not hashes:
+            return
+        with self._lock:
+            attach = self.attaches
+            current = []
+            for h in hashes:
+                opened = self._open_loads.get(h)
+                was = opened.popleft() if opened else attach
+                if opened is not None and not opened:
+                    del self._open_loads[h]
+                if was == attach:
+                    current.append(h)
+        if current:
+            self._queue(wire.OpRecord(wire.Op.COMPLETE_LOAD, current))
 
     def touch(self, hashes: Sequence[bytes]) -> None:
         if hashes:

@@ -329,6 +329,37 @@ def test_a_store_planned_before_a_reattach_never_completes_a_plan_made_after_it(
     assert again["hits"] == 4 and again["identical"] is True, again
 
 
+def test_a_load_open_across_a_reattach_never_unpins_a_load_made_after_it(node: Node) -> None:
+    """The same for loads: a completion names the hash, so one of a load planned before the
+    reattach, arriving after it, would end the new session's load of that hash while its copy
+    still reads the page (evictable, overwritable). The client drops it."""
+    a = node.engine()
+    keys = list(range(60, 64))
+    assert a.call(op="store", keys=keys)["stored"] == 4
+    assert a.call(op="load", keys=keys, hold=True)["hits"] == 4  # copied, not completed
+    assert node.serve is not None
+    node.serve.proc.kill()  # type: ignore[union-attr]
+    node.serve.proc.wait(10)  # type: ignore[union-attr]
+    node.serve.close()
+    node.start()
+    wait_until(lambda: a.call(op="status")["connected"], 30, "the engine reattached")
+    assert a.call(op="store", keys=keys)["stored"] == 4
+    got = a.call(op="load", keys=keys, hold=True)  # the new session's load, open
+    assert got["hits"] == 4 and got["identical"] is True, got
+    session = a.call(op="status")["session"]
+
+    def loads_open() -> int:
+        [mine] = [e for e in node.status()["node"]["engines"] if e["session"] == session]
+        return int(mine["loads_open"])
+
+    wait_until(lambda: loads_open() == 4, 10, "the new load open on the service")
+    assert a.call(op="complete_load")["completed"] == 4  # the old load's late completion
+    a.call(op="status")  # a question: anything queued has reached the service
+    assert loads_open() == 4  # dropped: the new load still holds its blocks
+    assert a.call(op="complete_load")["completed"] == 4
+    wait_until(lambda: loads_open() == 0, 10, "the new load's own completion counted")
+
+
 def test_an_idle_engine_notices_a_killed_service_and_reattaches_by_itself(node: Node) -> None:
     """No call after the kill: the client's own thread notices the closed socket and attaches
     to the restarted service (live compose: an engine with no traffic was never listed
