@@ -108,8 +108,8 @@ ENGINES_WORKERS ?= 2
 
 test-engines: install system-deps vllm-env lint-vllm consumers-env
 	base=$$(mktemp -d /tmp/kvt.XXXXXX); \
-	$(PYTEST) -n $(ENGINES_WORKERS) --dist loadfile --no-loadscope-reorder --basetemp=$$base/t \
-		-m engines; \
+	opts="--dist loadfile --no-loadscope-reorder --basetemp=$$base/t"; \
+	$(PYTEST) -n $(ENGINES_WORKERS) $$opts -m engines; \
 	status=$$?; [ $$status -ne 0 ] || rm -rf $$base; exit $$status
 
 test-live: install system-deps

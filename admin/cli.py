@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvtier.manager.config import KvtierConfig
+    from kvtier.manager.launcher import WarmWorkers
     from kvtier.manager.stack import Stack
 
 log = logging.getLogger("kvtier.serve")
@@ -62,6 +63,7 @@ DRAIN_TIMEOUT_S = 10.0
 """How long `serve` waits at shutdown for transfers in flight before stopping the workers."""
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+MAX_EARLY_WARM = 16  # worker processes a plain restart starts warm from a hand-over's count
 
 
 def _one_line(text: object) -> str:
@@ -157,10 +159,43 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
         return _fail("serve", e, EXIT_USAGE)
     if stop.is_set():
         return EXIT_OK
+    takeover = bool(getattr(args, "takeover", False))
+    # a plain restart with a hand-over waiting: its namespaces' workers started warm now
+    # (their torch import, ~2 s, was the longest step from this launch to the engines'
+    # first hit, and began only once this process had done its own imports and bound)
+    warm = _warm_for_handover(cfg) if not takeover else None
+    try:
+        return _serve_loaded(args, stop, phase, cfg, alone, takeover, warm)
+    finally:
+        if warm is not None:  # those no namespace took (the node server stops its own)
+            warm.close()
+
+
+def _warm_for_handover(cfg: KvtierConfig) -> WarmWorkers | None:
+    """`cfg.node.handover` and a hand-over in the node socket's folder: as many worker
+    processes started warm as its namespaces have ranks (`handover_workers`), for the
+    stacks started from it (`Namespaces.warm`); None otherwise."""
+    if not (cfg.node.enabled and cfg.node.handover):
+        return None
+    from kvtier.manager.launcher import WarmWorkers
+    from kvtier.manager.node.handover import handover_workers
+    from kvtier.manager.node.server import socket_path
+
+    n = handover_workers(socket_path(cfg).parent, cfg.deployment_id, MAX_EARLY_WARM)
+    if not n:
+        return None
+    warm = WarmWorkers()
+    warm.start(n)
+    log.info("a hand-over is waiting: %d worker process(es) started warm", n)
+    return warm
+
+
+def _serve_loaded(args: argparse.Namespace, stop: threading.Event, phase: list[str],
+                cfg: KvtierConfig, alone: bool, takeover: bool,
+                warm: WarmWorkers | None) -> int:
     from kvtier.admin.auth import TokenFileError
     from kvtier.admin.server import AdminBindError, AdminServer, AdminStartError, bind_socket
 
-    takeover = bool(getattr(args, "takeover", False))
     if takeover and not cfg.node.enabled:
         return _fail("serve", "--takeover: node.enabled is false, there is no node service "
                      "to take over", EXIT_USAGE)
@@ -188,6 +223,8 @@ def _serve(args: argparse.Namespace, stop: threading.Event, phase: list[str]) ->
     from kvtier.manager.stack import Stack
 
     node = NodeServer(cfg) if cfg.node.enabled else None
+    if node is not None and warm is not None:
+        node.namespaces.warm = warm
     if node is not None:
         node.on_takeover = stop.set  # a new service's --takeover stops this one
         try:  # before any worker exists: a socket another serve holds is a usage error

@@ -58,6 +58,7 @@ import select
 import socket
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -97,6 +98,12 @@ class NodeUnavailable(Exception):
     """Internal: the service cannot be reached now (the caller answers a miss)."""
 
 
+OPEN_STORES_KEPT = 1 << 16
+"""Open stores the client remembers (about 10 MB of hashes at most). An engine has at most its
+device pool's blocks in flight, and vLLM completes every store it plans: the bound only matters
+for an engine that drops its completions (the oldest are forgotten first)."""
+
+
 class NodeClient:
     """`EngineCache` over a node service's socket (see the module docstring).
 
@@ -104,9 +111,13 @@ class NodeClient:
     `_answers`, request id -> block hash -> the lookup answer the last round trip gave for
     it (each used once); `_asked`, requests counted already; `_pools`, the segments of the
     current generation; `_events`, tier events not taken yet; `_announced`, tier -> hashes
-    reported stored there and not removed since. Invariant: `_outbox` and `_answers` are
+    reported stored there and not removed since; `_open_stores`, hash -> the attach its
+    store was planned under, until completed; `_open_loads`, hash -> the attaches of its open
+    loads. Invariants: `_outbox` and `_answers` are
     empty while DOWN (they belong to a session the service has ended); `_announced` is empty
-    while DOWN (a DOWN withdraws it)."""
+    while DOWN (a DOWN withdraws it); a completion reaches the service only for a store or load
+    planned under the current attach, and a hash with an earlier attach's store open is never
+    planned for storing."""
 
     def __init__(self, path: str | Path, hello: wire.Hello, *, call_timeout_s: float = 1.0,
                  attach_timeout_s: float = 60.0, backoff_s: tuple[float, float] = (0.05, 5.0),
@@ -134,6 +145,15 @@ class NodeClient:
         self._events_on = False
         self._events: list[TierEvent] = []
         self._announced: dict[str, set[bytes]] = {HOST: set(), STORAGE: set()}
+        # hash -> the attach (`attaches`) its open store was planned under, until the engine
+        # completes it: a completion of an earlier attach's plan is dropped, and that hash is
+        # not planned again until it comes (see `prepare_store`); bounded by OPEN_STORES_KEPT
+        self._open_stores: OrderedDict[bytes, int] = OrderedDict()
+        # hash -> the attach of each of its open loads, oldest first (several requests may
+        # load one block): a completion is the oldest open load's, and one of an earlier
+        # attach is dropped (else it would unpin the new session's load of that hash while
+        # its copy still reads the page); bounded by OPEN_STORES_KEPT hashes
+        self._open_loads: dict[bytes, deque[int]] = {}
         self._closed = threading.Event()
         self._wake = threading.Event()
         self.session = 0
@@ -476,18 +496,46 @@ class NodeClient:
                 self.complete_load(hashes)
                 raise InvalidRequestError("prepare_load: the node's host pools of generation "
                                           f"{reply.generation} cannot be mapped here yet")
+            attach = self.attaches
+            for h in hashes:
+                self._open_loads.setdefault(h, deque()).append(attach)
+            while len(self._open_loads) > OPEN_STORES_KEPT:
+                del self._open_loads[next(iter(self._open_loads))]
         return PlannedLoad(reply.ids, pools, [bool(b) for b in reply.flags])
 
     def complete_load(self, hashes: Sequence[bytes]) -> None:
-        if hashes:
-            self._queue(wire.OpRecord(wire.Op.COMPLETE_LOAD, list(hashes)))
+        """The engine's copies out of these blocks are done. A completion of a load planned
+        under an earlier attach is dropped: that session's loads ended with it, and the hash
+        may be loaded again in this one (a completion names the hash, not the load)."""
+        if not hashes:
+            return
+        with self._lock:
+            attach = self.attaches
+            current = []
+            for h in hashes:
+                opened = self._open_loads.get(h)
+                was = opened.popleft() if opened else attach
+                if opened is not None and not opened:
+                    del self._open_loads[h]
+                if was == attach:
+                    current.append(h)
+        if current:
+            self._queue(wire.OpRecord(wire.Op.COMPLETE_LOAD, current))
 
     def touch(self, hashes: Sequence[bytes]) -> None:
         if hashes:
             self._queue(wire.OpRecord(wire.Op.TOUCH, list(hashes)))
 
     def prepare_store(self, hashes: Sequence[bytes], tenant: str = "") -> PlannedStore | None:
+        """A plan for (some of) `hashes`. A hash whose store was planned under an earlier
+        attach and not completed yet is left out: the service ended that session and freed
+        the store, and the engine's completion of it is still to come. Were the hash planned
+        again now, that late completion (hashes only, no plan id on the wire) would complete
+        the new plan before its bytes were copied, and the node would serve a page never
+        written (issue 37: a restart or reattach mid-store)."""
         with self._lock:  # the reply and the pools it means read together
+            attach = self.attaches
+            hashes = [h for h in hashes if self._open_stores.get(h, attach) == attach]
             if not hashes:
                 pools = self.host_pools()
                 return None if pools is None else PlannedStore([], [], pools)
@@ -504,11 +552,25 @@ class NodeClient:
             if len(keys) != len(reply.ids) or pools is None:
                 self.complete_store(keys, ok=False)  # given back: never copied, never served
                 return None
+            attach = self.attaches  # the attach that answered (a reply may follow a DOWN)
+            for h in keys:
+                self._open_stores[h] = attach
+                self._open_stores.move_to_end(h)
+            while len(self._open_stores) > OPEN_STORES_KEPT:
+                self._open_stores.popitem(last=False)
         return PlannedStore(keys, reply.ids, pools, reply.evicted)
 
     def complete_store(self, hashes: Sequence[bytes], ok: bool = True) -> None:
-        if hashes:
-            self._queue(wire.OpRecord(wire.Op.COMPLETE_STORE, list(hashes), flag=int(ok)))
+        """The engine's copies of a plan's blocks are done (`ok`) or given up. Completions of
+        stores planned under an earlier attach are dropped (that session's stores were
+        abandoned by the service when it ended; see `prepare_store`)."""
+        if not hashes:
+            return
+        with self._lock:
+            attach = self.attaches
+            current = [h for h in hashes if self._open_stores.pop(h, attach) == attach]
+        if current:
+            self._queue(wire.OpRecord(wire.Op.COMPLETE_STORE, current, flag=int(ok)))
 
     def retain(self, hashes: Sequence[bytes], retention: Retention, tenant: str = "") -> None:
         """One-way RETAIN (rides with the next question); the service checks the quota and

@@ -48,6 +48,12 @@ is checked or made on the engine side and they start all the same (`unowned_host
   and takes its place (a planned upgrade): B serves T cold before it and from the new
   service's host tier after it (`takeover_tokens_from_host`, exact: `takeover_identical`;
   `takeover_kept_blocks`).
+* The last planned restart (the take-over's, else `--restart-serve`'s): B serves
+  `--repeat-prompts` N (50) prompts of two blocks and a token in one batch cold (it stores
+  them), then again (from the host tier), and the same N after the restart
+  (`same_prompts`): per request the host tokens before and after, the tokens the service
+  loaded for B in each pass (they equal vLLM's cached tokens: all came from the host tier),
+  and whether every output equals its cold run exactly.
 * With either, the service runs with `node.handover = true` (issue 37): B serves K cold
   before the restart and pushes it out of its device cache; after it, B serves K from the
   new service's host tier
@@ -104,6 +110,10 @@ B_QUOTA_BLOCKS = 12
 # meanwhile, so waiting for it costs little
 RETAIN_QUOTA_BLOCKS = 12
 TTL_S = 5.0
+# the planned restart's "hit rate after equals before" (issue 37): N prompts of two blocks
+# and a token (each hits 64 tokens once stored), served in one batch
+REPEAT_PROMPTS = 50
+REPEAT_PROMPT_TOKENS = 2 * vllm_offload.BLOCK + 1
 URL_LINE = re.compile(r"admin listening on (http://\S+)")
 MARK = "@@ "
 
@@ -146,6 +156,10 @@ def engine_main(socket_path: str, model_dir: str) -> int:
                    if "salt" in cmd else vllm_offload.generate(llm, cmd["tokens"]))
             out["seconds"] = round(time.monotonic() - t, 3)
             answer(out)
+        elif cmd["op"] == "batch":
+            t = time.monotonic()
+            outs = vllm_offload.generate_many(llm, cmd["prompts"], max_tokens=2)
+            answer({"outputs": outs, "seconds": round(time.monotonic() - t, 3)})
         elif cmd["op"] == "pools":
             pools = manager.cache.host_pools()
             answer({"segments": [] if pools is None else [s.name for s in pools.segments]})
@@ -403,6 +417,12 @@ class Engine:
         self.send({"op": "generate", "tokens": tokens})
         return self.read(timeout)
 
+    def batch(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        """The prompts served in one generate call (vLLM batches them), an output each."""
+        self.send({"op": "batch", "prompts": prompts})
+        outs: list[dict[str, Any]] = self.read(ANSWER_TIMEOUT_S)["outputs"]
+        return outs
+
     def steer(self, tokens: list[int], salt: str, retain: dict[str, Any] | None
               ) -> dict[str, Any]:
         self.send({"op": "generate", "tokens": tokens, "salt": salt, "retain": retain})
@@ -531,6 +551,42 @@ def engines(status: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
+def loaded_tokens(serve: Serve, e: Engine) -> int:
+    """The tokens the service has loaded for engine `e` from its host tier (its session's
+    block loads; a new session after a restart starts from 0)."""
+    mine = [s for s in engines(serve.status()) if s.get("pid") == e.pid]
+    return int(mine[0]["loads"]) * vllm_offload.BLOCK if mine else 0
+
+
+def same_prompts_served(serve: Serve, e: Engine, prompts: list[list[int]]
+                        ) -> dict[str, Any]:
+    """`e` serves the prompts in one batch: per request vLLM's cached tokens, the tokens
+    the service loaded for them meanwhile (all of the cached tokens came from the node's host
+    tier when the two sums agree), the outputs and the seconds it took."""
+    t, before = time.monotonic(), loaded_tokens(serve, e)
+    outs = e.batch(prompts)
+    return {"outputs": outs, "host_tokens": [o["num_cached_tokens"] for o in outs],
+            "loaded_tokens": loaded_tokens(serve, e) - before,
+            "seconds": round(time.monotonic() - t, 2)}
+
+
+def same_prompts_report(step: str, cold: dict[str, Any], before: dict[str, Any],
+                        after: dict[str, Any]) -> dict[str, Any]:
+    """Issue 37's "the hit rate of the requests after a planned restart equals that of the
+    same requests before it": per request the host tokens before and after, and whether
+    every output equals its cold run exactly."""
+    same = all(vllm_offload.compare(c, x)[0] and vllm_offload.compare(c, y)[0]
+               for c, x, y in zip(cold["outputs"], before["outputs"], after["outputs"],
+                                  strict=True))
+    return {"step": step, "prompts": len(cold["outputs"]),
+            "cold_host_tokens": sum(cold["host_tokens"]),
+            "before_host_tokens": before["host_tokens"],
+            "after_host_tokens": after["host_tokens"],
+            "before_loaded_tokens": before["loaded_tokens"],
+            "after_loaded_tokens": after["loaded_tokens"], "identical": same,
+            "seconds": [cold["seconds"], before["seconds"], after["seconds"]]}
+
+
 def corrupt(segments: list[str]) -> int:
     """Overwrite every page of these host pool segments (the service is not told)."""
     import mmap
@@ -583,6 +639,15 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     def prompt() -> list[int]:
         return [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
+
+    def same_prompts_before() -> dict[str, Any]:
+        """Before the last planned restart: B serves the repeat prompts cold (it stores
+        them), then again (from the host tier): the figures to equal after it."""
+        prompts = [[rng.randrange(VOCAB) for _ in range(REPEAT_PROMPT_TOKENS)]
+                   for _ in range(args.repeat_prompts)]
+        cold = same_prompts_served(serve, b, prompts)
+        return {"prompts": prompts, "cold": cold,
+                "before": same_prompts_served(serve, b, prompts)}
 
     def start_engine(name: str) -> Engine:
         e = Engine(name, socket_path, model_dir, work)
@@ -660,6 +725,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             for _ in range(4):
                 b.generate(prompt())
             time.sleep(0.5)
+        # the same prompts before and after the last planned restart (the take-over's
+        # when there is one)
+        repeat = (same_prompts_before() if args.repeat_prompts and args.restart_serve
+                  and not args.kill_serve and not args.takeover_serve else None)
         if args.restart_serve and not args.kill_serve:
             t = time.monotonic()
             serve.terminate()
@@ -701,6 +770,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             report["kept_blocks"] = ns[0]["restart"]["adopted"] if ns else 0
             report["kept_tokens_from_host"] = got["num_cached_tokens"]
             report["kept_identical"] = vllm_offload.compare(kept["cold"], got)[0]
+        if repeat is not None:
+            report["same_prompts"] = same_prompts_report(
+                "restart", repeat["cold"], repeat["before"],
+                same_prompts_served(serve, b, repeat["prompts"]))
         if args.kill_serve:
             # A prompt stored after the reattach and pushed out of B's device cache comes
             # back from the new service's host tier. Up to three prompts: in one CI run under
@@ -728,6 +801,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             cold = b.generate(tt)
             for _ in range(4):
                 b.generate(prompt())
+            repeat = same_prompts_before() if args.repeat_prompts else None
             time.sleep(0.5)  # the completions of T's stores ride with B's requests
             report["takeover_seconds"] = serve.take_over()
             wait_for(lambda: any(e.get("namespace") for e in engines(serve.status())), 120,
@@ -738,6 +812,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             report["takeover_kept_blocks"] = ns[0]["restart"]["adopted"] if ns else 0
             report["takeover_tokens_from_host"] = got["num_cached_tokens"]
             report["takeover_identical"] = vllm_offload.compare(cold, got)[0]
+            if repeat is not None:
+                report["same_prompts"] = same_prompts_report(
+                    "takeover", repeat["cold"], repeat["before"],
+                    same_prompts_served(serve, b, repeat["prompts"]))
         report["seconds"] = round(time.monotonic() - t0, 1)
         return report
     finally:
@@ -764,6 +842,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--takeover-serve", action="store_true",
                     help="then start `kvtier serve --takeover` beside the running service: "
                     "B must load what it stored before, from the new one's host tier")
+    ap.add_argument("--repeat-prompts", type=int, default=REPEAT_PROMPTS, metavar="N",
+                    help="with --restart-serve or --takeover-serve: B serves N short prompts "
+                    "before the (last) planned restart and the same N after it; 0: none")
     ap.add_argument("--tenants", action="store_true",
                     help="tenants by cache_salt: B's pinned prompt survives A's flood")
     ap.add_argument("--seed", type=int, default=1)

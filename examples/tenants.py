@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     run_args = argparse.Namespace(model_dir=args.model_dir, seed=args.seed, tenants=True,
                                   kill_a=False, kill_serve=False, restart_serve=False,
-                                  takeover_serve=False)
+                                  takeover_serve=False, repeat_prompts=0)
     with tempfile.TemporaryDirectory(prefix="kvtier-tenants-") as tmp:
         report = node_service.run(run_args, Path(tmp))
     out = {k: report[k] for k in KEYS}

@@ -194,15 +194,27 @@ def make_llm(model: Path, extra: dict[str, Any], kind: str = "llama") -> Any:
 
 
 def generate(llm: Any, tokens: list[int]) -> dict[str, Any]:
+    [out] = generate_many(llm, [tokens])
+    return out
+
+
+def generate_many(llm: Any, prompts: list[list[int]], max_tokens: int = 8
+                  ) -> list[dict[str, Any]]:
+    """Greedy outputs (tokens, top-5 logprobs, vLLM's `num_cached_tokens`) of the prompts,
+    served in one generate call (vLLM batches them as its device cache allows)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5)
-    out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], sp, use_tqdm=False)[0]
-    comp = out.outputs[0]
-    logprobs = [{str(t): lp.logprob for t, lp in step.items()} for step in comp.logprobs]
-    return {"tokens": list(comp.token_ids), "logprobs": logprobs,
-            "num_cached_tokens": int(out.num_cached_tokens or 0)}
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=t) for t in prompts], sp,
+                        use_tqdm=False)
+    found = []
+    for out in outs:
+        comp = out.outputs[0]
+        logprobs = [{str(t): lp.logprob for t, lp in step.items()} for step in comp.logprobs]
+        found.append({"tokens": list(comp.token_ids), "logprobs": logprobs,
+                      "num_cached_tokens": int(out.num_cached_tokens or 0)})
+    return found
 
 
 def admin_get(url: str, path: str) -> str:

@@ -922,6 +922,23 @@ class KeyedHostCache:
             self._abandoned.extend(nodes)
             return nodes
 
+    def adopt_abandoned(self, pages: Sequence[tuple[int, int]]) -> list[Node]:
+        """A predecessor's abandoned stores still held at its hand-over (tree key, host
+        block): nodes marked as written (never served, their blocks out of the free list)
+        until `release_abandoned` is given them. All or nothing (KvtierError)."""
+        with self._lock:
+            nodes = self.m.adopt_abandoned_writes(pages, _monotonic())
+            self._abandoned.extend(nodes)
+            return nodes
+
+    def abandoned_pages(self, nodes: Sequence[Node]) -> list[tuple[int, int]]:
+        """(tree key, host block) of those abandoned nodes whose store is still marked
+        written (its page may yet receive the engine's late copy): what a node service's
+        hand-over carries (issue 37)."""
+        with self._lock:
+            return [(n.key, n.host) for n in nodes if n.key is not None
+                    and n.host is not None and not self.m.host_copy_ready(n)]
+
     def release_abandoned(self, nodes: list[Node]) -> None:
         """Give back the host blocks of nodes `abandon_engine_io` returned (never served:
         a store that was abandoned is dropped, not made readable). A node an abandoned load

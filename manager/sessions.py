@@ -91,6 +91,14 @@ class Graves:
         with self._lock:
             self._held.append(_Grave(steps, until, cache, nodes))
 
+    def held_in_seconds(self) -> list[tuple[KeyedHostCache, list[Node], float]]:
+        """(cache, nodes, seconds left) of every batch held by a deadline in seconds: what a
+        node service hands over before it releases them all (issue 37)."""
+        now = time.monotonic()
+        with self._lock:
+            return [(g.cache, list(g.nodes), max(0.0, g.until - now)) for g in self._held
+                    if g.steps is None]
+
     def step(self) -> int:
         """One engine step passed: batches held in steps lose one; those at 0 are released.
         Returns how many nodes were released."""

@@ -13,7 +13,10 @@ Run as `python node_engine.py SOCKET NAMESPACE [GEOMETRY_JSON]`; it attaches, pr
     {"op": "load", "keys": [i, ...]}
         look the keys up as an engine does (the first key with the rest as following), load
         the leading hits from the host pool, compare each block byte for byte with its
-        content, complete the load.
+        content, complete the load. With `"hold": true`: complete nothing until a
+        `complete_load` command.
+    {"op": "complete_load"}
+        complete the oldest load held so far.
     {"op": "status"}   connection, generation, pool nonce and inodes
     {"op": "retain", "keys": [...], "pin": true, "ttl_s": 0, "priority": 0, "tenant": "b"}
         a request's kvtier.retain (one-way RETAIN, sent with the next question)
@@ -74,6 +77,7 @@ class Engine:
         self.pool: HostPool | None = None
         self.pool_seg: tuple[str, int] | None = None
         self.held: list[bytes] = []  # keys of stores written and not completed yet
+        self.held_loads: list[list[bytes]] = []  # loads copied and not completed, oldest first
 
     def host(self, pools: HostPools) -> HostPool | None:
         """Rank 0's segment of `pools` (a plan's), mapped; None when it was replaced since."""
@@ -119,7 +123,13 @@ class Engine:
         self.client.end_step()
         return {"completed": len(keys)}
 
-    def load(self, keys: list[bytes], rid: str = "r") -> dict[str, Any]:
+    def complete_load(self) -> dict[str, Any]:
+        keys = self.held_loads.pop(0) if self.held_loads else []
+        self.client.complete_load(keys)
+        self.client.end_step()
+        return {"completed": len(keys)}
+
+    def load(self, keys: list[bytes], rid: str = "r", hold: bool = False) -> dict[str, Any]:
         codes = []
         for i, k in enumerate(keys):
             found = self.client.lookup(k, rid, keys[i + 1:])
@@ -144,6 +154,9 @@ class Engine:
         nbytes = pool.data.shape[1]
         out["identical"] = all(bytes(pool.data[h].numpy().tobytes()) == content(k, nbytes)
                                for k, h in zip(hits, ids, strict=True))
+        if hold:
+            self.held_loads.append(hits)
+            return out
         self.client.complete_load(hits)
         self.client.end_step()
         return out
@@ -190,7 +203,9 @@ def main() -> int:
         elif cmd["op"] == "complete":
             out = engine.complete(bool(cmd.get("ok", True)))
         elif cmd["op"] == "load":
-            out = engine.load(keys)
+            out = engine.load(keys, hold=bool(cmd.get("hold")))
+        elif cmd["op"] == "complete_load":
+            out = engine.complete_load()
         else:
             out = engine.status()
         out["seconds"] = time.perf_counter() - t0

@@ -29,6 +29,7 @@ from kvtier.manager.node.handover import (
     HANDOVER_NAME,
     HandOver,
     HandOverRefused,
+    HeldPage,
     read_handover,
 )
 from kvtier.manager.node.namespaces import namespace_deployment_id
@@ -42,12 +43,16 @@ pytestmark = pytest.mark.fast
 
 QUOTA_BLOCKS = 256
 STORED = 200
+GRACE_S = 60.0  # node.abandon_grace_s of the `node` fixture
+HELD = 8  # the planned restart's abandoned store, held across it
 
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[Node]:
+    # a grace longer than a restart: an abandoned store's pages are still held at the
+    # hand-over (the planned restart's test)
     n = Node(tmp_path, node_toml=f'handover = true\nquotas = {{"{NS_A}" = '
-                                 f'{QUOTA_BLOCKS * PAGE}}}\n')
+                                 f'{QUOTA_BLOCKS * PAGE}}}\n', abandon_grace_s=GRACE_S)
     try:
         yield n.start()
     finally:
@@ -81,12 +86,24 @@ def test_a_planned_restart_keeps_every_block_byte_for_byte(node: Node) -> None:
     keys = list(range(STORED))
     for i in range(0, STORED, 50):
         assert a.call(op="store", keys=keys[i:i + 50])["stored"] == 50
+    # B's store written and never completed: abandoned when the old service stops, its
+    # pages held for the grace there, and (carried in the hand-over) here: B could still
+    # copy into them, so the new service gives them to nobody before the deadline
+    b = node.engine()
+    assert b.call(op="store", keys=list(range(500, 500 + HELD)), hold=True)["written"] == HELD
     _restart(node, a)
     got = a.call(op="load", keys=keys)
     assert got["hits"] == STORED and got["identical"] is True, got
     ns = _namespace(node)
     assert ns["restart"] == {"handed_over": STORED, "recovered": 0,
-                              "adopted": STORED, "discarded": 0}, ns
+                              "adopted": STORED, "discarded": 0, "held": HELD}, ns
+    assert ns["used_bytes"] == (STORED + HELD) * PAGE, ns
+    log = node.log()
+    assert f"{HELD} abandoned store(s) of the old service held until their deadline" in log
+    # the namespace's worker was started warm from the hand-over's count, before the
+    # service's own imports (`cli._warm_for_handover`)
+    assert "a hand-over is waiting: 1 worker process(es) started warm" in log, log
+    assert ", warm, log " in log, log
     with node.serve.client() as http:  # type: ignore[union-attr]
         metrics = http.get("/metrics").text
     assert (f'kvtier_node_restart_blocks{{kind="adopted",namespace="{NS_A}"}} {STORED}.0'
@@ -141,7 +158,7 @@ def test_a_crash_adopts_only_the_pages_the_journal_vouches_for(node: Node) -> No
         assert a.call(op="load", keys=[k])["hits"] == 0, f"incomplete store {k} served"
     ns = _namespace(node)
     assert ns["restart"] == {"handed_over": 0, "recovered": 100, "adopted": 99,
-                             "discarded": 1}, ns
+                             "discarded": 1, "held": 0}, ns
     log = node.log()
     assert "99 of 100 journaled block(s) adopted (1 did not check" in log, log
     # the discarded page's block is free again: a new store of that key is served
@@ -173,7 +190,33 @@ def _huge(data: bytes) -> bytes:
     return msgspec.msgpack.encode(doc)
 
 
-HOSTILE = {"truncated": _truncated, "version": _version, "owner": _owner, "huge": _huge}
+def _held_twice(data: bytes) -> bytes:
+    """A held page that is also a handed-over page (issue 37, hand-over version 2)."""
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    ns = doc.namespaces[0]
+    ns.held = [HeldPage(b"\x01" * 16, ns.pages[0].page, doc.written + 1.0)]
+    return msgspec.msgpack.encode(doc)
+
+
+def _held_forever(data: bytes) -> bytes:
+    """A held page whose deadline is a year after the hand-over."""
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    ns = doc.namespaces[0]
+    ns.held = [HeldPage(b"\x01" * 16, ns.host_blocks - 1, doc.written + 365 * 86400.0)]
+    return msgspec.msgpack.encode(doc)
+
+
+def _held_in_version_1(data: bytes) -> bytes:
+    """Held pages in a version 1 hand-over (which has none)."""
+    doc = msgspec.msgpack.decode(_held_twice(data), type=HandOver)
+    doc.namespaces[0].held[0].page = doc.namespaces[0].host_blocks - 1
+    doc.version = 1
+    return msgspec.msgpack.encode(doc)
+
+
+HOSTILE = {"truncated": _truncated, "version": _version, "owner": _owner, "huge": _huge,
+           "held twice": _held_twice, "held forever": _held_forever,
+           "held in version 1": _held_in_version_1}
 
 
 def test_hostile_hand_overs_give_one_line_and_a_cold_start(node: Node, tmp_path: Path
@@ -196,7 +239,7 @@ def test_hostile_hand_overs_give_one_line_and_a_cold_start(node: Node, tmp_path:
     good = path.read_bytes()
     base = msgspec.msgpack.decode(good, type=HandOver).deployment_id
     for what, data in [*((w, spoil(good)) for w, spoil in HOSTILE.items()), ("control", good)]:
-        folder = tmp_path / what
+        folder = tmp_path / what.replace(" ", "-")
         folder.mkdir(mode=0o700)
         (folder / HANDOVER_NAME).write_bytes(data)
         (folder / HANDOVER_NAME).chmod(0o600)
@@ -302,4 +345,4 @@ def test_a_takeover_keeps_every_block_and_the_engine(plain_node: Node, tmp_path:
     got = a.call(op="load", keys=keys)
     assert got["hits"] == 100 and got["identical"] is True, got
     assert _namespace(node)["restart"] == {"handed_over": 100, "recovered": 0,
-                                           "adopted": 100, "discarded": 0}
+                                           "adopted": 100, "discarded": 0, "held": 0}

@@ -101,13 +101,14 @@ class EngineProc:
 class Node:
     """A `kvtier serve` child with its node socket in a short private folder."""
 
-    def __init__(self, tmp: Path, *, node_toml: str = "", storage: str = "none") -> None:
+    def __init__(self, tmp: Path, *, node_toml: str = "", storage: str = "none",
+                 abandon_grace_s: float = 0.5) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvn", dir="/tmp"))
         self.sock = self.dir / "s" / "node.sock"
         self.did = new_deployment_id("nd")
         self.toml = tiny_toml(tmp / "kvtier.toml", self.did, storage=storage,
-                              extra=f'[node]\nsocket = "{self.sock}"\nabandon_grace_s = 0.5\n'
-                              + node_toml)
+                              extra=f'[node]\nsocket = "{self.sock}"\n'
+                              f"abandon_grace_s = {abandon_grace_s}\n" + node_toml)
         self.tmp = tmp
         self.serve: ServeProcess | None = None
         self.engines: list[EngineProc] = []
@@ -310,6 +311,63 @@ def test_a_killed_service_answers_misses_in_bound_and_a_new_one_is_reattached(
     assert a.call(op="store", keys=list(range(8)))["stored"] == 8
     got = load_once_stored(node.engine(), list(range(8)))
     assert got["hits"] == 8 and got["identical"] is True
+
+
+def test_a_store_planned_before_a_reattach_never_completes_a_plan_made_after_it(
+        node: Node) -> None:
+    """An engine's store in flight across a service restart: its completion names hashes
+    only, so arriving after the reattach it must not complete a new plan of the same hashes,
+    whose pages nobody wrote. The client leaves such hashes out of new plans until the old
+    completion comes, and drops that completion; the blocks are then planned and stored anew."""
+    a = node.engine()
+    keys = list(range(40, 44))
+    assert a.call(op="store", keys=keys, hold=True)["written"] == 4  # planned, written, open
+    assert node.serve is not None
+    node.serve.proc.kill()  # type: ignore[union-attr]
+    node.serve.proc.wait(10)  # type: ignore[union-attr]
+    node.serve.close()
+    node.start()
+    wait_until(lambda: a.call(op="status")["connected"], 30, "the engine reattached")
+    # a new plan of the same blocks, never written (an engine still copying, or one that died)
+    got = a.call(op="store", keys=keys, hang_after=0)
+    assert got.get("prepared", 0) == 0, got  # not planned while the old store is open
+    assert a.call(op="complete", ok=True)["completed"] == 4  # the late completion: dropped
+    served = node.engine().call(op="load", keys=keys)
+    assert served["hits"] == 0, served  # nothing of it is servable: no page was written
+    assert a.call(op="store", keys=keys)["stored"] == 4  # planned again once it completed
+    again = node.engine().call(op="load", keys=keys)
+    assert again["hits"] == 4 and again["identical"] is True, again
+
+
+def test_a_load_open_across_a_reattach_never_unpins_a_load_made_after_it(node: Node) -> None:
+    """The same for loads: a completion names the hash, so one of a load planned before the
+    reattach, arriving after it, would end the new session's load of that hash while its copy
+    still reads the page (evictable, overwritable). The client drops it."""
+    a = node.engine()
+    keys = list(range(60, 64))
+    assert a.call(op="store", keys=keys)["stored"] == 4
+    assert a.call(op="load", keys=keys, hold=True)["hits"] == 4  # copied, not completed
+    assert node.serve is not None
+    node.serve.proc.kill()  # type: ignore[union-attr]
+    node.serve.proc.wait(10)  # type: ignore[union-attr]
+    node.serve.close()
+    node.start()
+    wait_until(lambda: a.call(op="status")["connected"], 30, "the engine reattached")
+    assert a.call(op="store", keys=keys)["stored"] == 4
+    got = a.call(op="load", keys=keys, hold=True)  # the new session's load, open
+    assert got["hits"] == 4 and got["identical"] is True, got
+    session = a.call(op="status")["session"]
+
+    def loads_open() -> int:
+        [mine] = [e for e in node.status()["node"]["engines"] if e["session"] == session]
+        return int(mine["loads_open"])
+
+    wait_until(lambda: loads_open() == 4, 10, "the new load open on the service")
+    assert a.call(op="complete_load")["completed"] == 4  # the old load's late completion
+    a.call(op="status")  # a question: anything queued has reached the service
+    assert loads_open() == 4  # dropped: the new load still holds its blocks
+    assert a.call(op="complete_load")["completed"] == 4
+    wait_until(lambda: loads_open() == 0, 10, "the new load's own completion counted")
 
 
 def test_an_idle_engine_notices_a_killed_service_and_reattaches_by_itself(node: Node) -> None:

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / os.environ.get("KVTIER_VLLM_VENV", ".venv-vllm") / "bin" / "python"
 EXAMPLE = ROOT / "examples" / "node_service.py"
 PREFIX_TOKENS = 192  # a 200-token prompt: 6 full blocks of 32
+REPEAT_PROMPTS = 50  # the example's default --repeat-prompts
 RUN_TIMEOUT_S = 900
 # a request of an attached engine while its service is dead (SIGKILL): the client's call
 # timeout is 1 s and it is DOWN after the first failed call, so a request is recomputed at
@@ -141,6 +142,24 @@ def test_a_service_taken_over_hands_its_host_tier_to_the_new_one(
     assert r["takeover_tokens_from_host"] == PREFIX_TOKENS, r
     assert r["takeover_identical"] is True, r
     assert r["takeover_kept_blocks"] >= PREFIX_TOKENS // 32, r
+
+
+def test_the_same_prompts_hit_as_much_after_a_planned_restart_as_before(
+        report: dict[str, Any]) -> None:
+    """Issue 37: B served 50 short prompts cold, then again (from the node's host tier),
+    then a new service took the running one over, then B served the same 50 again: per
+    request the host tokens after equal those before (and are > 0), every cached token was
+    a load from the host tier (the service's per-engine loads agree), and every output
+    equals its cold run exactly."""
+    s = report["same_prompts"]
+    assert s["step"] == "takeover" and s["prompts"] == REPEAT_PROMPTS, s
+    assert s["cold_host_tokens"] == 0, s
+    before, after = s["before_host_tokens"], s["after_host_tokens"]
+    assert all(t > 0 for t in before), s
+    assert after == before, s
+    assert s["before_loaded_tokens"] == sum(before), s
+    assert s["after_loaded_tokens"] == sum(after), s
+    assert s["identical"] is True, s
 
 
 def test_a_tenants_pinned_prompt_survives_another_tenants_flood(report: dict[str, Any]) -> None:

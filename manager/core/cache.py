@@ -845,6 +845,29 @@ class CacheCore:
         return [(n.key, n.host, n.skey, bool(n.flags & STORED))  # type: ignore[misc]
                 for n in nodes]
 
+    def ready_host_copy(self, key: int) -> tuple[int, int, bytes | None, bool] | None:
+        """`key`'s host copy as `ready_host_copies` lists it, or None while it has no whole
+        one (not cached, not on the host, being written or prefetched)."""
+        n = self._map.get(key)
+        if n is None or n.host is None or n.flags & (ENGINE_WRITE | PREFETCHING):
+            return None
+        return (key, n.host, n.skey, bool(n.flags & STORED))
+
+    def adopt_abandoned_writes(self, pages: Sequence[tuple[int, int]],
+                               now: float) -> list[Node]:
+        """Engine stores a node service's predecessor had abandoned and still held when it
+        handed over (issue 37), as (key, host block): each a node marked ENGINE_WRITE (never
+        served; its block out of the free list) for the caller to hold until their deadline
+        and then drop (`drop_engine_io`): an engine's late copy may still land there. All or
+        nothing, as `adopt_host_copies`."""
+        keys = set()
+        for key, _ in pages:
+            if key in keys or self._map.get(key) is not None:
+                raise InvalidRequestError(f"held key {key:x}: twice, or already cached")
+            keys.add(key)
+        self._host_pool.take([hb for _, hb in pages])
+        return [self._new_host_node(key, hb, now, ENGINE_WRITE) for key, hb in pages]
+
     @staticmethod
     def host_copy_ready(node: Node) -> bool:
         """Whether `node`'s host copy is whole (not being written by an engine nor

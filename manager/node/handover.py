@@ -5,10 +5,12 @@ what they hold (hash -> page) lives in the service. A stopping service with
 `node.handover = true` writes that index and keeps the segments; the next service of the
 same deployment adopts both when each namespace attaches again::
 
-    old service, SIGTERM / SIGINT     sessions end (open stores abandoned, never handed over),
-                                      abandoned blocks released
+    old service, SIGTERM / SIGINT     sessions end (open stores abandoned, never served);
+                                      the abandoned stores still in their grace listed
+                                      (page, deadline), then released here
       -> `write_handover`             per namespace, under its lock: every ready host copy
-                                      (hash, page, storage key, stored) oldest first; each
+                                      (hash, page, storage key, stored) oldest first, and
+                                      the held pages (version 2: `HeldPage`); each
                                       rank's segment hard-linked under `kept_segment_name`
                                       (worker and janitor unlink only `kvtier_<id>_*`);
                                       HANDOVER_NAME written 0600 in the socket's private
@@ -26,6 +28,14 @@ same deployment adopts both when each namespace attaches again::
                                       in range and once, every storage key the one this
                                       namespace derives: the pages become ready host copies
                                       (`CacheCore.adopt_host_copies`); else none is adopted
+      -> `Adoption.hold`              the held pages whose deadline has not passed taken
+                                      out of the free list (`adopt_abandoned_writes`: marked
+                                      written, never served) and held in the server's
+                                      `Graves` until that deadline: an engine's late copy of
+                                      a store planned before the restart lands in a page
+                                      nobody else has been given (the engine's copier checks
+                                      the segment's name and inode, which an adopted pool
+                                      keeps)
     service stops                     kept segments of namespaces that never attached
                                       unlinked
 
@@ -34,9 +44,10 @@ from storage (PREFETCHING): their bytes may be partial. Nothing is served from a
 whose inode differs from the recorded one (a worker that could not adopt creates a fresh
 pool: another inode).
 
-Data structures: `HandOver` (msgspec, the file): `namespaces` -> `NamespaceRecord`
-(`segments`, `pages`). `Adoption`: the records read at start, by namespace, and the figures
-per namespace (`handed_over`, `adopted`, `discarded`).
+Data structures: `HandOver` (msgspec, the file; version 2, version 1 read as one with
+nothing held): `namespaces` -> `NamespaceRecord` (`segments`, `pages`, `held`).
+`Adoption`: the records read at start, by namespace, and the figures
+per namespace (`handed_over`, `adopted`, `discarded`, `held`).
 """
 
 from __future__ import annotations
@@ -47,7 +58,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -55,11 +66,13 @@ import msgspec
 from kvtier.manager.errors import KvtierError
 from kvtier.manager.keyed import KeyedHostCache, engine_key
 from kvtier.manager.node.wire import Hello
+from kvtier.manager.sessions import Graves
 from kvtier.worker.spec import KEPT_PREFIX, SHM_DIR, host_segment_name, kept_segment_name
 
 log = logging.getLogger("kvtier.node")
 
-HANDOVER_VERSION = 1
+HANDOVER_VERSION = 2  # 2: `NamespaceRecord.held` (abandoned stores still held)
+READABLE_VERSIONS = (1, 2)  # a version 1 file reads as one with nothing held
 HANDOVER_NAME = "handover.msgpack"
 MAX_FILE_BYTES = 1 << 30  # ~10M pages of ~100 bytes: far past any host tier's page count
 MAX_NAMESPACES = 4096
@@ -67,6 +80,7 @@ MAX_RANKS = 64
 MAX_PAGES = 1 << 24
 SKEY_BYTES = 32  # `keys.keyed_storage_key`: a SHA-256
 MAX_TEXT = 4096
+MAX_HOLD_S = 3600.0  # a held page's deadline at most this far past the hand-over's writing
 
 _Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
@@ -84,6 +98,17 @@ class Page(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
                                                max_length=SKEY_BYTES)] | None
     stored: bool
     generation: _Count
+
+
+class HeldPage(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """An engine store the old service had abandoned (never served) and still held when it
+    handed over: the engine may still copy into `page` until `until` (wall-clock seconds,
+    `node.abandon_grace_s` after the abandonment), so the next service keeps the page out
+    of its free list until then. `key` as `Page.key`."""
+
+    key: Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+    page: _Count
+    until: Annotated[float, msgspec.Meta(ge=0.0)]
 
 
 class SegmentRecord(msgspec.Struct, forbid_unknown_fields=True):
@@ -104,6 +129,7 @@ class NamespaceRecord(msgspec.Struct, forbid_unknown_fields=True):
     generation: _Count
     segments: Annotated[list[SegmentRecord], msgspec.Meta(max_length=MAX_RANKS)]
     pages: Annotated[list[Page], msgspec.Meta(max_length=MAX_PAGES)]
+    held: Annotated[list[HeldPage], msgspec.Meta(max_length=MAX_PAGES)] = []  # version 2
 
 
 class _Head(msgspec.Struct):
@@ -119,6 +145,18 @@ class HandOver(msgspec.Struct, forbid_unknown_fields=True):
     deployment_id: _Text
     written: float
     namespaces: Annotated[list[NamespaceRecord], msgspec.Meta(max_length=MAX_NAMESPACES)]
+
+
+class _PeekNamespace(msgspec.Struct):
+    ranks: Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
+
+
+class _Peek(msgspec.Struct):
+    """What `handover_workers` reads of a hand-over (the rest is skipped unread)."""
+
+    version: int
+    deployment_id: str
+    namespaces: Annotated[list[_PeekNamespace], msgspec.Meta(max_length=MAX_NAMESPACES)]
 
 
 class HandOverRefused(KvtierError):
@@ -158,9 +196,12 @@ def unlink_kept(base_deployment_id: str, only: str | None = None,
 # ---------------------------------------------------------------------- the old service
 
 def snapshot(name: str, deployment_id: str, geometry: dict[str, Any], page_bytes: int,
-             host_blocks: int, ranks: int, keyed: KeyedHostCache) -> NamespaceRecord:
+             host_blocks: int, ranks: int, keyed: KeyedHostCache,
+             held: Sequence[tuple[int, int, float]] = ()) -> NamespaceRecord:
     """One namespace's ready host copies, oldest first, and its segments kept under their
-    hand-over names (OSError when a segment is not there)."""
+    hand-over names (OSError when a segment is not there); `held`: its abandoned stores
+    still held (tree key, host block, seconds left: `NodeServer._held`), with their
+    deadlines."""
     m = keyed.m
     with m.lock:
         gen = keyed.generation
@@ -168,6 +209,9 @@ def snapshot(name: str, deployment_id: str, geometry: dict[str, Any], page_bytes
         # the whole hash is not kept, and the storage key derived from it is recorded
         pages = [Page(key.to_bytes(16, "little"), host, skey, stored, gen)
                  for key, host, skey, stored in m.ready_host_copies()]
+        now = time.time()
+        still = [HeldPage(key.to_bytes(16, "little"), host, now + left)
+                 for key, host, left in held]
         segments = []
         for r in range(ranks):
             seg = host_segment_name(deployment_id, r)
@@ -178,7 +222,7 @@ def snapshot(name: str, deployment_id: str, geometry: dict[str, Any], page_bytes
             st = os.stat(SHM_DIR + kept)
             segments.append(SegmentRecord(r, seg, kept, st.st_ino, st.st_size))
     return NamespaceRecord(name, deployment_id, geometry_text(geometry), page_bytes,
-                           host_blocks, ranks, gen, segments, pages)
+                           host_blocks, ranks, gen, segments, pages, still)
 
 
 def write_handover(folder: Path, base_deployment_id: str,
@@ -200,6 +244,32 @@ def write_handover(folder: Path, base_deployment_id: str,
 
 
 # ---------------------------------------------------------------------- the new service
+
+def handover_workers(folder: Path, base_deployment_id: str, most: int) -> int:
+    """How many worker processes the hand-over waiting in `folder` will start (its
+    namespaces' ranks, at most `most`), read without taking it: 0 when there is none or it
+    would be refused at a glance (another owner, version or deployment). The checks that
+    count are `read_handover`'s, at the start proper: this only lets a plain restart start
+    its workers warm before its own imports (a wrong count costs an idle process)."""
+    try:
+        fd = os.open(folder / HANDOVER_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        st = os.fstat(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+                or st.st_size > MAX_FILE_BYTES):
+            return 0
+        with open(fd, "rb", closefd=False) as f:
+            doc = msgspec.msgpack.decode(f.read(), type=_Peek)
+    except (OSError, msgspec.MsgspecError):
+        return 0
+    finally:
+        os.close(fd)
+    if doc.version not in READABLE_VERSIONS or doc.deployment_id != base_deployment_id:
+        return 0
+    return min(most, sum(ns.ranks for ns in doc.namespaces))
+
 
 def read_handover(folder: Path, base_deployment_id: str) -> HandOver:
     """The hand-over in `folder`, taken (unlinked whatever it holds: it is read once), and
@@ -232,9 +302,9 @@ def read_handover(folder: Path, base_deployment_id: str) -> HandOver:
         head = msgspec.msgpack.decode(data, type=_Head)
     except msgspec.MsgspecError as e:
         raise HandOverRefused(f"{path}: unreadable ({e})") from None
-    if head.version != HANDOVER_VERSION:
-        raise HandOverRefused(f"{path}: version {head.version}, this service reads version "
-                              f"{HANDOVER_VERSION}")
+    if head.version not in READABLE_VERSIONS:
+        raise HandOverRefused(f"{path}: version {head.version}, this service reads versions "
+                              f"{', '.join(map(str, READABLE_VERSIONS))}")
     try:
         doc = msgspec.msgpack.decode(data, type=HandOver)
     except msgspec.MsgspecError as e:
@@ -250,12 +320,16 @@ def read_handover(folder: Path, base_deployment_id: str) -> HandOver:
         if rec.namespace in seen:
             raise HandOverRefused(f"{path}: namespace {rec.namespace!r} twice")
         seen.add(rec.namespace)
-        _check_record(rec, base_deployment_id)
+        if head.version < 2 and rec.held:
+            raise HandOverRefused(f"{path}: namespace {rec.namespace!r}: held pages in a "
+                                  f"version {head.version} hand-over")
+        _check_record(rec, base_deployment_id, doc.written)
     return doc
 
 
-def _check_record(rec: NamespaceRecord, base: str) -> None:
-    """Every name one this deployment's namespace would use; counts within the pool."""
+def _check_record(rec: NamespaceRecord, base: str, written: float) -> None:
+    """Every name one this deployment's namespace would use; counts within the pool; held
+    pages within the pool, none twice nor also handed over, their deadlines bounded."""
     where = f"namespace {rec.namespace!r}"
     if not rec.deployment_id.startswith(_kept_prefix(base)[len(KEPT_PREFIX) - 1:]):
         raise HandOverRefused(f"{where}: deployment id {rec.deployment_id!r} is not one of "
@@ -273,6 +347,21 @@ def _check_record(rec: NamespaceRecord, base: str) -> None:
         if seg.size != rec.host_blocks * rec.page_bytes:
             raise HandOverRefused(f"{where}: segment {r} of {seg.size} bytes, "
                                   f"{rec.host_blocks} pages of {rec.page_bytes} bytes")
+    if len(rec.pages) + len(rec.held) > rec.host_blocks:
+        raise HandOverRefused(f"{where}: {len(rec.pages)} pages and {len(rec.held)} held, "
+                              f"the pool has {rec.host_blocks}")
+    pages = {p.page for p in rec.pages}
+    keys = {p.key for p in rec.pages}
+    for h in rec.held:
+        why = (f"page {h.page} out of 0..{rec.host_blocks - 1}" if h.page >= rec.host_blocks
+               else f"page {h.page} handed over or held twice" if h.page in pages
+               else "a key handed over or held twice" if h.key in keys
+               else f"a deadline {h.until - written:.0f} s past the hand-over, at most "
+                    f"{MAX_HOLD_S:.0f}" if h.until > written + MAX_HOLD_S else "")
+        if why:
+            raise HandOverRefused(f"{where}: held {why}")
+        pages.add(h.page)
+        keys.add(h.key)
 
 
 class Adoption:
@@ -300,7 +389,7 @@ class Adoption:
         self._records = {r.namespace: r for r in doc.namespaces}
         for r in doc.namespaces:
             self.figures[r.namespace] = {"handed_over": len(r.pages), "adopted": 0,
-                                         "discarded": 0}
+                                         "discarded": 0, "held": 0}
         log.info("hand-over read: %d namespace(s), %d block(s)", len(doc.namespaces),
                  sum(len(r.pages) for r in doc.namespaces))
 
@@ -394,6 +483,34 @@ class Adoption:
         log.info("namespace %r: %d handed-over block(s) adopted (%.1f ms)", rec.namespace,
                  len(pages), (time.perf_counter() - t0) * 1e3)
         return len(pages)
+
+    def hold(self, rec: NamespaceRecord, keyed: KeyedHostCache, graves: Graves) -> int:
+        """After `adopt`: the predecessor's abandoned stores still held at the hand-over
+        taken out of `keyed`'s free list and held in `graves` until their deadlines (an
+        engine's late copy lands in a page nobody else is given). Returns how many; those
+        whose deadline passed are left free."""
+        now = time.time()
+        # one batch per deadline (the old service held one per abandonment)
+        by_deadline: dict[float, list[HeldPage]] = {}
+        for h in rec.held:
+            if h.until > now:  # else its grace is over: the page is free
+                by_deadline.setdefault(h.until, []).append(h)
+        n = 0
+        for until, batch in by_deadline.items():
+            try:
+                nodes = keyed.adopt_abandoned([(engine_key(h.key), h.page) for h in batch])
+            except KvtierError as e:  # checked not to be (`_check_record`): one line
+                log.warning("namespace %r: %d held page(s) not held: %s", rec.namespace,
+                            len(batch), e)
+                continue
+            graves.hold(keyed, nodes, seconds=max(0.0, until - now))
+            n += len(nodes)
+        if n:
+            self.figures[rec.namespace]["held"] = n
+            log.info("namespace %r: %d abandoned store(s) of the old service held until "
+                     "their deadline (at most %.1f s)", rec.namespace, n,
+                     max(by_deadline) - now)
+        return n
 
     def close(self) -> None:
         """Kept segments of namespaces that never attached again: unlinked."""

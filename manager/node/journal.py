@@ -228,19 +228,34 @@ class Journal:
         Returns how many were written."""
         m = keyed.m
         with m.lock:
-            todo = m.ready_host_copies()
+            todo = [(key, host) for key, host, _, _ in m.ready_host_copies()]
         n = 0
         for i in range(0, len(todo), chunk):
-            with m.lock:
-                still = []
-                for key, host, skey, stored in todo[i:i + chunk]:
-                    node = m.lookup(key)
-                    if node is not None and node.host == host and m.host_copy_ready(node):
-                        still.append((key.to_bytes(16, "little"), host, skey, stored))
-                n += self.record(still)
+            n += self._record_if_ready(keyed, todo[i:i + chunk])
             if self._jm is None:
                 break
         return n
+
+    def record_published(self, keyed: KeyedHostCache, hashes: Sequence[bytes]) -> int:
+        """Slots for these engine blocks if they are ready host copies now: stores whose
+        completion was applied while this journal was being made in the background, after
+        `record_ready` had listed the ready copies (so it missed them) but before their
+        session saw the journal (so it did not checksum them: `ops.apply_ops`)."""
+        return self._record_if_ready(keyed, [(engine_key(h), None) for h in hashes])
+
+    def _record_if_ready(self, keyed: KeyedHostCache,
+                         todo: Sequence[tuple[int, int | None]]) -> int:
+        """Slots for the (tree key, host block or None: any) that are still cached there
+        with a whole host copy, under the namespace's lock (engines run meanwhile: nothing
+        writes a ready copy's page while the lock is held)."""
+        m = keyed.m
+        with m.lock:
+            still = []
+            for key, host in todo:
+                ready = m.ready_host_copy(key)
+                if ready is not None and (host is None or ready[1] == host):
+                    still.append((key.to_bytes(16, "little"), ready[1], ready[2], ready[3]))
+            return self.record(still)
 
     def record_stores(self, keyed: KeyedHostCache, hashes: Sequence[bytes],
                       owner: object) -> int:

@@ -46,6 +46,7 @@ from kvtier.manager.node.fanout import EventFanout
 from kvtier.manager.node.handover import Adoption, unlink_kept
 from kvtier.manager.node.journal import Journal, adopt_recovered, recover
 from kvtier.manager.node.wire import Hello, Segment
+from kvtier.manager.sessions import Graves
 from kvtier.manager.stack import Stack
 from kvtier.manager.tenants import top_tenants
 from kvtier.worker.spec import host_segments
@@ -102,7 +103,9 @@ class Namespace:
                                     0)
         # a predecessor's hand-over or crash journal (issue 37): blocks handed over, found
         # in the journal (recovered), adopted, discarded
-        self.restart = dict.fromkeys(("handed_over", "recovered", "adopted", "discarded"), 0)
+        # (and, of a hand-over, the abandoned stores still held for their grace)
+        self.restart = dict.fromkeys(("handed_over", "recovered", "adopted", "discarded",
+                                      "held"), 0)
         # the crash journal (node.handover): its kept pools and page checksums
         self.journal: Journal | None = None
 
@@ -189,6 +192,8 @@ class Namespaces:
         # worker processes started warm for a take-over's namespaces (their imports done
         # while the old service still served), taken by the stacks started from it
         self.warm: WarmWorkers | None = None
+        # the node server's abandoned copies (a hand-over's held pages are held there)
+        self.graves: Graves | None = None
 
     def namespace_config(self, hello: Hello) -> tuple[KvtierConfig, int]:
         """The configuration of a namespace's stack and its quota in bytes."""
@@ -337,7 +342,8 @@ class Namespaces:
                 inodes = [i for _, _, i in host_segments(did, ranks)]
             except OSError:
                 inodes = []
-            adoption.adopt(rec, ns.keyed, inodes)
+            if adoption.adopt(rec, ns.keyed, inodes) and self.graves is not None:
+                adoption.hold(rec, ns.keyed, self.graves)
         if adoption is not None and hello.namespace in adoption.figures:
             ns.restart.update(adoption.figures[hello.namespace])
         if keep:

@@ -108,11 +108,16 @@ def apply_ops(s: Session, ns: Namespace, ops: list[wire.OpRecord],
         op = r.op
         if op is wire.Op.COMPLETE_STORE:
             done = 0
-            journal = ns.journal if r.flag else None
             for part in slices(r.keys):
+                journal = ns.journal if r.flag else None
                 if journal is not None:  # checksummed while still marked written
                     journal.record_stores(cache, part, s.sid)
                 done += len(engine.complete_store(part, bool(r.flag)))
+                late = ns.journal if r.flag and journal is None else None
+                if late is not None:
+                    # the journal made in the background appeared meanwhile: its scan of
+                    # the ready copies may have come before these were published
+                    late.record_published(cache, part)
             f["stores" if r.flag else "stores_failed"] += done
             if r.flag:
                 ns.blocks["stored"] += done

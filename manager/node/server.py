@@ -139,6 +139,7 @@ class NodeServer:
         self._evicted, self._evicted_logged = 0, 0.0
         self._ids = itertools.count(1)
         self.graves = Graves()  # abandoned stores, held node.abandon_grace_s seconds
+        self.namespaces.graves = self.graves  # a hand-over's held pages go there too
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
@@ -323,12 +324,16 @@ class NodeServer:
         deadline = time.monotonic() + 5.0
         while self._sessions and time.monotonic() < deadline:
             time.sleep(0.01)
+        handing_over = self.cfg.node.handover or self.taken_over is not None
+        # the abandoned stores still in their grace go with the hand-over (an engine's
+        # late copy may land in them after the next service started)
+        held = self._held() if handing_over else {}
         self._bury(all_=True)
         if self.events is not None:
             self.events.stop()  # a last batch while the stacks are still there
         t1 = time.monotonic()
-        if self.cfg.node.handover or self.taken_over is not None:
-            self._hand_over()
+        if handing_over:
+            self._hand_over(held)
         t2 = time.monotonic()
         self.namespaces.close()
         self.adoption.close()
@@ -338,14 +343,25 @@ class NodeServer:
                  "ms, namespaces closed %.0f ms)", (time.monotonic() - t0) * 1e3,
                  (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.monotonic() - t2) * 1e3)
 
-    def _hand_over(self) -> None:
-        """Every namespace's ready host copies and segments kept for the next service
-        (`handover`); a namespace that cannot be is left out (one line), its pages lost."""
+    def _held(self) -> dict[int, list[tuple[int, int, float]]]:
+        """Per namespace cache (by id) its abandoned stores held now: (tree key, host
+        block, seconds of grace left)."""
+        out: dict[int, list[tuple[int, int, float]]] = {}
+        for cache, nodes, left in self.graves.held_in_seconds():
+            out.setdefault(id(cache), []).extend(
+                (key, host, left) for key, host in cache.abandoned_pages(nodes))
+        return out
+
+    def _hand_over(self, held: dict[int, list[tuple[int, int, float]]]) -> None:
+        """Every namespace's ready host copies, its abandoned stores still `held`, and its
+        segments kept for the next service (`handover`); a namespace that cannot be is
+        left out (one line), its pages lost."""
         records = []
         for ns in self.namespaces.all():
             try:
                 records.append(snapshot(ns.name, ns.cfg.deployment_id, ns.geometry,
-                                        ns.page_bytes, ns.host_blocks, ns.ranks, ns.keyed))
+                                        ns.page_bytes, ns.host_blocks, ns.ranks, ns.keyed,
+                                        held.get(id(ns.keyed), ())))
             except OSError as e:
                 log.warning("namespace %r: not handed over: %s", ns.name, e)
         try:
