@@ -110,6 +110,7 @@ B_QUOTA_BLOCKS = 12
 # meanwhile, so waiting for it costs little
 RETAIN_QUOTA_BLOCKS = 12
 TTL_S = 5.0
+RETAIN_SEED = 36
 # the planned restart's "hit rate after equals before" (issue 37): N prompts of two blocks
 # and a token (each hits 64 tokens once stored), served in one batch
 REPEAT_PROMPTS = 50
@@ -305,11 +306,11 @@ def _tenant_steps(serve: Serve, ns: str, sub: Any, a: Engine, b: Engine,
     out["warm_first_request_host_tokens"] = min(on_host,
                                                 (loads(a) - before) * vllm_offload.BLOCK)
     out["warm_first_request_identical"] = vllm_offload.compare(cold_doc, warmed)[0]
-    out.update(_retention_steps(serve, ns, a, b, prompt, figures))
+    out.update(_retention_steps(serve, ns, a, b, figures))
     return out
 
 
-def _retention_steps(serve: Serve, ns: str, a: Engine, b: Engine, prompt: Any,
+def _retention_steps(serve: Serve, ns: str, a: Engine, b: Engine,
                      figures: Any) -> dict[str, Any]:
     """TTL and priority through kv_hints, each tenant with a quota of two documents (12
     blocks); what a request loads from the host is the service's count for B (vLLM's
@@ -320,7 +321,13 @@ def _retention_steps(serve: Serve, ns: str, a: Engine, b: Engine, prompt: Any,
     X, whose hit made it the youngest) and B loads none of X from the host. Priority: A
     stores HI (priority 2) before LO (priority 1), then one document of their tenant: it
     evicts LO, younger but lower; B loads all of HI and none of LO from the host. The
-    priority steps run while X's TTL does."""
+    priority steps run while X's TTL does. Its prompts come from a generator of its own, so
+    the later steps' prompts are those of a run without it."""
+    own = random.Random(RETAIN_SEED)
+
+    def prompt() -> list[int]:
+        return [own.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
+
     def host_tokens(e: Engine, tokens: list[int], salt: str) -> tuple[int, int]:
         """(host tokens the service counted for this request, vLLM's num_cached_tokens)."""
         [before] = [s for s in engines(serve.status()) if s.get("pid") == e.pid]
