@@ -30,6 +30,7 @@ from kvtier.manager.node.handover import (
     HandOver,
     HandOverRefused,
     HeldPage,
+    TenantRecord,
     read_handover,
 )
 from kvtier.manager.node.namespaces import namespace_deployment_id
@@ -260,9 +261,57 @@ def _held_in_version_1(data: bytes) -> bytes:
     return msgspec.msgpack.encode(doc)
 
 
+def _tenant_unlisted(data: bytes) -> bytes:
+    """A page booked to a tenant the namespace does not list (version 3)."""
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    ns = doc.namespaces[0]
+    ns.pages[0].tenant = len(ns.tenants)
+    return msgspec.msgpack.encode(doc)
+
+
+def _quota_past_pool(data: bytes) -> bytes:
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    ns = doc.namespaces[0]
+    ns.tenants.append(TenantRecord("big", ns.host_blocks + 1))
+    return msgspec.msgpack.encode(doc)
+
+
+def _long_tenant(data: bytes) -> bytes:
+    """A name of 200 characters but 400 bytes (the book's bound is 256 bytes)."""
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    doc.namespaces[0].tenants.append(TenantRecord("é" * 200, None))
+    return msgspec.msgpack.encode(doc)
+
+
+def _ttl_forever(data: bytes) -> bytes:
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    doc.namespaces[0].pages[0].ttl_s = float("inf")
+    return msgspec.msgpack.encode(doc)
+
+
+def _tenants_in_version_2(data: bytes) -> bytes:
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    doc.version = 2
+    return msgspec.msgpack.encode(doc)
+
+
+def _as_version_2(data: bytes) -> bytes:
+    """The same hand-over as version 2 wrote it: no tenants, no retention, no marks (a
+    control: read as the default pool)."""
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    doc.version = 2
+    for ns in doc.namespaces:
+        ns.tenants, ns.marks, ns.default_quota = [], [], None
+        for p in ns.pages:
+            p.tenant, p.pin, p.ttl_s, p.priority = -1, False, 0.0, 0
+    return msgspec.msgpack.encode(doc)
+
+
 HOSTILE = {"truncated": _truncated, "version": _version, "owner": _owner, "huge": _huge,
            "held twice": _held_twice, "held forever": _held_forever,
-           "held in version 1": _held_in_version_1}
+           "held in version 1": _held_in_version_1, "tenant unlisted": _tenant_unlisted,
+           "quota past the pool": _quota_past_pool, "long tenant": _long_tenant,
+           "TTL forever": _ttl_forever, "tenants in version 2": _tenants_in_version_2}
 
 
 def test_hostile_hand_overs_give_one_line_and_a_cold_start(node: Node, tmp_path: Path
@@ -284,13 +333,16 @@ def test_hostile_hand_overs_give_one_line_and_a_cold_start(node: Node, tmp_path:
     assert path.stat().st_mode & 0o777 == 0o600
     good = path.read_bytes()
     base = msgspec.msgpack.decode(good, type=HandOver).deployment_id
-    for what, data in [*((w, spoil(good)) for w, spoil in HOSTILE.items()), ("control", good)]:
+    for what, data in [*((w, spoil(good)) for w, spoil in HOSTILE.items()), ("control", good),
+                       ("control v2", _as_version_2(good))]:
         folder = tmp_path / what.replace(" ", "-")
         folder.mkdir(mode=0o700)
         (folder / HANDOVER_NAME).write_bytes(data)
         (folder / HANDOVER_NAME).chmod(0o600)
-        if what == "control":
-            assert len(read_handover(folder, base).namespaces[0].pages) == 32
+        if what.startswith("control"):
+            got = read_handover(folder, base).namespaces[0]
+            assert len(got.pages) == 32
+            assert [t.name for t in got.tenants] == ([""] if what == "control" else [])
         else:
             with pytest.raises(HandOverRefused) as refused:
                 read_handover(folder, base)
