@@ -370,9 +370,11 @@ def test_hostile_hand_overs_give_one_line_and_a_cold_start(node: Node, tmp_path:
 @pytest.fixture
 def plain_node(tmp_path: Path) -> Iterator[Node]:
     """A node service alone (no scheduler-API stack: no worker of its own to start) without
-    node.handover: a take-over hands over all the same."""
+    node.handover: a take-over hands over all the same. File storage: the storage marks
+    are handed over too."""
     n = Node(tmp_path)
-    n.toml.write_text(f'deployment_id = "{n.did}"\n[storage]\nbackend = "none"\n'
+    n.toml.write_text(f'deployment_id = "{n.did}"\n[storage]\nbackend = "file"\n'
+                      f'path = "{tmp_path / "storage"}"\n'
                       '[admin]\nhost = "127.0.0.1"\nport = 0\n'
                       f'[node]\nsocket = "{n.sock}"\nabandon_grace_s = 0.5\n'
                       f'quotas = {{"{NS_A}" = {QUOTA_BLOCKS * PAGE}}}\n')
@@ -392,12 +394,19 @@ def test_a_takeover_keeps_every_block_and_the_engine(plain_node: Node, tmp_path:
     deployment on the same socket, a service that does not answer within
     --takeover-timeout. A kept pool of the deployment no hand-over names is swept at the
     new one's start. Break check: the old service's stop not handing over when taken
-    over (node.handover alone decides), "AssertionError: {... 'hits': 0 ...}"."""
+    over (node.handover alone decides), "AssertionError: {... 'hits': 0 ...}"; the storage
+    marks not written, "AssertionError: the storage pins sent to the new service's worker:
+    not within 10.0 s"."""
     node = plain_node
     a = node.engine()
     keys = list(range(100))
     for i in range(0, 100, 50):
         assert a.call(op="store", keys=keys[i:i + 50])["stored"] == 50
+    # three blocks pinned, in the host tier and in storage (the worker's marks)
+    a.call(op="retain", keys=keys[:3], pin=True)
+    assert a.call(op="load", keys=keys[:3])["hits"] == 3  # sends the RETAIN
+    wait_until(lambda: _namespace(node)["storage_counters"]["retain_pages"] >= 3, 10,
+               "the pin marked by the old service's worker")
     # the refusals, in this process (the server's own `take_over`, as `serve --takeover`
     # calls it; no process start each): nothing listens on another socket path; the same
     # socket, another deployment; a service that does not answer (stopped) within the bound
@@ -444,3 +453,8 @@ def test_a_takeover_keeps_every_block_and_the_engine(plain_node: Node, tmp_path:
     assert got["hits"] == 100 and got["identical"] is True, got
     assert _namespace(node)["restart"] == {"handed_over": 100, "recovered": 0,
                                            "adopted": 100, "discarded": 0, "held": 0}
+    # the pins kept: in the host tier, and the new worker told the storage pages' pins
+    # (its table started empty; the replaced-worker path)
+    assert _tenants(node)[""]["pinned_blocks"] == 3
+    wait_until(lambda: _namespace(node)["storage_counters"]["retain_pages"] == 3, 10,
+               "the storage pins sent to the new service's worker")
