@@ -9,8 +9,11 @@ same deployment adopts both when each namespace attaches again::
                                       the abandoned stores still in their grace listed
                                       (page, deadline), then released here
       -> `write_handover`             per namespace, under its lock: every ready host copy
-                                      (hash, page, storage key, stored) oldest first, and
-                                      the held pages (version 2: `HeldPage`); each
+                                      (hash, page, storage key, stored; version 3: its
+                                      tenant and retention, the TTL as seconds left) oldest
+                                      first, the held pages (version 2: `HeldPage`), the
+                                      tenant book (version 3: tenants and quotas, the
+                                      storage marks that still hold); each
                                       rank's segment hard-linked under `kept_segment_name`
                                       (worker and janitor unlink only `kvtier_<id>_*`);
                                       HANDOVER_NAME written 0600 in the socket's private
@@ -28,6 +31,12 @@ same deployment adopts both when each namespace attaches again::
                                       in range and once, every storage key the one this
                                       namespace derives: the pages become ready host copies
                                       (`CacheCore.adopt_host_copies`); else none is adopted
+      -> `Adoption._rebook`           the quotas restored and each page booked to its tenant
+                                      with its retention through the book's own calls
+                                      (`TenantBook.set_quota`, `retain`), a TTL less the wall
+                                      time since the writing; the storage marks recorded and
+                                      sent to the new workers (`resend_storage_retention`,
+                                      as to a replaced worker)
       -> `Adoption.hold`              the held pages whose deadline has not passed taken
                                       out of the free list (`adopt_abandoned_writes`: marked
                                       written, never served) and held in the server's
@@ -44,8 +53,13 @@ from storage (PREFETCHING): their bytes may be partial. Nothing is served from a
 whose inode differs from the recorded one (a worker that could not adopt creates a fresh
 pool: another inode).
 
-Data structures: `HandOver` (msgspec, the file; version 2, version 1 read as one with
-nothing held): `namespaces` -> `NamespaceRecord` (`segments`, `pages`, `held`).
+What the crash journal cannot give (`journal.py`): tenants and retention. A crash keeps the
+bytes it vouches for, booked to no tenant, with no pin, TTL, quota or storage mark.
+
+Data structures: `HandOver` (msgspec, the file; version 3; version 2 read as one with no
+tenant book, version 1 as one with nothing held either): `namespaces` -> `NamespaceRecord`
+(`segments`, `pages` each with its tenant as an index into `tenants` and its retention,
+`held`, `tenants` (`TenantRecord`), `default_quota`, `marks` (`MarkRecord`)).
 `Adoption`: the records read at start, by namespace, and the figures
 per namespace (`handed_over`, `adopted`, `discarded`, `held`).
 """
