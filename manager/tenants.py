@@ -247,6 +247,13 @@ class StorageMarks:
         for k in keys:
             self._marks.pop(k, None)
 
+    def held(self, now: float) -> list[tuple[bytes, bool, float, int]]:
+        """What still holds, per page: (key, pin, seconds of TTL left, priority): a
+        planned restart hands it to the next service (`node.handover`)."""
+        return [(k, pin, max(0.0, until - now), prio)
+                for k, (pin, until, prio) in self._marks.items()
+                if pin or until > now or prio != 0]
+
     def resend(self, now: float) -> list[tuple[list[bytes], Retention]]:
         """What still holds, as retentions to send again, grouped (pin, whole seconds of TTL
         left rounded up, priority): one RETAIN task per group, not per page."""

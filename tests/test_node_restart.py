@@ -30,6 +30,7 @@ from kvtier.manager.node.handover import (
     HandOver,
     HandOverRefused,
     HeldPage,
+    TenantRecord,
     read_handover,
 )
 from kvtier.manager.node.namespaces import namespace_deployment_id
@@ -45,6 +46,10 @@ QUOTA_BLOCKS = 256
 STORED = 200
 GRACE_S = 60.0  # node.abandon_grace_s of the `node` fixture
 HELD = 8  # the planned restart's abandoned store, held across it
+STEERED = [2000, 2001, 2002, 2003]  # tenant T's: two pinned, one in a TTL, one plain
+T = "t"
+KEPT_FIGURES = ("host_blocks", "pinned_blocks", "held_blocks", "quota_blocks",
+                "quota_explicit")
 
 
 @pytest.fixture
@@ -81,11 +86,51 @@ def _kept(node: Node) -> Path:
     return Path(SHM_DIR + kept_segment_name(namespace_deployment_id(node.did, NS_A), 0))
 
 
+def _tenants(node: Node) -> dict[str, dict[str, object]]:
+    with node.serve.client() as http:  # type: ignore[union-attr]
+        figs: dict[str, dict[str, object]] = http.get("/tenants").json()[NS_A]
+    return {t: {k: f[k] for k in KEPT_FIGURES} for t, f in figs.items()}
+
+
+def _steer_tenant(node: Node, a: EngineProc) -> dict[str, object]:
+    """Tenant T with a quota of 4 blocks (and a default quota), two pinned blocks, one held
+    by a TTL, one plain; returns T's figures once the retains applied."""
+    with node.serve.client(node.serve.token()) as http:  # type: ignore[union-attr]
+        for tenant, blocks in ((T, 4), (None, 250)):
+            r = http.post("/tenants/quota", json={"namespace": NS_A, "tenant": tenant,
+                                                  "quota_blocks": blocks})
+            assert r.status_code == 200, r.text
+    assert a.call(op="store", keys=STEERED, tenant=T)["stored"] == 4
+    a.call(op="retain", keys=STEERED[:2], pin=True, tenant=T)
+    a.call(op="retain", keys=STEERED[2:3], ttl_s=600, tenant=T)
+    assert a.call(op="load", keys=STEERED)["hits"] == 4  # sends the RETAINs
+    wait_until(lambda: _tenants(node)[T]["held_blocks"] == 3, 10, "the retains applied")
+    want = {"host_blocks": 4, "pinned_blocks": 2, "held_blocks": 3, "quota_blocks": 4,
+            "quota_explicit": True}
+    assert _tenants(node)[T] == want
+    return want
+
+
+def _tenant_kept(node: Node, a: EngineProc, want: dict[str, object]) -> None:
+    """After the restart: T's quota, blocks, pins and TTL as before; a store past T's quota
+    evicts only its plain block (the pinned ones and the one in its TTL stay)."""
+    figs = _tenants(node)
+    assert figs.get(T) == want, figs
+    assert figs[""]["quota_blocks"] == 250 and not figs[""]["quota_explicit"], figs
+    assert a.call(op="store", keys=[2004], tenant=T)["stored"] == 1
+    assert a.call(op="load", keys=STEERED[:3])["hits"] == 3
+    assert a.call(op="load", keys=STEERED[3:])["hits"] == 0, "the plain block of T kept"
+
+
 def test_a_planned_restart_keeps_every_block_byte_for_byte(node: Node) -> None:
+    """... and tenant T's quota, pins and TTL (hand-over version 3). Break checks: the
+    snapshot writing no tenants, "AssertionError: {'': {...}}" (T missing); the adoption
+    not rebooking (`_rebook` skipped), T missing from /tenants likewise."""
     a = node.engine()
     keys = list(range(STORED))
     for i in range(0, STORED, 50):
         assert a.call(op="store", keys=keys[i:i + 50])["stored"] == 50
+    want = _steer_tenant(node, a)
     # B's store written and never completed: abandoned when the old service stops, its
     # pages held for the grace there, and (carried in the hand-over) here: B could still
     # copy into them, so the new service gives them to nobody before the deadline
@@ -95,9 +140,11 @@ def test_a_planned_restart_keeps_every_block_byte_for_byte(node: Node) -> None:
     got = a.call(op="load", keys=keys)
     assert got["hits"] == STORED and got["identical"] is True, got
     ns = _namespace(node)
-    assert ns["restart"] == {"handed_over": STORED, "recovered": 0,
-                              "adopted": STORED, "discarded": 0, "held": HELD}, ns
-    assert ns["used_bytes"] == (STORED + HELD) * PAGE, ns
+    n = STORED + len(STEERED)
+    assert ns["restart"] == {"handed_over": n, "recovered": 0,
+                              "adopted": n, "discarded": 0, "held": HELD}, ns
+    assert ns["used_bytes"] == (n + HELD) * PAGE, ns
+    _tenant_kept(node, a, want)
     log = node.log()
     assert f"{HELD} abandoned store(s) of the old service held until their deadline" in log
     # the namespace's worker was started warm from the hand-over's count, before the
@@ -106,7 +153,7 @@ def test_a_planned_restart_keeps_every_block_byte_for_byte(node: Node) -> None:
     assert ", warm, log " in log, log
     with node.serve.client() as http:  # type: ignore[union-attr]
         metrics = http.get("/metrics").text
-    assert (f'kvtier_node_restart_blocks{{kind="adopted",namespace="{NS_A}"}} {STORED}.0'
+    assert (f'kvtier_node_restart_blocks{{kind="adopted",namespace="{NS_A}"}} {n}.0'
             in metrics), [ln for ln in metrics.splitlines() if "restart" in ln]
     # renamed back to the pool's name, and kept again (the crash journal's link)
     did = namespace_deployment_id(node.did, NS_A)
@@ -214,9 +261,57 @@ def _held_in_version_1(data: bytes) -> bytes:
     return msgspec.msgpack.encode(doc)
 
 
+def _tenant_unlisted(data: bytes) -> bytes:
+    """A page booked to a tenant the namespace does not list (version 3)."""
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    ns = doc.namespaces[0]
+    ns.pages[0].tenant = len(ns.tenants)
+    return msgspec.msgpack.encode(doc)
+
+
+def _quota_past_pool(data: bytes) -> bytes:
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    ns = doc.namespaces[0]
+    ns.tenants.append(TenantRecord("big", ns.host_blocks + 1))
+    return msgspec.msgpack.encode(doc)
+
+
+def _long_tenant(data: bytes) -> bytes:
+    """A name of 200 characters but 400 bytes (the book's bound is 256 bytes)."""
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    doc.namespaces[0].tenants.append(TenantRecord("é" * 200, None))
+    return msgspec.msgpack.encode(doc)
+
+
+def _ttl_forever(data: bytes) -> bytes:
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    doc.namespaces[0].pages[0].ttl_s = float("inf")
+    return msgspec.msgpack.encode(doc)
+
+
+def _tenants_in_version_2(data: bytes) -> bytes:
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    doc.version = 2
+    return msgspec.msgpack.encode(doc)
+
+
+def _as_version_2(data: bytes) -> bytes:
+    """The same hand-over as version 2 wrote it: no tenants, no retention, no marks (a
+    control: read as the default pool)."""
+    doc = msgspec.msgpack.decode(data, type=HandOver)
+    doc.version = 2
+    for ns in doc.namespaces:
+        ns.tenants, ns.marks, ns.default_quota = [], [], None
+        for p in ns.pages:
+            p.tenant, p.pin, p.ttl_s, p.priority = -1, False, 0.0, 0
+    return msgspec.msgpack.encode(doc)
+
+
 HOSTILE = {"truncated": _truncated, "version": _version, "owner": _owner, "huge": _huge,
            "held twice": _held_twice, "held forever": _held_forever,
-           "held in version 1": _held_in_version_1}
+           "held in version 1": _held_in_version_1, "tenant unlisted": _tenant_unlisted,
+           "quota past the pool": _quota_past_pool, "long tenant": _long_tenant,
+           "TTL forever": _ttl_forever, "tenants in version 2": _tenants_in_version_2}
 
 
 def test_hostile_hand_overs_give_one_line_and_a_cold_start(node: Node, tmp_path: Path
@@ -238,13 +333,16 @@ def test_hostile_hand_overs_give_one_line_and_a_cold_start(node: Node, tmp_path:
     assert path.stat().st_mode & 0o777 == 0o600
     good = path.read_bytes()
     base = msgspec.msgpack.decode(good, type=HandOver).deployment_id
-    for what, data in [*((w, spoil(good)) for w, spoil in HOSTILE.items()), ("control", good)]:
+    for what, data in [*((w, spoil(good)) for w, spoil in HOSTILE.items()), ("control", good),
+                       ("control v2", _as_version_2(good))]:
         folder = tmp_path / what.replace(" ", "-")
         folder.mkdir(mode=0o700)
         (folder / HANDOVER_NAME).write_bytes(data)
         (folder / HANDOVER_NAME).chmod(0o600)
-        if what == "control":
-            assert len(read_handover(folder, base).namespaces[0].pages) == 32
+        if what.startswith("control"):
+            got = read_handover(folder, base).namespaces[0]
+            assert len(got.pages) == 32
+            assert [t.name for t in got.tenants] == ([""] if what == "control" else [])
         else:
             with pytest.raises(HandOverRefused) as refused:
                 read_handover(folder, base)
@@ -272,9 +370,11 @@ def test_hostile_hand_overs_give_one_line_and_a_cold_start(node: Node, tmp_path:
 @pytest.fixture
 def plain_node(tmp_path: Path) -> Iterator[Node]:
     """A node service alone (no scheduler-API stack: no worker of its own to start) without
-    node.handover: a take-over hands over all the same."""
+    node.handover: a take-over hands over all the same. File storage: the storage marks
+    are handed over too."""
     n = Node(tmp_path)
-    n.toml.write_text(f'deployment_id = "{n.did}"\n[storage]\nbackend = "none"\n'
+    n.toml.write_text(f'deployment_id = "{n.did}"\n[storage]\nbackend = "file"\n'
+                      f'path = "{tmp_path / "storage"}"\n'
                       '[admin]\nhost = "127.0.0.1"\nport = 0\n'
                       f'[node]\nsocket = "{n.sock}"\nabandon_grace_s = 0.5\n'
                       f'quotas = {{"{NS_A}" = {QUOTA_BLOCKS * PAGE}}}\n')
@@ -294,12 +394,19 @@ def test_a_takeover_keeps_every_block_and_the_engine(plain_node: Node, tmp_path:
     deployment on the same socket, a service that does not answer within
     --takeover-timeout. A kept pool of the deployment no hand-over names is swept at the
     new one's start. Break check: the old service's stop not handing over when taken
-    over (node.handover alone decides), "AssertionError: {... 'hits': 0 ...}"."""
+    over (node.handover alone decides), "AssertionError: {... 'hits': 0 ...}"; the storage
+    marks not written, "AssertionError: the storage pins sent to the new service's worker:
+    not within 10.0 s"."""
     node = plain_node
     a = node.engine()
     keys = list(range(100))
     for i in range(0, 100, 50):
         assert a.call(op="store", keys=keys[i:i + 50])["stored"] == 50
+    # three blocks pinned, in the host tier and in storage (the worker's marks)
+    a.call(op="retain", keys=keys[:3], pin=True)
+    assert a.call(op="load", keys=keys[:3])["hits"] == 3  # sends the RETAIN
+    wait_until(lambda: _namespace(node)["storage_counters"]["retain_pages"] >= 3, 10,
+               "the pin marked by the old service's worker")
     # the refusals, in this process (the server's own `take_over`, as `serve --takeover`
     # calls it; no process start each): nothing listens on another socket path; the same
     # socket, another deployment; a service that does not answer (stopped) within the bound
@@ -346,3 +453,8 @@ def test_a_takeover_keeps_every_block_and_the_engine(plain_node: Node, tmp_path:
     assert got["hits"] == 100 and got["identical"] is True, got
     assert _namespace(node)["restart"] == {"handed_over": 100, "recovered": 0,
                                            "adopted": 100, "discarded": 0, "held": 0}
+    # the pins kept: in the host tier, and the new worker told the storage pages' pins
+    # (its table started empty; the replaced-worker path)
+    assert _tenants(node)[""]["pinned_blocks"] == 3
+    wait_until(lambda: _namespace(node)["storage_counters"]["retain_pages"] == 3, 10,
+               "the storage pins sent to the new service's worker")

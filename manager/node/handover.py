@@ -9,8 +9,11 @@ same deployment adopts both when each namespace attaches again::
                                       the abandoned stores still in their grace listed
                                       (page, deadline), then released here
       -> `write_handover`             per namespace, under its lock: every ready host copy
-                                      (hash, page, storage key, stored) oldest first, and
-                                      the held pages (version 2: `HeldPage`); each
+                                      (hash, page, storage key, stored; version 3: its
+                                      tenant and retention, the TTL as seconds left) oldest
+                                      first, the held pages (version 2: `HeldPage`), the
+                                      tenant book (version 3: tenants and quotas, the
+                                      storage marks that still hold); each
                                       rank's segment hard-linked under `kept_segment_name`
                                       (worker and janitor unlink only `kvtier_<id>_*`);
                                       HANDOVER_NAME written 0600 in the socket's private
@@ -28,6 +31,12 @@ same deployment adopts both when each namespace attaches again::
                                       in range and once, every storage key the one this
                                       namespace derives: the pages become ready host copies
                                       (`CacheCore.adopt_host_copies`); else none is adopted
+      -> `Adoption._rebook`           the quotas restored and each page booked to its tenant
+                                      with its retention through the book's own calls
+                                      (`TenantBook.set_quota`, `retain`), a TTL less the wall
+                                      time since the writing; the storage marks recorded and
+                                      sent to the new workers (`resend_storage_retention`,
+                                      as to a replaced worker)
       -> `Adoption.hold`              the held pages whose deadline has not passed taken
                                       out of the free list (`adopt_abandoned_writes`: marked
                                       written, never served) and held in the server's
@@ -44,8 +53,13 @@ from storage (PREFETCHING): their bytes may be partial. Nothing is served from a
 whose inode differs from the recorded one (a worker that could not adopt creates a fresh
 pool: another inode).
 
-Data structures: `HandOver` (msgspec, the file; version 2, version 1 read as one with
-nothing held): `namespaces` -> `NamespaceRecord` (`segments`, `pages`, `held`).
+What the crash journal cannot give (`journal.py`): tenants and retention. A crash keeps the
+bytes it vouches for, booked to no tenant, with no pin, TTL, quota or storage mark.
+
+Data structures: `HandOver` (msgspec, the file; version 3; version 2 read as one with no
+tenant book, version 1 as one with nothing held either): `namespaces` -> `NamespaceRecord`
+(`segments`, `pages` each with its tenant as an index into `tenants` and its retention,
+`held`, `tenants` (`TenantRecord`), `default_quota`, `marks` (`MarkRecord`)).
 `Adoption`: the records read at start, by namespace, and the figures
 per namespace (`handed_over`, `adopted`, `discarded`, `held`).
 """
@@ -55,6 +69,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import stat
 import time
@@ -67,12 +82,23 @@ from kvtier.manager.errors import KvtierError
 from kvtier.manager.keyed import KeyedHostCache, engine_key
 from kvtier.manager.node.wire import Hello
 from kvtier.manager.sessions import Graves
+from kvtier.manager.tenants import (
+    MAX_STORAGE_MARKS,
+    MAX_TENANT_BYTES,
+    MAX_TTL_S,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    Retention,
+    SteeringError,
+)
 from kvtier.worker.spec import KEPT_PREFIX, SHM_DIR, host_segment_name, kept_segment_name
 
 log = logging.getLogger("kvtier.node")
 
-HANDOVER_VERSION = 2  # 2: `NamespaceRecord.held` (abandoned stores still held)
-READABLE_VERSIONS = (1, 2)  # a version 1 file reads as one with nothing held
+HANDOVER_VERSION = 3  # 3: tenants, quotas, each page's tenant and retention, storage marks
+# 2: `NamespaceRecord.held` (abandoned stores still held). Version 1 reads as one with
+# nothing held, versions 1 and 2 as ones with no tenant (the default pool, no retention)
+READABLE_VERSIONS = (1, 2, 3)
 HANDOVER_NAME = "handover.msgpack"
 MAX_FILE_BYTES = 1 << 30  # ~10M pages of ~100 bytes: far past any host tier's page count
 MAX_NAMESPACES = 4096
@@ -81,9 +107,12 @@ MAX_PAGES = 1 << 24
 SKEY_BYTES = 32  # `keys.keyed_storage_key`: a SHA-256
 MAX_TEXT = 4096
 MAX_HOLD_S = 3600.0  # a held page's deadline at most this far past the hand-over's writing
+MAX_TENANTS = 1 << 16  # tenants listed per namespace (names of at most MAX_TENANT_BYTES)
 
 _Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
+_Ttl = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TTL_S)]
+_Priority = Annotated[int, msgspec.Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)]
 
 
 class Page(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -98,6 +127,32 @@ class Page(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
                                                max_length=SKEY_BYTES)] | None
     stored: bool
     generation: _Count
+    # version 3 (absent before: no tenant, no retention): the tenant it is booked to, as
+    # an index into `NamespaceRecord.tenants` (-1: booked to none, a prefetched copy), and
+    # its retention, the TTL as the seconds left when the hand-over was written
+    tenant: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_TENANTS)] = -1
+    pin: bool = False
+    ttl_s: _Ttl = 0.0
+    priority: _Priority = 0
+
+
+class TenantRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A tenant of the namespace (version 3): its name and its own quota in host blocks
+    (None: the namespace's default quota)."""
+
+    name: Annotated[str, msgspec.Meta(max_length=MAX_TENANT_BYTES)]
+    quota: _Count | None
+
+
+class MarkRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A retention sent to a storage page that still holds (version 3: `StorageMarks`),
+    the TTL as the seconds left when the hand-over was written: the next service sends it
+    to its new workers, whose tables start empty."""
+
+    key: Annotated[bytes, msgspec.Meta(min_length=SKEY_BYTES, max_length=SKEY_BYTES)]
+    pin: bool
+    ttl_s: _Ttl
+    priority: _Priority
 
 
 class HeldPage(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -130,6 +185,11 @@ class NamespaceRecord(msgspec.Struct, forbid_unknown_fields=True):
     segments: Annotated[list[SegmentRecord], msgspec.Meta(max_length=MAX_RANKS)]
     pages: Annotated[list[Page], msgspec.Meta(max_length=MAX_PAGES)]
     held: Annotated[list[HeldPage], msgspec.Meta(max_length=MAX_PAGES)] = []  # version 2
+    # version 3: the tenant book (`TenantBook`): its tenants, the default quota, the
+    # storage marks (bounded as the book bounds them)
+    tenants: Annotated[list[TenantRecord], msgspec.Meta(max_length=MAX_TENANTS)] = []
+    default_quota: _Count | None = None
+    marks: Annotated[list[MarkRecord], msgspec.Meta(max_length=MAX_STORAGE_MARKS)] = []
 
 
 class _Head(msgspec.Struct):
@@ -207,8 +267,24 @@ def snapshot(name: str, deployment_id: str, geometry: dict[str, Any], page_bytes
         gen = keyed.generation
         # the tree key (the engine hash's first 16 bytes, `engine_key`) stands for the hash:
         # the whole hash is not kept, and the storage key derived from it is recorded
-        pages = [Page(key.to_bytes(16, "little"), host, skey, stored, gen)
-                 for key, host, skey, stored in m.ready_host_copies()]
+        book = keyed.tenants
+        mono = time.monotonic()
+        # stale entries purged (a copy that left the tree without the book: its tenant and
+        # hold are not the ready copy's) and TTLs read at this instant (`retention_of`)
+        book.figures(mono)
+        names = {name: i for i, name in enumerate(book.tenants)}
+        tenants = [TenantRecord(t.name, t.quota) for t in book.tenants.values()]
+        pages = []
+        for key, host, skey, stored in m.ready_host_copies():
+            owner = book.tenant_of(key)
+            ret = book.retention_of(key) or {}
+            pages.append(Page(key.to_bytes(16, "little"), host, skey, stored, gen,
+                              -1 if owner is None else names[owner], bool(ret.get("pin")),
+                              min(MAX_TTL_S, float(ret.get("ttl_left_s", 0.0))),
+                              int(ret.get("priority", 0))))
+        marks = ([MarkRecord(k, pin, min(MAX_TTL_S, left), prio)
+                  for k, pin, left, prio in book.storage_marks.held(mono)]
+                 if keyed.storage is not None else [])
         now = time.time()
         still = [HeldPage(key.to_bytes(16, "little"), host, now + left)
                  for key, host, left in held]
@@ -222,7 +298,8 @@ def snapshot(name: str, deployment_id: str, geometry: dict[str, Any], page_bytes
             st = os.stat(SHM_DIR + kept)
             segments.append(SegmentRecord(r, seg, kept, st.st_ino, st.st_size))
     return NamespaceRecord(name, deployment_id, geometry_text(geometry), page_bytes,
-                           host_blocks, ranks, gen, segments, pages, still)
+                           host_blocks, ranks, gen, segments, pages, still, tenants,
+                           book.default_quota, marks)
 
 
 def write_handover(folder: Path, base_deployment_id: str,
@@ -323,6 +400,11 @@ def read_handover(folder: Path, base_deployment_id: str) -> HandOver:
         if head.version < 2 and rec.held:
             raise HandOverRefused(f"{path}: namespace {rec.namespace!r}: held pages in a "
                                   f"version {head.version} hand-over")
+        if head.version < 3 and (rec.tenants or rec.marks or rec.default_quota is not None
+                                 or any(p.tenant != -1 or p.pin or p.ttl_s or p.priority
+                                        for p in rec.pages)):
+            raise HandOverRefused(f"{path}: namespace {rec.namespace!r}: tenants or "
+                                  f"retention in a version {head.version} hand-over")
         _check_record(rec, base_deployment_id, doc.written)
     return doc
 
@@ -362,6 +444,45 @@ def _check_record(rec: NamespaceRecord, base: str, written: float) -> None:
             raise HandOverRefused(f"{where}: held {why}")
         pages.add(h.page)
         keys.add(h.key)
+    _check_tenants(rec, where)
+
+
+def _check_tenants(rec: NamespaceRecord, where: str) -> None:
+    """Version 3's tenant book: names unique and at most MAX_TENANT_BYTES of UTF-8, quotas
+    within the pool, every page's tenant listed, TTLs finite, a tenant's pins within its
+    quota (the book refuses a pin over quota)."""
+    names: set[str] = set()
+    for t in rec.tenants:
+        why = (f"tenant {t.name[:40]!r} of more than {MAX_TENANT_BYTES} bytes"
+               if len(t.name.encode()) > MAX_TENANT_BYTES else
+               f"tenant {t.name[:40]!r} twice" if t.name in names else
+               f"tenant {t.name[:40]!r} has a quota of {t.quota} blocks, the pool has "
+               f"{rec.host_blocks}" if t.quota is not None and t.quota > rec.host_blocks
+               else "")
+        if why:
+            raise HandOverRefused(f"{where}: {why}")
+        names.add(t.name)
+    if rec.default_quota is not None and rec.default_quota > rec.host_blocks:
+        raise HandOverRefused(f"{where}: a default quota of {rec.default_quota} blocks, the "
+                              f"pool has {rec.host_blocks}")
+    pins = [0] * len(rec.tenants)
+    for p in rec.pages:
+        if p.tenant >= len(rec.tenants):
+            raise HandOverRefused(f"{where}: page {p.page} booked to tenant #{p.tenant}, "
+                                  f"{len(rec.tenants)} listed")
+        if not math.isfinite(p.ttl_s):
+            raise HandOverRefused(f"{where}: page {p.page} with a TTL of {p.ttl_s}")
+        if p.pin:
+            if p.tenant < 0:
+                raise HandOverRefused(f"{where}: page {p.page} pinned, booked to no tenant")
+            pins[p.tenant] += 1
+    for t, n in zip(rec.tenants, pins, strict=True):
+        quota = t.quota if t.quota is not None else rec.default_quota
+        if n and quota is not None and n > quota:
+            raise HandOverRefused(f"{where}: tenant {t.name[:40]!r} has {n} pinned pages, "
+                                  f"its quota is {quota} blocks")
+    if any(not math.isfinite(k.ttl_s) for k in rec.marks):
+        raise HandOverRefused(f"{where}: a storage mark with a TTL that is not finite")
 
 
 class Adoption:
@@ -372,6 +493,7 @@ class Adoption:
     def __init__(self, base_deployment_id: str) -> None:
         self.base = base_deployment_id
         self._records: dict[str, NamespaceRecord] = {}
+        self._written = 0.0  # the hand-over's wall-clock writing time (TTLs run on)
         self.figures: dict[str, dict[str, int]] = {}
 
     def load(self, folder: Path) -> None:
@@ -387,6 +509,7 @@ class Adoption:
                         len(gone), e)
             return
         self._records = {r.namespace: r for r in doc.namespaces}
+        self._written = doc.written
         for r in doc.namespaces:
             self.figures[r.namespace] = {"handed_over": len(r.pages), "adopted": 0,
                                          "discarded": 0, "held": 0}
@@ -476,13 +599,68 @@ class Adoption:
         try:
             with m.lock:
                 m.adopt_host_copies(pages, time.monotonic())
+                booked = self._rebook(rec, keyed)
         except KvtierError as e:
             self.discard(rec, str(e))
             return 0
         fig["adopted"] = len(pages)
-        log.info("namespace %r: %d handed-over block(s) adopted (%.1f ms)", rec.namespace,
-                 len(pages), (time.perf_counter() - t0) * 1e3)
+        # the new workers' tables are empty: the path a replaced worker's takes
+        marks = keyed.resend_storage_retention() if rec.marks else 0
+        log.info("namespace %r: %d handed-over block(s) adopted, %d booked to %d tenant(s), "
+                 "%d storage mark(s) sent again (%.1f ms)", rec.namespace, len(pages), booked,
+                 len(rec.tenants), marks, (time.perf_counter() - t0) * 1e3)
         return len(pages)
+
+    def _rebook(self, rec: NamespaceRecord, keyed: KeyedHostCache) -> int:
+        """The adopted pages (ready copies, booked to nobody yet) booked to their tenants
+        with their retention, the quotas restored and the storage marks recorded, all
+        through the book's own calls (`set_quota`, `retain`: a copy nobody booked becomes
+        the tenant's, in its priority's bucket, oldest first as handed over). A TTL runs on
+        across the restart: the seconds left at the hand-over less the time since. Caller
+        holds the keyed lock. Returns the pages booked."""
+        book = keyed.tenants
+        try:
+            for t in rec.tenants:
+                book.set_quota(t.name, t.quota)
+            book.set_quota(None, rec.default_quota)
+        except SteeringError as e:  # checked not to be (`_check_tenants`): one line
+            log.warning("namespace %r: handed-over quotas not all restored: %s",
+                        rec.namespace, e)
+        now = time.monotonic()
+        gone = max(0.0, time.time() - self._written)
+        booked = 0
+        # one `retain` per run of pages with the same tenant and retention (usually one)
+        run: list[tuple[int, Any]] = []  # (key, node): the node service names no core type
+        last: tuple[int, Retention] | None = None
+
+        def flush() -> int:
+            if not run or last is None:
+                return 0
+            name = rec.tenants[last[0]].name
+            try:
+                return book.retain(run, name, last[1], now)["applied"]
+            except SteeringError as e:  # checked not to be (`_check_tenants`): one line
+                log.warning("namespace %r: %d handed-over block(s) not booked to %r: %s",
+                            rec.namespace, len(run), name, e)
+                return 0
+
+        for p in rec.pages:
+            if p.tenant < 0:
+                continue  # booked to none before either (a prefetched copy)
+            key = engine_key(p.key)
+            this = (p.tenant, Retention(p.pin, max(0.0, p.ttl_s - gone), p.priority))
+            if this != last:
+                booked += flush()
+                run, last = [], this
+            run.append((key, keyed.m.lookup(key)))
+        booked += flush()
+        if keyed.storage is not None:
+            for k in rec.marks:
+                left = k.ttl_s - gone
+                if k.pin or left > 0 or k.priority != 0:
+                    book.storage_marks.retain([k.key], Retention(
+                        k.pin, max(0.0, left), k.priority), now)
+        return booked
 
     def hold(self, rec: NamespaceRecord, keyed: KeyedHostCache, graves: Graves) -> int:
         """After `adopt`: the predecessor's abandoned stores still held at the hand-over
