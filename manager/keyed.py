@@ -722,10 +722,6 @@ class KeyedHostCache:
             self.m.flush()
             return Removal(reason, len(todo), host, asked, deleted)
 
-    def evict(self, hashes: Sequence[bytes]) -> int:
-        """`remove(hashes, reason="audit_mismatch")`; returns how many host copies were held."""
-        return self.remove(hashes, reason="audit_mismatch").host
-
     # ------------------------------------------------------------------ steering (issue 36)
 
     def tier_lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
