@@ -67,18 +67,20 @@ marked ENGINE_READ has `_reads[node] > 0` and is in that many places of the `_re
 lists; neither is in the host LRU. A reset or a lost worker detaches such nodes (the manager
 writes them off); their host blocks return to the free list only when the owner's completion
 arrives (or its copies are abandoned and released).
+
+One object, several files: `KeyedHostCache` inherits the steering of issue 36 (tier lookups,
+retention, quotas, clears, warming) from `keyed_steering.KeyedSteering`, and the declared
+attributes, `Owner`, `Lookup`, `engine_key` and `storage_key` from `keyed_state.KeyedState`
+(re-exported here: callers import from this module only).
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any
 
 from kvtier.manager.core import native
 from kvtier.manager.core.cache import CacheCore
@@ -93,25 +95,17 @@ from kvtier.manager.core.nodes import (
 )
 from kvtier.manager.errors import InvalidRequestError, KvtierError
 from kvtier.manager.keyed_events import TierEvent, TierEventLog
-from kvtier.manager.keys import keyed_storage_key
-from kvtier.manager.tenants import DEFAULT_TENANT, Retention, TenantBook
+from kvtier.manager.keyed_state import Lookup as Lookup
+from kvtier.manager.keyed_state import Owner as Owner
+from kvtier.manager.keyed_state import _Query
+from kvtier.manager.keyed_state import engine_key as engine_key
+from kvtier.manager.keyed_steering import KeyedSteering
+from kvtier.manager.tenants import DEFAULT_TENANT, TenantBook
 
 _monotonic = time.monotonic
-# Who prepared an open copy: None for the one engine of an embedded cache, a session id for
-# an engine attached to the node service (any hashable value: equal owners are one engine).
-Owner = Hashable | None
 # How long a lookup waits for a storage answer about a block storage's index does not list,
 # while that index is incomplete (see the module docstring).
 UNLISTED_WAIT_S = 0.25
-
-
-class Lookup(Enum):
-    """What `KeyedHostCache.lookup` found for one key."""
-
-    HIT = "hit"  # on the host, ready to load
-    PENDING = "pending"  # being written by the engine or prefetched from storage
-    MISS = "miss"  # in no tier kvtier can reach
-    RETRY = "retry"  # a storage query is out: ask again later
 
 
 @dataclass(slots=True)
@@ -143,42 +137,13 @@ class Removal:
     storage_deleted: int | None
 
 
-class _Query:
-    """One storage query of a request: the keys it covered (in the order asked), whether it
-    was answered and, once answered, how many leading keys storage held (`found`); until
-    when a lookup waits for its answer (`wait_until`: `UNLISTED_WAIT_S` after asking when
-    storage's index does not list the first key, the transfer timeout when it does)."""
-
-    __slots__ = ("done", "found", "keys", "seq", "wait_until")
-
-    def __init__(self, keys: list[bytes]) -> None:
-        self.keys = keys
-        self.seq = 0
-        self.done = False
-        self.found = 0
-        self.wait_until = 0.0
-
-    def answer(self, found: int) -> None:
-        self.found = found
-        self.done = True
-
-
-def engine_key(block_hash: bytes) -> int:
-    """kvtier's tree key for an engine block hash: its first 16 bytes as an int (the hash is
-    already a digest of the whole prefix; 0.07 us per block), or a 16-byte BLAKE2b of a
-    shorter one."""
-    if len(block_hash) >= 16:
-        return int.from_bytes(block_hash[:16], "little")
-    return int.from_bytes(hashlib.blake2b(block_hash, digest_size=16).digest(), "little")
-
-
 def _check_hash(block_hash: object) -> None:
     if not isinstance(block_hash, bytes) or not block_hash:
         raise InvalidRequestError(
             f"block hash {block_hash!r}: must be non-empty bytes (the engine's block hash)")
 
 
-class KeyedHostCache:
+class KeyedHostCache(KeyedSteering):
     """Host and storage tiers addressed by an engine's chained block hashes (see the module
     docstring for the life cycle, data structures and invariants).
 
@@ -221,18 +186,6 @@ class KeyedHostCache:
         self.tenants = TenantBook(manager)
         if storage is not None:  # a page the worker deleted by itself keeps no mark here
             storage.on_pages_gone = self.tenants.storage_marks.forget
-
-    # ------------------------------------------------------------------ keys
-
-    def storage_key(self, block_hash: bytes) -> bytes:
-        """The page name of a block in storage (`keys.keyed_storage_key`)."""
-        return keyed_storage_key(self.namespace, block_hash)
-
-    @property
-    def generation(self) -> int:
-        """Changes whenever every cached host copy was dropped at once (a lost worker): an
-        engine copy prepared under another generation must not touch the new pools."""
-        return self.m.counters.lost_all
 
     # ------------------------------------------------------------------ lookups
 
@@ -721,163 +674,6 @@ class KeyedHostCache:
             self.counters["evicted_by_engine"] += host
             self.m.flush()
             return Removal(reason, len(todo), host, asked, deleted)
-
-    # ------------------------------------------------------------------ steering (issue 36)
-
-    def tier_lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
-        """How many leading blocks of `hashes` this namespace holds, per tier: `host` (ready
-        on the host now), then `storage` (the blocks after those that storage's index lists:
-        a router's estimate, asking storage nothing), `pending` (being written or prefetched,
-        right after the host ones). Read only: no LRU touched, no query asked."""
-        with self._lock:
-            host = self.count_hits(hashes)
-            pending = 0
-            for h in hashes[host:]:
-                node = self.m.lookup(engine_key(h))
-                if node is None or node.host is None:
-                    break
-                pending += 1
-            storage = 0
-            if self.storage is not None:
-                for h in hashes[host:]:
-                    if not self.storage.holds(self.storage_key(h)):
-                        break
-                    storage += 1
-            return {"host": host, "pending": pending, "storage": storage}
-
-    def retain(self, hashes: Sequence[bytes], retention: Retention,
-               tenant: str | None = None) -> dict[str, int]:
-        """Pin / TTL / priority for these blocks (`TenantBook.retain`: a pin over quota is
-        refused whole, nothing changed). With a storage tier the same retention goes to the
-        blocks' storage pages, stored now or written later (`StorageTier.retain`), once the
-        book accepted it."""
-        with self._lock:
-            items = [(k, self.m.lookup(k)) for k in map(engine_key, hashes)]
-            now = _monotonic()
-            out = self.tenants.retain(items, tenant, retention, now)
-            if self.storage is not None and hashes:
-                skeys = [self.storage_key(h) for h in hashes]
-                self.storage.retain(skeys, pin=retention.pin, ttl_s=retention.ttl_s,
-                                    priority=retention.priority)
-                self.tenants.storage_marks.retain(skeys, retention, now)
-            return out
-
-    def unpin(self, hashes: Sequence[bytes]) -> int:
-        """Unpin these blocks in the host tier and, with a storage tier, their pages."""
-        with self._lock:
-            n = self.tenants.unpin(map(engine_key, hashes))
-            if self.storage is not None and hashes:
-                skeys = [self.storage_key(h) for h in hashes]
-                self.storage.unpin(skeys)
-                self.tenants.storage_marks.unpin(skeys)
-            return n
-
-    def resend_storage_retention(self) -> int:
-        """A worker was replaced: its storage marks died with it. Send again, to every rank,
-        the retention the book sent and that still holds (`StorageMarks.resend`: one RETAIN
-        task per kind of retention; the other ranks' marks merge it without change).
-        Returns the pages named."""
-        if self.storage is None:
-            return 0
-        with self._lock:
-            groups = self.tenants.storage_marks.resend(_monotonic())
-            for skeys, r in groups:
-                self.storage.retain(skeys, pin=r.pin, ttl_s=r.ttl_s, priority=r.priority)
-            return sum(len(k) for k, _ in groups)
-
-    def storage_emptied(self) -> None:
-        """Every storage page of the namespace was deleted (a storage reset): so were their
-        marks, and no tenant's page is left to clear."""
-        with self._lock:
-            self.tenants.storage_marks.forget()
-            self.tenants.stored_pages.forget()
-
-    def set_quota(self, tenant: str | None, blocks: int | None) -> None:
-        with self._lock:
-            self.tenants.set_quota(tenant, blocks)
-
-    def tenant_figures(self) -> dict[str, dict[str, Any]]:
-        with self._lock:
-            return self.tenants.figures(_monotonic())
-
-    def clear(self, *, hashes: Sequence[bytes] | None = None, tenant: str | None = None,
-              storage: bool = False, wait_s: float = 0.0) -> dict[str, int | None]:
-        """An operator's clear (issue 36): these blocks, every block of `tenant`, or every
-        block of the namespace leave the host tier now (the core's write-off: a copy in
-        flight keeps its block until its transfer ends, never served again); with `storage`
-        their pages are deleted too (`StorageTier.delete`: one DELETE task behind earlier
-        backups; a clear by hashes deletes the pages of blocks not on the host as well, and
-        so does a clear by tenant or of everything for the blocks the book remembers who
-        stored, `StoredPages`: the newest 65,536). With tier events on, every removal is
-        announced at once, each tier's only where it happened: with `storage`, host and
-        storage (where reported), as `remove` does; without, the host only, as an eviction
-        (the pages stay servable). Counted in `removals["clear"]`."""
-        with self._lock:
-            if hashes is not None:
-                named = [(engine_key(h), h) for h in dict.fromkeys(hashes)]
-            else:
-                keys = (self.tenants.keys_of(tenant) if tenant is not None else
-                        [n.key for n in self.m.cached_nodes() if n.key is not None])
-                names = {} if self.events is None else self.events.names
-                named = [(k, names.get(k, b"")) for k in keys]
-                if storage and self.storage is not None:
-                    # the pages of the tenant's (every) blocks no longer on the host
-                    on_host = set(keys)
-                    named += [(k, h) for h in self.tenants.stored_pages.hashes(tenant)
-                              for k in (engine_key(h),) if k not in on_host]
-            skeys: list[bytes] = []
-            host = 0
-            off: list[int] = []
-            backed: list[int] = []  # of them, with a storage page
-            for k, h in named:
-                node = self.m.lookup(k)
-                self.tenants.forget(k)
-                if node is not None:
-                    if node.skey is not None:
-                        skeys.append(node.skey)
-                    if node.flags & STORED:
-                        backed.append(k)
-                    self.m.write_off(node)
-                    off.append(k)
-                    host += 1
-                elif h and storage and self.storage is not None:
-                    skeys.append(self.storage_key(h))
-            if self.events is not None:
-                if storage and self.storage is not None:
-                    self.events.removed([(k, h) for k, h in named if h])
-                else:
-                    # host only: the pages stay and still serve (a later request prefetches
-                    # them), so storage is announced only where it was not yet, as for an
-                    # eviction; announcing a storage removal here misled routers
-                    self.events.evicted(off, backed)
-            deleted: int | None = 0
-            if storage and self.storage is not None and skeys:
-                deleted = self.storage.delete(skeys, wait_s)
-                self.tenants.storage_marks.forget(skeys)  # the worker drops their marks
-                self.tenants.stored_pages.forget(h for _, h in named if h)
-            counts = self.removals.setdefault("clear", [0, 0])
-            counts[0] += host
-            counts[1] += len(skeys) if storage else 0
-            self.m.flush()
-            return {"host_blocks_removed": host,
-                    "storage_pages_asked": len(skeys) if storage and self.storage else 0,
-                    "storage_pages_deleted": deleted}
-
-    def warm(self, hashes: Sequence[bytes], warm_id: str) -> str:
-        """Bring these blocks from storage into the host tier ahead of traffic: one storage
-        query as a request `warm_id` whose answer prefetches every leading block storage
-        holds (threshold 0). Returns what the lookup found ("hit": already on the host,
-        "pending", "retry": asked, "miss")."""
-        if not hashes:
-            return "miss"
-        with self._lock:
-            self._queries.pop(warm_id, None)
-            first = self.count_hits(hashes)
-            if first == len(hashes):
-                return "hit"
-            found = self.lookup(hashes[first], warm_id, list(hashes[first + 1:]),
-                                threshold_tokens=0)
-            return found.value
 
     # ------------------------------------------------------------------ engine resets
 
