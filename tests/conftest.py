@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,11 +50,13 @@ settings.load_profile(HYPOTHESIS_PROFILE)
 
 
 _DURATIONS: list[DurationLog] = []  # the controller's log (none in a pytest-xdist worker)
+_STARTED: list[float] = []  # the controller's start (wall clock), for `leaks.vllm_segments`
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # the controller, or a run without pytest-xdist
         _DURATIONS[:] = [DurationLog()]
+        _STARTED[:] = [time.time()]
     else:
         bind_vllm_to_one_cpu(str(config.workerinput.get("workerid", "")))
 
@@ -71,6 +74,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if hasattr(session.config, "workerinput"):
         return
     found = leaks.report(root)  # the workers' too: they finished before the controller
+    vllm_left = leaks.vllm_segments(_STARTED[0]) if _STARTED else ""
+    if vllm_left:
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None:
+            tr.ensure_newline()
+            tr.write_line(f"kvtier tests: {vllm_left}")
     if found:
         tr = session.config.pluginmanager.get_plugin("terminalreporter")
         text = (f"LEAKED by this run's tests ({len(found)}; killed and removed now):\n  "
