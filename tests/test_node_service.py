@@ -313,6 +313,16 @@ def test_a_killed_service_answers_misses_in_bound_and_a_new_one_is_reattached(
     assert got["hits"] == 8 and got["identical"] is True
 
 
+def kill_and_restart(node: Node, engine: Any) -> None:
+    """SIGKILL the service, start a new one, and wait (bounded) until `engine` reattached."""
+    assert node.serve is not None
+    node.serve.proc.kill()  # type: ignore[union-attr]
+    node.serve.proc.wait(10)  # type: ignore[union-attr]
+    node.serve.close()
+    node.start()
+    wait_until(lambda: engine.call(op="status")["connected"], 30, "the engine reattached")
+
+
 def test_a_store_planned_before_a_reattach_never_completes_a_plan_made_after_it(
         node: Node) -> None:
     """An engine's store in flight across a service restart: its completion names hashes
@@ -322,12 +332,7 @@ def test_a_store_planned_before_a_reattach_never_completes_a_plan_made_after_it(
     a = node.engine()
     keys = list(range(40, 44))
     assert a.call(op="store", keys=keys, hold=True)["written"] == 4  # planned, written, open
-    assert node.serve is not None
-    node.serve.proc.kill()  # type: ignore[union-attr]
-    node.serve.proc.wait(10)  # type: ignore[union-attr]
-    node.serve.close()
-    node.start()
-    wait_until(lambda: a.call(op="status")["connected"], 30, "the engine reattached")
+    kill_and_restart(node, a)
     # a new plan of the same blocks, never written (an engine still copying, or one that died)
     got = a.call(op="store", keys=keys, hang_after=0)
     assert got.get("prepared", 0) == 0, got  # not planned while the old store is open
@@ -347,12 +352,7 @@ def test_a_load_open_across_a_reattach_never_unpins_a_load_made_after_it(node: N
     keys = list(range(60, 64))
     assert a.call(op="store", keys=keys)["stored"] == 4
     assert a.call(op="load", keys=keys, hold=True)["hits"] == 4  # copied, not completed
-    assert node.serve is not None
-    node.serve.proc.kill()  # type: ignore[union-attr]
-    node.serve.proc.wait(10)  # type: ignore[union-attr]
-    node.serve.close()
-    node.start()
-    wait_until(lambda: a.call(op="status")["connected"], 30, "the engine reattached")
+    kill_and_restart(node, a)
     assert a.call(op="store", keys=keys)["stored"] == 4
     got = a.call(op="load", keys=keys, hold=True)  # the new session's load, open
     assert got["hits"] == 4 and got["identical"] is True, got
