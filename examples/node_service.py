@@ -582,8 +582,8 @@ def first_step_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     outputs (inf when the top-5 tokens differ): the prefill's logits, a function of the
     prompt's KV alone. Exact equality is not asked of a batch: which requests of a batch of
     50 are scheduled together depends on when their host loads land, and a CPU matmul over
-    another number of rows may round differently (one run of 50 prompts differed in the last
-    bit of a logprob, with every hit count equal); a wrong block moves them by far more."""
+    another number of rows may round differently (one run's bitwise comparison of 50 prompts
+    failed with every hit count equal); a wrong block moves them by far more."""
     sa, sb = a["logprobs"][0], b["logprobs"][0]
     if sa.keys() != sb.keys():
         return float("inf")

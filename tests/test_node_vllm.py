@@ -151,9 +151,9 @@ def test_the_same_prompts_hit_as_much_after_a_planned_restart_as_before(
     request the host tokens after equal those before (and are > 0), every cached token was
     a load from the host tier (the service's per-engine loads agree), and every request's
     first token and its top-5 logprobs equal its cold run's within 1e-4 (a batch's rows may
-    round differently with its composition, which the loads' timing changes; one run
-    differed in a last bit. A wrong block moves them by far more: the negative control
-    below). The single-prompt checks of this run stay bitwise."""
+    round differently with its composition, which the loads' timing changes; one run's
+    bitwise comparison failed with every hit count equal. A wrong block moves them by far
+    more: the negative control below). The single-prompt checks of this run stay bitwise."""
     s = report["same_prompts"]
     assert s["step"] == "takeover" and s["prompts"] == REPEAT_PROMPTS, s
     assert s["cold_host_tokens"] == 0, s
